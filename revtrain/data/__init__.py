@@ -1,0 +1,1 @@
+"""Datasets: TFDS builders (written as array_record) and the Grain input pipeline."""

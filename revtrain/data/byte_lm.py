@@ -1,0 +1,308 @@
+"""Byte-level language modelling data (enwik8 tradition) as a TFDS builder.
+
+The corpus is one byte string, cut into contiguous splits: train = first 90% of the bytes,
+validation = next 5%, test = last 5%. Each split is cut into non-overlapping windows: record ``k``
+of a split is ``split_bytes[k*L : k*L + L + 1]`` (uint8, length ``L + 1``), so consecutive records
+share one byte and every byte after the first is a target exactly once; the trailing partial window
+is dropped. ``inputs = record[:-1]``, ``targets = record[1:]``.
+
+Sources:
+  * ``'gensim_enwiki'`` (default): an English-Wikipedia XML dump excerpt shipped in the gensim 4.4.0
+    wheel (6,089,746 bytes decompressed). ``ensure_gensim_wheel`` (or ``make data``) fetches the
+    wheel into ``<data_dir>/downloads/``; gensim is never installed.
+  * a file path: raw bytes (e.g. ``enwik8``), a ``.zip`` (the member ``enwik8``, or its only
+    member), or a ``.bz2`` (decompressed).
+  * a directory path: all text files (``.txt``, ``.md``, ``.xml``, ``.text`` or no suffix; hidden
+    files skipped) found recursively, concatenated in sorted path order.
+
+The prepared dataset is cached under ``<data_dir>/byte_lm/<config name>/<version>/`` and read back
+with ``builder.as_data_source(split=...)``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import dataclasses
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+import zlib
+
+import numpy as np
+import tensorflow_datasets as tfds
+from absl import logging as absl_logging
+
+GENSIM_SOURCE = "gensim_enwiki"
+GENSIM_VERSION = "4.4.0"
+GENSIM_MEMBER = (
+    "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+)
+GENSIM_NUM_BYTES = 6_089_746
+TEXT_SUFFIXES = frozenset({"", ".txt", ".md", ".xml", ".text"})
+SPLITS = ("train", "validation", "test")
+
+
+class DataError(Exception):
+    """A data problem the user can fix; ``str(error)`` is one line saying what and how."""
+
+
+def default_data_dir() -> str:
+    """Returns ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``, user-expanded."""
+    return os.path.expanduser(os.environ.get("REVTRAIN_DATA_DIR", "~/.cache/revtrain/data"))
+
+
+def split_bounds(num_bytes: int) -> dict[str, tuple[int, int]]:
+    """Returns ``{split: (start, end)}`` byte offsets: contiguous 90% / 5% / 5% of ``num_bytes``."""
+    train_end, valid_end = num_bytes * 90 // 100, num_bytes * 95 // 100
+    return {
+        "train": (0, train_end),
+        "validation": (train_end, valid_end),
+        "test": (valid_end, num_bytes),
+    }
+
+
+def num_records(num_bytes: int, sequence_length: int) -> int:
+    """Number of length-``L+1`` windows with stride ``L`` that fit in ``num_bytes`` bytes."""
+    return max(num_bytes - 1, 0) // sequence_length
+
+
+def config_name(source: str, sequence_length: int) -> str:
+    """Deterministic config (cache directory) name for a source and sequence length."""
+    if source == GENSIM_SOURCE:
+        return f"{GENSIM_SOURCE}_seq{sequence_length}"
+    path = os.path.abspath(os.path.expanduser(source))
+    return f"path_{hashlib.sha1(path.encode()).hexdigest()[:12]}_seq{sequence_length}"
+
+
+@dataclasses.dataclass(eq=False)
+class ByteLMConfig(tfds.core.BuilderConfig):
+    """Builder config: ``source`` ('gensim_enwiki' or a path) and ``sequence_length`` (L)."""
+
+    source: str = GENSIM_SOURCE
+    sequence_length: int = 128
+
+    @classmethod
+    def make(cls, source: str, sequence_length: int) -> ByteLMConfig:
+        """Config whose name is derived from ``source`` and ``sequence_length``."""
+        if sequence_length < 1:
+            raise DataError(f"sequence length must be >= 1, got {sequence_length}")
+        return cls(
+            name=config_name(source, sequence_length),
+            source=source,
+            sequence_length=sequence_length,
+            description=f"bytes of {source!r} in windows of {sequence_length}+1",
+        )
+
+
+def _find_gensim_wheel(download_dir: pathlib.Path) -> pathlib.Path | None:
+    wheels = sorted(download_dir.glob(f"gensim-{GENSIM_VERSION}-*.whl"))
+    return wheels[0] if wheels else None
+
+
+def _decompress_bz2(data: bytes, name: str) -> bytes:
+    try:
+        return bz2.decompress(data)
+    except (OSError, EOFError, ValueError) as e:
+        raise DataError(
+            f"{name} is not a valid bz2 file ({e}); re-download or replace it"
+        ) from None
+
+
+def _read_gensim(download_dir: pathlib.Path) -> bytes:
+    wheel = _find_gensim_wheel(download_dir)
+    if wheel is None:
+        raise DataError(
+            f"gensim {GENSIM_VERSION} wheel not found in {download_dir}; "
+            "run `python scripts/prepare_data.py` or `make data`"
+        )
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            packed = zf.read(GENSIM_MEMBER)
+    except (OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise DataError(
+            f"{wheel} is corrupt or incomplete ({e}); delete it and run "
+            "`python scripts/prepare_data.py`"
+        ) from None
+    data = _decompress_bz2(packed, f"{wheel}:{GENSIM_MEMBER}")
+    if len(data) != GENSIM_NUM_BYTES:
+        raise DataError(
+            f"{wheel} holds {len(data)} corpus bytes, expected {GENSIM_NUM_BYTES}; "
+            "delete it and run `python scripts/prepare_data.py`"
+        )
+    return data
+
+
+def _read_file(path: pathlib.Path) -> bytes:
+    try:
+        if path.suffix == ".zip":
+            with zipfile.ZipFile(path) as zf:
+                members = [m for m in zf.infolist() if not m.is_dir()]
+                named = [m for m in members if pathlib.PurePosixPath(m.filename).name == "enwik8"]
+                if len(named) != 1 and len(members) != 1:
+                    raise DataError(
+                        f"{path} must contain a member `enwik8` or exactly one file; "
+                        f"found {len(members)} files"
+                    )
+                return zf.read((named or members)[0])
+        data = path.read_bytes()
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        raise DataError(f"cannot read {path}: corrupt or truncated ({e})") from None
+    return _decompress_bz2(data, str(path)) if path.suffix == ".bz2" else data
+
+
+def _read_dir(path: pathlib.Path) -> bytes:
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in TEXT_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    try:
+        return b"".join(p.read_bytes() for p in files)
+    except OSError as e:
+        raise DataError(f"cannot read a file under {path}: {e}") from None
+
+
+def read_source(source: str, download_dir: str | os.PathLike) -> bytes:
+    """Returns the whole corpus of ``source`` as bytes.
+
+    Args:
+      source: 'gensim_enwiki' (wheel looked up in ``download_dir``), a file or a directory path.
+      download_dir: where ``ensure_gensim_wheel`` put the gensim wheel.
+
+    Raises:
+      DataError: missing, empty, corrupt or truncated source.
+    """
+    if source == GENSIM_SOURCE:
+        return _read_gensim(pathlib.Path(download_dir))
+    path = pathlib.Path(source).expanduser()
+    if not path.exists():
+        raise DataError(
+            f"data source {source} does not exist; pass an existing file or directory "
+            f"or '{GENSIM_SOURCE}'"
+        )
+    data = _read_dir(path) if path.is_dir() else _read_file(path)
+    if not data:
+        kind = "directory has no non-empty text files" if path.is_dir() else "file is empty"
+        raise DataError(f"data source {source} is empty ({kind})")
+    return data
+
+
+class ByteLM(tfds.core.GeneratorBasedBuilder):
+    """Byte-level LM dataset; records ``{'bytes': uint8 [sequence_length + 1]}``.
+
+    Construct with ``ByteLM(config=ByteLMConfig.make(source, L), data_dir=...)``. Splits 'train',
+    'validation', 'test'; ``info.metadata['split_bytes']`` holds each split's byte count and
+    ``info.metadata['total_bytes']`` the corpus size.
+    """
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release."}
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        length = self.builder_config.sequence_length
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Byte-level language modelling windows (enwik8 style).",
+            features=tfds.features.FeaturesDict(
+                {"bytes": tfds.features.Tensor(shape=(length + 1,), dtype=np.uint8)}
+            ),
+            metadata=tfds.core.MetadataDict(),
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager):
+        del dl_manager  # Sources are local; the gensim wheel is fetched by `ensure_gensim_wheel`.
+        config = self.builder_config
+        length = config.sequence_length
+        if length < 1:
+            raise DataError(f"sequence length must be >= 1, got {length}")
+        data = read_source(config.source, pathlib.Path(self.data_dir_root) / "downloads")
+        bounds = split_bounds(len(data))
+        for split, (start, end) in bounds.items():
+            if num_records(end - start, length) == 0:
+                raise DataError(
+                    f"sequence length {length} is too large: the {split} split has only "
+                    f"{end - start} bytes ({len(data)} in total) and needs at least "
+                    f"{length + 1}; use a shorter sequence length or a larger corpus"
+                )
+        self.info.metadata["total_bytes"] = len(data)
+        self.info.metadata["split_bytes"] = {s: e - b for s, (b, e) in bounds.items()}
+        view = memoryview(data)
+        return {s: self._generate_examples(view[b:e], length) for s, (b, e) in bounds.items()}
+
+    def _generate_examples(self, data, length):
+        for k in range(num_records(len(data), length)):
+            yield k, {"bytes": np.frombuffer(data[k * length : k * length + length + 1], np.uint8)}
+
+
+class _DropCustomConfigWarning:
+    """Logging filter for TFDS's 'Using custom data configuration' warning (configs are dynamic)."""
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("Using custom data configuration")
+
+
+def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.DatasetBuilder:
+    """Prepares (once; cached afterwards) and returns the byte-LM builder.
+
+    Read records with ``builder.as_data_source(split)``: each is ``{'bytes': uint8 [L + 1]}``.
+    Record counts: ``builder.info.splits[split].num_examples``.
+
+    Args:
+      source: 'gensim_enwiki', a file (raw, ``.zip``, ``.bz2``) or a directory of text files.
+      sequence_length: L, targets per record (>= 1).
+      data_dir: cache root; the gensim wheel is expected in ``<data_dir>/downloads/``.
+
+    Raises:
+      DataError: bad sequence length, or missing / empty / corrupt source, or a split too small for
+        one record. A failed preparation leaves no dataset that looks complete (TFDS writes into
+        an ``incomplete.*`` directory and renames it when done).
+
+    Multi-process runs should prepare first (``scripts/prepare_data.py``): concurrent first-time
+    preparation of the same dataset is not coordinated.
+    """
+    config = ByteLMConfig.make(source, sequence_length)
+    quiet = _DropCustomConfigWarning()
+    absl_logging.get_absl_logger().addFilter(quiet)
+    try:
+        builder = ByteLM(config=config, data_dir=os.path.expanduser(data_dir))
+    finally:
+        absl_logging.get_absl_logger().removeFilter(quiet)
+    if not builder.is_prepared():
+        builder.download_and_prepare(
+            file_format="array_record",
+            download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+        )
+    return builder
+
+
+def ensure_gensim_wheel(data_dir: str) -> pathlib.Path:
+    """Returns the gensim 4.4.0 wheel in ``<data_dir>/downloads/``; downloads it with pip if absent.
+
+    Raises:
+      DataError: pip failed (e.g. no network) or produced no wheel.
+    """
+    download_dir = pathlib.Path(data_dir).expanduser() / "downloads"
+    wheel = _find_gensim_wheel(download_dir)
+    if wheel is not None:
+        return wheel
+    download_dir.mkdir(parents=True, exist_ok=True)
+    # Pin one wheel (the data file is the same in all of them) so any host fetches the same file.
+    pin = "--platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp --abi cp311"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           *pin.split(), f"gensim=={GENSIM_VERSION}", "-d", str(download_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = _find_gensim_wheel(download_dir)
+    if proc.returncode != 0 or wheel is None:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        reason = lines[-1] if lines else f"exit status {proc.returncode}"
+        raise DataError(
+            f"could not download gensim=={GENSIM_VERSION} with pip into {download_dir} "
+            f"({reason}); check network access or copy the wheel there by hand"
+        )
+    return wheel

@@ -1,0 +1,138 @@
+"""Grain input pipeline over a prepared byte-LM builder (see ``revtrain.data.byte_lm``).
+
+Records are ``{'bytes': uint8 [L + 1]}``; batches are ``{'inputs': int32 [B, L],
+'targets': int32 [B, L]}`` with ``targets[:, t] == inputs[:, t + 1]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+from revtrain.data.byte_lm import DataError
+
+# Ordered thread prefetch: deterministic, and the iterator state is the index of the next batch.
+_READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
+
+def _check_shard(shard_index: int, shard_count: int) -> None:
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(
+            f"need 0 <= shard_index < shard_count, got {shard_index} and {shard_count}"
+        )
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _split_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    records = batch["bytes"].astype(np.int32)
+    return {"inputs": records[:, :-1], "targets": records[:, 1:]}
+
+
+def train_dataset(
+    builder: tfds.core.DatasetBuilder,
+    *,
+    batch_size: int,
+    seed: int,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.IterDataset:
+    """Endless, shuffled training batches for this process.
+
+    Process ``shard_index`` of ``shard_count`` reads only records ``shard_index::shard_count`` of
+    the 'train' split. They are shuffled globally with ``seed`` and reshuffled every epoch (epoch
+    ``e`` uses seed ``seed + e``); batches may straddle an epoch boundary, so no record is dropped.
+
+    Args:
+      builder: a prepared byte-LM builder (``load_byte_lm``).
+      batch_size: per-process batch size B.
+      seed: shuffle seed, in [0, 2**32).
+      shard_index: this process's index (``jax.process_index()``).
+      shard_count: number of processes (``jax.process_count()``).
+
+    Returns:
+      A ``grain.IterDataset`` of ``{'inputs': int32 [B, L], 'targets': int32 [B, L]}``. Its
+      iterators are checkpointable: ``it.get_state()`` / ``it.set_state(state)`` restore the exact
+      position.
+
+    Raises:
+      ValueError: bad batch size or shard arguments.
+      DataError: this shard of the train split has no records.
+    """
+    _check_shard(shard_index, shard_count)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ds = grain.MapDataset.source(builder.as_data_source(split="train"))
+    ds = ds[shard_index::shard_count]
+    if len(ds) == 0:
+        raise DataError(
+            f"train shard {shard_index}/{shard_count} has no records; "
+            "use fewer processes or a larger corpus"
+        )
+    ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True).map(_split_batch)
+    return ds.to_iter_dataset(_READ_OPTIONS)
+
+
+def eval_batches(
+    builder: tfds.core.DatasetBuilder,
+    *,
+    split: str,
+    batch_size: int,
+    max_batches: int | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Yields one in-order pass over this process's share of ``split``, every target once.
+
+    Process ``shard_index`` reads records ``shard_index::shard_count``. Every process yields the
+    same number of batches, ``ceil(ceil(N / shard_count) / batch_size)`` for N records (at most
+    ``max_batches``), so collective eval steps stay in lockstep; rows past the end of the data are
+    zeros with weight 0.
+
+    Args:
+      builder: a prepared byte-LM builder (``load_byte_lm``).
+      split: 'train', 'validation' or 'test'.
+      batch_size: per-process batch size B.
+      max_batches: stop after this many batches (None: the whole split).
+      shard_index: this process's index (``jax.process_index()``).
+      shard_count: number of processes (``jax.process_count()``).
+
+    Returns:
+      An iterator of ``{'inputs': int32 [B, L], 'targets': int32 [B, L],
+      'weights': float32 [B, L]}``.
+
+    Raises:
+      ValueError: bad batch size, max_batches, shard arguments or split name (raised on call).
+    """
+    _check_shard(shard_index, shard_count)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if max_batches is not None and max_batches < 0:
+        raise ValueError(f"max_batches must be >= 0, got {max_batches}")
+    if split not in builder.info.splits:
+        raise ValueError(f"unknown split {split!r}; have {sorted(builder.info.splits)}")
+    source = builder.as_data_source(split=split)
+    length = builder.info.features["bytes"].shape[0] - 1
+    indices = range(shard_index, len(source), shard_count)
+    num_batches = _ceil_div(_ceil_div(len(source), shard_count), batch_size)
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+
+    def batches():
+        for b in range(num_batches):
+            rows = indices[b * batch_size : (b + 1) * batch_size]
+            records = np.zeros((batch_size, length + 1), np.int32)
+            weights = np.zeros((batch_size, length), np.float32)
+            if len(rows):
+                records[: len(rows)] = np.stack(
+                    [r["bytes"] for r in source.__getitems__(list(rows))]
+                )
+                weights[: len(rows)] = 1.0
+            yield {"inputs": records[:, :-1], "targets": records[:, 1:], "weights": weights}
+
+    return batches()

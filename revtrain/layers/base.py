@@ -1,0 +1,154 @@
+"""The layer protocol: Flax NNX modules seen as pure functions of (params, state).
+
+A model is a list of layers (DESIGN.md section 2). Every layer wraps one Flax NNX module and exposes it as
+pure functions of plain-dict pytrees, which is what the trainers need to place, donate, checkpoint and
+update each layer on its own:
+
+* ``Layer.apply(params, state, x, keys, train) -> (y, new_state)``: a standard layer.
+* ``ReversibleLayer`` adds ``inverse(params, state, y, keys) -> x``: the exact inverse of ``apply`` in
+  training mode for the same ``keys`` (same dropout masks). It never returns state.
+* ``HeadLayer`` adds ``loss(params, state, x, batch, keys, train) -> (loss_sum, stats, new_state)``.
+
+``params`` and ``state`` are nested dicts of arrays (``nnx.to_pure_dict`` form): ``params`` holds the
+module's ``nnx.Param`` variables, ``state`` every other variable (e.g. batch-norm running statistics).
+
+``keys`` is a uint32 array of shape ``[B, 2]``: one raw PRNG key per example of the (local) batch, derived
+by the trainer from ``(seed, step, layer index, global example index)``. Dropout masks therefore depend only
+on the example, not on how the batch is split over devices, so 1 device and N devices give the same
+trajectory. ``keys`` is ``None`` when ``train`` is False.
+
+Layers compare equal (and hash equal) when their modules have the same structure, so the trainers'
+``jax.jit`` caches compile one executable per distinct layer and identical blocks share it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+PyTree = Any
+
+
+def split_keys(keys: jax.Array | None, index: int) -> jax.Array | None:
+    """Derives an independent per-example key array for sub-module ``index``.
+
+    Args:
+      keys: uint32 ``[B, 2]`` per-example keys, or None (evaluation).
+      index: small integer naming the consumer (e.g. 0 for F, 1 for G of a coupling).
+
+    Returns:
+      uint32 ``[B, 2]`` keys (``jax.random.fold_in`` of each row), or None when ``keys`` is None.
+    """
+    if keys is None:
+        return None
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
+
+
+def dropout(x: jax.Array, rate: float, keys: jax.Array | None, train: bool) -> jax.Array:
+    """Inverted dropout with one PRNG key per example.
+
+    Args:
+      x: array ``[B, ...]`` (any float dtype).
+      rate: probability of zeroing an element, in ``[0, 1)``.
+      keys: uint32 ``[B, 2]`` per-example keys; the mask of example ``b`` depends only on ``keys[b]``.
+      train: when False (or ``rate == 0``) returns ``x`` unchanged.
+
+    Returns:
+      Array like ``x``: kept elements scaled by ``1 / (1 - rate)``.
+    """
+    if not train or rate == 0.0:
+        return x
+    if keys is None:
+        raise ValueError("dropout in training mode needs per-example keys")
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Layer:
+    """A standard (non-reversible) layer: any function of params, state, input and keys.
+
+    The wrapped module must implement ``__call__(x, *, keys, train)`` returning the output pytree.
+    Its input is saved by the reversible trainer (it cannot be rebuilt) and the layer is recomputed under
+    ``jax.vjp`` in the backward pass.
+    """
+
+    reversible = False
+    is_head = False
+
+    def __init__(self, module: nnx.Module, name: str):
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        self.name = name
+        self.graphdef = graphdef
+        self._params_def = jax.tree.structure(params)
+        self._state_def = jax.tree.structure(rest)
+        self.init_params: dict = nnx.to_pure_dict(params)
+        self.init_state: dict = nnx.to_pure_dict(rest)
+        if len(jax.tree.leaves(self.init_params)) != self._params_def.num_leaves:
+            raise ValueError(f"layer {name}: params do not flatten to plain arrays")
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((self.init_params, self.init_state)))
+        self._identity = (type(self), self.graphdef, self._params_def, self._state_def, shapes)
+
+    # Identity: the jit caches of the trainers key on the layer, so structurally identical layers
+    # (same module graph, same parameter shapes) must compare equal.
+    def __eq__(self, other):
+        return isinstance(other, Layer) and self._identity == other._identity
+
+    def __hash__(self):
+        return hash(self._identity)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name})"
+
+    def merge(self, params: dict, state: dict) -> nnx.Module:
+        """Rebuilds the NNX module from plain-dict ``params`` and ``state`` (no copies are made)."""
+        p = jax.tree.unflatten(self._params_def, jax.tree.leaves(params))
+        s = jax.tree.unflatten(self._state_def, jax.tree.leaves(state))
+        return nnx.merge(self.graphdef, p, s)
+
+    def _state_of(self, module: nnx.Module) -> dict:
+        _, _, rest = nnx.split(module, nnx.Param, ...)
+        return nnx.to_pure_dict(rest)
+
+    def apply(self, params: dict, state: dict, x: PyTree, keys: jax.Array | None, train: bool):
+        """Runs the layer. Returns ``(y, new_state)``; ``new_state`` has the structure of ``state``."""
+        module = self.merge(params, state)
+        y = module(x, keys=keys, train=train)
+        return y, self._state_of(module)
+
+
+class ReversibleLayer(Layer):
+    """A reversible layer: ``apply`` in training mode has an exact inverse for the same keys.
+
+    The wrapped module implements ``__call__(x, *, keys, train)`` and ``inverse(y, *, keys)``.
+    """
+
+    reversible = True
+
+    def inverse(self, params: dict, state: dict, y: PyTree, keys: jax.Array | None) -> PyTree:
+        """Rebuilds the layer's input from its output ``y`` (training mode, same ``keys`` as forward).
+
+        State is read (the state the forward used) and never written.
+        """
+        module = self.merge(params, state)
+        return module.inverse(y, keys=keys)
+
+
+class HeadLayer(Layer):
+    """The trailing standard layer that also computes the loss.
+
+    The wrapped module implements ``loss(x, batch, *, keys, train) -> (loss_sum, stats)`` where
+    ``loss_sum`` is a float32 scalar: the sum over the local batch of per-example (or per-token) losses
+    times their weights, and ``stats`` a dict of float32 scalar sums (at least ``weight`` and
+    ``correct``). The trainers divide by the global weight.
+    """
+
+    is_head = True
+
+    def loss(self, params: dict, state: dict, x: PyTree, batch: dict, keys: jax.Array | None, train: bool):
+        """Returns ``(loss_sum, stats, new_state)`` for the local batch."""
+        module = self.merge(params, state)
+        loss_sum, stats = module.loss(x, batch, keys=keys, train=train)
+        return loss_sum, stats, self._state_of(module)

@@ -1,0 +1,134 @@
+"""Layers of the reversible Transformer language model (Reformer style).
+
+Kitaev, Kaiser, Levskaya, "Reformer: The Efficient Transformer", ICLR 2020, section 3: a reversible
+residual block (Gomez et al. 2017, "The Reversible Residual Network") with F = attention and G = feed-forward:
+
+    y1 = x1 + F(x2)        x2 = y2 - G(y1)
+    y2 = x2 + G(y1)        x1 = y1 - F(x2)
+
+Shapes: B = batch, T = sequence length, D = ``d_model``. Residual streams are float32 ``[B, T, D]``;
+F and G may compute in ``compute_dtype`` (e.g. bfloat16) and are cast back to the stream dtype before the
+additions, so reconstruction stays in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from revtrain.layers.base import dropout, split_keys
+
+
+class ByteEmbedding(nnx.Module):
+    """Token + learned position embedding, duplicated into the two residual streams.
+
+    Input: int32 ``[B, T]`` token ids in ``[0, vocab_size)``. Output: a pair of float32 ``[B, T, D]``.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, max_len: int, dropout_rate: float, *, rngs: nnx.Rngs):
+        # Unit-scale token embeddings keep the residual streams O(1), the same scale as F and G outputs,
+        # so rebuilding x = y - F(.) loses no precision to cancellation.
+        self.tokens = nnx.Embed(vocab_size, d_model, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+        self.positions = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (max_len, d_model), jnp.float32))
+        self.dropout_rate = dropout_rate
+
+    def __call__(self, x, *, keys, train):
+        length = x.shape[1]
+        if length > self.positions.shape[0]:
+            raise ValueError(f"sequence length {length} exceeds the model's max_len {self.positions.shape[0]}")
+        h = self.tokens(x) + self.positions[...][None, :length]
+        h = dropout(h, self.dropout_rate, keys, train)
+        return (h, h)
+
+
+class CausalSelfAttention(nnx.Module):
+    """F of the coupling: pre-LayerNorm causal multi-head self-attention, then dropout.
+
+    ``[B, T, D] -> [B, T, D]``. Raises ValueError at construction when D is not divisible by the heads.
+    """
+
+    def __init__(self, d_model: int, num_heads: int, dropout_rate: float, compute_dtype, out_init, *,
+                 rngs: nnx.Rngs):
+        if d_model % num_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.norm = nnx.LayerNorm(d_model, dtype=compute_dtype, rngs=rngs)
+        # No q/k/v bias: the key bias has an identically zero gradient (softmax is shift-invariant), so
+        # Adam would only amplify rounding noise into it.
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=compute_dtype, rngs=rngs)
+        self.out = nnx.Linear(d_model, d_model, kernel_init=out_init, dtype=compute_dtype, rngs=rngs)
+        self.dropout_rate = dropout_rate
+
+    def __call__(self, x, *, keys, train):
+        b, t, d = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(b, t, 3, self.num_heads, d // self.num_heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        h = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+        return dropout(self.out(h), self.dropout_rate, keys, train).astype(x.dtype)
+
+
+class FeedForward(nnx.Module):
+    """G of the coupling: pre-LayerNorm, Dense(d_ff), GELU, Dense(D), dropout. ``[B, T, D] -> [B, T, D]``."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout_rate: float, compute_dtype, out_init, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(d_model, dtype=compute_dtype, rngs=rngs)
+        self.up = nnx.Linear(d_model, d_ff, dtype=compute_dtype, rngs=rngs)
+        self.down = nnx.Linear(d_ff, d_model, kernel_init=out_init, dtype=compute_dtype, rngs=rngs)
+        self.dropout_rate = dropout_rate
+
+    def __call__(self, x, *, keys, train):
+        h = self.down(jax.nn.gelu(self.up(self.norm(x))))
+        return dropout(h, self.dropout_rate, keys, train).astype(x.dtype)
+
+
+class ReversibleCoupling(nnx.Module):
+    """Additive reversible coupling of two streams (RevNet / Reformer block).
+
+    ``(x1, x2) -> (y1, y2)`` with ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``; all arrays ``[B, T, D]``.
+    F gets the per-example keys folded with 0, G with 1, so ``inverse`` reproduces the same dropout masks.
+    """
+
+    def __init__(self, f: nnx.Module, g: nnx.Module):
+        self.f = f
+        self.g = g
+
+    def __call__(self, x, *, keys, train):
+        x1, x2 = x
+        y1 = x1 + self.f(x2, keys=split_keys(keys, 0), train=train)
+        y2 = x2 + self.g(y1, keys=split_keys(keys, 1), train=train)
+        return (y1, y2)
+
+    def inverse(self, y, *, keys):
+        y1, y2 = y
+        x2 = y2 - self.g(y1, keys=split_keys(keys, 1), train=True)
+        x1 = y1 - self.f(x2, keys=split_keys(keys, 0), train=True)
+        return (x1, x2)
+
+
+class LanguageModelHead(nnx.Module):
+    """Merges the two streams (concatenation), LayerNorm, logits over the vocabulary, softmax cross-entropy.
+
+    Input: pair of float32 ``[B, T, D]``. ``batch['targets']``: int32 ``[B, T]``; optional
+    ``batch['weights']``: float32 ``[B, T]`` (0 for padding). ``__call__`` returns float32 logits
+    ``[B, T, vocab_size]``; ``loss`` returns (sum of weighted token losses in nats, stats sums).
+    """
+
+    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(2 * d_model, rngs=rngs)
+        self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
+
+    def __call__(self, x, *, keys, train):
+        return self.logits(self.norm(jnp.concatenate(x, axis=-1))).astype(jnp.float32)
+
+    def loss(self, x, batch, *, keys, train):
+        logits = self(x, keys=keys, train=train)
+        targets = batch["targets"]
+        weights = batch.get("weights")
+        if weights is None:
+            weights = jnp.ones(targets.shape, jnp.float32)
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        stats = {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
+        return jnp.sum(token_loss * weights), stats

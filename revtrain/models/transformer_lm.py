@@ -1,0 +1,70 @@
+"""The reversible Transformer byte language model (Reformer style)."""
+
+from __future__ import annotations
+
+import gin
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from revtrain.layers.base import HeadLayer, Layer, ReversibleLayer
+from revtrain.layers.transformer import (ByteEmbedding, CausalSelfAttention, FeedForward, LanguageModelHead,
+                                         ReversibleCoupling)
+from revtrain.models.base import Model
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@gin.configurable
+def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: int = 256, num_layers: int = 6,
+                            d_model: int = 128, num_heads: int = 4, d_ff: int | None = None,
+                            dropout_rate: float = 0.1, compute_dtype: str = "float32") -> Model:
+    """Builds the reversible Transformer LM as a layer list.
+
+    Layers: ``ByteEmbedding`` (standard; int32 ``[B, T]`` -> two float32 ``[B, T, d_model]`` streams),
+    ``num_layers`` reversible couplings (F = causal self-attention, G = feed-forward), and the head
+    (stream concatenation, LayerNorm, ``vocab_size`` logits, softmax cross-entropy).
+
+    Args:
+      sequence_length: T, the longest input the position embedding accepts.
+      seed: initialisation seed; layer ``i`` is initialised from ``fold_in(seed, i)`` so a layer's initial
+        weights do not depend on the depth of the model.
+      vocab_size: 256 for bytes.
+      num_layers: number of reversible blocks.
+      d_model: width of each residual stream.
+      num_heads: attention heads (must divide ``d_model``).
+      d_ff: feed-forward width (default ``4 * d_model``).
+      dropout_rate: dropout on the embedding and on the outputs of F and G.
+      compute_dtype: "float32" or "bfloat16" for F, G and the embedding matmuls; weights, optimizer state and
+        residual streams stay float32.
+
+    Raises:
+      ValueError: for non-positive sizes, an unknown dtype, or ``d_model`` not divisible by ``num_heads``.
+    """
+    for name, value in (("num_layers", num_layers), ("d_model", d_model), ("num_heads", num_heads),
+                        ("sequence_length", sequence_length)):
+        if value < 1:
+            raise ValueError(f"ReversibleTransformerLM.{name} must be positive, got {value}")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"ReversibleTransformerLM.dropout_rate must be in [0, 1), got {dropout_rate}")
+    if compute_dtype not in _DTYPES:
+        raise ValueError(f"ReversibleTransformerLM.compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
+    dtype = _DTYPES[compute_dtype]
+    d_ff = d_ff or 4 * d_model
+    base = jax.random.PRNGKey(seed)
+
+    def rngs(i):
+        return nnx.Rngs(params=jax.random.fold_in(base, i))
+
+    layers: list[Layer] = [Layer(ByteEmbedding(vocab_size, d_model, sequence_length, dropout_rate, rngs=rngs(0)),
+                                 "embedding")]
+    # Output projections start small (GPT-2 style, std 0.02 / sqrt(2 * depth)): each block starts near the
+    # identity, which keeps deep stacks stable and the inverse well conditioned.
+    out_init = nnx.initializers.normal(0.02 / (2 * num_layers) ** 0.5)
+    for i in range(num_layers):
+        r = rngs(i + 1)
+        block = ReversibleCoupling(CausalSelfAttention(d_model, num_heads, dropout_rate, dtype, out_init, rngs=r),
+                                   FeedForward(d_model, d_ff, dropout_rate, dtype, out_init, rngs=r))
+        layers.append(ReversibleLayer(block, f"block_{i}"))
+    layers.append(HeadLayer(LanguageModelHead(d_model, vocab_size, rngs=rngs(num_layers + 1)), "head"))
+    return Model(layers, input_key="inputs", tokens_per_example=sequence_length, bits_per_byte=True)

@@ -1,0 +1,196 @@
+"""What both trainers share: train state, PRNG key derivation, the optimizer check, evaluation.
+
+Key derivation (both trainers, so they follow the same trajectory): the step key is
+``fold_in(PRNGKey(seed), step)``; layer ``i`` uses ``fold_in(step_key, i)``; example ``e`` of the global
+batch uses ``fold_in(layer_key, e)``. Masks therefore do not depend on the number of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from revtrain.models.base import Model
+from revtrain.placement import DATA_AXIS, put_replicated
+
+
+class TrainerError(ValueError):
+    """A configuration the trainer refuses (e.g. an optimizer that couples leaves)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient. ``step`` is the 1-based step, ``layer`` the layer name or None."""
+
+    def __init__(self, step: int, layer: str | None, what: str):
+        where = f" in layer {layer}" if layer else ""
+        super().__init__(f"non-finite {what}{where} at step {step}")
+        self.step, self.layer = step, layer
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Everything a training step depends on.
+
+    Attributes:
+      step: number of completed steps (int).
+      params: one plain-dict pytree of float32 arrays per layer.
+      opt_state: one optax state per layer (the reversible trainer) or one for the whole list (the
+        standard trainer stores it as a one-element list).
+      layer_state: one plain-dict pytree per layer (e.g. batch-norm statistics; often empty).
+    """
+
+    step: int
+    params: list
+    opt_state: list
+    layer_state: list
+
+
+def step_key(seed: int, step: int) -> jax.Array:
+    """uint32 ``[2]`` key of the 0-based ``step``: ``fold_in(PRNGKey(seed), step)``."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), step)
+
+
+def example_keys(skey: jax.Array, layer_index, local_batch_size: int) -> jax.Array:
+    """Per-example keys ``[B_local, 2]`` for one layer, inside ``shard_map`` over ``"data"``.
+
+    Example ``e`` (global index over the whole batch) gets ``fold_in(fold_in(skey, layer_index), e)``.
+    """
+    layer_key = jax.random.fold_in(skey, layer_index)
+    ids = lax.axis_index(DATA_AXIS) * local_batch_size + jnp.arange(local_batch_size)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(layer_key, ids)
+
+
+def batch_size_of(tree) -> int:
+    return jax.tree.leaves(tree)[0].shape[0]
+
+
+def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
+    """One optax update: returns ``(new_params, new_opt_state)``."""
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state
+
+
+def all_finite(tree) -> jax.Array:
+    """bool scalar: every element of every floating leaf is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def check_per_layer_optimizer(tx: optax.GradientTransformation, steps: int = 4) -> None:
+    """Refuses an optimizer whose per-layer application differs from whole-tree application.
+
+    The reversible trainer applies the optimizer to one layer's parameters at a time. That equals
+    ordinary whole-model training only when the update of a leaf does not depend on other leaves (adam,
+    adamw, sgd, lamb, adafactor, schedules are fine; ``optax.clip_by_global_norm`` is not). The test runs
+    ``tx`` for a few steps on a two-leaf tree, and on each leaf alone, with gradients of very different
+    scales (one step is not enough: Adam's first step is scale-free), and compares the updates.
+
+    Raises:
+      TrainerError: the optimizer couples leaves; the message names per-leaf alternatives.
+    """
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
+    grads = [{"a": jnp.asarray(rng.normal(size=(3, 4)) * 1e3, jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(5,)) * 1e-3, jnp.float32)} for _ in range(steps)]
+    try:
+        whole = tx.init(params)
+        parts = {k: tx.init({k: params[k]}) for k in params}
+        p_whole, p_parts = dict(params), dict(params)
+        for g in grads:
+            u, whole = tx.update(g, whole, p_whole)
+            p_whole = optax.apply_updates(p_whole, u)
+            for k in params:
+                uk, parts[k] = tx.update({k: g[k]}, parts[k], {k: p_parts[k]})
+                p_parts[k] = optax.apply_updates({k: p_parts[k]}, uk)[k]
+    except Exception as e:  # an optimizer that cannot even run per leaf
+        raise TrainerError(f"the optimizer cannot be applied one layer at a time ({type(e).__name__}: {e})") from e
+    for k in params:
+        a, b = np.asarray(p_whole[k]), np.asarray(p_parts[k])
+        if not np.allclose(a, b, rtol=1e-5, atol=1e-7):
+            raise TrainerError(
+                "the optimizer couples parameters across layers (e.g. optax.clip_by_global_norm), so the "
+                "reversible trainer's per-layer updates would change its meaning; use a per-leaf alternative "
+                "such as optax.clip(max_delta), optax.clip_by_block_rms(threshold) or "
+                "optax.adaptive_grad_clip(clipping), or train with StandardTrainer")
+
+
+class TrainerBase:
+    """Shared construction and the forward-only, layer-by-layer evaluation pass.
+
+    Args:
+      model: the layer list.
+      optimizer: an optax ``GradientTransformation``.
+      mesh: the 1-D data mesh (``placement.make_mesh()``).
+      seed: the seed of the dropout keys.
+    """
+
+    def __init__(self, model: Model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0):
+        self.model = model
+        self.tx = optimizer
+        self.mesh = mesh
+        self.seed = seed
+        self._cache: dict = {}
+
+    # -- compiled-function cache: one jit(shard_map(...)) per (kind, layer); equal layers share it --
+    def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=()):
+        key = (kind, layer)
+        if key not in self._cache:
+            mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
+                                   out_specs=out_specs)
+            self._cache[key] = jax.jit(mapped, donate_argnums=donate)
+        return self._cache[key]
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    def replicate(self, tree):
+        return put_replicated(tree, self.mesh)
+
+    # -- evaluation ------------------------------------------------------------------------------
+    @staticmethod
+    def _eval_layer(layer, params, state, x):
+        return layer.apply(params, state, x, None, False)[0]
+
+    @staticmethod
+    def _eval_head(layer, params, state, x, batch):
+        loss_sum, stats, _ = layer.loss(params, state, x, batch, None, False)
+        out = {"loss_sum": loss_sum, **stats}
+        return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
+
+    def layer_params(self, ts: TrainState, i: int):
+        """Layer ``i``'s params as device arrays (trainers that offload override this)."""
+        return ts.params[i]
+
+    def layer_state(self, ts: TrainState, i: int):
+        return ts.layer_state[i]
+
+    def eval_step(self, ts: TrainState, batch: dict) -> dict:
+        """Forward-only pass, layer by layer, in evaluation mode (no dropout, running statistics).
+
+        Args:
+          ts: the train state.
+          batch: dict of global arrays split over ``"data"``: the model's input key, ``targets`` and
+            optionally ``weights`` (0 for padding).
+
+        Returns:
+          dict of float32 scalars summed over the global batch: ``loss_sum`` (nats), ``weight``,
+          ``correct``.
+        """
+        x = batch[self.model.input_key]
+        layers = self.model.layers
+        for i, layer in enumerate(layers[:-1]):
+            fn = self._compiled("eval", layer, self._eval_layer, (P(), P(), P(DATA_AXIS)), P(DATA_AXIS))
+            x = fn(self.layer_params(ts, i), self.layer_state(ts, i), x)
+        head = self._compiled("eval_head", layers[-1], self._eval_head, (P(), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+        n = len(layers) - 1
+        return head(self.layer_params(ts, n), self.layer_state(ts, n), x, batch)

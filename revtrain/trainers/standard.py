@@ -1,0 +1,65 @@
+"""Ordinary backprop over the whole model: the exactness reference and the benchmark baseline."""
+
+from __future__ import annotations
+
+import gin
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from revtrain.placement import DATA_AXIS
+from revtrain.trainers.common import TrainerBase, TrainState, apply_updates, batch_size_of, example_keys
+
+
+@gin.configurable
+class StandardTrainer(TrainerBase):
+    """One ``jax.jit`` of ``value_and_grad`` over every layer's parameters, then one optax update.
+
+    Keeps every activation, every gradient and the whole optimizer state on the device: device memory
+    grows linearly with depth. Same dropout keys and loss normalisation as ``ReversibleTrainer``, so both
+    follow the same trajectory (up to float rounding). Data parallel: weights replicated, the batch split
+    over ``"data"``, gradients summed over devices (the loss is the mean over the *global* batch, so the
+    sum of per-device gradients is exactly pmap's averaged gradient).
+    """
+
+    name = "standard"
+
+    def init(self) -> TrainState:
+        """Initial state: replicated params, layer state and one optax state for the whole list."""
+        params, state = self.model.init()
+        params = self.replicate(params)
+        return TrainState(0, params, [self.replicate(self.tx.init(params))], self.replicate(state))
+
+    def _step(self, params, opt_state, states, batch, skey):
+        layers = self.model.layers
+        b = batch_size_of(batch)
+
+        def objective(params):
+            x = batch[self.model.input_key]
+            new_states = []
+            for i, layer in enumerate(layers[:-1]):
+                x, ns = layer.apply(params[i], states[i], x, example_keys(skey, i, b), True)
+                new_states.append(ns)
+            loss_sum, stats, ns = layers[-1].loss(params[-1], states[-1], x, batch,
+                                                  example_keys(skey, len(layers) - 1, b), True)
+            new_states.append(ns)
+            total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
+            return loss_sum / total, (stats, new_states, total)
+
+        (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        grads = lax.psum(grads, DATA_AXIS)
+        new_params, new_opt = apply_updates(self.tx, grads, opt_state, params)
+        metrics = {"loss": lax.psum(obj, DATA_AXIS),
+                   "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
+        return new_params, new_opt, new_states, metrics
+
+    def train_step(self, ts: TrainState, batch: dict):
+        """One step of ordinary backprop. Returns ``(new_state, metrics)`` (``loss``, ``accuracy``)."""
+        if "step" not in self._cache:
+            mapped = jax.shard_map(self._step, mesh=self.mesh,
+                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()), out_specs=(P(), P(), P(), P()))
+            self._cache["step"] = jax.jit(mapped, donate_argnums=(0, 1))
+        from revtrain.trainers.common import step_key
+        params, opt, states, metrics = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state, batch,
+                                                           step_key(self.seed, ts.step))
+        return TrainState(ts.step + 1, params, [opt], states), metrics
