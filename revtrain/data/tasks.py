@@ -1,0 +1,53 @@
+"""Tasks: what data a run reads and how its model is sized from it (gin-configurable).
+
+A task gives the loop three things: ``model_kwargs()`` (passed to the model builder), ``train_iterator``
+(a checkpointable Grain iterator of this process's share of each global batch) and ``eval_batches``.
+"""
+
+from __future__ import annotations
+
+import gin
+
+from revtrain.data import byte_lm, pipeline
+
+
+@gin.configurable
+class ByteLMTask:
+    """Byte-level language modelling (vocab 256) on a TFDS ``ByteLM`` dataset.
+
+    Args:
+      source: ``"gensim_enwiki"`` (the English-Wikipedia XML excerpt from the gensim 4.4.0 wheel, prepared
+        by ``scripts/prepare_data.py``), a path to ``enwik8`` / ``enwik8.zip`` / any file, or a directory
+        of text files.
+      sequence_length: tokens (bytes) per example, T.
+      data_dir: dataset cache (default ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``).
+
+    Raises:
+      byte_lm.DataError: missing, empty or corrupt source, or a sequence length longer than a split.
+    """
+
+    bits_per_byte = True
+
+    def __init__(self, source: str = byte_lm.GENSIM_SOURCE, sequence_length: int = 128,
+                 data_dir: str | None = None):
+        if sequence_length < 1:
+            raise byte_lm.DataError(f"ByteLMTask.sequence_length must be positive, got {sequence_length}")
+        self.source = source
+        self.sequence_length = sequence_length
+        self.data_dir = data_dir or byte_lm.default_data_dir()
+        self.builder = byte_lm.load_byte_lm(source, sequence_length, self.data_dir)
+
+    def model_kwargs(self) -> dict:
+        return {"sequence_length": self.sequence_length}
+
+    def train_iterator(self, batch_size: int, seed: int, shard_index: int, shard_count: int):
+        """Checkpointable iterator of ``{'inputs','targets'}`` int32 ``[batch_size, T]`` (this process's share)."""
+        ds = pipeline.train_dataset(self.builder, batch_size=batch_size, seed=seed, shard_index=shard_index,
+                                    shard_count=shard_count)
+        return iter(ds)
+
+    def eval_batches(self, split: str, batch_size: int, max_batches: int | None, shard_index: int,
+                     shard_count: int):
+        """Ordered batches covering ``split`` once, padded with weight-0 rows."""
+        return pipeline.eval_batches(self.builder, split=split, batch_size=batch_size, max_batches=max_batches,
+                                     shard_index=shard_index, shard_count=shard_count)

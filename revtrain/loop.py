@@ -1,0 +1,361 @@
+"""The train and eval loops: glue between task, model, trainer, checkpoints and metrics.
+
+The loop knows nothing about reversibility: it asks the configured trainer for a state, feeds it global
+batches, logs, evaluates and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import gin
+import jax
+import numpy as np
+import optax
+
+from revtrain import checkpoint as ckpt_lib
+from revtrain import metrics as metrics_lib
+from revtrain.data.tasks import ByteLMTask
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.common import TrainerBase, TrainState
+from revtrain.trainers.reversible import ReversibleTrainer
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run (reported as one line, exit status 2)."""
+
+
+@gin.configurable("train")
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``revtrain train`` reads from gin under the name ``train``.
+
+    Attributes:
+      steps: total optimizer steps of the run (a resumed run continues up to this number).
+      batch_size: global batch size in examples (sequences), split over all devices.
+      seed: seed of initialisation, data order and dropout.
+      log_every: steps between progress lines / ``train.jsonl`` records.
+      checkpoint_every: steps between checkpoints (0: only at the end).
+      eval_every: steps between evaluations during training (0: only at the end).
+      keep_checkpoints: newest checkpoints kept.
+      keep_checkpoint_period: also keep every checkpoint whose step is a multiple of this (None: off).
+      trainer: trainer class (``@ReversibleTrainer`` or ``@StandardTrainer``).
+      model: model builder (``@ReversibleTransformerLM``).
+      task: task class (``@ByteLMTask``).
+      optimizer: an optax optimizer factory taking ``learning_rate`` (``@optax.adamw``), or a ready
+        ``GradientTransformation`` (``@optax.adamw()``).
+      learning_rate: a float or an optax schedule (``@optax.warmup_cosine_decay_schedule()``); used when
+        ``optimizer`` is a factory.
+    """
+
+    steps: int = 1000
+    batch_size: int = 32
+    seed: int = 0
+    log_every: int = 50
+    checkpoint_every: int = 0
+    eval_every: int = 0
+    keep_checkpoints: int = 3
+    keep_checkpoint_period: int | None = None
+    trainer: Callable = ReversibleTrainer
+    model: Callable = ReversibleTransformerLM
+    task: Callable = ByteLMTask
+    optimizer: Any = optax.adamw
+    learning_rate: Any = 1e-3
+
+
+@gin.configurable("evaluate")
+@dataclasses.dataclass
+class EvalConfig:
+    """Evaluation settings (gin name ``evaluate``).
+
+    Attributes:
+      split: dataset split scored by ``revtrain eval`` and periodic evaluation.
+      batch_size: global evaluation batch size.
+      max_batches: score at most this many batches (None: the whole split).
+    """
+
+    split: str = "validation"
+    batch_size: int = 64
+    max_batches: int | None = None
+
+
+def _check_positive(cfg: TrainConfig) -> None:
+    for name in ("steps", "batch_size", "log_every"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
+    for name in ("checkpoint_every", "eval_every"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"train.{name} must be a non-negative integer, got {value!r}")
+
+
+def _divisible(batch_size: int, mesh, what: str) -> None:
+    if batch_size % mesh.size:
+        raise ConfigError(f"{what} {batch_size} is not divisible by the {mesh.size} devices")
+
+
+def build_optimizer(cfg: TrainConfig):
+    """Returns ``(tx, schedule)``: the optax transformation and a step -> learning-rate function (or None)."""
+    if isinstance(cfg.optimizer, optax.GradientTransformation):
+        return cfg.optimizer, None
+    if not callable(cfg.optimizer):
+        raise ConfigError(f"train.optimizer must be an optax optimizer, got {cfg.optimizer!r}")
+    lr = cfg.learning_rate
+    schedule = lr if callable(lr) else (lambda step: lr)
+    return cfg.optimizer(learning_rate=lr), schedule
+
+
+@dataclasses.dataclass
+class Run:
+    """The objects a run is made of (built once from gin)."""
+
+    cfg: TrainConfig
+    task: Any
+    model: Any
+    trainer: TrainerBase
+    schedule: Callable | None
+    mesh: Any
+
+
+def build(cfg: TrainConfig | None = None) -> Run:
+    """Builds task, model, optimizer and trainer from the parsed gin config.
+
+    Raises:
+      ConfigError: invalid sizes or a batch not divisible by the device count.
+      byte_lm.DataError: the data source is missing or unusable.
+    """
+    if cfg is None:
+        try:
+            cfg = TrainConfig()
+        except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
+            raise ConfigError(str(e).splitlines()[0]) from e
+    _check_positive(cfg)
+    mesh = make_mesh()
+    _divisible(cfg.batch_size, mesh, "train.batch_size")
+    task = cfg.task()
+    try:
+        model = cfg.model(seed=cfg.seed, **task.model_kwargs())
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    try:
+        tx, schedule = build_optimizer(cfg)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"cannot build the optimizer: {str(e).splitlines()[0]}") from e
+    trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed)
+    return Run(cfg, task, model, trainer, schedule, mesh)
+
+
+def run_signature(run: Run) -> dict:
+    """What a checkpoint must agree on to be resumed: everything that changes shapes or meaning.
+
+    Steps, learning rate, logging and the number of devices may change between runs; the model's layers
+    and parameter shapes, the trainer, the optimizer state's structure, the data, the global batch and the
+    seed may not.
+    """
+    def shapes(tree):
+        return [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    template = jax.eval_shape(lambda: [run.trainer.tx.init(l.init_params) for l in run.model.layers])
+    return {
+        "trainer": run.trainer.name,
+        "layers": [[layer.name, type(layer).__name__, shapes(layer.init_params), shapes(layer.init_state)]
+                   for layer in run.model.layers],
+        "optimizer_state": [shapes(t) for t in template],
+        "data": {k: v for k, v in vars(run.task).items() if isinstance(v, (str, int, float, bool))
+                 and k != "data_dir"},
+        "batch_size": run.cfg.batch_size,
+        "seed": run.cfg.seed,
+    }
+
+
+def _check_resumable(saved: dict, current: dict, step: int, workdir: str) -> None:
+    for key in current:
+        if saved.get(key) != current[key]:
+            what = {"layers": "model (layers or parameter shapes)", "optimizer_state": "optimizer",
+                    "data": "data source or sequence length", "batch_size": "train.batch_size",
+                    "seed": "train.seed", "trainer": "trainer"}.get(key, key)
+            raise ConfigError(f"the checkpoint at step {step} in {workdir} was made with a different {what}; "
+                              "resume with the same config or start a new --workdir")
+
+
+def _sync_metrics(metrics: dict) -> dict:
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
+    """Scores ``ts`` on the configured split with the forward-only layer-by-layer pass.
+
+    Returns:
+      dict with ``loss`` (nats per token), ``accuracy`` and, for byte LMs, ``bits_per_byte``.
+    """
+    ecfg = ecfg or EvalConfig()
+    _divisible(ecfg.batch_size, run.mesh, "evaluate.batch_size")
+    pc, pi = jax.process_count(), jax.process_index()
+    totals = None
+    for batch in run.task.eval_batches(ecfg.split, ecfg.batch_size // pc, ecfg.max_batches, pi, pc):
+        sums = run.trainer.eval_step(ts, global_batch(batch, run.mesh))
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    totals = _sync_metrics(totals)
+    weight = max(totals["weight"], 1.0)
+    out = {"loss": totals["loss_sum"] / weight, "accuracy": totals["correct"] / weight}
+    if getattr(run.model, "bits_per_byte", False):
+        out["bits_per_byte"] = out["loss"] / math.log(2)
+    return out
+
+
+class _StopFlag:
+    """Turns SIGTERM / SIGINT into a request to stop after the current step (then save and exit 0)."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signal = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
+    """Trains (or resumes) the configured run in ``workdir``; returns the last logged metrics.
+
+    Writes ``config.gin``, ``metrics/train.jsonl``, ``metrics/eval.jsonl``, ``tensorboard/`` and
+    ``checkpoints/`` (process 0 writes files other than checkpoints). Resumes from the newest checkpoint
+    when ``checkpoints/`` has one.
+    """
+    workdir = os.path.abspath(workdir)
+    run = build(cfg)
+    cfg, trainer = run.cfg, run.trainer
+    writer_enabled = jax.process_index() == 0
+    writer = metrics_lib.MetricWriter(workdir, enabled=writer_enabled)
+    pc, pi = jax.process_count(), jax.process_index()
+    data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
+    checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints, keep_period=cfg.keep_checkpoint_period)
+    signature = run_signature(run)
+    meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
+            "processes": pc}
+
+    ts = trainer.init()
+    resumed = checkpointer.latest_step()
+    if resumed is not None:
+        _check_resumable(checkpointer.meta(resumed).get("signature", {}), signature, resumed, workdir)
+        ts = checkpointer.restore(ts, resumed, data_iterator=data)
+    if writer_enabled:
+        with open(os.path.join(workdir, "config.gin"), "w") as f:
+            f.write(gin.operative_config_str())
+    metrics_lib.log(
+        (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
+        + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers, "
+        f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+
+    tokens_per_step = cfg.batch_size * run.model.tokens_per_example
+    last: dict = {}
+    t_start = t_last = time.time()
+    step_last = ts.step
+    with _StopFlag() as stop:
+        while ts.step < cfg.steps:
+            batch = global_batch(next(data), run.mesh)
+            ts, m = trainer.train_step(ts, batch)
+            step = ts.step
+            final = step == cfg.steps
+            if step % cfg.log_every == 0 or final or stop.signal:
+                values = _sync_metrics(m)
+                if not math.isfinite(values["loss"]):
+                    raise FloatingPointError(f"non-finite loss at step {step}")
+                now = time.time()
+                sps = (step - step_last) / max(now - t_last, 1e-9)
+                t_last, step_last = now, step
+                values["steps_per_sec"] = sps
+                values["tokens_per_sec"] = sps * tokens_per_step
+                values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
+                if getattr(run.model, "bits_per_byte", False):
+                    values["bits_per_byte"] = values["loss"] / math.log(2)
+                values["devices"], values["processes"] = run.mesh.size, pc
+                writer.write("train", step, values)
+                eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
+                metrics_lib.log(metrics_lib.progress_line(step, cfg.steps, values, eta))
+                last = values
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
+                checkpointer.save(ts, data, meta)
+            if cfg.eval_every and step % cfg.eval_every == 0 and not final:
+                _eval_and_write(run, ts, writer)
+            if stop.signal:
+                metrics_lib.log(f"received signal {stop.signal}: saving step {step} and stopping")
+                break
+        checkpointer.save(ts, data, meta, force=True)
+        checkpointer.close()
+    if ts.step == cfg.steps and not stop.signal:
+        _eval_and_write(run, ts, writer)
+        metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
+    writer.close()
+    return last
+
+
+def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) -> dict:
+    result = evaluate(run, ts)
+    writer.write("eval", ts.step, result)
+    writer.flush()
+    metrics_lib.log(f"eval at step {ts.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    return result
+
+
+def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False) -> list[dict]:
+    """Scores checkpoints of ``workdir`` (config from ``workdir/config.gin``, parsed by the caller).
+
+    Args:
+      step: one chosen step (default: the newest).
+      all_steps: every kept checkpoint that ``metrics/eval.jsonl`` does not have yet (t5x style).
+
+    Returns:
+      the records written to ``eval.jsonl``.
+
+    Raises:
+      ckpt_lib.CheckpointError: no checkpoints, or a missing/corrupt chosen step.
+    """
+    workdir = os.path.abspath(workdir)
+    run = build()
+    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+    available = checkpointer.steps()
+    if not available:
+        raise ckpt_lib.CheckpointError(f"no checkpoints in {checkpointer.directory}")
+    if all_steps:
+        done = {r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))}
+        steps = [s for s in available if s not in done]
+    else:
+        chosen = available[-1] if step is None else step
+        if chosen not in available:
+            raise ckpt_lib.CheckpointError(f"no checkpoint for step {chosen} in {checkpointer.directory} "
+                                           f"(have {', '.join(map(str, available))})")
+        steps = [chosen]
+    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    template = run.trainer.init()
+    records = []
+    for s in steps:
+        ts = checkpointer.restore(template, s)
+        result = evaluate(run, ts)
+        writer.write("eval", s, result)
+        metrics_lib.log(f"eval at step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+        records.append({"step": s, **result})
+    if not steps:
+        metrics_lib.log("every kept checkpoint is already in eval.jsonl")
+    writer.close()
+    return records

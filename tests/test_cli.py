@@ -1,0 +1,91 @@
+"""End-to-end tests of the `revtrain` command line on the real English-Wikipedia excerpt."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs" / "enwik_small.gin")
+TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
+        "--gin", "train.batch_size = 8", "--gin", "evaluate.max_batches = 4", "--gin", "train.log_every = 5",
+        "--gin", "WARMUP = 5"]
+
+
+def revtrain(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def assert_one_line_error(result, code=2, contains=""):
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("revtrain: error: ")
+    assert "Traceback" not in result.stderr
+    assert contains in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A short real run from the CLI: 40 steps of the reversible trainer, relative --workdir."""
+    base = tmp_path_factory.mktemp("cli")
+    result = revtrain("train", "--config", CONFIG, *TINY, "--gin", "STEPS = 40", "--gin.train.checkpoint_every=20",
+                      "--workdir", "run", cwd=base)
+    assert result.returncode == 0, result.stderr
+    return base / "run", result
+
+
+def test_train_writes_every_output_and_loss_falls(trained):
+    workdir, result = trained
+    assert (workdir / "config.gin").read_text().count("ReversibleTransformerLM.num_layers = 2") == 1
+    records = [json.loads(line) for line in (workdir / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for r in records:
+        for key in ("loss", "learning_rate", "steps_per_sec", "tokens_per_sec"):
+            assert isinstance(r[key], float) and r[key] > 0, (key, r)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
+    evals = [json.loads(line) for line in (workdir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["step"] == 40 and 0 < evals[-1]["bits_per_byte"] < 8.0
+    assert "step 40/40" in result.stderr and "bpb" in result.stderr and "ETA" in result.stderr
+
+
+def test_eval_scores_latest_checkpoint(trained):
+    workdir, _ = trained
+    result = revtrain("eval", "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    last = json.loads((workdir / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 40 and set(last) >= {"loss", "bits_per_byte", "accuracy"}
+    assert abs(last["bits_per_byte"] * 0.6931471805599453 - last["loss"]) < 1e-9
+
+
+@pytest.mark.parametrize("args, contains", [
+    (["train", "--config", "missing.gin", "--workdir", "w"], "config file not found: missing.gin"),
+    (["train", "--config", CONFIG, "--gin", "train.stepz = 3", "--workdir", "w"], "did you mean 'train.steps'"),
+    (["train", "--config", CONFIG, "--gin", "Nope.x = 3", "--workdir", "w"], "No configurable matching 'Nope'"),
+    (["train", "--config", CONFIG, "--gin", "train.steps = 0", "--workdir", "w"], "train.steps must be a positive"),
+    (["train", "--config", CONFIG, "--gin", "train.batch_size = -4", "--workdir", "w"], "train.batch_size"),
+    (["train", "--config", CONFIG, "--gin", "ByteLMTask.source = '/nonexistent/enwik8'", "--workdir", "w"],
+     "/nonexistent/enwik8"),
+    (["train", "--config", CONFIG, "--gin", "train.optimizer = @optax.chain()",
+      "--gin", "optax.chain.transforms = [@optax.clip_by_global_norm(), @optax.adam()]",
+      "--gin", "optax.clip_by_global_norm.max_norm = 1.0", "--gin", "optax.adam.learning_rate = 1e-3",
+      "--workdir", "w"], "couples parameters across layers"),
+    (["train", "--workdir", "w", "--bogus"], "unrecognized argument"),
+    (["eval", "--workdir", "nowhere"], "no config.gin in nowhere"),
+    ([], "expected a command"),
+])
+def test_usage_errors_exit_2_with_one_line(tmp_path, args, contains):
+    assert_one_line_error(revtrain(*args, cwd=tmp_path), 2, contains)
+
+
+def test_eval_of_missing_step_exits_2(trained):
+    workdir, _ = trained
+    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")
