@@ -21,14 +21,19 @@ import optax
 from revtrain import checkpoint as ckpt_lib
 from revtrain import metrics as metrics_lib
 from revtrain.data.tasks import ByteLMTask
+from revtrain.memory import MemoryMeter
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
-from revtrain.trainers.common import TrainerBase, TrainState
+from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState
 from revtrain.trainers.reversible import ReversibleTrainer
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run (reported as one line, exit status 2)."""
+
+
+class TrainingStopped(FloatingPointError):
+    """Training stopped on a non-finite loss or gradient (reported as one line, exit status 1)."""
 
 
 @gin.configurable("train")
@@ -52,6 +57,9 @@ class TrainConfig:
         ``GradientTransformation`` (``@optax.adamw()``).
       learning_rate: a float or an optax schedule (``@optax.warmup_cosine_decay_schedule()``); used when
         ``optimizer`` is a factory.
+      skip_nonfinite_steps: a step whose loss or gradient is not finite stops the run (the newest good
+        checkpoint is kept); with N > 0 up to N such steps are skipped instead (their updates are not
+        applied, each one logged) before the run stops.
     """
 
     steps: int = 1000
@@ -67,6 +75,7 @@ class TrainConfig:
     task: Callable = ByteLMTask
     optimizer: Any = optax.adamw
     learning_rate: Any = 1e-3
+    skip_nonfinite_steps: int = 0
 
 
 @gin.configurable("evaluate")
@@ -250,59 +259,84 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     pc, pi = jax.process_count(), jax.process_index()
     data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints, keep_period=cfg.keep_checkpoint_period)
-    signature = run_signature(run)
-    meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
-            "processes": pc}
+    try:
+        signature = run_signature(run)
+        meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
+                "processes": pc}
 
-    ts = trainer.init()
-    resumed = checkpointer.latest_step()
-    if resumed is not None:
-        _check_resumable(checkpointer.meta(resumed).get("signature", {}), signature, resumed, workdir)
-        ts = checkpointer.restore(ts, resumed, data_iterator=data)
-    if writer_enabled:
-        with open(os.path.join(workdir, "config.gin"), "w") as f:
-            f.write(gin.operative_config_str())
-    metrics_lib.log(
-        (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
-        + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers, "
-        f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+        ts = trainer.init()
+        resumed = checkpointer.latest_step()
+        if resumed is not None:
+            _check_resumable(checkpointer.meta(resumed).get("signature", {}), signature, resumed, workdir)
+            ts = checkpointer.restore(ts, resumed, data_iterator=data)
+        if writer_enabled:
+            with open(os.path.join(workdir, "config.gin"), "w") as f:
+                f.write(gin.operative_config_str())
+        metrics_lib.log(
+            (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
+            + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers, "
+            f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
 
-    tokens_per_step = cfg.batch_size * run.model.tokens_per_example
-    last: dict = {}
-    t_start = t_last = time.time()
-    step_last = ts.step
-    with _StopFlag() as stop:
-        while ts.step < cfg.steps:
-            batch = global_batch(next(data), run.mesh)
-            ts, m = trainer.train_step(ts, batch)
-            step = ts.step
-            final = step == cfg.steps
-            if step % cfg.log_every == 0 or final or stop.signal:
-                values = _sync_metrics(m)
-                if not math.isfinite(values["loss"]):
-                    raise FloatingPointError(f"non-finite loss at step {step}")
-                now = time.time()
-                sps = (step - step_last) / max(now - t_last, 1e-9)
-                t_last, step_last = now, step
-                values["steps_per_sec"] = sps
-                values["tokens_per_sec"] = sps * tokens_per_step
-                values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
-                if getattr(run.model, "bits_per_byte", False):
-                    values["bits_per_byte"] = values["loss"] / math.log(2)
-                values["devices"], values["processes"] = run.mesh.size, pc
-                writer.write("train", step, values)
-                eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
-                metrics_lib.log(metrics_lib.progress_line(step, cfg.steps, values, eta))
-                last = values
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
-                checkpointer.save(ts, data, meta)
-            if cfg.eval_every and step % cfg.eval_every == 0 and not final:
-                _eval_and_write(run, ts, writer)
-            if stop.signal:
-                metrics_lib.log(f"received signal {stop.signal}: saving step {step} and stopping")
-                break
-        checkpointer.save(ts, data, meta, force=True)
-        checkpointer.close()
+        tokens_per_step = cfg.batch_size * run.model.tokens_per_example
+        meter = trainer.meter = MemoryMeter()
+        last: dict = {}
+        t_start = t_last = time.time()
+        step_last = ts.step
+        skipped = 0
+        with _StopFlag() as stop:
+            while ts.step < cfg.steps:
+                batch = global_batch(next(data), run.mesh)
+                logged = (ts.step + 1) % cfg.log_every == 0 or ts.step + 1 == cfg.steps
+                if logged:
+                    meter.start()
+                try:
+                    ts, m = trainer.train_step(ts, batch)
+                except NonFiniteError as e:
+                    meter.active = False
+                    if skipped >= cfg.skip_nonfinite_steps:
+                        raise
+                    skipped += 1
+                    ts = e.state
+                    writer.write("train", ts.step, {"skipped_nonfinite": str(e)})
+                    metrics_lib.log(f"{e}: skipped its update ({skipped} of at most {cfg.skip_nonfinite_steps})")
+                    continue
+                step = ts.step
+                final = step == cfg.steps
+                if logged or stop.signal:
+                    values = _sync_metrics(m)
+                    if meter.active:
+                        values["peak_device_bytes"] = meter.stop()
+                        values["peak_device_bytes_method"] = meter.method
+                    now = time.time()
+                    sps = (step - step_last) / max(now - t_last, 1e-9)
+                    t_last, step_last = now, step
+                    values["steps_per_sec"] = sps
+                    values["tokens_per_sec"] = sps * tokens_per_step
+                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
+                    if getattr(run.model, "bits_per_byte", False):
+                        values["bits_per_byte"] = values["loss"] / math.log(2)
+                    values["devices"], values["processes"] = run.mesh.size, pc
+                    writer.write("train", step, values)
+                    eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
+                    metrics_lib.log(metrics_lib.progress_line(step, cfg.steps, values, eta))
+                    last = values
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
+                    checkpointer.save(ts, data, meta)
+                if cfg.eval_every and step % cfg.eval_every == 0 and not final:
+                    _eval_and_write(run, ts, writer)
+                if stop.signal:
+                    metrics_lib.log(f"received signal {stop.signal}: saving step {step} and stopping")
+                    break
+            checkpointer.save(ts, data, meta, force=True)
+    except NonFiniteError as e:
+        checkpointer.wait()
+        newest = checkpointer.latest_step()
+        kept = f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint was written"
+        raise TrainingStopped(f"{e}: training stopped, {kept}; train.skip_nonfinite_steps = N skips up to N such "
+                              "steps") from None
+    finally:
+        checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
+        writer.flush()
     if ts.step == cfg.steps and not stop.signal:
         _eval_and_write(run, ts, writer)
         metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
@@ -334,27 +368,30 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
     workdir = os.path.abspath(workdir)
     run = build()
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
-    available = checkpointer.steps()
-    if not available:
-        raise ckpt_lib.CheckpointError(f"no checkpoints in {checkpointer.directory}")
-    if all_steps:
-        done = {r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))}
-        steps = [s for s in available if s not in done]
-    else:
-        chosen = available[-1] if step is None else step
-        if chosen not in available:
-            raise ckpt_lib.CheckpointError(f"no checkpoint for step {chosen} in {checkpointer.directory} "
-                                           f"(have {', '.join(map(str, available))})")
-        steps = [chosen]
-    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
-    template = run.trainer.init()
-    records = []
-    for s in steps:
-        ts = checkpointer.restore(template, s)
-        result = evaluate(run, ts)
-        writer.write("eval", s, result)
-        metrics_lib.log(f"eval at step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
-        records.append({"step": s, **result})
+    try:
+        available = checkpointer.steps()
+        if not available:
+            raise ckpt_lib.CheckpointError(f"no checkpoints in {checkpointer.directory}")
+        if all_steps:
+            done = {r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))}
+            steps = [s for s in available if s not in done]
+        else:
+            chosen = available[-1] if step is None else step
+            if chosen not in available:
+                raise ckpt_lib.CheckpointError(f"no checkpoint for step {chosen} in {checkpointer.directory} "
+                                               f"(have {', '.join(map(str, available))})")
+            steps = [chosen]
+        writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+        template = run.trainer.init()
+        records = []
+        for s in steps:
+            ts = checkpointer.restore(template, s)
+            result = evaluate(run, ts)
+            writer.write("eval", s, result)
+            metrics_lib.log(f"eval at step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+            records.append({"step": s, **result})
+    finally:
+        checkpointer.close()
     if not steps:
         metrics_lib.log("every kept checkpoint is already in eval.jsonl")
     writer.close()

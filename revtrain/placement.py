@@ -49,6 +49,61 @@ def put_replicated(tree, mesh: Mesh, memory_kind: str | None = None):
     return jax.tree.map(lambda x: jax.device_put(x, sharding), tree)
 
 
+def batch_divisibility_error(batch_size: int, num_devices: int) -> str | None:
+    """The message for a global batch that cannot be split evenly over the devices, or None."""
+    if num_devices and batch_size % num_devices:
+        return f"batch size {batch_size} is not divisible by the {num_devices} devices"
+    return None
+
+
+# -- bounded asynchronous dispatch on the XLA CPU backend ----------------------------------------------
+#
+# XLA's CPU client (jaxlib 0.10) runs a multi-device program by scheduling one "launch" per device on a
+# thread pool of max(cores, devices) threads; each launch first takes a slot of its device's in-flight
+# semaphore (32 computations) and the device's share then executes on the same pool, where the shares of
+# a collective wait for each other. When a long stream of programs is dispatched asynchronously (the
+# reversible trainer issues ~2 programs per layer per step), the queues fill up, launches of the newest
+# program block on the semaphore while holding pool threads, and the older program's shares that would
+# free those slots cannot get a thread to join their all-reduce: the process deadlocks ("This thread has
+# been waiting for `all reduce RendezvousKey{...}` ... may be stuck"), then aborts. A backtrace shows it:
+# pool threads in ``Semaphore::Acquire`` under ``ExecuteLaunch`` and in the rendezvous of ``AllReduce``.
+#
+# The cure is to never let a device's queue fill: on the CPU backend with several devices, wait for every
+# ``CPU_DISPATCH_WINDOW``-th program to finish before dispatching more. The trainers' programs form one
+# dependency chain (each consumes the previous one's outputs), so after the wait at most the window is in
+# flight. GPUs and TPUs (and a single CPU device, which executes inline) never wait.
+CPU_DISPATCH_WINDOW = 8
+
+
+def needs_dispatch_limit(mesh: Mesh) -> bool:
+    """True when ``mesh`` has several addressable devices on the XLA CPU backend (see above)."""
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return len(local) > 1 and all(d.platform == "cpu" for d in local)
+
+
+class DispatchLimiter:
+    """Bounds the number of asynchronously dispatched multi-device programs on the CPU backend.
+
+    Call it with the outputs of every program the trainer dispatches; it returns them unchanged and, on
+    the CPU backend with several devices, blocks on every ``window``-th call until those outputs are
+    ready. On other backends it never blocks.
+    """
+
+    def __init__(self, mesh: Mesh, window: int = CPU_DISPATCH_WINDOW):
+        if window < 1:
+            raise ValueError(f"window must be positive, got {window}")
+        self.enabled = needs_dispatch_limit(mesh)
+        self.window = window
+        self._count = 0
+
+    def __call__(self, outputs):
+        if self.enabled:
+            self._count += 1
+            if self._count % self.window == 0:
+                jax.block_until_ready(outputs)
+        return outputs
+
+
 def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     """Turns this process's share of a batch into global arrays split over ``"data"``.
 
@@ -58,6 +113,14 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
 
     Returns:
       dict of global ``jax.Array`` ``[B_local * process_count, ...]`` sharded with ``P("data")``.
+
+    Raises:
+      ValueError: the global batch size is not divisible by the number of devices.
     """
     sharding = batch_sharding(mesh)
+    for v in local_batch.values():
+        global_size = np.shape(v)[0] * jax.process_count()
+        message = batch_divisibility_error(global_size, mesh.size)
+        if message:
+            raise ValueError(message)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}

@@ -18,7 +18,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 @gin.configurable
 def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: int = 256, num_layers: int = 6,
                             d_model: int = 128, num_heads: int = 4, d_ff: int | None = None,
-                            dropout_rate: float = 0.1, compute_dtype: str = "float32") -> Model:
+                            dropout_rate: float = 0.1, compute_dtype: str = "float32",
+                            grid_bits: int | None = 20) -> Model:
     """Builds the reversible Transformer LM as a layer list.
 
     Layers: ``ByteEmbedding`` (standard; int32 ``[B, T]`` -> two float32 ``[B, T, d_model]`` streams),
@@ -37,9 +38,14 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
       dropout_rate: dropout on the embedding and on the outputs of F and G.
       compute_dtype: "float32" or "bfloat16" for F, G and the embedding matmuls; weights, optimizer state and
         residual streams stay float32.
+      grid_bits: the embedding output and every F / G output are rounded to multiples of ``2**-grid_bits``
+        so that the couplings are exactly invertible in float32 while the streams stay below
+        ``2**(24 - grid_bits)`` in magnitude (16 for the default 20); None turns the rounding off (the
+        rebuild is then exact only up to float rounding). See ``revtrain.layers.snap_to_grid``.
 
     Raises:
-      ValueError: for non-positive sizes, an unknown dtype, or ``d_model`` not divisible by ``num_heads``.
+      ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 23], or ``d_model``
+        not divisible by ``num_heads``.
     """
     for name, value in (("num_layers", num_layers), ("d_model", d_model), ("num_heads", num_heads),
                         ("sequence_length", sequence_length)):
@@ -49,6 +55,8 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         raise ValueError(f"ReversibleTransformerLM.dropout_rate must be in [0, 1), got {dropout_rate}")
     if compute_dtype not in _DTYPES:
         raise ValueError(f"ReversibleTransformerLM.compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
+    if grid_bits is not None and not (isinstance(grid_bits, int) and 1 <= grid_bits <= 23):
+        raise ValueError(f"ReversibleTransformerLM.grid_bits must be an integer in [1, 23] or None, got {grid_bits!r}")
     dtype = _DTYPES[compute_dtype]
     d_ff = d_ff or 4 * d_model
     base = jax.random.PRNGKey(seed)
@@ -56,15 +64,16 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
     def rngs(i):
         return nnx.Rngs(params=jax.random.fold_in(base, i))
 
-    layers: list[Layer] = [Layer(ByteEmbedding(vocab_size, d_model, sequence_length, dropout_rate, rngs=rngs(0)),
-                                 "embedding")]
+    layers: list[Layer] = [Layer(ByteEmbedding(vocab_size, d_model, sequence_length, dropout_rate, rngs=rngs(0),
+                                               grid_bits=grid_bits), "embedding")]
     # Output projections start small (GPT-2 style, std 0.02 / sqrt(2 * depth)): each block starts near the
     # identity, which keeps deep stacks stable and the inverse well conditioned.
     out_init = nnx.initializers.normal(0.02 / (2 * num_layers) ** 0.5)
     for i in range(num_layers):
         r = rngs(i + 1)
         block = ReversibleCoupling(CausalSelfAttention(d_model, num_heads, dropout_rate, dtype, out_init, rngs=r),
-                                   FeedForward(d_model, d_ff, dropout_rate, dtype, out_init, rngs=r))
+                                   FeedForward(d_model, d_ff, dropout_rate, dtype, out_init, rngs=r),
+                                   grid_bits=grid_bits)
         layers.append(ReversibleLayer(block, f"block_{i}"))
     layers.append(HeadLayer(LanguageModelHead(d_model, vocab_size, rngs=rngs(num_layers + 1)), "head"))
     return Model(layers, input_key="inputs", tokens_per_example=sequence_length, bits_per_byte=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from revtrain.models.base import Model
-from revtrain.placement import DATA_AXIS, put_replicated
+from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
 
 
 class TrainerError(ValueError):
@@ -28,12 +29,22 @@ class TrainerError(ValueError):
 
 
 class NonFiniteError(FloatingPointError):
-    """A non-finite loss or gradient. ``step`` is the 1-based step, ``layer`` the layer name or None."""
+    """A non-finite loss or gradient.
 
-    def __init__(self, step: int, layer: str | None, what: str):
+    Attributes:
+      step: the 1-based step.
+      layer: the layer whose gradient was non-finite (the first one met by backprop), or None for the loss.
+      state: the `TrainState` after that step with every non-finite update skipped and the layer state
+        (e.g. batch-norm statistics) left as it was before the step; a run that skips the step goes on
+        from it. In the reversible trainer, layers *above* ``layer`` (met earlier by the backward pass)
+        were already updated when a layer's own gradient turned non-finite; with a non-finite loss no
+        layer is updated.
+    """
+
+    def __init__(self, step: int, layer: str | None, what: str, state: "TrainState | None" = None):
         where = f" in layer {layer}" if layer else ""
         super().__init__(f"non-finite {what}{where} at step {step}")
-        self.step, self.layer = step, layer
+        self.step, self.layer, self.state = step, layer, state
 
 
 @dataclasses.dataclass
@@ -73,10 +84,64 @@ def batch_size_of(tree) -> int:
     return jax.tree.leaves(tree)[0].shape[0]
 
 
+def per_device(tree):
+    """Marks replicated values (layer params) as per-device inside ``shard_map`` over ``"data"``.
+
+    Under ``shard_map``'s varying-axes typing, differentiating with respect to a replicated (invariant)
+    input already sums its cotangent over devices (the transpose of the implicit broadcast is a ``psum``),
+    so an explicit ``psum`` on top would multiply gradients by the device count. Differentiating with
+    respect to ``per_device(params)`` instead returns each device's own gradient, which the trainers then
+    sum explicitly: pmap's semantics, one all-reduce per layer.
+    """
+    return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
+
+
+def check_batch(batch: dict, num_devices: int) -> None:
+    """Raises TrainerError when the global batch cannot be split evenly over ``num_devices``."""
+    message = batch_divisibility_error(batch_size_of(batch), num_devices)
+    if message:
+        raise TrainerError(message)
+
+
 def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
     """One optax update: returns ``(new_params, new_opt_state)``."""
     updates, new_opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_opt_state
+
+
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None):
+    """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
+    finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar."""
+    finite = all_finite(grads)
+    if ok is not None:
+        finite = jnp.logical_and(finite, ok)
+    new_params, new_opt = apply_updates(tx, grads, opt_state, params)
+
+    def keep(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    return keep(new_params, params), keep(new_opt, opt_state), finite
+
+
+def check_finite(new_ts: "TrainState", old_layer_state: list, metrics: dict, finite: list, layers) -> None:
+    """Raises `NonFiniteError` when the step's loss or any layer's gradient was non-finite.
+
+    Args:
+      new_ts: the state after the step (non-finite updates already skipped).
+      old_layer_state: the layer state before the step (restored into ``new_ts`` on error).
+      metrics: the step's metrics (``loss``).
+      finite: one bool scalar per layer (device arrays), in layer order.
+      layers: the model's layers (for the name).
+    """
+    flags = np.asarray(jnp.stack(finite))
+    if flags.all():
+        return
+    loss = float(np.asarray(metrics["loss"]))
+    failed = [i for i in range(len(flags)) if not flags[i]]
+    new_ts.layer_state = old_layer_state
+    if not math.isfinite(loss):
+        raise NonFiniteError(new_ts.step, None, "loss", new_ts)
+    raise NonFiniteError(new_ts.step, layers[max(failed)].name, "gradient", new_ts)
 
 
 def all_finite(tree) -> jax.Array:
@@ -123,6 +188,26 @@ def check_per_layer_optimizer(tx: optax.GradientTransformation, steps: int = 4) 
                 "optax.adaptive_grad_clip(clipping), or train with StandardTrainer")
 
 
+class _Dispatch:
+    """A jitted function whose every call goes through the trainer's ``DispatchLimiter`` and, while a
+    measurement is running, the trainer's memory meter (``revtrain.memory.MemoryMeter``).
+
+    Other attributes (``lower``, ``trace``, ...) are those of the jitted function.
+    """
+
+    def __init__(self, fn, trainer: "TrainerBase"):
+        self.fn, self._trainer = fn, trainer
+
+    def __call__(self, *args):
+        meter = self._trainer.meter
+        if meter is not None and meter.active:
+            meter.observe(self.fn, args)
+        return self._trainer._limit(self.fn(*args))
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+
 class TrainerBase:
     """Shared construction and the forward-only, layer-by-layer evaluation pass.
 
@@ -139,6 +224,8 @@ class TrainerBase:
         self.mesh = mesh
         self.seed = seed
         self._cache: dict = {}
+        self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
+        self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
 
     # -- compiled-function cache: one jit(shard_map(...)) per (kind, layer); equal layers share it --
     def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=()):
@@ -146,7 +233,7 @@ class TrainerBase:
         if key not in self._cache:
             mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
                                    out_specs=out_specs)
-            self._cache[key] = jax.jit(mapped, donate_argnums=donate)
+            self._cache[key] = _Dispatch(jax.jit(mapped, donate_argnums=donate), self)
         return self._cache[key]
 
     @property
@@ -167,6 +254,9 @@ class TrainerBase:
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
 
+    def _wait(self, tree) -> None:
+        """Trainers that offload block here so that weights do not pile up on the device."""
+
     def layer_params(self, ts: TrainState, i: int):
         """Layer ``i``'s params as device arrays (trainers that offload override this)."""
         return ts.params[i]
@@ -186,11 +276,14 @@ class TrainerBase:
           dict of float32 scalars summed over the global batch: ``loss_sum`` (nats), ``weight``,
           ``correct``.
         """
+        check_batch(batch, self.num_devices)
         x = batch[self.model.input_key]
         layers = self.model.layers
         for i, layer in enumerate(layers[:-1]):
             fn = self._compiled("eval", layer, self._eval_layer, (P(), P(), P(DATA_AXIS)), P(DATA_AXIS))
+            self._wait(x)  # with offload: one layer's weights on the device at a time
             x = fn(self.layer_params(ts, i), self.layer_state(ts, i), x)
+        self._wait(x)
         head = self._compiled("eval_head", layers[-1], self._eval_head, (P(), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
         n = len(layers) - 1
         return head(self.layer_params(ts, n), self.layer_state(ts, n), x, batch)

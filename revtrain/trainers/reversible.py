@@ -25,12 +25,14 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, replicated
-from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, apply_updates, batch_size_of,
-                                      check_per_layer_optimizer, example_keys, step_key)
+from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, put_replicated,
+                                replicated)
+from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_finite, guarded_update,
+                                      check_batch, check_per_layer_optimizer, example_keys, per_device, step_key)
 
 _R, _D = P(), P(DATA_AXIS)
 
@@ -86,16 +88,25 @@ class ReversibleTrainer(TrainerBase):
             return tree
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(DEVICE_MEMORY)), tree)
 
+    def _wait(self, tree) -> None:
+        """With offload, blocks until ``tree`` is computed (bounds the layers resident on the device)."""
+        if self.offload and tree is not None:
+            jax.block_until_ready(tree)
+
     def layer_params(self, ts: TrainState, i: int):
         return self._to_device(ts.params[i])
 
     def init(self) -> TrainState:
         """Initial state: per-layer params and optax states, replicated (in host memory when offloading)."""
         params, state = self.model.init()
-        params = self.replicate(params)
-        opt_state = [self.tx.init(p) for p in params]
-        opt_state = self.replicate(opt_state)
-        return TrainState(0, self._to_host(params), self._to_host(opt_state), self.replicate(state))
+        kind = HOST_MEMORY if self.offload else None
+        # Layer by layer, so that at most one layer's weights and optimizer state pass through the device.
+        new_params, opt_state = [], []
+        for p in params:
+            opt = jax.tree.map(np.array, self.tx.init(p))  # a host copy (np.asarray may alias on CPU)
+            new_params.append(put_replicated(p, self.mesh, kind))
+            opt_state.append(put_replicated(opt, self.mesh, kind))
+        return TrainState(0, new_params, opt_state, self.replicate(state))
 
     # -- the per-layer fused functions (run inside shard_map over "data") ---------------------------
     @staticmethod
@@ -103,41 +114,59 @@ class ReversibleTrainer(TrainerBase):
         keys = example_keys(skey, index, batch_size_of(x))
         return layer.apply(params, state, x, keys, True)
 
-    def _head(self, layer, params, opt_state, state, x, batch, skey, index):
-        keys = example_keys(skey, index, batch_size_of(x))
-
+    # The gradient halves, shared with `revtrain check`: gradients are summed over devices ("data").
+    @staticmethod
+    def head_grads(layer, params, state, x, batch, keys):
+        """Loss and ``vjp`` of the head: returns ``(mean loss, grads, dx, stats, new_state, total weight)``."""
         def objective(p, x):
             loss_sum, stats, new_state = layer.loss(p, state, x, batch, keys, True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
             return loss_sum / total, (stats, new_state, total)
 
-        obj, vjp_fn, (stats, new_state, total) = jax.vjp(objective, params, x, has_aux=True)
+        obj, vjp_fn, (stats, new_state, total) = jax.vjp(objective, per_device(params), x, has_aux=True)
         grads, dx = vjp_fn(jnp.ones_like(obj))
-        grads = lax.psum(grads, DATA_AXIS)
-        new_params, new_opt = apply_updates(self.tx, grads, opt_state, params)
-        metrics = {"loss": lax.psum(obj, DATA_AXIS), "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
-        return dx, new_params, new_opt, new_state, metrics
+        return obj, lax.psum(grads, DATA_AXIS), dx, stats, new_state, total
+
+    @staticmethod
+    def reverse_grads(layer, params, state, y, dy, keys):
+        """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
+        given weights: returns ``(x, dx, grads)``."""
+        x = lax.stop_gradient(layer.inverse(params, state, y, keys))
+        _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
+        grads, dx = vjp_fn(dy)
+        return x, dx, lax.psum(grads, DATA_AXIS)
+
+    @staticmethod
+    def recompute_grads(layer, params, state, x, dy, keys):
+        """Recomputes a standard layer from its saved input under ``vjp``: returns ``(dx, grads)``; ``dx``
+        is None for integer inputs (token ids have no cotangent)."""
+        if _is_float_tree(x):
+            _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
+            grads, dx = vjp_fn(dy)
+        else:
+            _, vjp_fn = jax.vjp(lambda p: layer.apply(p, state, x, keys, True)[0], per_device(params))
+            (grads,), dx = vjp_fn(dy), None
+        return dx, lax.psum(grads, DATA_AXIS)
+
+    def _head(self, layer, params, opt_state, state, x, batch, skey, index):
+        keys = example_keys(skey, index, batch_size_of(x))
+        obj, grads, dx, stats, new_state, total = self.head_grads(layer, params, state, x, batch, keys)
+        loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, ok=jnp.isfinite(loss))
+        metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
+        return dx, new_params, new_opt, new_state, metrics, finite
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
-        x = lax.stop_gradient(layer.inverse(params, state, y, keys))
-        _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], params, x)
-        grads, dx = vjp_fn(dy)
-        grads = lax.psum(grads, DATA_AXIS)
-        new_params, new_opt = apply_updates(self.tx, grads, opt_state, params)
-        return x, dx, new_params, new_opt
+        x, dx, grads = self.reverse_grads(layer, params, state, y, dy, keys)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
+        return x, dx, new_params, new_opt, finite
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        if _is_float_tree(x):
-            _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], params, x)
-            grads, dx = vjp_fn(dy)
-        else:  # integer inputs (token ids) have no cotangent
-            _, vjp_fn = jax.vjp(lambda p: layer.apply(p, state, x, keys, True)[0], params)
-            (grads,), dx = vjp_fn(dy), None
-        grads = lax.psum(grads, DATA_AXIS)
-        new_params, new_opt = apply_updates(self.tx, grads, opt_state, params)
-        return dx, new_params, new_opt
+        dx, grads = self.recompute_grads(layer, params, state, x, dy, keys)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
+        return dx, new_params, new_opt, finite
 
     def _fn(self, kind, layer):
         if kind == "forward_rev":
@@ -145,14 +174,14 @@ class ReversibleTrainer(TrainerBase):
         if kind == "forward_std":
             return self._compiled(kind, layer, self._forward, (_R, _R, _D, _R, _R), (_D, _R))
         if kind == "head":
-            return self._compiled(kind, layer, self._head, (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R),
-                                  donate=(0, 1))
+            return self._compiled(kind, layer, self._head, (_R, _R, _R, _D, _D, _R, _R),
+                                  (_D, _R, _R, _R, _R, _R), donate=(0, 1))
         if kind == "reverse":
             return self._compiled(kind, layer, self._reverse_and_update, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _D, _R, _R), donate=(0, 1, 3, 4))
+                                  (_D, _D, _R, _R, _R), donate=(0, 1, 3, 4))
         if kind == "recompute":
             return self._compiled(kind, layer, self._recompute_and_update, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _R, _R), donate=(0, 1, 4))
+                                  (_D, _R, _R, _R), donate=(0, 1, 4))
         raise KeyError(kind)
 
     # -- one step --------------------------------------------------------------------------------
@@ -166,46 +195,70 @@ class ReversibleTrainer(TrainerBase):
         Returns:
           ``(new_state, metrics)``; metrics are replicated float32 scalars ``loss`` (mean over the global
           batch, nats) and ``accuracy``.
+
+        Raises:
+          TrainerError: the batch size is not divisible by the number of devices.
         """
+        check_batch(batch, self.num_devices)
         layers = self.model.layers
         n = len(layers)
         skey = step_key(self.seed, ts.step)
-        index = [jnp.int32(i) for i in range(n)]
+        index = [np.int32(i) for i in range(n)]  # host scalars: nothing per layer stays on the device
         params, opt_state = list(ts.params), list(ts.opt_state)
         new_state = list(ts.layer_state)
         saved = {}
 
+        # With offload, at most two layers' weights (+ optimizer state) are on the device at any time:
+        # the one computing and the one in flight (prefetched, or being written back). JAX dispatch is
+        # asynchronous, so the loop waits (`_wait`) for the previous layer before it moves another one:
+        # the device is never idle for more than one dispatch, and the Python loop cannot run ahead and
+        # fill device memory with every layer's weights.
+
         # Forward: keep only the current activation (+ the inputs of standard layers).
         x = batch[self.model.input_key]
-        nxt = self._to_device(params[0])
+        cur = self._to_device(params[0])
+        head_opt = None
         for i, layer in enumerate(layers[:-1]):
-            p, nxt = nxt, self._to_device(params[i + 1])  # prefetch the next layer while this one runs
+            self._wait(x)  # layer i-1 has finished: its weights have left the device
             if layer.reversible:
-                x, new_state[i] = self._fn("forward_rev", layer)(p, ts.layer_state[i], x, skey, index[i])
+                x, new_state[i] = self._fn("forward_rev", layer)(cur, ts.layer_state[i], x, skey, index[i])
             else:
                 saved[i] = self._act_to_host(x)
-                x, new_state[i] = self._fn("forward_std", layer)(p, ts.layer_state[i], x, skey, index[i])
-            del p
+                x, new_state[i] = self._fn("forward_std", layer)(cur, ts.layer_state[i], x, skey, index[i])
+            cur = self._to_device(params[i + 1])  # prefetch the next layer while this one runs
+            if i + 1 == n - 1:
+                head_opt = self._to_device(opt_state[n - 1])
 
         # Head: loss, vjp and update in one call.
-        hp, ho = nxt, self._to_device(opt_state[n - 1])
+        self._wait(x)
+        if head_opt is None:  # a model that is only a head
+            head_opt = self._to_device(opt_state[n - 1])
+        finite = [None] * n
+        dy, hp, ho, new_state[n - 1], metrics, finite[n - 1] = self._fn("head", layers[-1])(
+            cur, head_opt, ts.layer_state[n - 1], x, batch, skey, index[n - 1])
+        del cur, head_opt
         nxt = (self._to_device(params[n - 2]), self._to_device(opt_state[n - 2])) if n > 1 else None
-        dy, hp, ho, new_state[n - 1], metrics = self._fn("head", layers[-1])(
-            hp, ho, ts.layer_state[n - 1], x, batch, skey, index[n - 1])
-        params[n - 1], opt_state[n - 1] = self._to_host(hp), self._to_host(ho)
+        params[n - 1], opt_state[n - 1] = written = (self._to_host(hp), self._to_host(ho))
         del hp, ho
 
         # Backward: reverse-and-update each layer, newest first.
         y = x
         for i in range(n - 2, -1, -1):
             layer = layers[i]
-            (p, o), nxt = nxt, ((self._to_device(params[i - 1]), self._to_device(opt_state[i - 1])) if i else None)
+            self._wait((y, dy))  # layer i+1 has finished computing
+            (p, o), nxt = nxt, None
             if layer.reversible:
-                y, dy, p, o = self._fn("reverse", layer)(p, o, ts.layer_state[i], y, dy, skey, index[i])
+                y, dy, p, o, finite[i] = self._fn("reverse", layer)(p, o, ts.layer_state[i], y, dy, skey, index[i])
             else:
                 xs = self._act_to_device(saved.pop(i))
-                dy, p, o = self._fn("recompute", layer)(p, o, ts.layer_state[i], xs, dy, skey, index[i])
+                dy, p, o, finite[i] = self._fn("recompute", layer)(p, o, ts.layer_state[i], xs, dy, skey, index[i])
                 y = xs
-            params[i], opt_state[i] = self._to_host(p), self._to_host(o)
+            self._wait(written)  # layer i+1's updated weights are back in host memory
+            if i:
+                nxt = (self._to_device(params[i - 1]), self._to_device(opt_state[i - 1]))
+            params[i], opt_state[i] = written = (self._to_host(p), self._to_host(o))
             del p, o
-        return TrainState(ts.step + 1, params, opt_state, new_state), metrics
+        self._wait(written)
+        new_ts = TrainState(ts.step + 1, params, opt_state, new_state)
+        check_finite(new_ts, ts.layer_state, metrics, finite, layers)
+        return new_ts, metrics

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gin
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import TrainerBase, TrainState, apply_updates, batch_size_of, example_keys
+from revtrain.trainers.common import (TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of, check_batch,
+                                      check_finite, guarded_update,
+                                      example_keys, per_device, step_key)
 
 
 @gin.configurable
@@ -30,7 +33,9 @@ class StandardTrainer(TrainerBase):
         params = self.replicate(params)
         return TrainState(0, params, [self.replicate(self.tx.init(params))], self.replicate(state))
 
-    def _step(self, params, opt_state, states, batch, skey):
+    def grads(self, params, states, batch, skey):
+        """Whole-model backprop inside ``shard_map``: ``(mean loss, grads summed over devices, stats,
+        new layer states, total weight)``. Shared with `revtrain check`."""
         layers = self.model.layers
         b = batch_size_of(batch)
 
@@ -46,20 +51,33 @@ class StandardTrainer(TrainerBase):
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
             return loss_sum / total, (stats, new_states, total)
 
-        (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        grads = lax.psum(grads, DATA_AXIS)
-        new_params, new_opt = apply_updates(self.tx, grads, opt_state, params)
-        metrics = {"loss": lax.psum(obj, DATA_AXIS),
+        (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(per_device(params))
+        return obj, lax.psum(grads, DATA_AXIS), stats, new_states, total
+
+    def _step(self, params, opt_state, states, batch, skey):
+        obj, grads, stats, new_states, total = self.grads(params, states, batch, skey)
+        loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
+        finite = jnp.stack([all_finite(g) for g in grads])
+        new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
+                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)))
+        metrics = {"loss": loss,
                    "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
-        return new_params, new_opt, new_states, metrics
+        return new_params, new_opt, new_states, metrics, finite
 
     def train_step(self, ts: TrainState, batch: dict):
-        """One step of ordinary backprop. Returns ``(new_state, metrics)`` (``loss``, ``accuracy``)."""
+        """One step of ordinary backprop. Returns ``(new_state, metrics)`` (``loss``, ``accuracy``).
+
+        Raises:
+          TrainerError: the batch size is not divisible by the number of devices.
+        """
+        check_batch(batch, self.num_devices)
         if "step" not in self._cache:
             mapped = jax.shard_map(self._step, mesh=self.mesh,
-                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()), out_specs=(P(), P(), P(), P()))
-            self._cache["step"] = jax.jit(mapped, donate_argnums=(0, 1))
-        from revtrain.trainers.common import step_key
-        params, opt, states, metrics = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state, batch,
-                                                           step_key(self.seed, ts.step))
-        return TrainState(ts.step + 1, params, [opt], states), metrics
+                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()),
+                                   out_specs=(P(), P(), P(), P(), P()))
+            self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1)), self)
+        params, opt, states, metrics, finite = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state,
+                                                                   batch, step_key(self.seed, ts.step))
+        new_ts = TrainState(ts.step + 1, params, [opt], states)
+        check_finite(new_ts, ts.layer_state, metrics, list(finite), self.model.layers)
+        return new_ts, metrics

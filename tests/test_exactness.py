@@ -1,0 +1,228 @@
+"""The reversible trainer computes what ordinary backprop computes (DESIGN.md sections 2 and 7).
+
+Float32 with ``jax_default_matmul_precision="highest"``, real text, dropout on, Adam. Parameters are compared
+leaf by leaf: max |difference| / max |value| of the leaf.
+
+Why 1e-5 holds under Adam: the couplings of ``ReversibleTransformerLM`` add F and G outputs rounded to a
+fixed ``2**-20`` grid (``revtrain.layers.snap_to_grid``), so every rebuild is exact to the bit, and the
+embedding hands the two streams distinct arrays, so the per-layer backward sums cotangents in the same
+order as the whole-model gradient. On XLA:CPU the two trainers then agree bit for bit. Without the grid,
+a third or more of the rebuilt elements differ in the last bits, and Adam, which divides each element by
+its own gradient scale (``g / (|g| + 1e-8)`` on the first step), turns that into 3e-5..6e-4 differences in
+the worst leaf; StandardTrainer on 1 vs 2 devices (a different summation order) differs by 8e-6..2e-4.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from revtrain.layers.base import snap_to_grid, split_keys
+from revtrain.models import ReversibleTransformerLM
+from revtrain.placement import DEVICE_MEMORY, HOST_MEMORY, global_batch, make_mesh
+from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError, check_per_layer_optimizer
+
+SEQ, BATCH, STEPS = 128, 8, 5
+
+
+def _mesh():
+    return make_mesh(jax.devices()[:1])
+
+
+def _worst_leaf(a, b):
+    rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(x)).max()), keystr(path))
+            for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
+    return max(rows)
+
+
+def _block_keys(seed, step, index, batch):
+    """The per-example keys the trainers give layer ``index`` (``common.example_keys`` on one device)."""
+    layer_key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), index)
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(layer_key, np.arange(batch))
+
+
+class _RebuildProbe:
+    """Records, inside a ReversibleTrainer step, each block's forward input and its rebuilt input."""
+
+    def __init__(self, trainer):
+        self.forward, self.rebuilt = [], []
+        self._fn = trainer._fn
+        trainer._fn = self
+
+    def __call__(self, kind, layer):
+        fn = self._fn(kind, layer)
+        if kind == "forward_rev":
+            def forward(params, state, x, *rest):
+                self.forward.append([np.array(v) for v in x])  # copied: the call donates x
+                return fn(params, state, x, *rest)
+            return forward
+        if kind == "reverse":
+            def reverse(*args):
+                out = fn(*args)
+                self.rebuilt.insert(0, [np.array(v) for v in out[0]])
+                return out
+            return reverse
+        return fn
+
+
+@pytest.fixture(scope="module")
+def depth12(text_batches):
+    """Both trainers at depth 12, dropout 0.1, Adam, 5 steps of real text, one device; the reversible
+    run also records every block's forward input and rebuilt input (``probe``)."""
+    batches = text_batches(BATCH, STEPS)
+    mesh = _mesh()
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for cls in (StandardTrainer, ReversibleTrainer):
+            model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
+            trainer = cls(model, optax.adam(1e-3), mesh, seed=0)
+            probe = _RebuildProbe(trainer) if cls is ReversibleTrainer else None
+            ts, losses, rebuilds = trainer.init(), [], []
+            for batch in batches:
+                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+                losses.append(float(metrics["loss"]))
+                if probe:
+                    rebuilds.append((probe.forward[:], probe.rebuilt[:]))
+                    probe.forward.clear(), probe.rebuilt.clear()
+            out[cls.name] = {"params": jax.tree.map(np.asarray, ts.params), "losses": losses, "rebuilds": rebuilds}
+    return out
+
+
+def test_reversible_equals_backprop_depth12_adam(depth12):
+    """Every parameter leaf within 1e-5 (max |difference| / max |value|) after 5 Adam steps."""
+    std, rev = depth12["standard"], depth12["reversible"]
+    np.testing.assert_allclose(rev["losses"], std["losses"], rtol=1e-6)
+    assert std["losses"][-1] < std["losses"][0]  # it trains
+    rel, leaf = _worst_leaf(std["params"], rev["params"])
+    assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
+
+
+def test_reversible_is_bitwise_backprop_on_cpu(depth12):
+    """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
+    (coupling grid), the per-layer programs compute the same float operations in the same order as the
+    whole-model gradient (the embedding emits two distinct arrays), so nothing is left to differ."""
+    std, rev = depth12["standard"], depth12["reversible"]
+    assert rev["losses"] == std["losses"]
+    for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(rev["params"])):
+        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ "
+                                      f"(max rel {np.abs(a - b).max() / np.abs(a).max():.1e})")
+
+
+def test_trainer_rebuilds_every_block_input_exactly(depth12):
+    """Inside the reversible trainer, the rebuilt inputs of every block equal the forward's inputs."""
+    rebuilds = depth12["reversible"]["rebuilds"]
+    assert len(rebuilds) == STEPS
+    for step, (forward, rebuilt) in enumerate(rebuilds):
+        assert len(forward) == len(rebuilt) == 12
+        for i, (x, r) in enumerate(zip(forward, rebuilt)):
+            for s in range(2):
+                rel = np.abs(x[s] - r[s]).max() / np.abs(x[s]).max()
+                assert rel <= 1e-5, f"step {step}, block {i}, stream {s}: rebuild off by {rel:.1e}"
+                assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
+
+
+@pytest.mark.parametrize("grid_bits", [20, None])
+def test_block_inverse_rebuilds_its_inputs(text_batches, grid_bits):
+    """layer.apply then layer.inverse with the same per-example keys gives the inputs back (within 1e-5;
+    exactly with the coupling grid), also when F and G outputs are a sizeable fraction of the streams."""
+    batch = text_batches(BATCH, 1)[0]
+    model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=64, dropout_rate=0.1, grid_bits=grid_bits)
+    embed, block = model.layers[0], model.layers[1]
+    x, _ = embed.apply(embed.init_params, embed.init_state, batch["inputs"], _block_keys(0, 0, 0, BATCH), True)
+    # Streams of unit scale (as after some training), kept on the coupling grid.
+    x = tuple(snap_to_grid(a * 50.0, grid_bits) for a in x)
+    # Scale the output projections up 10x: F and G outputs become ~0.2 and ~0.8 (streams ~1), far more than
+    # at initialisation (~0.02), which makes the plain float rebuild lose more bits.
+    params = jax.tree.map(lambda p: p, block.init_params)
+    params["f"]["out"]["kernel"] = params["f"]["out"]["kernel"] * 10
+    params["g"]["down"]["kernel"] = params["g"]["down"]["kernel"] * 10
+    keys = _block_keys(0, 0, 1, BATCH)
+    with jax.default_matmul_precision("highest"):
+        y, _ = jax.jit(lambda p, x, k: block.apply(p, block.init_state, x, k, True))(params, x, keys)
+        rebuilt = jax.jit(lambda p, y, k: block.inverse(p, block.init_state, y, k))(params, y, keys)
+        f_out = block.merge(params, block.init_state).f(x[1], keys=split_keys(keys, 0), train=True)
+    assert np.abs(np.asarray(f_out)).mean() > 0.1 * np.abs(np.asarray(x[1])).mean()  # F is not negligible
+    for s in range(2):
+        a, b = np.asarray(x[s]), np.asarray(rebuilt[s])
+        rel = np.abs(a - b).max() / np.abs(a).max()
+        assert rel <= 1e-5, f"stream {s}: rebuilt inputs off by {rel:.1e}"
+        if grid_bits is not None:
+            assert np.array_equal(a, b), f"stream {s}: {np.mean(a != b):.1%} of the elements are not exact"
+
+
+def _small_model():
+    return ReversibleTransformerLM(SEQ, num_layers=3, d_model=32, num_heads=2, dropout_rate=0.1)
+
+
+def test_offload_is_bitwise_identical(text_batches):
+    batches = text_batches(BATCH, 3)
+    mesh = _mesh()
+    results = []
+    for offload in (False, True):
+        trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=offload)
+        ts = trainer.init()
+        for batch in batches:
+            ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+        results.append((jax.tree.map(np.asarray, (ts.params, ts.opt_state)), float(metrics["loss"])))
+    (a, loss_a), (b, loss_b) = results
+    assert loss_a == loss_b
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(x, y)
+
+
+def test_offload_keeps_at_most_two_layers_on_device(text_batches):
+    """With offload, weights + optimizer state on the device never exceed the two largest layers'."""
+    import weakref
+
+    batches = text_batches(BATCH, 2)
+    mesh = _mesh()
+    trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=True)
+    ts = trainer.init()
+    per_layer = sorted((sum(x.nbytes for x in jax.tree.leaves((p, o))) for p, o in zip(ts.params, ts.opt_state)),
+                       reverse=True)
+    moved = []  # weak references to every array the trainer brought to the device
+    to_device, fn = trainer._to_device, trainer._fn
+
+    def tracked_to_device(tree):
+        out = to_device(tree)
+        moved.extend(weakref.ref(x) for x in jax.tree.leaves(out))
+        return out
+
+    peak = [0]
+
+    def on_device_bytes():
+        live = [r() for r in moved]
+        live = [x for x in live if x is not None and not x.is_deleted()]
+        assert all(x.sharding.memory_kind == DEVICE_MEMORY for x in live)
+        return sum(x.nbytes for x in live)
+
+    def tracked_fn(kind, layer):
+        compiled = fn(kind, layer)
+
+        def call(*args):
+            peak[0] = max(peak[0], on_device_bytes())  # everything on the device while this call runs
+            return compiled(*args)
+        return call
+
+    trainer._to_device, trainer._fn = tracked_to_device, tracked_fn
+    for batch in batches:
+        ts, _ = trainer.train_step(ts, global_batch(batch, mesh))
+        for x in jax.tree.leaves((ts.params, ts.opt_state)):  # between steps everything is in host memory
+            assert x.sharding.memory_kind == HOST_MEMORY
+    assert moved, "the trainer never brought a layer to the device"
+    assert 0 < peak[0] <= per_layer[0] + per_layer[1], (peak[0], per_layer[:2])
+
+
+def test_coupled_optimizer_is_refused():
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    with pytest.raises(TrainerError, match="couples parameters across layers"):
+        check_per_layer_optimizer(tx)
+    with pytest.raises(TrainerError, match="clip_by_global_norm"):
+        ReversibleTrainer(_small_model(), tx, _mesh())
+
+
+@pytest.mark.parametrize("make", [optax.adam, optax.adamw, optax.sgd, optax.adafactor, optax.lamb])
+def test_per_leaf_optimizers_are_accepted(make):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=2, decay_steps=10)
+    check_per_layer_optimizer(make(schedule))
