@@ -38,3 +38,23 @@ bench: data
 
 clean:
 	rm -rf $(VENV) runs bench.json bench.png
+
+# The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
+# package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the
+# four IDX files: make train-revnet FASHION_MNIST_DIR=/path/to/dir
+.PHONY: train-revnet
+train-revnet: WORKDIR = runs/revnet_fashion_mnist
+train-revnet: CONFIG = configs/revnet_fashion_mnist.gin
+train-revnet: FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
+train-revnet: venv
+	@if [ ! -d "$(FASHION_MNIST_DIR)" ]; then \
+	  if [ "$(FASHION_MNIST_DIR)" != /usr/share/datasets/fashion-mnist ]; then \
+	    echo "$(FASHION_MNIST_DIR) does not exist: put the four Fashion-MNIST *-idx*-ubyte.gz files there" >&2; exit 1; \
+	  elif [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && apt-get install -y dataset-fashion-mnist; \
+	  else \
+	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make train-revnet'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
+	  fi; \
+	fi
+	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
+	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)

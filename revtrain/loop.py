@@ -94,6 +94,16 @@ class EvalConfig:
     max_batches: int | None = None
 
 
+def _writable(workdir: str) -> None:
+    """Creates ``workdir`` if needed; raises ConfigError when it cannot be written."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        if not os.access(workdir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied")
+    except OSError as e:
+        raise ConfigError(f"cannot write the workdir {workdir}: {e.strerror or e}") from None
+
+
 def _check_positive(cfg: TrainConfig) -> None:
     for name in ("steps", "batch_size", "log_every"):
         value = getattr(cfg, name)
@@ -126,6 +136,7 @@ class Run:
     """The objects a run is made of (built once from gin)."""
 
     cfg: TrainConfig
+    ecfg: "EvalConfig"
     task: Any
     model: Any
     trainer: TrainerBase
@@ -158,7 +169,11 @@ def build(cfg: TrainConfig | None = None) -> Run:
     except (ValueError, TypeError) as e:
         raise ConfigError(f"cannot build the optimizer: {str(e).splitlines()[0]}") from e
     trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed)
-    return Run(cfg, task, model, trainer, schedule, mesh)
+    try:
+        ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e).splitlines()[0]) from e
+    return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
 
 def run_signature(run: Run) -> dict:
@@ -204,7 +219,7 @@ def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
     Returns:
       dict with ``loss`` (nats per token), ``accuracy`` and, for byte LMs, ``bits_per_byte``.
     """
-    ecfg = ecfg or EvalConfig()
+    ecfg = ecfg or run.ecfg
     _divisible(ecfg.batch_size, run.mesh, "evaluate.batch_size")
     pc, pi = jax.process_count(), jax.process_index()
     totals = None
@@ -252,6 +267,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     when ``checkpoints/`` has one.
     """
     workdir = os.path.abspath(workdir)
+    _writable(workdir)
     run = build(cfg)
     cfg, trainer = run.cfg, run.trainer
     writer_enabled = jax.process_index() == 0
@@ -318,7 +334,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     values["devices"], values["processes"] = run.mesh.size, pc
                     writer.write("train", step, values)
                     eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
-                    metrics_lib.log(metrics_lib.progress_line(step, cfg.steps, values, eta))
+                    metrics_lib.log(metrics_lib.progress_line(
+                        step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
                     last = values
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
                     checkpointer.save(ts, data, meta)

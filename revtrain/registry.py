@@ -8,7 +8,9 @@ import gin
 import optax
 
 from revtrain import loop  # noqa: F401  (train, evaluate)
+from revtrain.data import fashion_mnist  # noqa: F401  (FashionMNISTTask)
 from revtrain.data import tasks  # noqa: F401
+from revtrain.models import revnet  # noqa: F401  (RevNet)
 from revtrain.models import transformer_lm  # noqa: F401
 from revtrain.trainers import reversible, standard  # noqa: F401
 

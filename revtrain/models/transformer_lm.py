@@ -44,7 +44,7 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         rebuild is then exact only up to float rounding). See ``revtrain.layers.snap_to_grid``.
 
     Raises:
-      ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 23], or ``d_model``
+      ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 60], or ``d_model``
         not divisible by ``num_heads``.
     """
     for name, value in (("num_layers", num_layers), ("d_model", d_model), ("num_heads", num_heads),
@@ -55,8 +55,8 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         raise ValueError(f"ReversibleTransformerLM.dropout_rate must be in [0, 1), got {dropout_rate}")
     if compute_dtype not in _DTYPES:
         raise ValueError(f"ReversibleTransformerLM.compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
-    if grid_bits is not None and not (isinstance(grid_bits, int) and 1 <= grid_bits <= 23):
-        raise ValueError(f"ReversibleTransformerLM.grid_bits must be an integer in [1, 23] or None, got {grid_bits!r}")
+    if grid_bits is not None and not (isinstance(grid_bits, int) and 1 <= grid_bits <= 60):
+        raise ValueError(f"ReversibleTransformerLM.grid_bits must be an integer in [1, 60] or None, got {grid_bits!r}")
     dtype = _DTYPES[compute_dtype]
     d_ff = d_ff or 4 * d_model
     base = jax.random.PRNGKey(seed)

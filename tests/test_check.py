@@ -1,0 +1,110 @@
+"""`revtrain check`, the NaN/Inf guard and bad-input handling."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import gin
+import jax.numpy as jnp
+import pytest
+
+from revtrain import cli
+from revtrain.layers.base import ReversibleLayer
+from revtrain.layers.transformer import ReversibleCoupling
+from revtrain.models.base import Model
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs" / "enwik_small.gin")
+TINY = ["--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
+        "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8"]
+
+
+class _WrongInverse(ReversibleCoupling):
+    """A coupling whose inverse is off by 0.1% in one stream: what `revtrain check` must catch."""
+
+    def inverse(self, y, *, keys):
+        x1, x2 = super().inverse(y, keys=keys)
+        return (x1 * jnp.float32(1.001), x2)
+
+
+@gin.configurable
+def BrokenInverseLM(sequence_length, *, seed=0, broken_block=1):
+    """The tiny reversible LM with block ``broken_block``'s inverse replaced by a wrong one."""
+    model = ReversibleTransformerLM(sequence_length, seed=seed, num_layers=3, d_model=32, dropout_rate=0.1)
+    layers = list(model.layers)
+    good = layers[1 + broken_block]
+    module = good.merge(good.init_params, good.init_state)
+    layers[1 + broken_block] = ReversibleLayer(_WrongInverse(module.f, module.g, module.grid_bits), good.name)
+    return Model(layers, input_key=model.input_key, tokens_per_example=model.tokens_per_example,
+                 bits_per_byte=True)
+
+
+def test_check_passes_on_an_exact_model(capsys):
+    assert cli.main(["check", "--config", CONFIG, *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "block_2" in out and "rebuild bfloat16" in out
+
+
+def test_check_names_the_layer_with_a_wrong_inverse(capsys):
+    code = cli.main(["check", "--config", CONFIG, *TINY, "--gin", "train.model = @BrokenInverseLM"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "FAIL" in out and "worst layer block_1" in out
+
+
+def _train(tmp_path, *extra):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "revtrain", "train", "--config", CONFIG, *TINY, "--gin", "STEPS = 6",
+           "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "evaluate.max_batches = 1", *extra,
+           "--workdir", str(tmp_path / "run")]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_nonfinite_loss_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
+    # Step 1 is finite; its huge SGD step makes step 2's loss overflow.
+    result = _train(tmp_path, "--gin", "train.checkpoint_every = 1", "--gin", "train.optimizer = @optax.sgd",
+                    "--gin", "train.learning_rate = 1e30")
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("revtrain: error: non-finite loss at step 2") and "step 1" in last, last
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_skip_nonfinite_steps_skips_and_logs_each(tmp_path):
+    result = _train(tmp_path, "--gin", "train.optimizer = @optax.sgd", "--gin", "train.learning_rate = 1e30",
+                    "--gin", "train.skip_nonfinite_steps = 2")
+    assert result.returncode == 1
+    assert "non-finite loss at step 2: skipped" in result.stderr
+    assert "non-finite loss at step 3: skipped" in result.stderr
+    assert "revtrain: error: non-finite loss at step 4" in result.stderr
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "skipped_nonfinite" in r] == [2, 3]
+
+
+@pytest.mark.parametrize("setup, args, contains", [
+    ("syntax", ["--config", "{bad}"], "bad gin configuration"),
+    (None, ["--config", CONFIG, "--gin", "train.steps = 'many'"], "train.steps must be a positive integer"),
+    (None, ["--config", CONFIG, "--gin", "train.batch_size = 0"], "train.batch_size must be a positive"),
+    (None, ["--config", CONFIG, "--gin", "ByteLMTask.sequence_length = 10000000"], "sequence length"),
+    ("file", ["--config", CONFIG, "--workdir", "{file}"], "cannot write"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("train.steps = = 3\n")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    args = [a.replace("{bad}", str(bad)).replace("{file}", str(blocker / "run")) for a in args]
+    if "--workdir" not in args:
+        args += ["--workdir", str(tmp_path / "w")]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
+                            env=env, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], lines
+    assert blocker.read_text() == "not a directory"
