@@ -3,17 +3,28 @@
 A checkpoint ``DIR/checkpoints/<step>/`` holds three items:
 
 * ``state``: every layer's params, optimizer state and layer state (``StandardSave`` of a pytree);
-* ``data``: the Grain iterator's position (``grain.checkpoint.CheckpointSave``, one file per process), so
+* ``data``: the Grain iterator's position (Grain's handler: one ``process_<i>-of-<n>.json`` per process), so
   a resumed run replays no batch and skips none;
 * ``meta``: JSON with the step and the run's shape-relevant settings.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a checkpoint that was not
 finished (killed mid-save) is never listed or used.
+
+Multi-process (``jax.distributed``): every process constructs the `Checkpointer` and calls every method
+(``save``, ``restore``, ``wait``, ``close``) at the same steps, as Orbax requires; Orbax synchronises them
+through the distributed runtime (process 0 creates directories and commits the step, each process writes
+the shards it owns under ``state/ocdbt.process_<i>`` and its own data-iterator file). The workdir must be
+on a file system every process sees. A checkpoint written by N processes can be resumed by a different
+number of processes when every process saved the same iterator position (revtrain's pipelines: each
+process is at the same global batch).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import sys
 
 import grain
 import jax
@@ -24,6 +35,68 @@ from revtrain.trainers.common import TrainState
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit the current model."""
+
+
+class DataHandler(grain.checkpoint.CheckpointHandler):
+    """Grain's iterator handler (one ``process_<i>-of-<n>.json`` per process) that also restores a checkpoint
+    written by a different number of processes when all of them saved the same position.
+
+    The files are Grain's: checkpoints written with Grain's own handler restore with this one and back.
+    """
+
+    def restore(self, directory, item=None, args=None):
+        item = item or args.item
+        index, count = jax.process_index(), jax.process_count()
+        if (directory / f"process_{index}-of-{count}.json").exists():
+            return super().restore(directory, item=item, args=args)
+        files = sorted(directory.glob("process_*-of-*.json"))
+        if not files:
+            raise CheckpointError(f"no data-iterator state in {directory}")
+        states = [json.loads(f.read_text()) for f in files]
+        if any(state != states[0] for state in states):
+            raise CheckpointError(
+                f"the data-iterator state in {directory} was saved by {len(files)} processes at different "
+                f"positions; resume with {len(files)} processes")
+        if isinstance(item, grain.DatasetIterator):
+            item.set_state(states[0])
+        else:
+            item.set_state(files[0].read_text().encode())
+        item.start_prefetch()
+        return item
+
+
+@ocp.args.register_with_handler(DataHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(grain.checkpoint.CheckpointSave):
+    """Saves a Grain iterator's position with `DataHandler`."""
+
+
+@ocp.args.register_with_handler(DataHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(grain.checkpoint.CheckpointRestore):
+    """Restores a Grain iterator's position (in place) with `DataHandler`."""
+
+
+def _ignore_late_tensorstore_callbacks() -> None:
+    """Keeps a failed restore to one error line.
+
+    When one array of a restore fails, Orbax's asyncio loop ends while tensorstore reads of other arrays are
+    still in flight; as each finishes, tensorstore calls ``loop.call_soon_threadsafe`` on the closed loop and
+    reports the resulting ``RuntimeError('Event loop is closed')`` as unraisable (``sys.unraisablehook``,
+    from its own threads, at any moment, even before Orbax raises). Those errors are harmless: drop
+    exactly them.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "_revtrain_drops_closed_loop", False):
+        return
+
+    def hook(unraisable):
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._revtrain_drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _tree(ts: TrainState) -> dict:
@@ -48,7 +121,7 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save, read_only=read_only,
                                                create=not read_only)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-                    "data": grain.checkpoint.CheckpointHandler()}
+                    "data": DataHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def steps(self) -> list[int]:
@@ -62,7 +135,7 @@ class Checkpointer:
         """Starts saving ``ts`` at step ``ts.step`` (asynchronously); returns whether a save started."""
         args = {"state": ocp.args.StandardSave(_tree(ts)), "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
         if data_iterator is not None:
-            args["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+            args["data"] = DataSave(data_iterator)
         return self._manager.save(ts.step, args=ocp.args.Composite(**args), force=force)
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None) -> TrainState:
@@ -79,7 +152,8 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template))
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
-            args["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+            args["data"] = DataRestore(data_iterator)
+        _ignore_late_tensorstore_callbacks()  # before: they can print before the error reaches us
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files

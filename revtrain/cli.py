@@ -3,6 +3,7 @@
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
   revtrain eval  --workdir DIR [--step N | --all] [--gin ...] [--verbose]
+  revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
 
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
 stderr; other failures exit 1 with one line. ``--verbose`` shows tracebacks and library logs.
@@ -33,9 +34,9 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    for name in ("train", "eval"):
+    for name in ("train", "eval", "check"):
         s = sub.add_parser(name)
-        s.add_argument("--workdir", required=True, help="run directory")
+        s.add_argument("--workdir", required=name != "check", help="run directory")
         s.add_argument("--config", action="append", default=[], help="gin file (repeatable; later files win)")
         s.add_argument("--gin", action="append", default=[], help="gin binding 'NAME = VALUE' (repeatable)")
         s.add_argument("--verbose", action="store_true", help="tracebacks and library logs")
@@ -57,7 +58,7 @@ def parse_args(argv: list[str]):
     """
     args, rest = _parser().parse_known_args(argv)
     if args.command is None:
-        raise UsageError("expected a command: train or eval")
+        raise UsageError("expected a command: train, eval or check")
     for item in rest:
         m = re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", item, re.S)
         if not m:
@@ -85,37 +86,142 @@ def _quiet_libraries(verbose: bool) -> None:
         pass
 
 
-def _init_distributed(args) -> None:
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _cluster_from_env() -> str | None:
+    """Which multi-process launcher started this process, judged from the environment only.
+
+    Mirrors the lightweight checks of JAX 0.10.2's own cluster detection (``jax/_src/clusters``) and
+    only reports a launcher that started more than one process:
+
+    * ``"jax"``: ``JAX_COORDINATOR_ADDRESS`` is set;
+    * ``"slurm"``: ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``, ``SLURM_PROCID`` and
+      ``SLURM_LOCALID`` are set (an ``srun`` step) and ``SLURM_NTASKS > 1``;
+    * ``"ompi"``: ``OMPI_MCA_orte_hnp_uri`` is set (``mpirun``) and ``OMPI_COMM_WORLD_SIZE > 1``.
+
+    Cloud TPU VMs and Kubernetes are not auto-detected (JAX's checks for them query a metadata server or
+    need the ``kubernetes`` package): pass the flags or ``JAX_COORDINATOR_ADDRESS`` there.
+    """
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax"
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in os.environ for k in slurm) and (_env_int("SLURM_NTASKS") or 1) > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in os.environ and (_env_int("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "ompi"
+    return None
+
+
+def _platform_is_cpu() -> bool:
+    """True when JAX will compute on the CPU, decided without starting any backend.
+
+    ``JAX_PLATFORMS`` (``jax_platforms``), when set, names the platform (its first entry wins); otherwise
+    the platform is the CPU unless an accelerator plugin is installed (a ``jax_plugins`` package or entry
+    point, e.g. ``jax-cuda12-plugin``, or ``libtpu``), which is what JAX itself looks for.
+    """
+    import importlib.util
+    import pkgutil
+    from importlib.metadata import entry_points
+
     import jax
+    platforms = jax.config.jax_platforms
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    if importlib.util.find_spec("libtpu") is not None or list(entry_points(group="jax_plugins")):
+        return False
+    spec = importlib.util.find_spec("jax_plugins")
+    return spec is None or not any(pkgutil.iter_modules(spec.submodule_search_locations or []))
+
+
+def _init_distributed(args) -> None:
+    """Joins a multi-process (multi-host) run when asked to; a plain single-process run otherwise.
+
+    Multi-process is asked for in one of two ways:
+
+    * the flags ``--coordinator_address HOST:PORT --num_processes N --process_id I`` (all three; they win
+      over the environment): ``jax.distributed.initialize(HOST:PORT, N, I)``;
+    * the environment (see `_cluster_from_env`). With ``JAX_COORDINATOR_ADDRESS``, revtrain also reads
+      ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` and passes them on: JAX 0.10.2 itself reads only
+      ``JAX_COORDINATOR_ADDRESS`` (and ``JAX_COORDINATOR_PORT``, ``JAX_COORDINATOR_BIND_ADDRESS``,
+      ``JAX_LOCAL_DEVICE_IDS``) and takes the process count and index from a detected cluster. Under
+      SLURM (``srun``) or Open MPI (``mpirun``), ``jax.distributed.initialize()`` is called with no
+      arguments and JAX's own detection finds the coordinator (the first node; port from the job id or
+      ``JAX_COORDINATOR_PORT``), the count (``SLURM_NTASKS`` / ``OMPI_COMM_WORLD_SIZE``) and the index
+      (``SLURM_PROCID`` / ``OMPI_COMM_WORLD_RANK``); note that JAX then also makes only the device
+      numbered by the local rank (``SLURM_LOCALID`` / ``OMPI_COMM_WORLD_LOCAL_RANK``) visible: one
+      process per GPU.
+
+    On the CPU platform (no accelerator), cross-process collectives use gloo over TCP
+    (``jax_cpu_collectives_implementation = "gloo"``, unless ``JAX_CPU_COLLECTIVES_IMPLEMENTATION`` chose
+    another). This must happen before any JAX backend starts, so it is the first JAX call of a command.
+
+    Raises:
+      UsageError: some but not all of the flags, a bad process index, a bad environment, or JAX backends
+        already started.
+      RuntimeError: the coordinator could not be reached (one line naming the address).
+    """
     given = [args.coordinator_address, args.num_processes, args.process_id]
+    kwargs: dict = {}
     if any(v is not None for v in given):
         if any(v is None for v in given):
             raise UsageError("multi-host needs all of --coordinator_address, --num_processes and --process_id")
         if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
             raise UsageError(f"--process_id {args.process_id} is not in [0, {args.num_processes})")
-    elif not any(k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri")):
-        return  # single process
-    if jax.config.jax_platforms in (None, "", "cpu") and "JAX_PLATFORMS" not in os.environ or \
-            os.environ.get("JAX_PLATFORMS") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if args.coordinator_address:
-        jax.distributed.initialize(coordinator_address=args.coordinator_address,
-                                   num_processes=args.num_processes, process_id=args.process_id)
+        if not re.fullmatch(r".+:\d+", args.coordinator_address):
+            raise UsageError(f"--coordinator_address must be HOST:PORT, got {args.coordinator_address!r}")
+        kwargs = {"coordinator_address": args.coordinator_address, "num_processes": args.num_processes,
+                  "process_id": args.process_id}
+        where = f"{args.coordinator_address} as process {args.process_id} of {args.num_processes}"
     else:
-        jax.distributed.initialize()
+        cluster = _cluster_from_env()
+        if cluster is None:
+            if any(os.environ.get(k) for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID")):
+                raise UsageError("JAX_NUM_PROCESSES / JAX_PROCESS_ID need JAX_COORDINATOR_ADDRESS")
+            return  # single process
+        if cluster == "jax":
+            n, i = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
+            if n is not None and i is not None and (n < 1 or not 0 <= i < n):
+                raise UsageError(f"JAX_PROCESS_ID {i} is not in [0, {n})")
+            kwargs = {k: v for k, v in (("num_processes", n), ("process_id", i)) if v is not None}
+        where = f"{os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'} (from the {cluster} environment)"
+
+    import jax
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():  # too late for gloo and for jax.distributed
+        raise UsageError("JAX backends were started before jax.distributed.initialize")
+    if _platform_is_cpu() and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**kwargs)
+    except ValueError as e:  # JAX found no process count / index / coordinator
+        raise UsageError(f"cannot start multi-host from the environment: {e} (set JAX_NUM_PROCESSES and "
+                         "JAX_PROCESS_ID, or pass --coordinator_address, --num_processes and --process_id)") from e
+    except Exception as e:  # noqa: BLE001 (XlaRuntimeError and friends: coordinator unreachable, timeout)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"cannot join the multi-host run at {where}: {first}") from e
 
 
 def _gin_names() -> list[str]:
+    """Every configurable's short name and ``name.parameter`` (for 'did you mean' suggestions)."""
+    import inspect
+
     import gin
     names = []
-    for selector, configurable in gin.config._REGISTRY.items():  # noqa: SLF001 (gin has no public listing)
-        names.append(selector)
+    for _, configurable in gin.config._REGISTRY.items():  # noqa: SLF001 (gin has no public listing)
+        names.append(configurable.name)
         try:
-            import inspect
             params = inspect.signature(configurable.wrapped).parameters
-            names.extend(f"{selector}.{p}" for p in params)
         except (TypeError, ValueError):
-            pass
+            continue
+        names.extend(f"{configurable.name}.{p}" for p in params if p not in ("self", "args", "kwargs"))
     return names
 
 
@@ -138,6 +244,7 @@ def _parse_gin(configs: list[str], bindings: list[str]) -> None:
     for path in configs:
         if not os.path.isfile(path):
             raise UsageError(f"config file not found: {path}")
+    gin.clear_config()  # a fresh configuration per command (main() may run several times in one process)
     try:
         gin.parse_config_files_and_bindings(configs, bindings, finalize_config=False)
     except (ValueError, SyntaxError, TypeError, KeyError, NameError) as e:
@@ -159,6 +266,10 @@ def _run(args) -> int:
         _parse_gin([config] + args.config, args.gin)
         loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all)
         return 0
+    if args.command == "check":
+        from revtrain import check  # noqa: F401  (registers check.*)
+        _parse_gin(args.config, args.gin)
+        return check.run_check()
     del gin
     raise UsageError(f"unknown command {args.command}")
 

@@ -82,8 +82,10 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_line(step: int, total: int, values: dict, eta_seconds: float) -> str:
-    """One human-readable progress line (step/total, loss, bits per byte, lr, rates, ETA)."""
+def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit: str = "tok") -> str:
+    """One human-readable progress line (step/total, loss, bits per byte, lr, rates, ETA).
+
+    ``unit`` names what ``tokens_per_sec`` counts ("tok" for language models, "ex" for examples)."""
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}"]
     if "bits_per_byte" in values:
         parts.append(f"bpb {values['bits_per_byte']:.3f}")
@@ -91,7 +93,7 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float) -> st
     if lr is not None and math.isfinite(lr):
         parts.append(f"lr {lr:.3g}")
     parts.append(f"{values['steps_per_sec']:.2f} steps/s")
-    parts.append(f"{values['tokens_per_sec']:,.0f} tok/s")
+    parts.append(f"{values['tokens_per_sec']:,.0f} {unit}/s")
     if values.get("peak_device_bytes"):
         parts.append(f"peak {values['peak_device_bytes'] / 2**20:.1f} MiB")
     parts.append(f"ETA {_duration(eta_seconds)}")

@@ -44,13 +44,17 @@ def train_dataset(
 ) -> grain.IterDataset:
     """Endless, shuffled training batches for this process.
 
-    Process ``shard_index`` of ``shard_count`` reads only records ``shard_index::shard_count`` of
-    the 'train' split. They are shuffled globally with ``seed`` and reshuffled every epoch (epoch
-    ``e`` uses seed ``seed + e``); batches may straddle an epoch boundary, so no record is dropped.
+    Every process walks the same global order: the 'train' split shuffled with ``seed`` (reshuffled
+    every epoch), cut into global batches of ``batch_size * shard_count`` records. Process
+    ``shard_index`` yields rows ``[shard_index * B, (shard_index + 1) * B)`` of each global batch and
+    reads only those records. So the global batch at every step is the same examples in the same
+    order whatever the number of processes (``jax.make_array_from_process_local_data`` puts process
+    ``p``'s rows at global rows ``p*B ...``), and a run on 2 processes follows the 1-process one.
+    Batches may straddle an epoch boundary, so no record is dropped.
 
     Args:
       builder: a prepared byte-LM builder (``load_byte_lm``).
-      batch_size: per-process batch size B.
+      batch_size: per-process batch size B (the global batch divided by ``shard_count``).
       seed: shuffle seed, in [0, 2**32).
       shard_index: this process's index (``jax.process_index()``).
       shard_count: number of processes (``jax.process_count()``).
@@ -58,23 +62,23 @@ def train_dataset(
     Returns:
       A ``grain.IterDataset`` of ``{'inputs': int32 [B, L], 'targets': int32 [B, L]}``. Its
       iterators are checkpointable: ``it.get_state()`` / ``it.set_state(state)`` restore the exact
-      position.
+      position (the number of batches read, the same on every process).
 
     Raises:
       ValueError: bad batch size or shard arguments.
-      DataError: this shard of the train split has no records.
+      DataError: the train split has no records.
     """
     _check_shard(shard_index, shard_count)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     ds = grain.MapDataset.source(builder.as_data_source(split="train"))
-    ds = ds[shard_index::shard_count]
     if len(ds) == 0:
-        raise DataError(
-            f"train shard {shard_index}/{shard_count} has no records; "
-            "use fewer processes or a larger corpus"
-        )
-    ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True).map(_split_batch)
+        raise DataError("the train split has no records; use a larger corpus")
+    # Local batch j of this process is local-sized batch j * shard_count + shard_index of the global
+    # stream, i.e. its slice of global batch j; slicing a MapDataset is lazy, so only these records
+    # are read.
+    ds = ds.shuffle(seed=seed).repeat().batch(batch_size, drop_remainder=True)
+    ds = ds[shard_index::shard_count].map(_split_batch)
     return ds.to_iter_dataset(_READ_OPTIONS)
 
 
@@ -89,10 +93,12 @@ def eval_batches(
 ) -> Iterator[dict[str, np.ndarray]]:
     """Yields one in-order pass over this process's share of ``split``, every target once.
 
-    Process ``shard_index`` reads records ``shard_index::shard_count``. Every process yields the
-    same number of batches, ``ceil(ceil(N / shard_count) / batch_size)`` for N records (at most
-    ``max_batches``), so collective eval steps stay in lockstep; rows past the end of the data are
-    zeros with weight 0.
+    The split is cut in order into global batches of ``batch_size * shard_count`` records; process
+    ``shard_index`` reads rows ``[shard_index * B, (shard_index + 1) * B)`` of each, so the global
+    batches (and the records ``max_batches`` selects) are the same whatever the number of processes.
+    Every process yields the same number of batches, ``ceil(N / (batch_size * shard_count))`` for N
+    records (at most ``max_batches``), so collective eval steps stay in lockstep; rows past the end
+    of the data are zeros with weight 0.
 
     Args:
       builder: a prepared byte-LM builder (``load_byte_lm``).
@@ -118,14 +124,15 @@ def eval_batches(
         raise ValueError(f"unknown split {split!r}; have {sorted(builder.info.splits)}")
     source = builder.as_data_source(split=split)
     length = builder.info.features["bytes"].shape[0] - 1
-    indices = range(shard_index, len(source), shard_count)
-    num_batches = _ceil_div(_ceil_div(len(source), shard_count), batch_size)
+    global_batch = batch_size * shard_count
+    num_batches = _ceil_div(len(source), global_batch)
     if max_batches is not None:
         num_batches = min(num_batches, max_batches)
 
     def batches():
         for b in range(num_batches):
-            rows = indices[b * batch_size : (b + 1) * batch_size]
+            start = b * global_batch + shard_index * batch_size
+            rows = range(min(start, len(source)), min(start + batch_size, len(source)))
             records = np.zeros((batch_size, length + 1), np.int32)
             weights = np.zeros((batch_size, length), np.float32)
             if len(rows):
