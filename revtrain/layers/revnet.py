@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from revtrain.layers.base import snap_to_grid, split_keys
+from revtrain.layers.base import ReversibleCoupling, snap_to_grid
 
 DATA_AXIS = "data"  # the trainers' mesh axis (revtrain.placement.DATA_AXIS); batch statistics average over it
 
@@ -95,37 +95,8 @@ class ResidualFn(nnx.Module):
         return x
 
 
-class RevNetCoupling(nnx.Module):
-    """Reversible layer: ``(x1, x2) -> (y1, y2)``, ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``.
-
-    Streams are float32 ``[B, H, W, C/2]``. F gets the per-example keys folded with 0 and G with 1 (unused
-    today: no dropout). With ``grid_bits`` set, F and G outputs are rounded to multiples of
-    ``2**-grid_bits`` so that, for streams on that grid, ``inverse`` is exact to the bit. ``inverse`` runs F
-    and G in training mode (batch statistics), as the forward of a training step does.
-    """
-
-    def __init__(self, f: ResidualFn, g: ResidualFn, grid_bits: int | None = None):
-        self.f = f
-        self.g = g
-        self.grid_bits = grid_bits
-
-    def _f(self, x, keys, train):
-        return snap_to_grid(self.f(x, keys=split_keys(keys, 0), train=train), self.grid_bits)
-
-    def _g(self, x, keys, train):
-        return snap_to_grid(self.g(x, keys=split_keys(keys, 1), train=train), self.grid_bits)
-
-    def __call__(self, x, *, keys, train):
-        x1, x2 = x
-        y1 = x1 + self._f(x2, keys, train)
-        y2 = x2 + self._g(y1, keys, train)
-        return (y1, y2)
-
-    def inverse(self, y, *, keys):
-        y1, y2 = y
-        x2 = y2 - self._g(y1, keys, True)
-        x1 = y1 - self._f(x2, keys, True)
-        return (x1, x2)
+# The RevNet's reversible blocks are the shared additive coupling (``revtrain.layers.base``).
+RevNetCoupling = ReversibleCoupling
 
 
 class Downsample(nnx.Module):

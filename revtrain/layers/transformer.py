@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from revtrain.layers.base import dropout, snap_to_grid, split_keys
+from revtrain.layers.base import ReversibleCoupling, dropout, snap_to_grid  # noqa: F401 (ReversibleCoupling re-exported)
 
 
 class ByteEmbedding(nnx.Module):
@@ -95,39 +95,6 @@ class FeedForward(nnx.Module):
     def __call__(self, x, *, keys, train):
         h = self.down(jax.nn.gelu(self.up(self.norm(x))))
         return dropout(h, self.dropout_rate, keys, train).astype(x.dtype)
-
-
-class ReversibleCoupling(nnx.Module):
-    """Additive reversible coupling of two streams (RevNet / Reformer block).
-
-    ``(x1, x2) -> (y1, y2)`` with ``y1 = x1 + F(x2)``, ``y2 = x2 + G(y1)``; all arrays ``[B, T, D]``.
-    F gets the per-example keys folded with 0, G with 1, so ``inverse`` reproduces the same dropout masks.
-    With ``grid_bits`` set, F and G outputs are rounded to multiples of ``2**-grid_bits`` (``snap_to_grid``)
-    so that, for streams on that grid, ``inverse`` is exact to the bit.
-    """
-
-    def __init__(self, f: nnx.Module, g: nnx.Module, grid_bits: int | None = None):
-        self.f = f
-        self.g = g
-        self.grid_bits = grid_bits
-
-    def _f(self, x, keys, train):
-        return snap_to_grid(self.f(x, keys=split_keys(keys, 0), train=train), self.grid_bits)
-
-    def _g(self, x, keys, train):
-        return snap_to_grid(self.g(x, keys=split_keys(keys, 1), train=train), self.grid_bits)
-
-    def __call__(self, x, *, keys, train):
-        x1, x2 = x
-        y1 = x1 + self._f(x2, keys, train)
-        y2 = x2 + self._g(y1, keys, train)
-        return (y1, y2)
-
-    def inverse(self, y, *, keys):
-        y1, y2 = y
-        x2 = y2 - self._g(y1, keys, True)
-        x1 = y1 - self._f(x2, keys, True)
-        return (x1, x2)
 
 
 class LanguageModelHead(nnx.Module):
