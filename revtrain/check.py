@@ -33,12 +33,12 @@ from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import batch_size_of, example_keys, per_device, step_key
 from revtrain.trainers.reversible import ReversibleTrainer
 
-# Relative tolerances (rebuild error, gradient difference) by compute dtype. float32: what exact
-# reconstruction must give (measured: 0 rebuild error and <= 1e-6 gradient difference on the default model
-# at depths 6-48). bfloat16 (float32 residual streams): the rebuild is still exact, but F and G are computed
-# in bfloat16 by two different compiled programs, which alone differ by up to ~2e-2 relative (measured on
-# the default model, depth 6 to 24).
-TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1e-5, 5e-2)}
+# Relative tolerances (rebuild error, gradient difference) by compute dtype. float32: the 1e-5
+# (measured on the default model at depths 6 and 12: rebuild <= 7e-7, gradients <= 2e-7). bfloat16 compute
+# with float32 residual streams: F and G are evaluated in bfloat16 by two different compiled programs
+# (forward and rebuild), so the rebuild and the gradients differ more; measured on the default model at
+# depths 6 and 12: rebuild <= 1e-3, gradients <= 8e-3 relative; tolerances set 5x above that.
+TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (5e-3, 5e-2)}
 
 _R, _D = P(), P(DATA_AXIS)
 

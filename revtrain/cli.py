@@ -188,7 +188,9 @@ def _init_distributed(args) -> None:
             return  # single process
         if cluster == "jax":
             n, i = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
-            if n is not None and i is not None and (n < 1 or not 0 <= i < n):
+            if n is not None and n < 1:
+                raise UsageError(f"JAX_NUM_PROCESSES must be positive, got {n}")
+            if n is not None and i is not None and not 0 <= i < n:
                 raise UsageError(f"JAX_PROCESS_ID {i} is not in [0, {n})")
             kwargs = {k: v for k, v in (("num_processes", n), ("process_id", i)) if v is not None}
         where = f"{os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'} (from the {cluster} environment)"
@@ -201,8 +203,8 @@ def _init_distributed(args) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(**kwargs)
-    except ValueError as e:  # JAX found no process count / index / coordinator
-        raise UsageError(f"cannot start multi-host from the environment: {e} (set JAX_NUM_PROCESSES and "
+    except ValueError as e:  # JAX found no process count / index / coordinator in the environment
+        raise UsageError(f"cannot start multi-host from {where}: {str(e).strip()} (set JAX_NUM_PROCESSES and "
                          "JAX_PROCESS_ID, or pass --coordinator_address, --num_processes and --process_id)") from e
     except Exception as e:  # noqa: BLE001 (XlaRuntimeError and friends: coordinator unreachable, timeout)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

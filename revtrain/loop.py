@@ -234,6 +234,15 @@ def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
     return out
 
 
+def _agree_to_stop(local: bool, process_count: int) -> bool:
+    """Whether any process was asked to stop (multi-host: one tiny all-gather per step, so that every
+    process stops, saves and exits at the same step; a lone stop would leave the others in a collective)."""
+    if process_count == 1:
+        return local
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
+
+
 class _StopFlag:
     """Turns SIGTERM / SIGINT into a request to stop after the current step (then save and exit 0)."""
 
@@ -299,6 +308,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         t_start = t_last = time.time()
         step_last = ts.step
         skipped = 0
+        stopping = False
         with _StopFlag() as stop:
             while ts.step < cfg.steps:
                 batch = global_batch(next(data), run.mesh)
@@ -318,7 +328,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     continue
                 step = ts.step
                 final = step == cfg.steps
-                if logged or stop.signal:
+                stopping = _agree_to_stop(stop.signal is not None, pc)
+                if logged or stopping:
                     values = _sync_metrics(m)
                     if meter.active:
                         values["peak_device_bytes"] = meter.stop()
@@ -341,8 +352,9 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     checkpointer.save(ts, data, meta)
                 if cfg.eval_every and step % cfg.eval_every == 0 and not final:
                     _eval_and_write(run, ts, writer)
-                if stop.signal:
-                    metrics_lib.log(f"received signal {stop.signal}: saving step {step} and stopping")
+                if stopping:
+                    metrics_lib.log(f"received signal {stop.signal or 'on another process'}: saving step {step} "
+                                    "and stopping")
                     break
             checkpointer.save(ts, data, meta, force=True)
     except NonFiniteError as e:
@@ -354,7 +366,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
         writer.flush()
-    if ts.step == cfg.steps and not stop.signal:
+    if ts.step == cfg.steps and not stopping:
         _eval_and_write(run, ts, writer)
         metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
     writer.close()

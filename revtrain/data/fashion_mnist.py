@@ -297,8 +297,11 @@ class FashionMNISTTask:
     def train_iterator(self, batch_size: int, seed: int, shard_index: int, shard_count: int):
         """Endless shuffled batches of this process's share: a checkpointable Grain iterator.
 
-        Process ``shard_index`` of ``shard_count`` reads records ``shard_index::shard_count`` of 'train',
-        shuffled with ``seed`` and reshuffled every epoch; batches may straddle an epoch boundary.
+        Every process walks the same global order ('train' shuffled with ``seed``, reshuffled every epoch,
+        augmented per global position) cut into global batches of ``batch_size * shard_count``; process
+        ``shard_index`` reads only rows ``[shard_index * batch_size, (shard_index + 1) * batch_size)`` of
+        each, so the global batches do not depend on the number of processes. Batches may straddle an
+        epoch boundary.
 
         Returns:
           iterator of ``{'image': float32 [batch_size, 28, 28, 1], 'targets': int32 [batch_size]}``;
@@ -308,19 +311,21 @@ class FashionMNISTTask:
             raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index} and {shard_count}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        ds = grain.MapDataset.source(self.builder.as_data_source(split="train"))[shard_index::shard_count]
+        ds = grain.MapDataset.source(self.builder.as_data_source(split="train"))
         ds = ds.shuffle(seed=seed).repeat()
         if self.augment:
             shift = self.max_shift
             ds = ds.random_map(lambda ex, rng: augment_example(ex, rng, shift), seed=seed)
-        ds = ds.batch(batch_size, drop_remainder=True).map(_to_batch)
+        ds = ds.batch(batch_size, drop_remainder=True)[shard_index::shard_count].map(_to_batch)
         return iter(ds.to_iter_dataset(_READ_OPTIONS))
 
     def eval_batches(self, split: str, batch_size: int, max_batches: int | None, shard_index: int,
                      shard_count: int) -> Iterator[dict]:
         """One in-order pass over this process's share of ``split``, padded with weight-0 rows.
 
-        Every process yields ``ceil(ceil(N / shard_count) / batch_size)`` batches (at most ``max_batches``).
+        Global batches of ``batch_size * shard_count`` records in order; process ``shard_index`` reads rows
+        ``[shard_index * batch_size, (shard_index + 1) * batch_size)`` of each. Every process yields
+        ``ceil(N / (batch_size * shard_count))`` batches (at most ``max_batches``).
 
         Returns:
           iterator of ``{'image': float32 [B, 28, 28, 1], 'targets': int32 [B], 'weights': float32 [B]}``.
@@ -337,14 +342,15 @@ class FashionMNISTTask:
         if split not in self.builder.info.splits:
             raise ValueError(f"unknown split {split!r}; have {sorted(self.builder.info.splits)}")
         source = self.builder.as_data_source(split=split)
-        indices = range(shard_index, len(source), shard_count)
-        num_batches = -(-(-(-len(source) // shard_count)) // batch_size)  # same on every process
+        global_batch = batch_size * shard_count
+        num_batches = -(-len(source) // global_batch)  # same on every process
         if max_batches is not None:
             num_batches = min(num_batches, max_batches)
 
         def batches():
             for b in range(num_batches):
-                rows = list(indices[b * batch_size: (b + 1) * batch_size])
+                start = b * global_batch + shard_index * batch_size
+                rows = list(range(min(start, len(source)), min(start + batch_size, len(source))))
                 images = np.zeros((batch_size, *IMAGE_SHAPE), np.uint8)
                 targets = np.zeros((batch_size,), np.int32)
                 weights = np.zeros((batch_size,), np.float32)
