@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 PyTree = Any
@@ -103,6 +104,27 @@ def snap_to_grid(x: jax.Array, bits: int | None) -> jax.Array:
 @snap_to_grid.defjvp
 def _snap_to_grid_jvp(bits, primals, tangents):
     return snap_to_grid(primals[0], bits), tangents[0]
+
+
+def cross_entropy_sums(logits: jax.Array, batch: dict):
+    """Softmax cross-entropy summed over the local batch, for a head's ``loss``.
+
+    Args:
+      logits: float32 ``[..., C]`` (``[B, C]`` for a classifier, ``[B, T, C]`` for a language model).
+      batch: ``targets`` int32 ``logits.shape[:-1]``; optional ``weights`` float32 of the same shape
+        (0 for padding).
+
+    Returns:
+      ``(loss_sum, {"weight": sum of weights, "correct": weighted count of argmax hits})``, float32
+      scalars; the loss is in nats.
+    """
+    targets = batch["targets"]
+    weights = batch.get("weights")
+    if weights is None:
+        weights = jnp.ones(targets.shape, jnp.float32)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    return jnp.sum(loss * weights), {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
 
 
 class ReversibleCoupling(nnx.Module):

@@ -35,10 +35,9 @@ would amplify.
 from __future__ import annotations
 
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from revtrain.layers.base import ReversibleCoupling, snap_to_grid
+from revtrain.layers.base import ReversibleCoupling, cross_entropy_sums, snap_to_grid
 
 DATA_AXIS = "data"  # the trainers' mesh axis (revtrain.placement.DATA_AXIS); batch statistics average over it
 
@@ -136,12 +135,4 @@ class ClassifierHead(nnx.Module):
         return self.logits(jnp.mean(h, axis=(1, 2))).astype(jnp.float32)
 
     def loss(self, x, batch, *, keys, train):
-        logits = self(x, keys=keys, train=train)
-        targets = batch["targets"]
-        weights = batch.get("weights")
-        if weights is None:
-            weights = jnp.ones(targets.shape, jnp.float32)
-        example_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-        stats = {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
-        return jnp.sum(example_loss * weights), stats
+        return cross_entropy_sums(self(x, keys=keys, train=train), batch)

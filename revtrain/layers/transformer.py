@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from revtrain.layers.base import ReversibleCoupling, dropout, snap_to_grid  # noqa: F401 (ReversibleCoupling re-exported)
+from revtrain.layers.base import ReversibleCoupling, cross_entropy_sums, dropout, snap_to_grid  # noqa: F401 (ReversibleCoupling re-exported)
 
 
 class ByteEmbedding(nnx.Module):
@@ -113,12 +112,4 @@ class LanguageModelHead(nnx.Module):
         return self.logits(self.norm(jnp.concatenate(x, axis=-1))).astype(jnp.float32)
 
     def loss(self, x, batch, *, keys, train):
-        logits = self(x, keys=keys, train=train)
-        targets = batch["targets"]
-        weights = batch.get("weights")
-        if weights is None:
-            weights = jnp.ones(targets.shape, jnp.float32)
-        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-        correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
-        stats = {"weight": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
-        return jnp.sum(token_loss * weights), stats
+        return cross_entropy_sums(self(x, keys=keys, train=train), batch)
