@@ -25,7 +25,6 @@ data: venv
 
 train: data
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) $(GIN)
-	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
 
 eval: venv
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
