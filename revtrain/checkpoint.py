@@ -22,8 +22,12 @@ process is at the same global batch).
 from __future__ import annotations
 
 import dataclasses
+import errno
+import glob
 import json
 import os
+import re
+import shutil
 import sys
 
 import grain
@@ -35,6 +39,42 @@ from revtrain.trainers.common import TrainState
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit the current model."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota, permissions, I/O error).
+
+    ``step`` is the step whose save failed; the checkpoints written before it are untouched (Orbax only
+    renames a checkpoint into place once every file of it is written, and deletes old ones after that).
+    """
+
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"cannot write the checkpoint at step {step}: {reason}")
+        self.step = step
+
+
+# errno values whose message the OS error of a failed write carries (tensorstore reports them inside a
+# ValueError's text as "[os_error_code='28']").
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EIO)
+
+
+def write_failure_reason(e: BaseException) -> str:
+    """A short human reason for a failed write: the OS error's message when one is found anywhere in the
+    exception chain (``OSError.errno``, or tensorstore's ``os_error_code='N'``), else the first line."""
+    return _os_reason(e) or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def _os_reason(e: BaseException | None) -> str | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+            return os.strerror(e.errno)
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        if m:
+            return os.strerror(int(m.group(1)))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class DataHandler(grain.checkpoint.CheckpointHandler):
@@ -78,11 +118,11 @@ class DataRestore(grain.checkpoint.CheckpointRestore):
 
 
 def _ignore_late_tensorstore_callbacks() -> None:
-    """Keeps a failed restore to one error line.
+    """Keeps a failed restore or save to one error line.
 
-    When one array of a restore fails, Orbax's asyncio loop ends while tensorstore reads of other arrays are
-    still in flight; as each finishes, tensorstore calls ``loop.call_soon_threadsafe`` on the closed loop and
-    reports the resulting ``RuntimeError('Event loop is closed')`` as unraisable (``sys.unraisablehook``,
+    When one array of a restore (or save) fails, Orbax's asyncio loop ends while tensorstore reads (writes)
+    of other arrays are still in flight; as each finishes, tensorstore calls ``loop.call_soon_threadsafe``
+    on the closed loop and reports the resulting ``RuntimeError('Event loop is closed')`` as unraisable (``sys.unraisablehook``,
     from its own threads, at any moment, even before Orbax raises). Those errors are harmless: drop
     exactly them.
     """
@@ -106,6 +146,10 @@ def _tree(ts: TrainState) -> dict:
 class Checkpointer:
     """Saves and restores `TrainState` + data-iterator position under ``<workdir>/checkpoints``.
 
+    A save that fails (disk full, quota, I/O error) raises `CheckpointWriteError` from ``save`` (a failure
+    of the save itself, or of the previous asynchronous one), ``wait`` or ``close``, after deleting the
+    failed save's temporary directory; the checkpoints written before it are kept.
+
     Args:
       workdir: the run directory (relative paths are made absolute: Orbax needs absolute paths).
       keep: number of newest checkpoints to keep (``None`` keeps all).
@@ -119,10 +163,23 @@ class Checkpointer:
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period,
                                                enable_async_checkpointing=async_save, read_only=read_only,
-                                               create=not read_only)
+                                               create=not read_only, cleanup_tmp_directories=not read_only)
         handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                     "data": DataHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        _ignore_late_tensorstore_callbacks()  # a failed save or restore: one error line
+        self._in_flight: int | None = None  # step of the newest save not known to be complete
+        self.failed: CheckpointWriteError | None = None
+
+    def _write_failed(self, step: int, e: BaseException) -> CheckpointWriteError:
+        """Records a failed save of ``step`` and deletes its temporary directory (process 0; frees the
+        space the partial checkpoint took). Returns the error to raise."""
+        self._in_flight = None
+        if jax.process_index() == 0:
+            for path in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
+                shutil.rmtree(path, ignore_errors=True)
+        self.failed = CheckpointWriteError(step, write_failure_reason(e))
+        return self.failed
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
@@ -132,11 +189,22 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, ts: TrainState, data_iterator, meta: dict, *, force: bool = False) -> bool:
-        """Starts saving ``ts`` at step ``ts.step`` (asynchronously); returns whether a save started."""
+        """Starts saving ``ts`` at step ``ts.step`` (asynchronously); returns whether a save started.
+
+        Raises:
+          CheckpointWriteError: this save, or the previous asynchronous one, could not be written.
+        """
+        self.wait()
         args = {"state": ocp.args.StandardSave(_tree(ts)), "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
         if data_iterator is not None:
             args["data"] = DataSave(data_iterator)
-        return self._manager.save(ts.step, args=ocp.args.Composite(**args), force=force)
+        try:
+            started = self._manager.save(ts.step, args=ocp.args.Composite(**args), force=force)
+        except Exception as e:  # noqa: BLE001 (Orbax and tensorstore raise many types for a failed write)
+            raise self._write_failed(ts.step, e) from e
+        if started:
+            self._in_flight = ts.step
+        return started
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None) -> TrainState:
         """Restores the checkpoint of ``step`` (default: newest) into the shapes and placements of
@@ -153,7 +221,6 @@ class Checkpointer:
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             args["data"] = DataRestore(data_iterator)
-        _ignore_late_tensorstore_callbacks()  # before: they can print before the error reaches us
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
@@ -167,9 +234,33 @@ class Checkpointer:
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def wait(self) -> None:
-        """Blocks until every started save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until every started save is complete on disk.
+
+        Raises:
+          CheckpointWriteError: the save in flight could not be written.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            step = self._in_flight if self._in_flight is not None else getattr(self.failed, "step", -1)
+            raise self._write_failed(step, e) from e
+        self._in_flight = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the save in flight and releases Orbax's threads.
+
+        Raises:
+          CheckpointWriteError: the save in flight could not be written (not raised again when a failure
+            was already raised).
+        """
+        already = self.failed
+        try:
+            self.wait()
+        except CheckpointWriteError:
+            if already is None:
+                raise
+        try:
+            self._manager.close()
+        except Exception:  # noqa: BLE001 (a failed save is re-raised by Orbax on close; already reported)
+            if self.failed is None:
+                raise

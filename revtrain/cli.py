@@ -4,6 +4,7 @@
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
   revtrain eval  --workdir DIR [--step N | --all] [--gin ...] [--verbose]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
+  revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
 
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
 stderr; other failures exit 1 with one line. ``--verbose`` shows tracebacks and library logs.
@@ -47,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
             g = s.add_mutually_exclusive_group()
             g.add_argument("--step", type=int, help="score this checkpoint step")
             g.add_argument("--all", action="store_true", help="score every kept checkpoint not yet scored")
+        if name == "check":
+            s.add_argument("--step", type=int, help="with --workdir: check this checkpoint step (default: newest)")
     return p
 
 
@@ -75,15 +78,47 @@ def _quiet_libraries(verbose: bool) -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="tensorflow_datasets")
     from absl import logging as absl_logging
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    # FATAL, not ERROR: Orbax logs a failed asynchronous save (e.g. disk full) as several ERROR records with
+    # tracebacks from its threads; revtrain reports that failure itself, in one line.
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    _drop_library_thread_write_errors()
     import logging
     logging.getLogger("jax").setLevel(logging.ERROR)
     logging.getLogger("orbax").setLevel(logging.ERROR)
+    # Orbax's write tasks that fail together after one failed write (disk full) end up as asyncio's
+    # "Task exception was never retrieved" records; revtrain reports the failure itself.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     try:
         import tensorflow_datasets as tfds
         tfds.disable_progress_bar()
     except ImportError:
         pass
+
+
+def _drop_library_thread_write_errors() -> None:
+    """Keeps a failed write (disk full, quota, read-only file system) to revtrain's one error line.
+
+    Library threads that write files (tensorboardX's event writer, Orbax's savers) report such an
+    ``OSError`` through ``threading.excepthook`` / ``sys.unraisablehook`` (and tensorboardX retries at
+    exit); the main thread meets the same error and reports it once. Other exceptions still print.
+    """
+    import errno
+    import threading
+    quiet = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+    if getattr(threading.excepthook, "_revtrain", False):
+        return
+    previous_thread, previous_unraisable = threading.excepthook, sys.unraisablehook
+
+    def thread_hook(args):
+        if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in quiet):
+            previous_thread(args)
+
+    def unraisable_hook(unraisable):
+        if not (isinstance(unraisable.exc_value, OSError) and unraisable.exc_value.errno in quiet):
+            previous_unraisable(unraisable)
+
+    thread_hook._revtrain = True
+    threading.excepthook, sys.unraisablehook = thread_hook, unraisable_hook
 
 
 def _env_int(name: str) -> int | None:
@@ -270,8 +305,18 @@ def _run(args) -> int:
         return 0
     if args.command == "check":
         from revtrain import check  # noqa: F401  (registers check.*)
-        _parse_gin(args.config, args.gin)
-        return check.run_check()
+        configs = list(args.config)
+        if args.workdir is not None:
+            config = os.path.join(args.workdir, "config.gin")
+            if not os.path.isfile(config):
+                raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+            configs.insert(0, config)
+        elif not configs:
+            raise UsageError("check needs --config FILE (a model to check) or --workdir DIR (a run's checkpoint)")
+        elif args.step is not None:
+            raise UsageError("--step needs --workdir")
+        _parse_gin(configs, args.gin)
+        return check.run_check(workdir=args.workdir, step=args.step)
     del gin
     raise UsageError(f"unknown command {args.command}")
 
@@ -294,16 +339,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _classify(e: Exception) -> tuple[int, str]:
-    from revtrain.checkpoint import CheckpointError
+    from revtrain.checkpoint import CheckpointError, CheckpointWriteError
     from revtrain.data.byte_lm import DataError
-    from revtrain.loop import ConfigError
+    from revtrain.loop import ConfigError, WriteFailed
+    from revtrain.metrics import MetricsWriteError
     from revtrain.trainers.common import TrainerError
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError)):
         return EXIT_USAGE, first
     if isinstance(e, PermissionError):
         return EXIT_USAGE, f"cannot write: {first}"
-    if isinstance(e, FloatingPointError):
+    if isinstance(e, (FloatingPointError, WriteFailed, CheckpointWriteError, MetricsWriteError)):
         return EXIT_FAILURE, first
     return EXIT_FAILURE, f"{type(e).__name__}: {first} (run with --verbose for the traceback)"
 

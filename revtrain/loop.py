@@ -36,6 +36,11 @@ class TrainingStopped(FloatingPointError):
     """Training stopped on a non-finite loss or gradient (reported as one line, exit status 1)."""
 
 
+class WriteFailed(RuntimeError):
+    """Training stopped because a checkpoint or metrics file could not be written, e.g. the disk is full
+    (reported as one line naming the newest checkpoint, which is kept; exit status 1)."""
+
+
 @gin.configurable("train")
 @dataclasses.dataclass
 class TrainConfig:
@@ -306,7 +311,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         meter = trainer.meter = MemoryMeter()
         last: dict = {}
         t_start = t_last = time.time()
-        step_last = ts.step
+        step_last = resumed_or_zero = ts.step
         skipped = 0
         stopping = False
         with _StopFlag() as stop:
@@ -328,6 +333,9 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     continue
                 step = ts.step
                 final = step == cfg.steps
+                if step == resumed_or_zero + 1 and not logged:
+                    # The first step compiled every program: leave it out of the first rate.
+                    t_last, step_last = time.time(), step
                 stopping = _agree_to_stop(stop.signal is not None, pc)
                 if logged or stopping:
                     values = _sync_metrics(m)
@@ -357,12 +365,14 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                                     "and stopping")
                     break
             checkpointer.save(ts, data, meta, force=True)
+            checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
     except NonFiniteError as e:
-        checkpointer.wait()
-        newest = checkpointer.latest_step()
-        kept = f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint was written"
-        raise TrainingStopped(f"{e}: training stopped, {kept}; train.skip_nonfinite_steps = N skips up to N such "
-                              "steps") from None
+        raise TrainingStopped(f"{e}: training stopped, {_kept(checkpointer)}; train.skip_nonfinite_steps = N "
+                              "skips up to N such steps") from None
+    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError) as e:
+        writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
+        raise WriteFailed(f"{e}; training stopped, {_kept(checkpointer)}; free space (or fix the file system) "
+                          "and rerun the same command to resume") from None
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
         writer.flush()
@@ -371,6 +381,16 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
     writer.close()
     return last
+
+
+def _kept(checkpointer: ckpt_lib.Checkpointer) -> str:
+    """Which checkpoint a stopped run leaves (after the save in flight, if any, finished or failed)."""
+    try:
+        checkpointer.wait()
+    except ckpt_lib.CheckpointWriteError:
+        pass
+    newest = checkpointer.latest_step()
+    return f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint was written"
 
 
 def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) -> dict:

@@ -15,6 +15,22 @@ import sys
 import jax
 
 
+class MetricsWriteError(OSError):
+    """A metrics file could not be written (disk full, quota, I/O error)."""
+
+
+def _drop_partial_line(path: str) -> None:
+    """Cuts a last line that a failed write (disk full, kill) left without its newline, so that appended
+    records stay one JSON object a line."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
+
+
 def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -36,6 +52,8 @@ class MetricWriter:
         self.tb_dir = os.path.join(workdir, "tensorboard")
         if enabled:
             os.makedirs(self.metrics_dir, exist_ok=True)
+            for kind in ("train", "eval"):
+                _drop_partial_line(os.path.join(self.metrics_dir, f"{kind}.jsonl"))
 
     def _board(self):
         if self._tb is None:
@@ -44,25 +62,58 @@ class MetricWriter:
         return self._tb
 
     def write(self, kind: str, step: int, values: dict) -> None:
-        """Appends ``{"step": step, **values}`` to ``metrics/<kind>.jsonl`` and numeric values to TensorBoard."""
+        """Appends ``{"step": step, **values}`` to ``metrics/<kind>.jsonl`` and numeric values to TensorBoard.
+
+        Raises:
+          MetricsWriteError: the file system refused the write (the message names the file).
+        """
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _clean(v) for k, v in values.items()}}
-        with open(os.path.join(self.metrics_dir, f"{kind}.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        path = os.path.join(self.metrics_dir, f"{kind}.jsonl")
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise MetricsWriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
         board = self._board()
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 board.add_scalar(f"{kind}/{k}", v, int(step))
 
     def flush(self) -> None:
+        """Writes buffered TensorBoard events. Raises `MetricsWriteError` when the file system refuses."""
         if self._tb is not None:
-            self._tb.flush()
+            try:
+                self._tb.flush()
+            except OSError as e:
+                raise MetricsWriteError(e.errno, f"cannot write {self.tb_dir}: {e.strerror or e}") from e
 
     def close(self) -> None:
+        """Flushes and closes TensorBoard's event file (see `flush` for errors)."""
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            try:
+                tb.close()
+            except OSError as e:
+                raise MetricsWriteError(e.errno, f"cannot write {self.tb_dir}: {e.strerror or e}") from e
+
+    def abandon(self) -> None:
+        """Drops TensorBoard's buffered events without writing them (after a failed write: the disk is
+        full, and tensorboardX would otherwise retry from a background thread and at exit)."""
+        if self._tb is not None:
+            tb, self._tb = self._tb, None
+            for writer in (tb.all_writers or {}).values():
+                events = writer.event_writer
+                # tensorboardX has no public discard: stop its writer thread here (it writes what is
+                # queued, fails on the full disk and ends), then mark the writer closed so that neither
+                # close() nor its exit handler tries to flush again.
+                worker = events._worker  # noqa: SLF001
+                if worker is not None and worker.is_alive():
+                    events._event_queue.put(worker._shutdown_signal)  # noqa: SLF001
+                    worker.join(timeout=10)
+                events._closed = True  # noqa: SLF001
+            tb.close()
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -70,7 +121,9 @@ def read_jsonl(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = f.read().split("\n")
+    # A last line without its newline was cut short by a failed write: not a record.
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def _duration(seconds: float) -> str:

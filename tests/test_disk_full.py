@@ -1,0 +1,68 @@
+"""Disk full during a checkpoint: one error line, exit 1, the previous checkpoint survives, resume works."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs" / "enwik_small.gin")
+DRIVER = str(REPO / "tests" / "_write_failure.py")
+ARGS = ["train", "--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 3",
+        "--gin", "ReversibleTransformerLM.d_model = 32", "--gin", "train.batch_size = 8", "--gin", "STEPS = 6",
+        "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "train.checkpoint_every = 1",
+        "--gin", "evaluate.max_batches = 1"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _private_tmpfs_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("mode", ["enospc", "efbig"])
+def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, mode):
+    result = tmp_path / "result.json"
+    if mode == "enospc":
+        # A real full disk: a 64 MiB tmpfs in a private mount namespace (nothing outside this test sees it).
+        if not _private_tmpfs_works():
+            pytest.skip("unshare -rm / mount -t tmpfs not permitted here (the efbig case covers the path)")
+        mnt = tmp_path / "mnt"
+        mnt.mkdir()
+        workdir = mnt / "run"
+        script = f'mount -t tmpfs -o size=64m tmpfs "{mnt}" && exec "$@"'
+        cmd = ["unshare", "-rm", "sh", "-c", script, "sh", sys.executable, DRIVER, "drive-enospc",
+               str(mnt / "filler"), str(result), "--", *ARGS, "--workdir", str(workdir)]
+    else:
+        workdir = tmp_path / "run"
+        cmd = [sys.executable, DRIVER, "drive-efbig", str(result), "--", *ARGS, "--workdir", str(workdir)]
+    subprocess.run(cmd, check=True, env=_env(), timeout=900)
+    r = json.loads(result.read_text())
+
+    # The failing run: exit 1, one line naming the failed step, the reason and the kept checkpoint.
+    lines = [l for l in r["first_stderr"].splitlines() if l.startswith("revtrain: error:")]
+    assert r["first_rc"] == 1, r["first_stderr"]
+    assert len(lines) == 1 and "Traceback" not in r["first_stderr"], r["first_stderr"]
+    reason = "No space left on device" if mode == "enospc" else "File too large"
+    assert "cannot write the checkpoint at step 2: " + reason in lines[0], lines[0]
+    assert "the newest checkpoint (step 1) is kept" in lines[0], lines[0]
+    assert r["after_failure"] == ["1"]  # step 1 intact, no half-written step 2 left behind
+    assert r["jsonl_parses"]
+
+    # Space freed: the same command resumes from step 1 and finishes.
+    assert r["second_rc"] == 0, r["second_stderr"]
+    assert "resumed from checkpoint at step 1" in r["second_stderr"]
+    assert r["after_resume"][-1] == "6"
+    assert r["logged_steps"][-5:] == [2, 3, 4, 5, 6]
