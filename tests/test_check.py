@@ -108,3 +108,28 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], lines
     assert blocker.read_text() == "not a directory"
+
+
+def test_check_a_trained_checkpoint_on_two_devices(tmp_path):
+    assert _train(tmp_path).returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    cmd = [sys.executable, "-m", "revtrain", "check", "--workdir", str(tmp_path / "run")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"checkpoint at step 6 of {tmp_path / 'run'}" in out and "on 2 device(s)" in out, out
+    rows = [l.split() for l in out.splitlines() if l.startswith("block_")]
+    assert len(rows) == 3
+    for row in rows:  # float32 columns: within 1e-5 and measured (not '-')
+        assert all(float(v) <= 1e-5 for v in row[2:4]), row
+    assert "PASS: compute dtype float32" in out
+
+    missing = subprocess.run(cmd + ["--step", "3"], capture_output=True, text=True, env=env, timeout=300)
+    lines = missing.stderr.strip().splitlines()
+    assert missing.returncode == 2 and len(lines) == 1, missing.stderr
+    assert "no checkpoint for step 3" in lines[0] and "(have 6)" in lines[0], lines
+
+
+def test_check_needs_a_config_or_a_workdir(capsys):
+    assert cli.main(["check"]) == 2
+    assert "check needs --config FILE" in capsys.readouterr().err
