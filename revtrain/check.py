@@ -33,20 +33,22 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
-from revtrain.trainers.common import batch_size_of, example_keys, per_device, step_key
+from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
-# same dtype. float32: the issue's 1e-5. Measured on the default model (6 blocks, d_model 128): at
-# initialisation rebuild <= 7e-7 and gradients <= 2e-7; on its trained 700-step checkpoint rebuild <= 5.1e-6
-# and gradients <= 3.8e-6 (trained F and G outputs are larger, and XLA compiles F and G a little differently
-# in the forward and the rebuild programs, so the fixed-point grid no longer makes every rebuild exact).
-# bfloat16 compute with float32 residual streams: the same compilation differences round in bfloat16, and
-# the error grows about 1.5x a layer going down. Measured: at initialisation rebuild <= 1e-3,
-# gradients <= 1.4e-2; on trained checkpoints (300 steps in bfloat16; 700 steps in float32) rebuild <= 2.5e-2,
-# gradients <= 4.1e-2. At that drift reversible and ordinary backprop in bfloat16 reach the same validation
-# loss (300 steps: 3.5746 vs 3.5731 bits per byte; float32: 3.5738), so the tolerances are set 2x above the trained worst case.
-TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (5e-2, 1e-1)}
+# same dtype. float32: the issue's 1e-5 for both. Measured on the default model (6 blocks, d_model 128),
+# float32: rebuild 0.0 at initialisation and on a checkpoint trained 300 steps in bfloat16, <= 1.6e-6 on
+# the 700-step float32 checkpoint (its top stream reaches 20, beyond the grid's exact range of 16, and the
+# rounding there is carried down); gradients <= 3.8e-6. bfloat16 compute (float32 weights, optimizer
+# state and residual streams): the streams are float32 and the rebuild is as exact as in float32 (0.0,
+# 0.0 and <= 2.3e-7 on the same three), so the rebuild tolerance is float32's. Gradients differ by up to
+# 3.4e-2 from whole-model backprop, but that is bfloat16 itself, not reversibility: ordinary backprop run
+# one layer at a time (``check.layers_per_chunk = 1``) differs from whole-model backprop by the same
+# amounts, layer for layer (2.2e-2 on the bfloat16 checkpoint, 3.4e-2 on the float32 one; two layers at a
+# time: 3.9e-2), and the reversible trainer's gradients equal that layer-at-a-time backprop bit for bit.
+# Gradient tolerance 1e-1, 2.5x above the worst measured.
+TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1e-5, 1e-1)}
 
 _R, _D = P(), P(DATA_AXIS)
 
@@ -70,7 +72,8 @@ class _Checker:
         self.skey = step_key(seed, 0)
 
     def _sharded(self, fn, in_specs, out_specs):
-        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs))
+        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
+                       compiler_options=XLA_OPTIONS)
 
     def _keys(self, i, x):
         return example_keys(self.skey, i, batch_size_of(x))
@@ -261,12 +264,18 @@ def _fmt(v) -> str:
 def _worst(rows, dtype: str):
     """(ratio to tolerance, layer name, description) of the row furthest from ``dtype``'s tolerance."""
     tol_rebuild, tol_grad = TOLERANCE.get(dtype, TOLERANCE["float32"])
-    worst = (0.0, None, None)
+    worst = (-1.0, None, None)  # the first measured value wins even when every difference is 0
     for name, _, rebuild, gdiff in rows:
         for value, tol, what in ((rebuild, tol_rebuild, "rebuild error"), (gdiff, tol_grad, "gradient difference")):
             if value is not None and (not np.isfinite(value) or value / tol > worst[0]):
                 worst = (value / tol if np.isfinite(value) else float("inf"), name, f"{what} {value:.1e}")
     return worst
+
+
+def _worst_text(ratio: float, name, what) -> str:
+    if ratio == 0.0:
+        return "every layer bit-identical to backprop"
+    return f"worst layer {name} ({what})"
 
 
 def _report(results: dict, base: str, out) -> int:
@@ -287,10 +296,10 @@ def _report(results: dict, base: str, out) -> int:
         ratio, name, what = _worst(results[other], other)
         tol_rebuild, tol_grad = TOLERANCE[other]
         print(f"(for comparison: compute dtype {other} would be {'within' if ratio <= 1 else 'OUTSIDE'} its "
-              f"tolerance {tol_rebuild:.0e} / {tol_grad:.0e}; worst layer {name} ({what}))", file=out)
+              f"tolerance {tol_rebuild:.0e} / {tol_grad:.0e}; {_worst_text(ratio, name, what)})", file=out)
     ratio, name, what = _worst(rows, base)
     tol_rebuild, tol_grad = TOLERANCE.get(base, TOLERANCE["float32"])
     ok = ratio <= 1.0
     print(f"{'PASS' if ok else 'FAIL'}: compute dtype {base}, tolerance {tol_rebuild:.0e} (rebuild) / "
-          f"{tol_grad:.0e} (gradient); worst layer {name} ({what})", file=out)
+          f"{tol_grad:.0e} (gradient); {_worst_text(ratio, name, what)}", file=out)
     return 0 if ok else 1

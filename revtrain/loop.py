@@ -281,8 +281,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     when ``checkpoints/`` has one.
     """
     workdir = os.path.abspath(workdir)
+    run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
     _writable(workdir)
-    run = build(cfg)
     cfg, trainer = run.cfg, run.trainer
     writer_enabled = jax.process_index() == 0
     writer = metrics_lib.MetricWriter(workdir, enabled=writer_enabled)

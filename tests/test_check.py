@@ -108,6 +108,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], lines
     assert blocker.read_text() == "not a directory"
+    assert not (tmp_path / "w").exists()  # found before anything was written
 
 
 def test_check_a_trained_checkpoint_on_two_devices(tmp_path):

@@ -9,7 +9,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import (TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of, check_batch,
+from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of, check_batch,
                                       check_finite, guarded_update,
                                       example_keys, per_device, step_key)
 
@@ -75,7 +75,8 @@ class StandardTrainer(TrainerBase):
             mapped = jax.shard_map(self._step, mesh=self.mesh,
                                    in_specs=(P(), P(), P(), P(DATA_AXIS), P()),
                                    out_specs=(P(), P(), P(), P(), P()))
-            self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1)), self)
+            self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS),
+                                            self)
         params, opt, states, metrics, finite = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state,
                                                                    batch, step_key(self.seed, ts.step))
         new_ts = TrainState(ts.step + 1, params, [opt], states)
