@@ -336,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         code, line = _classify(e)
         print(f"revtrain: error: {line}", file=sys.stderr)
         return code
+    finally:
+        # A command's gin bindings end with it (main() may run several commands in one process).
+        if "gin" in sys.modules:
+            sys.modules["gin"].clear_config()
 
 
 def _classify(e: Exception) -> tuple[int, str]:

@@ -16,17 +16,33 @@ import jax
 
 
 class MetricsWriteError(OSError):
-    """A metrics file could not be written (disk full, quota, I/O error)."""
+    """A metrics file could not be written (disk full, quota, I/O error); ``errno`` is the OS error's."""
+
+    def __str__(self):
+        return self.strerror or super().__str__()
 
 
 def _drop_partial_line(path: str) -> None:
     """Cuts a last line that a failed write (disk full, kill) left without its newline, so that appended
-    records stay one JSON object a line."""
+    records stay one JSON object a line. Reads only the file's tail."""
     try:
         with open(path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
+            end = f.seek(0, os.SEEK_END)
+            if end == 0:
+                return
+            f.seek(end - 1)
+            if f.read(1) == b"\n":
+                return
+            pos = end
+            while pos > 0:
+                start = max(0, pos - (1 << 16))
+                f.seek(start)
+                cut = f.read(pos - start).rfind(b"\n")
+                if cut >= 0:
+                    f.truncate(start + cut + 1)
+                    return
+                pos = start
+            f.truncate(0)
     except FileNotFoundError:
         pass
 

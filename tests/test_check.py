@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -134,3 +135,27 @@ def test_check_a_trained_checkpoint_on_two_devices(tmp_path):
 def test_check_needs_a_config_or_a_workdir(capsys):
     assert cli.main(["check"]) == 2
     assert "check needs --config FILE" in capsys.readouterr().err
+
+
+def test_check_a_hot_trained_bfloat16_model_and_the_grid_range_note(tmp_path, capsys):
+    """After 40 steps at a high learning rate the streams reach ~45: inside the default grid's exact range
+    (64, grid_bits 18) the bfloat16 rebuild is exact and the gradients equal layer-at-a-time backprop bit
+    for bit; with grid_bits 20 (range 16) the rebuild rounds and check fails, saying which grid fits."""
+    result = _train(tmp_path, "--gin", "ReversibleTransformerLM.num_layers = 4", "--gin",
+                    "ReversibleTransformerLM.d_model = 64", "--gin", "STEPS = 40", "--gin",
+                    "train.learning_rate = 1e-2", "--gin", "ReversibleTransformerLM.compute_dtype = 'bfloat16'")
+    assert result.returncode == 0, result.stderr
+    workdir = str(tmp_path / "run")
+
+    assert cli.main(["check", "--workdir", workdir, "--gin", "check.layers_per_chunk = 1"]) == 0
+    out = capsys.readouterr().out
+    rows = [l.split() for l in out.splitlines() if l.startswith("block_")]
+    assert len(rows) == 4 and all(r[2] == "0.0e+00" and r[4] == "0.0e+00" for r in rows), out
+    assert "PASS: compute dtype bfloat16" in out and "every layer bit-identical to backprop" in out, out
+
+    assert cli.main(["check", "--workdir", workdir, "--gin", "ReversibleTransformerLM.grid_bits = 20"]) == 1
+    out = capsys.readouterr().out
+    m = re.search(r"note: the residual streams reach ([\d.]+) in magnitude, beyond the exact range 16 .*"
+                  r"grid_bits <= (\d+) \(range (\d+)\)", out)
+    assert m and float(m.group(1)) > 16 and int(m.group(3)) == 2 ** (24 - int(m.group(2))) > float(m.group(1)), out
+    assert "FAIL: compute dtype bfloat16" in out

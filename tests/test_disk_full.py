@@ -66,3 +66,16 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, 
     assert "resumed from checkpoint at step 1" in r["second_stderr"]
     assert r["after_resume"][-1] == "6"
     assert r["logged_steps"][-5:] == [2, 3, 4, 5, 6]
+
+
+def test_a_record_cut_short_by_a_failed_write_is_dropped_on_resume(tmp_path):
+    from revtrain import metrics
+    path = tmp_path / "metrics" / "train.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert [r["step"] for r in metrics.read_jsonl(str(path))] == [1]  # the partial record is not one
+    writer = metrics.MetricWriter(str(tmp_path))  # a resumed run's writer cuts it off
+    assert path.read_bytes() == b'{"step": 1, "loss": 2.0}\n'
+    writer.write("train", 2, {"loss": 1.5})
+    writer.close()
+    assert [r["step"] for r in metrics.read_jsonl(str(path))] == [1, 2]

@@ -19,7 +19,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: int = 256, num_layers: int = 6,
                             d_model: int = 128, num_heads: int = 4, d_ff: int | None = None,
                             dropout_rate: float = 0.1, compute_dtype: str = "float32",
-                            grid_bits: int | None = 20) -> Model:
+                            grid_bits: int | None = 18) -> Model:
     """Builds the reversible Transformer LM as a layer list.
 
     Layers: ``ByteEmbedding`` (standard; int32 ``[B, T]`` -> two float32 ``[B, T, d_model]`` streams),
@@ -40,8 +40,10 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         residual streams stay float32.
       grid_bits: the embedding output and every F / G output are rounded to multiples of ``2**-grid_bits``
         so that the couplings are exactly invertible in float32 while the streams stay below
-        ``2**(24 - grid_bits)`` in magnitude (16 for the default 20); None turns the rounding off (the
-        rebuild is then exact only up to float rounding). See ``revtrain.layers.snap_to_grid``.
+        ``2**(24 - grid_bits)`` in magnitude (64 for the default 18: the default model's streams reach
+        20 after training, beyond the 16 of grid_bits 20); None turns the rounding off (the rebuild is then
+        exact only up to float rounding). ``revtrain check`` reports streams beyond the range. See
+        ``revtrain.layers.snap_to_grid``.
 
     Raises:
       ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 60], or ``d_model``
