@@ -77,6 +77,17 @@ def _os_reason(e: BaseException | None) -> str | None:
     return None
 
 
+def _uncommitted_reason(directory: str) -> str:
+    """Why a save that Orbax did not commit failed, as far as the file system tells."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if free is not None and free < (1 << 20):
+        return os.strerror(errno.ENOSPC)
+    return "Orbax did not commit it (run with --verbose for its log)"
+
+
 class DataHandler(grain.checkpoint.CheckpointHandler):
     """Grain's iterator handler (one ``process_<i>-of-<n>.json`` per process) that also restores a checkpoint
     written by a different number of processes when all of them saved the same position.
@@ -171,14 +182,20 @@ class Checkpointer:
         self._in_flight: int | None = None  # step of the newest save not known to be complete
         self.failed: CheckpointWriteError | None = None
 
-    def _write_failed(self, step: int, e: BaseException) -> CheckpointWriteError:
+    def _write_failed(self, step: int, cause: BaseException | str) -> CheckpointWriteError:
         """Records a failed save of ``step`` and deletes its temporary directory (process 0; frees the
-        space the partial checkpoint took). Returns the error to raise."""
+        space the partial checkpoint took), then re-reads the list of complete steps from disk (Orbax may
+        still count the failed one). Returns the error to raise."""
         self._in_flight = None
         if jax.process_index() == 0:
             for path in glob.glob(os.path.join(self.directory, f"{step}.orbax-checkpoint-tmp*")):
                 shutil.rmtree(path, ignore_errors=True)
-        self.failed = CheckpointWriteError(step, write_failure_reason(e))
+        try:
+            self._manager.reload()
+        except Exception:  # noqa: BLE001 (the listing stays Orbax's; the failure is what gets reported)
+            pass
+        reason = cause if isinstance(cause, str) else write_failure_reason(cause)
+        self.failed = CheckpointWriteError(step, reason)
         return self.failed
 
     def steps(self) -> list[int]:
@@ -244,7 +261,12 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             step = self._in_flight if self._in_flight is not None else getattr(self.failed, "step", -1)
             raise self._write_failed(step, e) from e
-        self._in_flight = None
+        step, self._in_flight = self._in_flight, None
+        # Orbax can also give up on a save without raising: when a write fails late, it logs "Skipping
+        # finalization of step checkpoint" and leaves the step in its temporary directory. A save is done
+        # only when its step directory exists.
+        if step is not None and not os.path.isdir(os.path.join(self.directory, str(step))):
+            raise self._write_failed(step, _uncommitted_reason(self.directory))
 
     def close(self) -> None:
         """Waits for the save in flight and releases Orbax's threads.

@@ -366,6 +366,10 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     break
             checkpointer.save(ts, data, meta, force=True)
             checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
+        if ts.step == cfg.steps and not stopping:
+            _eval_and_write(run, ts, writer)
+            metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
+        writer.close()
     except NonFiniteError as e:
         raise TrainingStopped(f"{e}: training stopped, {_kept(checkpointer)}; train.skip_nonfinite_steps = N "
                               "skips up to N such steps") from None
@@ -375,11 +379,10 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                           "and rerun the same command to resume") from None
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
-        writer.flush()
-    if ts.step == cfg.steps and not stopping:
-        _eval_and_write(run, ts, writer)
-        metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
-    writer.close()
+        try:
+            writer.flush()  # the events of a run stopped by another error (closed already after success)
+        except metrics_lib.MetricsWriteError:
+            pass  # an error is already on its way out; this one would only hide it
     return last
 
 

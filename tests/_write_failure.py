@@ -3,16 +3,20 @@
 Used by tests/test_disk_full.py, as a separate process (it may run inside a private mount namespace).
 
   python tests/_write_failure.py drive-enospc FILLER RESULT_JSON -- TRAIN_ARGS...
-  python tests/_write_failure.py drive-efbig RESULT_JSON -- TRAIN_ARGS...
+  python tests/_write_failure.py drive-efbig RESULT_JSON -- TRAIN_ARGS...   (or drive-silent)
 
 Roles:
   ``child-enospc FILLER``: inside ``revtrain train``, just before the second checkpoint save (after the
     first one is complete on disk), write FILLER until the file system reports ENOSPC: a real full disk.
   ``child-efbig``: same moment, lower RLIMIT_FSIZE to 16 KiB (SIGXFSZ ignored), so that the kernel fails
     every write past 16 KiB of a file with EFBIG (a file system refusing writes, without needing a mount).
-  ``drive-enospc FILLER`` / ``drive-efbig``: run the matching child, then free the space (delete FILLER;
-    no limit) and run plain ``revtrain train`` again with the same arguments; write what happened (exit
-    statuses, stderr, checkpoint directory listings, whether train.jsonl parses) to RESULT_JSON.
+  ``child-silent``: as ``child-efbig``, with Orbax made to give up on the failed save without raising
+    (as it does when a write fails late: it logs and skips finalization), so only revtrain's own check
+    that the step directory exists can catch it.
+  ``drive-enospc FILLER`` / ``drive-efbig`` / ``drive-silent``: run the matching child, then free the
+    space (delete FILLER; no limit) and run plain ``revtrain train`` again with the same arguments; write
+    what happened (exit statuses, stderr, checkpoint directory listings, whether train.jsonl parses) to
+    RESULT_JSON.
 """
 
 import errno
@@ -48,6 +52,17 @@ def _child(mode: str, filler: str | None, argv: list[str]) -> int:
         return real_save(self, ts, *args, **kwargs)
 
     checkpoint.Checkpointer.save = save
+    if mode == "silent":
+        from orbax.checkpoint import checkpoint_manager
+        wait = checkpoint_manager.CheckpointManager._wait_for_checkpointers
+
+        def swallow(manager):
+            try:
+                wait(manager)
+            except Exception:  # noqa: BLE001 (Orbax's finalizer then logs and skips the step)
+                pass
+
+        checkpoint_manager.CheckpointManager._wait_for_checkpointers = swallow
     return cli.main(argv)
 
 

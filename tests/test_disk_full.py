@@ -32,7 +32,7 @@ def _private_tmpfs_works() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.parametrize("mode", ["enospc", "efbig"])
+@pytest.mark.parametrize("mode", ["enospc", "efbig", "silent"])
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, mode):
     result = tmp_path / "result.json"
     if mode == "enospc":
@@ -47,7 +47,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, 
                str(mnt / "filler"), str(result), "--", *ARGS, "--workdir", str(workdir)]
     else:
         workdir = tmp_path / "run"
-        cmd = [sys.executable, DRIVER, "drive-efbig", str(result), "--", *ARGS, "--workdir", str(workdir)]
+        cmd = [sys.executable, DRIVER, f"drive-{mode}", str(result), "--", *ARGS, "--workdir", str(workdir)]
     subprocess.run(cmd, check=True, env=_env(), timeout=900)
     r = json.loads(result.read_text())
 
@@ -55,7 +55,8 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, 
     lines = [l for l in r["first_stderr"].splitlines() if l.startswith("revtrain: error:")]
     assert r["first_rc"] == 1, r["first_stderr"]
     assert len(lines) == 1 and "Traceback" not in r["first_stderr"], r["first_stderr"]
-    reason = "No space left on device" if mode == "enospc" else "File too large"
+    reason = {"enospc": "No space left on device", "efbig": "File too large",
+              "silent": "Orbax did not commit it"}[mode]
     assert "cannot write the checkpoint at step 2: " + reason in lines[0], lines[0]
     assert "the newest checkpoint (step 1) is kept" in lines[0], lines[0]
     assert r["after_failure"] == ["1"]  # step 1 intact, no half-written step 2 left behind
