@@ -47,8 +47,9 @@ from revtrain.trainers.reversible import ReversibleTrainer
 # bfloat16 <= 3.8e-2. That is not reversibility: ordinary backprop run one layer at a time
 # (``check.layers_per_chunk = 1``) differs from whole-model backprop by the same amounts, layer for layer
 # (bfloat16 up to 3.9e-2 two layers at a time), and the reversible trainer's gradients equal that
-# layer-at-a-time backprop bit for bit. bfloat16 gradient tolerance 1e-1, 2.5x above the worst measured.
-TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1e-5, 1e-1)}
+# layer-at-a-time backprop bit for bit. bfloat16 gradient tolerance 5e-2 (set in the first measurement, from
+# initial weights; still 1.3x above the worst trained case).
+TOLERANCE = {"float32": (1e-5, 1e-5), "bfloat16": (1e-5, 5e-2)}
 
 _R, _D = P(), P(DATA_AXIS)
 
