@@ -276,13 +276,7 @@ def _checkpoint_params(run, workdir: str, step: int | None):
     from revtrain import checkpoint as ckpt_lib
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
-        available = checkpointer.steps()
-        if not available:
-            raise ckpt_lib.CheckpointError(f"no checkpoints in {checkpointer.directory}")
-        chosen = available[-1] if step is None else step
-        if chosen not in available:
-            raise ckpt_lib.CheckpointError(f"no checkpoint for step {chosen} in {checkpointer.directory} "
-                                           f"(have {', '.join(map(str, available))})")
+        chosen = checkpointer.chosen_step(step)
         ts = checkpointer.restore(run.trainer.init(), chosen)
     finally:
         checkpointer.close()

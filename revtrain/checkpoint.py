@@ -202,6 +202,21 @@ class Checkpointer:
         """Steps of the complete checkpoints, ascending."""
         return sorted(self._manager.all_steps())
 
+    def chosen_step(self, step: int | None = None) -> int:
+        """``step`` (default: the newest) after checking that a complete checkpoint of it exists.
+
+        Raises:
+          CheckpointError: no checkpoints at all, or none for ``step`` (the message lists those there are).
+        """
+        available = self.steps()
+        if not available:
+            raise CheckpointError(f"no checkpoints in {self.directory}")
+        chosen = available[-1] if step is None else step
+        if chosen not in available:
+            raise CheckpointError(f"no checkpoint for step {chosen} in {self.directory} "
+                                  f"(have {', '.join(map(str, available))})")
+        return chosen
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 

@@ -421,18 +421,12 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
     run = build()
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
-        available = checkpointer.steps()
-        if not available:
-            raise ckpt_lib.CheckpointError(f"no checkpoints in {checkpointer.directory}")
         if all_steps:
+            checkpointer.chosen_step()  # at least one checkpoint
             done = {r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))}
-            steps = [s for s in available if s not in done]
+            steps = [s for s in checkpointer.steps() if s not in done]
         else:
-            chosen = available[-1] if step is None else step
-            if chosen not in available:
-                raise ckpt_lib.CheckpointError(f"no checkpoint for step {chosen} in {checkpointer.directory} "
-                                               f"(have {', '.join(map(str, available))})")
-            steps = [chosen]
+            steps = [checkpointer.chosen_step(step)]
         writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
         template = run.trainer.init()
         records = []
