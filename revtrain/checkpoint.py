@@ -151,6 +151,7 @@ def _ignore_late_tensorstore_callbacks() -> None:
 
 
 def _tree(ts: TrainState) -> dict:
+    ts = ts.per_layer()  # one layout on disk, whichever executor made the state (stacked runs copied out)
     return {"params": ts.params, "opt_state": ts.opt_state, "layer_state": ts.layer_state}
 
 
@@ -240,8 +241,8 @@ class Checkpointer:
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None) -> TrainState:
         """Restores the checkpoint of ``step`` (default: newest) into the shapes and placements of
-        ``template`` (so offloaded weights land straight in host memory). Restores the data iterator's
-        position in place when given.
+        ``template`` (so offloaded weights land straight in host memory), in the per-layer layout (a
+        trainer regroups it on its first step). Restores the data iterator's position in place when given.
 
         Raises:
           CheckpointError: no such step, or the checkpoint is unreadable or does not match the model.
@@ -249,7 +250,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self._manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template))
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             args["data"] = DataRestore(data_iterator)

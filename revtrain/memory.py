@@ -13,34 +13,38 @@ Two methods, and every reading says which one it used:
       (``compiled.memory_analysis()``).
 
   Arrays in the ``pinned_host`` memory kind are not counted: on an accelerator they are in host RAM.
+
+The live bytes are a running total, not a walk over every live array at each call (that walk made a
+logged step cost O(layers^2): DESIGN.md section 8). ``start()`` walks the live arrays once; after that the
+meter counts each array it is shown (the arguments of ``observe``, the outputs of ``record``) once, and a
+weak reference takes its bytes off the total when the array is freed. Each call then costs O(its own
+arguments and outputs) whatever the number of live arrays. Arrays made and freed between two calls
+without being shown are not seen, as in the walk (which only looked just before each call).
 """
 
 from __future__ import annotations
+
+import math
+import weakref
 
 import jax
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def _device_bytes_on(device) -> int:
-    total = 0
-    for arr in jax.live_arrays():
-        try:
-            kind = arr.sharding.memory_kind
-        except Exception:
-            kind = None
-        if kind in HOST_KINDS:
-            continue
-        for shard in arr.addressable_shards:
-            if shard.device == device:
-                total += shard.data.nbytes if hasattr(shard.data, "nbytes") else 0
-    return total
+def _bytes_on(arr, device) -> int:
+    """Bytes of ``arr`` held in device memory on ``device`` (0 for host memory kinds and other devices)."""
+    try:
+        sharding = arr.sharding
+        if sharding.memory_kind in HOST_KINDS or device not in sharding.device_set:
+            return 0
+        return math.prod(sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
+    except Exception:  # an array without a usable sharding (deleted, or a backend that has none)
+        return 0
 
 
-def _signature(args) -> tuple:
-    leaves, treedef = jax.tree.flatten(args)
-    return treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
-                           str(getattr(getattr(x, "sharding", None), "memory_kind", None))) for x in leaves)
+def _signature(treedef, leaves) -> tuple:
+    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves)
 
 
 class MemoryMeter:
@@ -50,7 +54,8 @@ class MemoryMeter:
       device: the device to account for (default: the first local device).
       method: ``"memory_stats"``, ``"estimate"`` or ``None`` to pick by platform (CPU: estimate).
 
-    Usage: the trainers call ``observe(jitted_fn, args)`` before each compiled call while ``active``.
+    Usage: the trainers call ``observe(jitted_fn, args)`` before each compiled call while ``active`` and
+    ``record(outputs)`` after it. Both cost O(number of arguments / outputs).
     """
 
     def __init__(self, device=None, method: str | None = None):
@@ -69,17 +74,50 @@ class MemoryMeter:
         self.active = False
         self.peak = 0
         self._temp_cache: dict = {}
+        self._tracked: dict = {}  # id(array) -> (weak reference, bytes on the device)
+        self._total = 0  # bytes on the device of the tracked arrays that are alive
+
+    def _release(self, key: int, ref) -> None:
+        entry = self._tracked.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._tracked[key]
+            self._total -= entry[1]
+
+    def _track(self, arr) -> None:
+        key = id(arr)
+        entry = self._tracked.get(key)
+        if entry is not None and entry[0]() is arr:
+            return
+        if arr.is_deleted():  # donated to an earlier call: its buffer is gone
+            return
+        nbytes = _bytes_on(arr, self.device)
+        ref = weakref.ref(arr, lambda r, key=key: self._release(key, r))
+        if entry is not None:  # a dead array's id reused before its callback ran
+            self._total -= entry[1]
+        self._tracked[key] = (ref, nbytes)
+        self._total += nbytes
+
+    def _track_all(self, leaves) -> None:
+        for x in leaves:
+            if isinstance(x, jax.Array):
+                self._track(x)
 
     def start(self) -> None:
-        """Starts a measurement (one step)."""
+        """Starts a measurement (one step): counts the arrays alive now (one walk)."""
         self.active = True
         self.peak = 0
+        self._tracked, self._total = {}, 0
+        if self.method == "estimate":
+            self._track_all(jax.live_arrays())
+            self.peak = self._total
 
     def observe(self, fn, args) -> None:
         """Accounts for one compiled call of ``fn(*args)`` that is about to run (estimate method only)."""
         if not self.active or self.method != "estimate":
             return
-        key = (id(fn), _signature(args))
+        leaves, treedef = jax.tree.flatten(args)
+        self._track_all(leaves)
+        key = (id(fn), _signature(treedef, leaves))
         extra = self._temp_cache.get(key)
         if extra is None:
             try:
@@ -89,7 +127,12 @@ class MemoryMeter:
             except Exception:  # a backend without memory analysis: count live arrays only
                 extra = 0
             self._temp_cache[key] = extra
-        self.peak = max(self.peak, _device_bytes_on(self.device) + extra)
+        self.peak = max(self.peak, self._total + extra)
+
+    def record(self, outputs) -> None:
+        """Counts the outputs of the call just made (estimate method only)."""
+        if self.active and self.method == "estimate":
+            self._track_all(jax.tree.leaves(outputs))
 
     def stop(self) -> int:
         """Ends the measurement; returns the peak device bytes (int)."""
@@ -97,5 +140,6 @@ class MemoryMeter:
         if self.method == "memory_stats":
             self.peak = int(self.device.memory_stats().get("peak_bytes_in_use", 0))
         else:
-            self.peak = max(self.peak, _device_bytes_on(self.device))
+            self.peak = max(self.peak, self._total)
+        self._tracked, self._total = {}, 0
         return self.peak

@@ -7,7 +7,6 @@ batch uses ``fold_in(layer_key, e)``. Masks therefore do not depend on the numbe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -22,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
+from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
 # default) lets XLA skip a rounding to bfloat16 that the program asks for when it finds it cheaper, and
@@ -56,7 +56,6 @@ class NonFiniteError(FloatingPointError):
         self.step, self.layer, self.state = step, layer, state
 
 
-@dataclasses.dataclass
 class TrainState:
     """Everything a training step depends on.
 
@@ -66,12 +65,59 @@ class TrainState:
       opt_state: one optax state per layer (the reversible trainer) or one for the whole list (the
         standard trainer stores it as a one-element list).
       layer_state: one plain-dict pytree per layer (e.g. batch-norm statistics; often empty).
+      stacked: None, or the same state in the grouped layout (`revtrain.trainers.stacking.Stacked`) that the
+        reversible trainer's scanned executor works on (runs of identical layers with a leading layer
+        axis). It is then the truth: ``params``, ``opt_state`` and ``layer_state`` are built from it on
+        first access (copies of the stacked slices, kept on this object) and assigning one of them turns
+        the state back into the per-layer layout.
+
+    Construct with ``TrainState(step, params, opt_state, layer_state)`` or ``TrainState(step,
+    stacked=...)``.
     """
 
-    step: int
-    params: list
-    opt_state: list
-    layer_state: list
+    def __init__(self, step: int, params: list | None = None, opt_state: list | None = None,
+                 layer_state: list | None = None, *, stacked=None):
+        if stacked is None and (params is None or opt_state is None or layer_state is None):
+            raise TypeError("TrainState needs params, opt_state and layer_state, or stacked")
+        self.step = step
+        self.stacked = stacked
+        self._lists = None if stacked is not None else [params, opt_state, layer_state]
+
+    def _layers(self) -> list:
+        if self._lists is None:
+            self._lists = list(self.stacked.per_layer())
+        return self._lists
+
+    def _assign(self, k: int, value) -> None:
+        lists = self._layers()
+        lists[k] = value
+        self.stacked = None
+
+    params = property(lambda self: self._layers()[0], lambda self, v: self._assign(0, v))
+    opt_state = property(lambda self: self._layers()[1], lambda self, v: self._assign(1, v))
+    layer_state = property(lambda self: self._layers()[2], lambda self, v: self._assign(2, v))
+
+    def per_layer(self) -> "TrainState":
+        """This state in the per-layer layout (itself when it already is; otherwise a new state with
+        copies of the stacked slices, not kept on this one): what checkpoints hold."""
+        if self.stacked is None:
+            return self
+        if self._lists is not None:
+            return TrainState(self.step, *self._lists)
+        return TrainState(self.step, *self.stacked.per_layer())
+
+    def per_layer_shapes(self) -> "TrainState":
+        """The per-layer layout as ``jax.ShapeDtypeStruct`` leaves with shardings (nothing is copied): the
+        template a checkpoint is restored into."""
+        if self.stacked is not None:
+            return TrainState(self.step, *self.stacked.per_layer_shapes())
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None)),
+                              self._lists)
+        return TrainState(self.step, *shapes)
+
+    def __repr__(self) -> str:
+        layout = f"stacked groups {self.stacked.groups}" if self.stacked is not None else "per layer"
+        return f"TrainState(step={self.step}, {layout})"
 
 
 def step_key(seed: int, step: int) -> jax.Array:
@@ -132,25 +178,37 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     return keep(new_params, params), keep(new_opt, opt_state), finite
 
 
-def check_finite(new_ts: "TrainState", old_layer_state: list, metrics: dict, finite: list, layers) -> None:
+def check_finite(error_state: "TrainState", metrics: dict, finite: list, layers) -> None:
     """Raises `NonFiniteError` when the step's loss or any layer's gradient was non-finite.
 
+    One host sync per step (the flags of every layer are gathered first).
+
     Args:
-      new_ts: the state after the step (non-finite updates already skipped).
-      old_layer_state: the layer state before the step (restored into ``new_ts`` on error).
+      error_state: the state to hand on with the error: after the step (non-finite updates already
+        skipped), with the layer state from before it.
       metrics: the step's metrics (``loss``).
-      finite: one bool scalar per layer (device arrays), in layer order.
+      finite: bool device arrays in layer order: a scalar per single layer, ``[count]`` per stacked run.
       layers: the model's layers (for the name).
     """
-    flags = np.asarray(jnp.stack(finite))
+    parts, scalars = [], []
+    for f in finite:  # consecutive scalars are stacked in one dispatch
+        if np.ndim(f) == 0:
+            scalars.append(f)
+            continue
+        if scalars:
+            parts.append(jnp.stack(scalars))
+            scalars = []
+        parts.append(f)
+    if scalars:
+        parts.append(jnp.stack(scalars))
+    flags = np.concatenate([np.asarray(p).reshape(-1) for p in parts])
     if flags.all():
         return
     loss = float(np.asarray(metrics["loss"]))
     failed = [i for i in range(len(flags)) if not flags[i]]
-    new_ts.layer_state = old_layer_state
     if not math.isfinite(loss):
-        raise NonFiniteError(new_ts.step, None, "loss", new_ts)
-    raise NonFiniteError(new_ts.step, layers[max(failed)].name, "gradient", new_ts)
+        raise NonFiniteError(error_state.step, None, "loss", error_state)
+    raise NonFiniteError(error_state.step, layers[max(failed)].name, "gradient", error_state)
 
 
 def all_finite(tree) -> jax.Array:
@@ -199,7 +257,8 @@ def check_per_layer_optimizer(tx: optax.GradientTransformation, steps: int = 4) 
 
 class _Dispatch:
     """A jitted function whose every call goes through the trainer's ``DispatchLimiter`` and, while a
-    measurement is running, the trainer's memory meter (``revtrain.memory.MemoryMeter``).
+    measurement is running, the trainer's memory meter (``revtrain.memory.MemoryMeter``: ``observe``
+    before the call, ``record`` of the outputs after it; both cost O(arguments), not O(live arrays)).
 
     Other attributes (``lower``, ``trace``, ...) are those of the jitted function.
     """
@@ -211,6 +270,9 @@ class _Dispatch:
         meter = self._trainer.meter
         if meter is not None and meter.active:
             meter.observe(self.fn, args)
+            out = self._trainer._limit(self.fn(*args))
+            meter.record(out)
+            return out
         return self._trainer._limit(self.fn(*args))
 
     def __getattr__(self, name):
@@ -236,14 +298,17 @@ class TrainerBase:
         self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
         self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
 
-    # -- compiled-function cache: one jit(shard_map(...)) per (kind, layer); equal layers share it --
-    def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=()):
-        key = (kind, layer)
+    # -- compiled-function cache: one jit(shard_map(...)) per key; equal layers share it --------------
+    # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer
+    # index when they build their plan, never per call.
+    def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=(), out_shardings=None, key=None):
+        key = (kind, layer) if key is None else key
         if key not in self._cache:
             mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
                                    out_specs=out_specs)
-            self._cache[key] = _Dispatch(jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS),
-                                         self)
+            jitted = jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS,
+                             **({} if out_shardings is None else {"out_shardings": out_shardings}))
+            self._cache[key] = _Dispatch(jitted, self)
         return self._cache[key]
 
     @property
@@ -253,10 +318,32 @@ class TrainerBase:
     def replicate(self, tree):
         return put_replicated(tree, self.mesh)
 
+    # -- layouts --------------------------------------------------------------------------------
+    def grouped(self, ts: TrainState) -> Stacked:
+        """``ts`` in the grouped layout (`stacking.Stacked`): its own when it has one, else every layer
+        alone, sharing ``ts``'s lists (nothing is copied). The standard trainer's one optimizer state
+        stays a one-element list."""
+        if ts.stacked is not None:
+            return ts.stacked
+        groups = tuple((i, 1) for i in range(len(self.model.layers)))
+        return Stacked(groups, ts.params, ts.opt_state, ts.layer_state)
+
+    def _inside_to_device(self, tree):
+        """Inside a compiled program: moves a slice of a stacked tree to device memory (trainers that
+        offload override this; the others compute where the stack is)."""
+        return tree
+
     # -- evaluation ------------------------------------------------------------------------------
     @staticmethod
     def _eval_layer(layer, params, state, x):
         return layer.apply(params, state, x, None, False)[0]
+
+    def _eval_run(self, layer, params, states, x):
+        """``_eval_layer`` over a stacked run: one ``lax.scan``, one layer's weights on the device at a time."""
+        def body(x, slices):
+            p, s = slices
+            return self._eval_layer(layer, self._inside_to_device(p), s, x), None
+        return lax.scan(body, x, (params, states))[0]
 
     @staticmethod
     def _eval_head(layer, params, state, x, batch):
@@ -267,18 +354,39 @@ class TrainerBase:
     def _wait(self, tree) -> None:
         """Trainers that offload block here so that weights do not pile up on the device."""
 
+    def _fetch(self, tree):
+        """A single layer's params as device arrays (trainers that offload override this)."""
+        return tree
+
     def layer_params(self, ts: TrainState, i: int):
-        """Layer ``i``'s params as device arrays (trainers that offload override this)."""
-        return ts.params[i]
+        """Layer ``i``'s params as device arrays."""
+        return self._fetch(ts.params[i])
 
     def layer_state(self, ts: TrainState, i: int):
         return ts.layer_state[i]
 
+    def _eval_fns(self, groups) -> list:
+        """The compiled evaluation function of each group but the head (built once per layout)."""
+        key = ("eval_plan", groups)
+        if key not in self._cache:
+            layers, fns = self.model.layers, []
+            for start, count in groups[:-1]:
+                layer = layers[start]
+                if count == 1:
+                    fns.append(self._compiled("eval", layer, self._eval_layer, (P(), P(), P(DATA_AXIS)),
+                                              P(DATA_AXIS)))
+                else:
+                    fns.append(self._compiled("eval_run", layer, self._eval_run, (P(), P(), P(DATA_AXIS)),
+                                              P(DATA_AXIS), key=("eval_run", layer, count)))
+            self._cache[key] = fns
+        return self._cache[key]
+
     def eval_step(self, ts: TrainState, batch: dict) -> dict:
-        """Forward-only pass, layer by layer, in evaluation mode (no dropout, running statistics).
+        """Forward-only pass, layer by layer (a stacked run in one scan), in evaluation mode (no dropout,
+        running statistics).
 
         Args:
-          ts: the train state.
+          ts: the train state (either layout; not consumed).
           batch: dict of global arrays split over ``"data"``: the model's input key, ``targets`` and
             optionally ``weights`` (0 for padding).
 
@@ -287,13 +395,14 @@ class TrainerBase:
           ``correct``.
         """
         check_batch(batch, self.num_devices)
+        grouped = self.grouped(ts)
         x = batch[self.model.input_key]
-        layers = self.model.layers
-        for i, layer in enumerate(layers[:-1]):
-            fn = self._compiled("eval", layer, self._eval_layer, (P(), P(), P(DATA_AXIS)), P(DATA_AXIS))
+        for g, fn in enumerate(self._eval_fns(grouped.groups)):
+            count = grouped.groups[g][1]
             self._wait(x)  # with offload: one layer's weights on the device at a time
-            x = fn(self.layer_params(ts, i), self.layer_state(ts, i), x)
+            params = self._fetch(grouped.params[g]) if count == 1 else grouped.params[g]
+            x = fn(params, grouped.layer_state[g], x)
         self._wait(x)
-        head = self._compiled("eval_head", layers[-1], self._eval_head, (P(), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
-        n = len(layers) - 1
-        return head(self.layer_params(ts, n), self.layer_state(ts, n), x, batch)
+        head = self._compiled("eval_head", self.model.layers[-1], self._eval_head,
+                              (P(), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+        return head(self._fetch(grouped.params[-1]), grouped.layer_state[-1], x, batch)

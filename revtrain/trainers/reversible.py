@@ -16,23 +16,39 @@ current one computes (JAX dispatch is asynchronous) and writes updated weights a
 memory without blocking. Saved standard-layer inputs go to host memory too. At most two layers' weights +
 optimizer state are on the device at any time.
 
+Two executors (DESIGN.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
+(``scan_layers=True``): each maximal run of consecutive, structurally identical reversible layers is held
+stacked (weights, optimizer state and layer state with a leading layer axis, `stacking.Stacked`) and each
+pass over it is one compiled program: the forward a ``lax.scan``, the backward a reverse ``lax.scan`` whose
+body does exactly what one "reverse and update" call does (same keys from the global layer index, same
+rebuild barrier, same gradient sum, the optax update of that layer's slice). The backward carries the
+stacks and updates each slice in place, reading the next slice only after writing the current one, so XLA
+needs no copy of the stack. With offload the stacks stay in ``pinned_host`` memory and each iteration
+moves its slice to the device inside the program (and the updated slice back): the current layer and the
+prefetched next one are the only layers on the device. Other layers keep the per-layer path. Both executors
+compute the same numbers; checkpoints hold the per-layer layout either way.
+
 Reference: Trax ``ReversibleSerialTrainer`` (trax/optimizers/trainer.py); Gomez et al., "The Reversible
 Residual Network", NeurIPS 2017; Kitaev et al., "Reformer", ICLR 2020.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, put_replicated,
                                 replicated)
-from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_finite, guarded_update,
-                                      check_batch, check_per_layer_optimizer, example_keys, per_device, step_key)
+from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
+                                      check_per_layer_optimizer, example_keys, guarded_update, per_device, step_key)
+from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
 
@@ -48,24 +64,32 @@ class ReversibleTrainer(TrainerBase):
     Args:
       model, optimizer, mesh, seed: see ``TrainerBase``.
       offload: keep weights, optimizer state and saved standard-layer inputs in host memory between uses.
+      scan_layers: run each run of consecutive identical reversible layers as one ``lax.scan`` per pass
+        (the scanned executor; see the module note). Same results as the per-layer executor.
 
     Raises:
       TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or offload was asked
         for on a backend without a ``pinned_host`` memory space.
 
-    The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated).
+    The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
+    ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
+    views are copies made on first access.
     """
 
     name = "reversible"
 
-    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False):
+    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True):
         super().__init__(model, optimizer, mesh, seed)
         check_per_layer_optimizer(optimizer)
         if offload and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
         self.offload = offload
+        self.scan_layers = scan_layers
         self._host = replicated(mesh, HOST_MEMORY) if offload else None
         self._device = replicated(mesh, DEVICE_MEMORY) if offload else None
+        runs = find_runs(model.layers) if scan_layers else []
+        self.groups = groups_of(len(model.layers), runs)  # this trainer's working layout
+        self._plans: dict = {}
 
     # -- placement -------------------------------------------------------------------------------
     def _to_device(self, tree):
@@ -88,25 +112,51 @@ class ReversibleTrainer(TrainerBase):
             return tree
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(DEVICE_MEMORY)), tree)
 
+    def _inside_to_device(self, tree):
+        if not self.offload:
+            return tree
+        return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+    def _inside_to_host(self, tree):
+        if not self.offload:
+            return tree
+        return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+    def _fetch(self, tree):
+        return self._to_device(tree)
+
     def _wait(self, tree) -> None:
         """With offload, blocks until ``tree`` is computed (bounds the layers resident on the device)."""
         if self.offload and tree is not None:
             jax.block_until_ready(tree)
 
-    def layer_params(self, ts: TrainState, i: int):
-        return self._to_device(ts.params[i])
-
     def init(self) -> TrainState:
-        """Initial state: per-layer params and optax states, replicated (in host memory when offloading)."""
+        """Initial state, replicated (in host memory when offloading), in this trainer's layout: per
+        layer, or with runs of identical layers stacked (``scan_layers``)."""
         params, state = self.model.init()
+        # The optimizer is initialised layer by layer, so that at most one layer's weights and optimizer
+        # state pass through the device; the copies are on the host (np.array: np.asarray may alias).
+        opt_state = [jax.tree.map(np.array, self.tx.init(p)) for p in params]
+        grouped = Stacked.from_per_layer(self.groups, params, opt_state, state)  # numpy in, numpy out
         kind = HOST_MEMORY if self.offload else None
-        # Layer by layer, so that at most one layer's weights and optimizer state pass through the device.
-        new_params, opt_state = [], []
-        for p in params:
-            opt = jax.tree.map(np.array, self.tx.init(p))  # a host copy (np.asarray may alias on CPU)
-            new_params.append(put_replicated(p, self.mesh, kind))
-            opt_state.append(put_replicated(opt, self.mesh, kind))
-        return TrainState(0, new_params, opt_state, self.replicate(state))
+        placed = Stacked(self.groups, [put_replicated(p, self.mesh, kind) for p in grouped.params],
+                         [put_replicated(o, self.mesh, kind) for o in grouped.opt_state],
+                         [self.replicate(s) for s in grouped.layer_state])
+        return self._state(0, placed)
+
+    def _state(self, step: int, grouped: Stacked) -> TrainState:
+        """A `TrainState` of ``grouped``: per layer when nothing is stacked, else the stacked layout."""
+        if all(count == 1 for _, count in grouped.groups):
+            return TrainState(step, grouped.params, grouped.opt_state, grouped.layer_state)
+        return TrainState(step, stacked=grouped)
+
+    def _working(self, ts: TrainState) -> Stacked:
+        """``ts`` in this trainer's layout. A state in another layout (a restored checkpoint, a state of the
+        other executor) is regrouped once; its arrays are given up as they are copied."""
+        if ts.stacked is not None and ts.stacked.groups == self.groups:
+            return ts.stacked
+        lists = ts.stacked.per_layer() if ts.stacked is not None else (ts.params, ts.opt_state, ts.layer_state)
+        return Stacked.from_per_layer(self.groups, *lists, consume=True)
 
     # -- the per-layer fused functions (run inside shard_map over "data") ---------------------------
     @staticmethod
@@ -174,6 +224,45 @@ class ReversibleTrainer(TrainerBase):
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
         return dx, new_params, new_opt, finite
 
+    # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
+    def _forward_run(self, layer, params, states, x, skey, start):
+        """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``."""
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def body(x, slices):
+            p, s, j = slices
+            return self._forward(layer, self._inside_to_device(p), s, x, skey, start + j)
+
+        return lax.scan(body, x, (params, states, jnp.arange(count, dtype=jnp.int32)))
+
+    def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
+        """``_reverse_and_update`` of every layer of a stacked run, last first: one reverse ``lax.scan``.
+
+        The stacks are carried and each slice is written back in place (``dynamic_update_slice``); the next
+        slice is read from the updated stack after the write, so no read of the stack is left unordered with
+        a write and XLA keeps one copy of it (it would copy the whole stack every iteration otherwise).
+        Returns ``(x, dx, new params, new optimizer state, finite [count])``.
+        """
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def take(stacks, j):
+            return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False),
+                                                       stacks))
+
+        def body(carry, slices):
+            stacks, y, dy, (p, o) = carry
+            s, j = slices
+            x, dx, p, o, finite = self._reverse_and_update(layer, p, o, s, y, dy, skey, start + j)
+            stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks,
+                                  self._inside_to_host((p, o)))
+            return (stacks, x, dx, take(stacks, jnp.maximum(j - 1, 0))), finite
+
+        stacks = (params, opt_state)
+        carry = (stacks, y, dy, take(stacks, count - 1))
+        (stacks, x, dx, _), finite = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)),
+                                              reverse=True)
+        return x, dx, stacks[0], stacks[1], finite
+
     def _fn(self, kind, layer):
         if kind == "forward_rev":
             return self._compiled(kind, layer, self._forward, (_R, _R, _D, _R, _R), (_D, _R), donate=(2,))
@@ -190,12 +279,52 @@ class ReversibleTrainer(TrainerBase):
                                   (_D, _R, _R, _R), donate=(0, 1, 4))
         raise KeyError(kind)
 
+    def _run_fn(self, kind, layer, count):
+        """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
+        key = (kind, layer, count)
+        if kind == "forward_run":
+            return self._compiled(kind, layer, self._forward_run, (_R, _R, _D, _R, _R), (_D, _R), donate=(2,),
+                                  key=key)
+        if kind == "reverse_run":
+            out = None
+            if self.offload:  # the updated stacks stay in host memory
+                batch = NamedSharding(self.mesh, _D)
+                out = (batch, batch, self._host, self._host, replicated(self.mesh))
+            return self._compiled(kind, layer, self._reverse_run, (_R, _R, _R, _D, _D, _R, _R),
+                                  (_D, _D, _R, _R, _R), donate=(0, 1, 3, 4), out_shardings=out, key=key)
+        raise KeyError(kind)
+
+    def _plan(self, groups) -> "_Plan":
+        """The compiled functions of every group, looked up once per layout (not per call)."""
+        plan = self._plans.get(groups)
+        if plan is None:
+            layers, kinds, forward, backward = self.model.layers, [], [], []
+            for start, count in groups[:-1]:
+                layer = layers[start]
+                if count > 1:
+                    kinds.append("run")
+                    forward.append(self._run_fn("forward_run", layer, count))
+                    backward.append(self._run_fn("reverse_run", layer, count))
+                elif layer.reversible:
+                    kinds.append("rev")
+                    forward.append(self._fn("forward_rev", layer))
+                    backward.append(self._fn("reverse", layer))
+                else:
+                    kinds.append("std")
+                    forward.append(self._fn("forward_std", layer))
+                    backward.append(self._fn("recompute", layer))
+            kinds.append("head")
+            plan = self._plans[groups] = _Plan(kinds, forward, backward, self._fn("head", layers[-1]),
+                                               [np.int32(start) for start, _ in groups])
+        return plan
+
+
     # -- one step --------------------------------------------------------------------------------
     def train_step(self, ts: TrainState, batch: dict):
         """One reversible training step.
 
         Args:
-          ts: the state (consumed: its device buffers are donated).
+          ts: the state (consumed: its device buffers are donated), in either layout.
           batch: dict of global arrays split over ``"data"`` (input key, ``targets``, optional ``weights``).
 
         Returns:
@@ -204,67 +333,99 @@ class ReversibleTrainer(TrainerBase):
 
         Raises:
           TrainerError: the batch size is not divisible by the number of devices.
+          NonFiniteError: a non-finite loss or gradient (its ``state`` skips the non-finite updates).
         """
         check_batch(batch, self.num_devices)
-        layers = self.model.layers
-        n = len(layers)
+        grouped = self._working(ts)
+        plan = self._plan(grouped.groups)
+        kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
         skey = step_key(self.seed, ts.step)
-        index = [np.int32(i) for i in range(n)]  # host scalars: nothing per layer stays on the device
-        params, opt_state = list(ts.params), list(ts.opt_state)
-        new_state = list(ts.layer_state)
+        params, opt_state = list(grouped.params), list(grouped.opt_state)
+        states = grouped.layer_state
+        new_states = list(states)
         saved = {}
 
         # With offload, at most two layers' weights (+ optimizer state) are on the device at any time:
         # the one computing and the one in flight (prefetched, or being written back). JAX dispatch is
         # asynchronous, so the loop waits (`_wait`) for the previous layer before it moves another one:
         # the device is never idle for more than one dispatch, and the Python loop cannot run ahead and
-        # fill device memory with every layer's weights.
+        # fill device memory with every layer's weights. A stacked run moves its own slices inside its
+        # program (two at a time), so nothing is prefetched across its boundaries. These are the only
+        # host syncs of a step besides the final check of non-finite values, and only with offload.
 
         # Forward: keep only the current activation (+ the inputs of standard layers).
         x = batch[self.model.input_key]
-        cur = self._to_device(params[0])
-        head_opt = None
-        for i, layer in enumerate(layers[:-1]):
-            self._wait(x)  # layer i-1 has finished: its weights have left the device
-            if layer.reversible:
-                x, new_state[i] = self._fn("forward_rev", layer)(cur, ts.layer_state[i], x, skey, index[i])
+        cur = head_opt = None
+        for g in range(last):
+            self._wait(x)  # the previous layer has finished: its weights have left the device
+            if kinds[g] == "run":
+                x, new_states[g] = plan.forward[g](params[g], states[g], x, skey, index[g])
             else:
-                saved[i] = self._act_to_host(x)
-                x, new_state[i] = self._fn("forward_std", layer)(cur, ts.layer_state[i], x, skey, index[i])
-            cur = self._to_device(params[i + 1])  # prefetch the next layer while this one runs
-            if i + 1 == n - 1:
-                head_opt = self._to_device(opt_state[n - 1])
+                if cur is None:
+                    cur = self._to_device(params[g])
+                if kinds[g] == "std":
+                    saved[g] = self._act_to_host(x)
+                x, new_states[g] = plan.forward[g](cur, states[g], x, skey, index[g])
+                cur = None
+                if kinds[g + 1] != "run":  # prefetch the next layer while this one runs
+                    cur = self._to_device(params[g + 1])
+                    if g + 1 == last:
+                        head_opt = self._to_device(opt_state[last])
 
         # Head: loss, vjp and update in one call.
         self._wait(x)
-        if head_opt is None:  # a model that is only a head
-            head_opt = self._to_device(opt_state[n - 1])
-        finite = [None] * n
-        dy, hp, ho, new_state[n - 1], metrics, finite[n - 1] = self._fn("head", layers[-1])(
-            cur, head_opt, ts.layer_state[n - 1], x, batch, skey, index[n - 1])
+        if cur is None:
+            cur = self._to_device(params[last])
+        if head_opt is None:
+            head_opt = self._to_device(opt_state[last])
+        finite = [None] * (last + 1)
+        dy, hp, ho, new_states[last], metrics, finite[last] = plan.head(
+            cur, head_opt, states[last], x, batch, skey, index[last])
         del cur, head_opt
-        nxt = (self._to_device(params[n - 2]), self._to_device(opt_state[n - 2])) if n > 1 else None
-        params[n - 1], opt_state[n - 1] = written = (self._to_host(hp), self._to_host(ho))
+        nxt = None
+        if last and kinds[last - 1] != "run":
+            nxt = (self._to_device(params[last - 1]), self._to_device(opt_state[last - 1]))
+        params[last], opt_state[last] = written = (self._to_host(hp), self._to_host(ho))
         del hp, ho
 
-        # Backward: reverse-and-update each layer, newest first.
+        # Backward: reverse-and-update each layer (each run in one scan), newest first.
         y = x
-        for i in range(n - 2, -1, -1):
-            layer = layers[i]
-            self._wait((y, dy))  # layer i+1 has finished computing
+        for g in range(last - 1, -1, -1):
+            self._wait((y, dy))  # the layer above has finished computing
+            if kinds[g] == "run":
+                self._wait(written)  # the layer above is back in host memory before this run moves slices
+                y, dy, params[g], opt_state[g], finite[g] = plan.backward[g](
+                    params[g], opt_state[g], states[g], y, dy, skey, index[g])
+                written = None
+                continue
+            if nxt is None:
+                nxt = (self._to_device(params[g]), self._to_device(opt_state[g]))
             (p, o), nxt = nxt, None
-            if layer.reversible:
-                y, dy, p, o, finite[i] = self._fn("reverse", layer)(p, o, ts.layer_state[i], y, dy, skey, index[i])
+            if kinds[g] == "rev":
+                y, dy, p, o, finite[g] = plan.backward[g](p, o, states[g], y, dy, skey, index[g])
             else:
-                xs = self._act_to_device(saved.pop(i))
-                dy, p, o, finite[i] = self._fn("recompute", layer)(p, o, ts.layer_state[i], xs, dy, skey, index[i])
+                xs = self._act_to_device(saved.pop(g))
+                dy, p, o, finite[g] = plan.backward[g](p, o, states[g], xs, dy, skey, index[g])
                 y = xs
-            self._wait(written)  # layer i+1's updated weights are back in host memory
-            if i:
-                nxt = (self._to_device(params[i - 1]), self._to_device(opt_state[i - 1]))
-            params[i], opt_state[i] = written = (self._to_host(p), self._to_host(o))
+            self._wait(written)  # the layer above's updated weights are back in host memory
+            if g and kinds[g - 1] != "run":
+                nxt = (self._to_device(params[g - 1]), self._to_device(opt_state[g - 1]))
+            params[g], opt_state[g] = written = (self._to_host(p), self._to_host(o))
             del p, o
         self._wait(written)
-        new_ts = TrainState(ts.step + 1, params, opt_state, new_state)
-        check_finite(new_ts, ts.layer_state, metrics, finite, layers)
+        groups = grouped.groups
+        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
+        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
+                     self.model.layers)
         return new_ts, metrics
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A layout's compiled functions, one per group (the head's apart) and the groups' first indices."""
+
+    kinds: list  # "run", "rev" or "std" per group, then "head"
+    forward: list
+    backward: list
+    head: object
+    index: list  # np.int32 first layer index per group (a host scalar: nothing per layer stays on the device)

@@ -9,9 +9,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of, check_batch,
-                                      check_finite, guarded_update,
-                                      example_keys, per_device, step_key)
+from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of,
+                                      check_batch, check_finite, example_keys, guarded_update, per_device, step_key)
+from revtrain.trainers.stacking import find_runs, groups_of
 
 
 @gin.configurable
@@ -23,9 +23,27 @@ class StandardTrainer(TrainerBase):
     follow the same trajectory (up to float rounding). Data parallel: weights replicated, the batch split
     over ``"data"``, gradients summed over devices (the loss is the mean over the *global* batch, so the
     sum of per-device gradients is exactly pmap's averaged gradient).
+
+    Args:
+      model, optimizer, mesh, seed: see ``TrainerBase``.
+      scan_layers: compute each run of consecutive identical layers (the head excepted) as one
+        ``lax.scan`` over their stacked weights inside the program, instead of unrolling every layer: the
+        program's size, and so its compile time, stop growing with depth (at depth 256 the unrolled
+        program does not finish compiling in 15 minutes of CPU). The state keeps one entry per layer; the
+        weights are stacked and the gradients unstacked inside the program.
+      remat_layers: with ``scan_layers``, wrap the scan body in ``jax.checkpoint`` (keep only each layer's
+        input; recompute the rest in the backward pass). XLA:CPU does not honour it for memory (DESIGN.md
+        section 8).
     """
 
     name = "standard"
+
+    def __init__(self, model, optimizer, mesh, seed: int = 0, scan_layers: bool = False,
+                 remat_layers: bool = False):
+        super().__init__(model, optimizer, mesh, seed)
+        self.scan_layers, self.remat_layers = scan_layers, remat_layers
+        runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
+        self.groups = groups_of(len(model.layers), runs)
 
     def init(self) -> TrainState:
         """Initial state: replicated params, layer state and one optax state for the whole list."""
@@ -39,11 +57,29 @@ class StandardTrainer(TrainerBase):
         layers = self.model.layers
         b = batch_size_of(batch)
 
+        def run(start, count, params, states, x):
+            """Layers ``start .. start + count - 1`` (identical) as one scan over their stacked trees."""
+            layer = layers[start]
+
+            def body(x, slices):
+                p, s, j = slices
+                return layer.apply(p, s, x, example_keys(skey, start + j, b), True)
+
+            if self.remat_layers:
+                body = jax.checkpoint(body)
+            stacked = [jax.tree.map(lambda *v: jnp.stack(v), *trees) for trees in (params, states)]
+            x, new = lax.scan(body, x, (*stacked, jnp.arange(count, dtype=jnp.int32)))
+            return x, [jax.tree.map(lambda v, k=k: v[k], new) for k in range(count)]
+
         def objective(params):
             x = batch[self.model.input_key]
             new_states = []
-            for i, layer in enumerate(layers[:-1]):
-                x, ns = layer.apply(params[i], states[i], x, example_keys(skey, i, b), True)
+            for start, count in self.groups[:-1]:
+                if count > 1:
+                    x, ns = run(start, count, params[start:start + count], states[start:start + count], x)
+                    new_states.extend(ns)
+                    continue
+                x, ns = layers[start].apply(params[start], states[start], x, example_keys(skey, start, b), True)
                 new_states.append(ns)
             loss_sum, stats, ns = layers[-1].loss(params[-1], states[-1], x, batch,
                                                   example_keys(skey, len(layers) - 1, b), True)
@@ -80,5 +116,5 @@ class StandardTrainer(TrainerBase):
         params, opt, states, metrics, finite = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state,
                                                                    batch, step_key(self.seed, ts.step))
         new_ts = TrainState(ts.step + 1, params, [opt], states)
-        check_finite(new_ts, ts.layer_state, metrics, list(finite), self.model.layers)
+        check_finite(TrainState(ts.step + 1, params, [opt], ts.layer_state), metrics, [finite], self.model.layers)
         return new_ts, metrics
