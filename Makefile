@@ -2,6 +2,7 @@
 #   make train [WORKDIR=runs/enwik_small] [CONFIG=configs/enwik_small.gin]
 #   make test
 #   make bench
+#   make bench-depth
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test bench clean
+.PHONY: venv data train eval test bench bench-depth clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +36,12 @@ test: data
 bench: data
 	$(PY) scripts/benchmark.py
 
+# Steps/s and start-up time against depth (8..256 tiny blocks) for both executors of both trainers.
+bench-depth: data
+	$(PY) scripts/benchmark.py --sweep depth
+
 clean:
-	rm -rf $(VENV) runs bench.json bench.png
+	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the

@@ -16,10 +16,11 @@ Two methods, and every reading says which one it used:
 
 The live bytes are a running total, not a walk over every live array at each call (that walk made a
 logged step cost O(layers^2): DESIGN.md section 8). ``start()`` walks the live arrays once; after that the
-meter counts each array it is shown (the arguments of ``observe``, the outputs of ``record``) once, and a
-weak reference takes its bytes off the total when the array is freed. Each call then costs O(its own
-arguments and outputs) whatever the number of live arrays. Arrays made and freed between two calls
-without being shown are not seen, as in the walk (which only looked just before each call).
+meter counts each array it is shown (the arguments of ``observe``, the outputs of ``record``) once, and
+takes its bytes off the total when it is freed (a weak reference) or donated to a call (``record`` looks at
+that call's arguments). Each call then costs O(its own arguments and outputs) whatever the number of live
+arrays. Arrays made and freed between two calls without being shown are not seen, as in the walk (which
+only looked just before each call).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class MemoryMeter:
         self._temp_cache: dict = {}
         self._tracked: dict = {}  # id(array) -> (weak reference, bytes on the device)
         self._total = 0  # bytes on the device of the tracked arrays that are alive
+        self._arguments = ()  # the leaves of the call being observed
 
     def _release(self, key: int, ref) -> None:
         entry = self._tracked.get(key)
@@ -97,6 +99,12 @@ class MemoryMeter:
         self._tracked[key] = (ref, nbytes)
         self._total += nbytes
 
+    def _forget(self, arr) -> None:
+        entry = self._tracked.get(id(arr))
+        if entry is not None and entry[0]() is arr:
+            del self._tracked[id(arr)]
+            self._total -= entry[1]
+
     def _track_all(self, leaves) -> None:
         for x in leaves:
             if isinstance(x, jax.Array):
@@ -117,6 +125,7 @@ class MemoryMeter:
             return
         leaves, treedef = jax.tree.flatten(args)
         self._track_all(leaves)
+        self._arguments = leaves
         key = (id(fn), _signature(treedef, leaves))
         extra = self._temp_cache.get(key)
         if extra is None:
@@ -130,9 +139,15 @@ class MemoryMeter:
         self.peak = max(self.peak, self._total + extra)
 
     def record(self, outputs) -> None:
-        """Counts the outputs of the call just made (estimate method only)."""
-        if self.active and self.method == "estimate":
-            self._track_all(jax.tree.leaves(outputs))
+        """Counts the outputs of the call just made (after ``observe`` of it), and no longer counts the
+        arguments it consumed (donated buffers are freed even while Python still refers to them)."""
+        if not self.active or self.method != "estimate":
+            return
+        for x in self._arguments:
+            if isinstance(x, jax.Array) and x.is_deleted():
+                self._forget(x)
+        self._arguments = ()
+        self._track_all(jax.tree.leaves(outputs))
 
     def stop(self) -> int:
         """Ends the measurement; returns the peak device bytes (int)."""
@@ -141,5 +156,5 @@ class MemoryMeter:
             self.peak = int(self.device.memory_stats().get("peak_bytes_in_use", 0))
         else:
             self.peak = max(self.peak, self._total)
-        self._tracked, self._total = {}, 0
+        self._tracked, self._total, self._arguments = {}, 0, ()
         return self.peak

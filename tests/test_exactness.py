@@ -69,15 +69,18 @@ class _RebuildProbe:
 @pytest.fixture(scope="module")
 def depth12(text_batches):
     """Both trainers at depth 12, dropout 0.1, Adam, 5 steps of real text, one device; the reversible
-    run also records every block's forward input and rebuilt input (``probe``)."""
+    trainer with both executors (``reversible``: the 12 blocks in one scan per pass; ``per_layer``: one
+    call per block and pass, which also records every block's forward input and rebuilt input)."""
     batches = text_batches(BATCH, STEPS)
     mesh = _mesh()
     out = {}
+    runs = {"standard": (StandardTrainer, {}), "reversible": (ReversibleTrainer, {"scan_layers": True}),
+            "per_layer": (ReversibleTrainer, {"scan_layers": False})}
     with jax.default_matmul_precision("highest"):
-        for cls in (StandardTrainer, ReversibleTrainer):
+        for name, (cls, kwargs) in runs.items():
             model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
-            trainer = cls(model, optax.adam(1e-3), mesh, seed=0)
-            probe = _RebuildProbe(trainer) if cls is ReversibleTrainer else None
+            trainer = cls(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
+            probe = _RebuildProbe(trainer) if name == "per_layer" else None
             ts, losses, rebuilds = trainer.init(), [], []
             for batch in batches:
                 ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
@@ -85,33 +88,48 @@ def depth12(text_batches):
                 if probe:
                     rebuilds.append((probe.forward[:], probe.rebuilt[:]))
                     probe.forward.clear(), probe.rebuilt.clear()
-            out[cls.name] = {"params": jax.tree.map(np.asarray, ts.params), "losses": losses, "rebuilds": rebuilds}
+            ts = ts.per_layer()
+            out[name] = {"params": jax.tree.map(np.asarray, ts.params), "losses": losses, "rebuilds": rebuilds,
+                         "opt_state": jax.tree.map(np.asarray, ts.opt_state)}
     return out
 
 
-def test_reversible_equals_backprop_depth12_adam(depth12):
+@pytest.mark.parametrize("executor", ["reversible", "per_layer"])
+def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     """Every parameter leaf within 1e-5 (max |difference| / max |value|) after 5 Adam steps."""
-    std, rev = depth12["standard"], depth12["reversible"]
+    std, rev = depth12["standard"], depth12[executor]
     np.testing.assert_allclose(rev["losses"], std["losses"], rtol=1e-6)
     assert std["losses"][-1] < std["losses"][0]  # it trains
     rel, leaf = _worst_leaf(std["params"], rev["params"])
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
-def test_reversible_is_bitwise_backprop_on_cpu(depth12):
+@pytest.mark.parametrize("executor", ["reversible", "per_layer"])
+def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
     (coupling grid), the per-layer programs compute the same float operations in the same order as the
-    whole-model gradient (the embedding emits two distinct arrays), so nothing is left to differ."""
-    std, rev = depth12["standard"], depth12["reversible"]
+    whole-model gradient (the embedding emits two distinct arrays), so nothing is left to differ. The
+    scanned executor's loop body is the same computation as one per-layer call, and XLA:CPU compiles it to
+    the same bits."""
+    std, rev = depth12["standard"], depth12[executor]
     assert rev["losses"] == std["losses"]
     for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(rev["params"])):
         assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ "
                                       f"(max rel {np.abs(a - b).max() / np.abs(a).max():.1e})")
 
 
+def test_scan_and_per_layer_executors_are_bitwise_identical(depth12):
+    """Parameters and Adam state (moments and step counts) of the two executors: identical bits."""
+    a, b = depth12["reversible"], depth12["per_layer"]
+    assert jax.tree.structure(a["opt_state"]) == jax.tree.structure(b["opt_state"])
+    for (path, x), y in zip(tree_flatten_with_path((a["params"], a["opt_state"]))[0],
+                            jax.tree.leaves((b["params"], b["opt_state"]))):
+        assert np.array_equal(x, y), keystr(path)
+
+
 def test_trainer_rebuilds_every_block_input_exactly(depth12):
     """Inside the reversible trainer, the rebuilt inputs of every block equal the forward's inputs."""
-    rebuilds = depth12["reversible"]["rebuilds"]
+    rebuilds = depth12["per_layer"]["rebuilds"]
     assert len(rebuilds) == STEPS
     for step, (forward, rebuilt) in enumerate(rebuilds):
         assert len(forward) == len(rebuilt) == 12
@@ -153,29 +171,41 @@ def _small_model():
     return ReversibleTransformerLM(SEQ, num_layers=3, d_model=32, num_heads=2, dropout_rate=0.1)
 
 
-def test_offload_is_bitwise_identical(text_batches):
+def test_offload_and_executors_are_bitwise_identical(text_batches):
+    """Per layer or scanned, with or without offload: the same bits (params and optimizer state), and the
+    same evaluation; offloaded stacks stay in host memory between steps."""
     batches = text_batches(BATCH, 3)
     mesh = _mesh()
-    results = []
-    for offload in (False, True):
-        trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=offload)
-        ts = trainer.init()
-        for batch in batches:
-            ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        results.append((jax.tree.map(np.asarray, (ts.params, ts.opt_state)), float(metrics["loss"])))
-    (a, loss_a), (b, loss_b) = results
-    assert loss_a == loss_b
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        assert np.array_equal(x, y)
+    results = {}
+    for scan in (False, True):
+        for offload in (False, True):
+            trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=offload,
+                                        scan_layers=scan)
+            ts = trainer.init()
+            for batch in batches:
+                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+            assert (ts.stacked is not None) == scan
+            if scan and offload:
+                for x in jax.tree.leaves((ts.stacked.params, ts.stacked.opt_state)):
+                    assert x.sharding.memory_kind == HOST_MEMORY
+            evaluation = {k: float(v) for k, v in trainer.eval_step(ts, global_batch(batches[0], mesh)).items()}
+            results[scan, offload] = (jax.tree.map(np.asarray, (ts.params, ts.opt_state)), float(metrics["loss"]),
+                                      evaluation)
+    a, loss_a, eval_a = results[False, False]
+    for key, (b, loss_b, eval_b) in results.items():
+        assert loss_a == loss_b and eval_a == eval_b, key
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            assert np.array_equal(x, y), key
 
 
 def test_offload_keeps_at_most_two_layers_on_device(text_batches):
-    """With offload, weights + optimizer state on the device never exceed the two largest layers'."""
+    """With offload, weights + optimizer state on the device never exceed the two largest layers' (the
+    per-layer executor; the scanned one is checked below)."""
     import weakref
 
     batches = text_batches(BATCH, 2)
     mesh = _mesh()
-    trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=True)
+    trainer = ReversibleTrainer(_small_model(), optax.adam(1e-3), mesh, seed=0, offload=True, scan_layers=False)
     ts = trainer.init()
     per_layer = sorted((sum(x.nbytes for x in jax.tree.leaves((p, o))) for p, o in zip(ts.params, ts.opt_state)),
                        reverse=True)
