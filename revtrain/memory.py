@@ -33,19 +33,29 @@ import jax
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-def _bytes_on(arr, device) -> int:
-    """Bytes of ``arr`` held in device memory on ``device`` (0 for host memory kinds and other devices)."""
+def _bytes_on(arr, device, cache: dict | None = None) -> int:
+    """Bytes of ``arr`` held in device memory on ``device`` (0 for host memory kinds and other devices).
+    ``cache``: a dict remembering the answer per (sharding, shape, dtype)."""
     try:
         sharding = arr.sharding
+        key = (sharding, arr.shape, arr.dtype)
+        if cache is not None and key in cache:
+            return cache[key]
         if sharding.memory_kind in HOST_KINDS or device not in sharding.device_set:
-            return 0
-        return math.prod(sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
+            nbytes = 0
+        else:
+            nbytes = math.prod(sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
     except Exception:  # an array without a usable sharding (deleted, or a backend that has none)
         return 0
+    if cache is not None:
+        cache[key] = nbytes
+    return nbytes
 
 
-def _signature(treedef, leaves) -> tuple:
-    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x))) for x in leaves)
+class _Counted(weakref.ref):
+    """A weak reference to a counted array, with the array's id (``key``) and bytes on the device."""
+
+    __slots__ = ("key", "nbytes")
 
 
 class MemoryMeter:
@@ -75,48 +85,62 @@ class MemoryMeter:
         self.active = False
         self.peak = 0
         self._temp_cache: dict = {}
-        self._tracked: dict = {}  # id(array) -> (weak reference, bytes on the device)
-        self._total = 0  # bytes on the device of the tracked arrays that are alive
-        self._arguments = ()  # the leaves of the call being observed
+        self._sizes: dict = {}  # (sharding, shape, dtype) -> bytes on the device
+        self._outputs: dict = {}  # call signature -> (donated argument positions, bytes of each output)
+        self._callback = self._released  # one bound method for every weak reference (no closure per array)
+        self._reset()
 
-    def _release(self, key: int, ref) -> None:
-        entry = self._tracked.get(key)
-        if entry is not None and entry[0] is ref:
-            del self._tracked[key]
-            self._total -= entry[1]
+    # The running total: _live maps id(array) -> a weak reference to it that also holds its id and its
+    # bytes (`_Counted`), for every counted array that is alive. The loops below are written out (no helper
+    # call per array): they run for every argument and output of every call of a logged step.
+    def _reset(self) -> None:
+        self._live, self._total, self._call = {}, 0, None
 
-    def _track(self, arr) -> None:
-        key = id(arr)
-        entry = self._tracked.get(key)
-        if entry is not None and entry[0]() is arr:
-            return
-        if arr.is_deleted():  # donated to an earlier call: its buffer is gone
-            return
-        nbytes = _bytes_on(arr, self.device)
-        ref = weakref.ref(arr, lambda r, key=key: self._release(key, r))
-        if entry is not None:  # a dead array's id reused before its callback ran
-            self._total -= entry[1]
-        self._tracked[key] = (ref, nbytes)
-        self._total += nbytes
+    def _released(self, ref) -> None:
+        """Weak-reference callback: a counted array was freed."""
+        if self._live.get(ref.key) is ref:
+            del self._live[ref.key]
+            self._total -= ref.nbytes
 
-    def _forget(self, arr) -> None:
-        entry = self._tracked.get(id(arr))
-        if entry is not None and entry[0]() is arr:
-            del self._tracked[id(arr)]
-            self._total -= entry[1]
+    def _count(self, arrays, sizes=None) -> None:
+        """Counts each array of ``arrays`` not counted yet (``sizes``: their bytes on the device, if known)."""
+        live, callback, total = self._live, self._callback, 0
+        for k, x in enumerate(arrays):
+            key = id(x)
+            ref = live.get(key)
+            if ref is not None and ref() is x:
+                continue
+            if sizes is None:
+                if not isinstance(x, jax.Array) or x.is_deleted():  # deleted: donated to an earlier call
+                    continue
+                nbytes = _bytes_on(x, self.device, self._sizes)
+            else:
+                nbytes = sizes[k]
+            if nbytes:  # arrays in host memory are never counted
+                if ref is not None:  # a dead array's id, reused before its callback ran
+                    total -= ref.nbytes
+                ref = _Counted(x, callback)
+                ref.key, ref.nbytes = key, nbytes
+                live[key] = ref
+                total += nbytes
+        self._total += total
 
-    def _track_all(self, leaves) -> None:
-        for x in leaves:
-            if isinstance(x, jax.Array):
-                self._track(x)
+    def _uncount(self, arrays) -> None:
+        live, total = self._live, 0
+        for x in arrays:
+            ref = live.get(id(x))
+            if ref is not None and ref() is x:
+                del live[id(x)]
+                total += ref.nbytes
+        self._total -= total
 
     def start(self) -> None:
         """Starts a measurement (one step): counts the arrays alive now (one walk)."""
         self.active = True
         self.peak = 0
-        self._tracked, self._total = {}, 0
+        self._reset()
         if self.method == "estimate":
-            self._track_all(jax.live_arrays())
+            self._count(jax.live_arrays())
             self.peak = self._total
 
     def observe(self, fn, args) -> None:
@@ -124,9 +148,9 @@ class MemoryMeter:
         if not self.active or self.method != "estimate":
             return
         leaves, treedef = jax.tree.flatten(args)
-        self._track_all(leaves)
-        self._arguments = leaves
-        key = (id(fn), _signature(treedef, leaves))
+        self._count(leaves)
+        key = (id(fn), treedef, tuple(getattr(x, "shape", None) for x in leaves))
+        self._call = (key, leaves)
         extra = self._temp_cache.get(key)
         if extra is None:
             try:
@@ -141,13 +165,17 @@ class MemoryMeter:
     def record(self, outputs) -> None:
         """Counts the outputs of the call just made (after ``observe`` of it), and no longer counts the
         arguments it consumed (donated buffers are freed even while Python still refers to them)."""
-        if not self.active or self.method != "estimate":
+        if not self.active or self.method != "estimate" or self._call is None:
             return
-        for x in self._arguments:
-            if isinstance(x, jax.Array) and x.is_deleted():
-                self._forget(x)
-        self._arguments = ()
-        self._track_all(jax.tree.leaves(outputs))
+        (key, arguments), self._call = self._call, None
+        out = jax.tree.leaves(outputs)
+        known = self._outputs.get(key)  # the same program: the same donations and output placements
+        if known is None:
+            donated = [i for i, x in enumerate(arguments) if isinstance(x, jax.Array) and x.is_deleted()]
+            sizes = [_bytes_on(x, self.device, self._sizes) if isinstance(x, jax.Array) else 0 for x in out]
+            known = self._outputs[key] = (donated, sizes)
+        self._uncount([arguments[i] for i in known[0]])
+        self._count(out, known[1])
 
     def stop(self) -> int:
         """Ends the measurement; returns the peak device bytes (int)."""
@@ -156,5 +184,5 @@ class MemoryMeter:
             self.peak = int(self.device.memory_stats().get("peak_bytes_in_use", 0))
         else:
             self.peak = max(self.peak, self._total)
-        self._tracked, self._total, self._arguments = {}, 0, ()
+        self._reset()
         return self.peak

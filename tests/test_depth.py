@@ -1,0 +1,138 @@
+"""Deep stacks: the stacked layout, the scanned executors and the memory meter's running total.
+
+The scanned and per-layer executors' exactness on the Transformer LM is in test_exactness.py (1 device,
+with offload) and test_parallel.py (4 devices); resuming across the switch in test_checkpoint.py.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain.memory import MemoryMeter, _bytes_on
+from revtrain.models import ReversibleTransformerLM
+from revtrain.models.revnet import RevNet
+from revtrain.placement import HOST_MEMORY, global_batch, make_mesh, put_replicated
+from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers.stacking import Stacked, find_runs, groups_of
+
+
+def _mesh():
+    return make_mesh(jax.devices()[:1])
+
+
+def _leaves_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+def test_runs_and_groups():
+    """Runs are maximal stretches of identical reversible layers; the head and standard layers are alone."""
+    revnet = RevNet(10, widths=(8, 16, 16), blocks=(3, 1, 2))  # stem, 3 blocks, down, 1 block, down, 2, head
+    runs = find_runs(revnet.layers)
+    assert runs == [(1, 3), (7, 2)]
+    assert groups_of(len(revnet.layers), runs) == ((0, 1), (1, 3), (4, 1), (5, 1), (6, 1), (7, 2), (9, 1))
+    lm = ReversibleTransformerLM(16, num_layers=5, d_model=16, num_heads=2)
+    assert find_runs(lm.layers) == [(1, 5)]
+    assert find_runs(lm.layers, eligible=lambda layer: True) == [(1, 5)]  # the head is never stacked
+    assert find_runs(ReversibleTransformerLM(16, num_layers=1, d_model=16, num_heads=2).layers) == []
+
+
+def test_stacked_round_trip_keeps_values_and_memory_kinds():
+    """per-layer -> stacked -> per-layer gives the same values, shapes and memory kinds (host stays host)."""
+    mesh = _mesh()
+    rng = np.random.default_rng(0)
+    layers = [{"w": rng.normal(size=(3, 2)).astype(np.float32), "n": np.int32(i)} for i in range(4)]
+    states = [{} for _ in range(4)]
+    for kind in (None, HOST_MEMORY):
+        params = [put_replicated(p, mesh, kind) for p in layers]
+        grouped = Stacked.from_per_layer(((0, 1), (1, 3)), params, params, states)
+        assert grouped.params[0] is params[0]  # single layers are not copied
+        assert grouped.params[1]["w"].shape == (3, 3, 2) and grouped.params[1]["n"].shape == (3,)
+        assert grouped.params[1]["w"].sharding.memory_kind == params[0]["w"].sharding.memory_kind
+        back, _, back_states = grouped.per_layer()
+        assert back_states == states and _leaves_equal(back, layers)
+        assert all(x.sharding.memory_kind == params[0]["w"].sharding.memory_kind for x in jax.tree.leaves(back))
+        shapes, _, _ = grouped.per_layer_shapes()
+        assert [jax.tree.map(lambda s: s.shape, t) for t in shapes] == [{"w": (3, 2), "n": ()}] * 4
+        consumed = Stacked.from_per_layer(((0, 2), (2, 2)), params, params, states, consume=True)
+        assert all(x.is_deleted() for x in jax.tree.leaves(params[2:]))
+        assert _leaves_equal(consumed.per_layer()[0][2:], layers[2:])
+
+
+class _WalkingMeter(MemoryMeter):
+    """Also walks every live array before each call (the old meter's O(live arrays) sum) and keeps both."""
+
+    def observe(self, fn, args):
+        if self.active:
+            walked = sum(_bytes_on(a, self.device) for a in jax.live_arrays())
+            super().observe(fn, args)
+            self.pairs.append((walked, self._total))
+
+
+@pytest.mark.parametrize("kwargs", [{"scan_layers": False, "offload": True}, {"scan_layers": True}])
+def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs):
+    """Before every call of a logged step, the meter's running total of live device bytes is what walking
+    every live array gives (as layers move on and off the device and buffers are donated)."""
+    mesh = _mesh()
+    model = ReversibleTransformerLM(32, num_layers=3, d_model=16, num_heads=2, dropout_rate=0.1)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
+    batches = [global_batch({k: v[:4, :32] for k, v in b.items()}, mesh) for b in text_batches(4, 2)]
+    ts, _ = trainer.train_step(trainer.init(), batches[0])
+    meter = trainer.meter = _WalkingMeter()
+    meter.pairs = []
+    meter.start()
+    ts, metrics = trainer.train_step(ts, batches[1])
+    peak = meter.stop()
+    calls = 5 if kwargs["scan_layers"] else 9  # scan: embedding, run, head, run, embedding
+    assert len(meter.pairs) == calls
+    assert all(walked == total > 0 for walked, total in meter.pairs), meter.pairs
+    assert peak > max(total for _, total in meter.pairs)  # plus the calls' temporaries
+
+
+def test_revnet_batch_norm_state_scanned_equals_per_layer():
+    """A stacked run with layer state (batch-norm statistics, updated by the forward scan): the scanned
+    executor gives the per-layer executor's parameters, optimizer state, statistics and evaluation bit for
+    bit."""
+    mesh = _mesh()
+    rng = np.random.default_rng(0)
+    batches = [{"image": rng.normal(size=(8, 8, 8, 1)).astype(np.float32),
+                "targets": rng.integers(0, 10, 8).astype(np.int32)} for _ in range(2)]
+    out = {}
+    for scan in (False, True):
+        model = RevNet(10, seed=0, widths=(8, 16), blocks=(2, 1), momentum=0.8)
+        trainer = ReversibleTrainer(model, optax.adam(1e-2), mesh, seed=0, scan_layers=scan)
+        ts = trainer.init()
+        for b in batches:
+            ts, _ = trainer.train_step(ts, global_batch(b, mesh))
+        evaluation = {k: float(v) for k, v in trainer.eval_step(ts, global_batch(batches[0], mesh)).items()}
+        ts = ts.per_layer()
+        out[scan] = (jax.tree.map(np.asarray, (ts.params, ts.opt_state, ts.layer_state)), evaluation)
+    (a, eval_a), (b, eval_b) = out[False], out[True]
+    assert eval_a == eval_b
+    assert _leaves_equal(a, b)
+    stats = [np.asarray(x) for x in jax.tree.leaves(a[2][1])]
+    assert stats and any(np.abs(x).sum() > 0 for x in stats)  # the stacked blocks' statistics moved
+
+
+def test_standard_trainer_scan_matches_unrolled(text_batches):
+    """StandardTrainer with its identical blocks in one scan (with and without remat) follows the
+    unrolled program: the same losses, parameters within 1e-6 after 3 Adam steps (a scan is a different
+    program, so XLA may round a few elements differently)."""
+    mesh = _mesh()
+    batches = [global_batch({k: v[:4, :64] for k, v in b.items()}, mesh) for b in text_batches(4, 3)]
+    out = {}
+    with jax.default_matmul_precision("highest"):
+        for kwargs in ({}, {"scan_layers": True}, {"scan_layers": True, "remat_layers": True}):
+            model = ReversibleTransformerLM(64, num_layers=3, d_model=32, num_heads=2, dropout_rate=0.1)
+            trainer = StandardTrainer(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
+            ts, losses = trainer.init(), []
+            for b in batches:
+                ts, metrics = trainer.train_step(ts, b)
+                losses.append(float(metrics["loss"]))
+            out[tuple(kwargs)] = (jax.tree.map(np.asarray, ts.params), losses)
+    ref, ref_losses = out[()]
+    for key, (params, losses) in out.items():
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, err_msg=str(key))
+        for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
+            assert np.abs(x - y).max() <= 1e-6 * np.abs(x).max(), key
