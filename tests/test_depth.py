@@ -158,3 +158,35 @@ def test_standard_trainer_scan_matches_unrolled(text_batches):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, err_msg=str(key))
         for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
             assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), key
+
+
+def test_checkpoints_resume_across_the_executor_switch(text_batches, tmp_path):
+    """A checkpoint holds the per-layer layout whichever executor wrote it: a scanned run's checkpoint
+    resumes with the per-layer executor and back, and both continue the uninterrupted run bit for bit."""
+    from revtrain.checkpoint import Checkpointer
+
+    mesh = _mesh()
+    batches = [global_batch({k: v[:4, :32] for k, v in b.items()}, mesh) for b in text_batches(4, 4)]
+
+    def trainer(scan):
+        model = ReversibleTransformerLM(32, num_layers=2, d_model=16, num_heads=2, dropout_rate=0.1)
+        return ReversibleTrainer(model, optax.adamw(1e-3), mesh, seed=0, scan_layers=scan)
+
+    scanned, per_layer = trainer(True), trainer(False)
+    reference, ts = [], scanned.init()
+    checkpointer = Checkpointer(str(tmp_path), keep=None)
+    for k, b in enumerate(batches):
+        ts, _ = scanned.train_step(ts, b)
+        reference.append(jax.tree.map(np.asarray, ts.per_layer().params))
+        if k == 1:
+            checkpointer.save(ts, None, {})  # step 2, written from the stacked layout
+            checkpointer.wait()
+    restored = checkpointer.restore(per_layer.init(), 2)
+    assert restored.stacked is None and restored.step == 2
+    ts, _ = per_layer.train_step(restored, batches[2])
+    assert _leaves_equal(ts.params, reference[2])
+    checkpointer.save(ts, None, {})  # step 3, written from the per-layer layout
+    checkpointer.wait()
+    ts, _ = scanned.train_step(checkpointer.restore(scanned.init(), 3), batches[3])
+    assert ts.stacked is not None and _leaves_equal(ts.per_layer().params, reference[3])
+    checkpointer.close()

@@ -47,39 +47,54 @@ def _worker(out_path: str) -> None:
     optimizers = {"sgd_momentum": lambda: optax.sgd(0.3, momentum=0.9), "adam": lambda: optax.adam(1e-3)}
     trainers = {"standard": StandardTrainer, "reversible": ReversibleTrainer}
 
-    def train(cls, opt, ndev):
+    def train(cls, opt, ndev, **kwargs):
         mesh = make_mesh(jax.devices()[:ndev])
         model = ReversibleTransformerLM(128, num_layers=DEPTH, d_model=D_MODEL, dropout_rate=0.1)
-        trainer = cls(model, optimizers[opt](), mesh, seed=0)
+        trainer = cls(model, optimizers[opt](), mesh, seed=0, **kwargs)
         ts = trainer.init()
         losses = []
         for batch in batches:  # no blocking between steps: dispatch stays asynchronous
             ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
             losses.append(metrics["loss"])
+        # The arrays the trainer holds (stacked runs as they are: a per-layer view would be a fresh copy).
+        held = (ts.stacked.params, ts.stacked.opt_state) if ts.stacked is not None else (ts.params, ts.opt_state)
         replicas_identical = all(
             all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
                 for s in leaf.addressable_shards)
-            for leaf in jax.tree.leaves((ts.params, ts.opt_state)))
-        return ts.params, [float(x) for x in losses], replicas_identical
+            for leaf in jax.tree.leaves(held))
+        ts = ts.per_layer()
+        return (ts.params, ts.opt_state), [float(x) for x in losses], replicas_identical
 
     def worst_leaf(a, b):
         rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(x)).max()), keystr(path))
                 for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
         return max(rows)
 
-    out = {"runs": {}, "compare": {}}
+    out = {"runs": {}, "compare": {}, "executors_bitwise": {}}
     params = {}
     for opt in optimizers:
         for name, cls in trainers.items():
             for ndev in (1, NUM_DEVICES):
-                p, losses, same = train(cls, opt, ndev)
+                run = train(cls, opt, ndev)
+                (p, _), losses, same = run
                 params[opt, name, ndev] = p
+                if (opt, name, ndev) == ("adam", "reversible", NUM_DEVICES):
+                    scanned = run  # the reversible trainer's default executor: scanned
                 out["runs"][f"{opt}/{name}/{ndev}"] = {"losses": losses, "replicas_identical": same}
             out["compare"][f"{opt}/{name}/1~{NUM_DEVICES}"] = worst_leaf(params[opt, name, 1],
                                                                       params[opt, name, NUM_DEVICES])
         for ndev in (1, NUM_DEVICES):
             a, b = params[opt, "standard", ndev], params[opt, "reversible", ndev]
             out["compare"][f"{opt}/standard~reversible/{ndev}"] = worst_leaf(a, b)
+
+    # The reversible trainer's executors on 4 devices, Adam, dropout: scanned (the default), per layer, and
+    # scanned with offload give the same bits (parameters and optimizer state).
+    runs = {name: train(ReversibleTrainer, "adam", NUM_DEVICES, **kwargs) for name, kwargs in
+            {"per_layer": {"scan_layers": False}, "scan_offload": {"scan_layers": True, "offload": True}}.items()}
+    for name in ("per_layer", "scan_offload"):
+        a, b = scanned, runs[name]
+        out["executors_bitwise"][name] = a[1] == b[1] and b[2] and all(
+            np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])))
 
     # A global batch that cannot be split evenly over the devices.
     mesh = make_mesh(jax.devices())
@@ -111,7 +126,7 @@ def results(byte_lm_data_dir, tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
     with open(out) as f:
         return json.load(f)
@@ -151,6 +166,13 @@ def test_adam_four_devices_within_backprop_noise_floor(results):
     a = results["runs"][f"adam/reversible/1"]["losses"]
     b = results["runs"][f"adam/reversible/{NUM_DEVICES}"]["losses"]
     np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+@pytest.mark.parametrize("executor", ["per_layer", "scan_offload"])
+def test_executors_bitwise_on_four_devices(results, executor):
+    """Adam with dropout on 4 devices: the per-layer executor and the scanned one with offload give the
+    scanned executor's losses, parameters and optimizer state bit for bit, replicas identical."""
+    assert results["executors_bitwise"][executor]
 
 
 def test_indivisible_batch_is_a_clear_error(results):

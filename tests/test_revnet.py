@@ -90,10 +90,12 @@ def _worker(out_path: str) -> None:
                                      jax.tree.leaves((b.params, b.opt_state, b.layer_state))))
     for name in ("reversible/4", "reversible_offload/4"):
         ts = runs[name][0]
+        # The arrays the trainer holds (a stacked run as it is: its per-layer view would be a fresh copy).
+        held = (ts.stacked.params, ts.stacked.layer_state) if ts.stacked is not None else (ts.params, ts.layer_state)
         out["replicas_identical"][name] = all(
             all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
                 for s in leaf.addressable_shards)
-            for leaf in jax.tree.leaves((ts.params, ts.layer_state)))
+            for leaf in jax.tree.leaves(held))
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
 
