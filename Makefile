@@ -2,6 +2,7 @@
 #   make train [WORKDIR=runs/enwik_small] [CONFIG=configs/enwik_small.gin]
 #   make test
 #   make bench
+#   make bench-long
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test bench clean
+.PHONY: venv data train eval test bench bench-long clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +36,13 @@ test: data
 bench: data
 	$(PY) scripts/benchmark.py
 
+# Blockwise vs dense attention against the sequence length (T = 512 ... 65,536; the longest points are one
+# step each, and T = 65,536 takes a while on a CPU): bench_long.json, bench_long.png and a table.
+bench-long: data
+	$(PY) scripts/benchmark.py --sweep seq
+
 clean:
-	rm -rf $(VENV) runs bench.json bench.png
+	rm -rf $(VENV) runs bench.json bench.png bench_long.json bench_long.png
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the
