@@ -7,6 +7,7 @@ XLA:CPU far longer to compile (LLVM unrolls the tiny tile loops).
 
 import pathlib
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,7 @@ from revtrain.trainers import ReversibleTrainer, StandardTrainer
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8"]
-LONG = {"attention_block": 48, "ff_chunk": 48, "head_chunk": 48}  # T = 128: 3 tiles, the last one padded
+LONG = {"attention_block": 64, "ff_chunk": 48, "head_chunk": 48}  # T = 128: 2 tiles; 3 chunks, the last padded
 STEPS = 3
 
 
@@ -52,6 +53,9 @@ def test_blockwise_attention_equals_dense_with_gradients():
             results[name] = (out, *vjp(w))
     for name, a, b in zip(("output", "dq", "dk", "dv"), results["blockwise"], results["dense"]):
         assert _rel(a, b) <= 1e-6, f"{name}: {_rel(a, b):.1e}"
+    # bfloat16 inputs (float32 scores and statistics): within bfloat16's resolution of dense attention.
+    q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    assert _rel(jax.jit(blockwise)(q16, k16, v16), dense(q16, k16, v16)) <= 2e-2
 
 
 def test_blockwise_attention_rejects_a_bad_block():
@@ -114,22 +118,25 @@ def _reverse_temp_bytes(seq: int, **kw) -> int:
 
 
 def test_reverse_temp_memory_is_linear_in_length():
-    """4x the length: at most 4.5x the temporaries with blockwise attention; dense attention's [T, T] scores
-    and their gradients grow them much faster (so the measure can tell)."""
+    """4x the length: at most 4.5x the temporaries (measured 3.8x; dense attention's [T, T] scores and
+    their gradients grow them 13.7x), and at least 2x (the measure sees the length)."""
     kw = {"attention_block": 64, "ff_chunk": 64, "head_chunk": 64}
     short, long = _reverse_temp_bytes(256, **kw), _reverse_temp_bytes(1024, **kw)
-    assert long <= 4.5 * short, (short, long)
-    dense_short, dense_long = _reverse_temp_bytes(256), _reverse_temp_bytes(1024)
-    assert dense_long > 8 * dense_short, (dense_short, dense_long)
-    assert long < dense_long / 4
+    assert 2 * short <= long <= 4.5 * short, (short, long)
+
+
+@gin.configurable
+def LongTinyLM(sequence_length, *, seed=0):
+    """One block with blockwise attention and chunked feed-forward and head. No ``compute_dtype`` argument,
+    so `revtrain check` checks float32 only (bfloat16 would double the test's compilations)."""
+    return ReversibleTransformerLM(sequence_length, seed=seed, num_layers=1, d_model=32, num_heads=2,
+                                   dropout_rate=0.1, **LONG)
 
 
 def test_check_passes_with_blockwise_attention(capsys):
-    bindings = [f"ReversibleTransformerLM.{name} = {value}" for name, value in LONG.items()]
-    bindings.append("ReversibleTransformerLM.num_layers = 1")
-    assert cli.main(["check", "--config", CONFIG, *TINY, *[a for b in bindings for a in ("--gin", b)]]) == 0
+    assert cli.main(["check", "--config", CONFIG, *TINY, "--gin", "train.model = @LongTinyLM"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "rebuild bfloat16" in out
+    assert "PASS" in out and "block_0" in out and "rebuild float32" in out
 
 
 @pytest.mark.parametrize("binding, contains", [

@@ -151,7 +151,7 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
     """Exact causal softmax attention computed ``block`` x ``block`` positions at a time.
 
     Equals ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` (scores scaled by ``1 / sqrt(D)``,
-    softmax in float32) up to float rounding, with memory O(B * H * T * (D + block)) instead of
+    softmax in float32) up to float rounding, with memory O(B * H * (T * D + block^2)) instead of
     O(B * H * T^2) in the forward and in the gradient (a ``jax.custom_vjp`` that recomputes each tile's
     scores from the saved per-row log-sum-exp). See the module docstring for the method and sources.
 
