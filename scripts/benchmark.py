@@ -339,9 +339,9 @@ def run_seq(args) -> dict:
                             "peak_device_bytes": peak, "memory_method": "compiled", "tokens_per_sec": None,
                             "timed_steps": 0})
             print(f"T {seq:>6} {kind:>9} standard (compiled)   peak {peak / 2**20:9.1f} MiB", flush=True)
-        dense = {r["attention"]: r["tokens_per_sec"] for r in records if r["seq"] == seq and r["trainer"] == "reversible"}
-        if "dense" in dense:
-            print(f"T {seq:>6} blockwise / dense tokens/s: {dense['blockwise'] / dense['dense']:.2f}", flush=True)
+        tps = {r["attention"]: r["tokens_per_sec"] for r in records if r["seq"] == seq and r["trainer"] == "reversible"}
+        if "dense" in tps:
+            print(f"T {seq:>6} blockwise / dense tokens/s: {tps['blockwise'] / tps['dense']:.2f}", flush=True)
     config = {"platform": device.platform, "device_kind": device.device_kind, "d_model": args.d_model,
               "heads": args.heads, "depth": args.depth, "batch": args.batch, "attention_block": args.attention_block,
               "ff_chunk": args.ff_chunk, "head_chunk": args.head_chunk, "steps": args.steps,
@@ -351,8 +351,8 @@ def run_seq(args) -> dict:
         result["exactness"] = exactness(args, mesh)
         e = result["exactness"]
         print(f"T {e['seq']} float32, blockwise vs dense: losses over {e['steps']} steps within "
-              f"{e['loss_max_rel_diff']:.1e} relative, attention gradients within {e['attention_grad_max_rel_diff']:.1e}",
-              flush=True)
+              f"{e['loss_max_rel_diff']:.1e} relative, attention gradients within "
+              f"{e['attention_grad_max_rel_diff']:.1e}", flush=True)
     return result
 
 
@@ -370,7 +370,8 @@ def table_seq(result) -> str:
             dense = [d for d in records if d["seq"] == r["seq"] and d["trainer"] == "reversible"
                      and d["attention"] == "dense"]
             ratio = f"{r['tokens_per_sec'] / dense[0]['tokens_per_sec']:.2f}" if dense else ""
-        lines.append(f"| {r['seq']} | {name} | {r['attention']} | {r['peak_device_bytes'] / 2**20:,.1f} | {tps} | {ratio} |")
+        peak = r["peak_device_bytes"] / 2**20
+        lines.append(f"| {r['seq']} | {name} | {r['attention']} | {peak:,.1f} | {tps} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -399,20 +400,6 @@ def plot_seq(result, path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def main_seq(args) -> None:
-    if args.seq_memory_only:
-        seq, kind = args.seq_memory_only.split(",")
-        peak, method = _seq_point_memory(int(seq), kind, args)
-        print(peak, method)
-        return
-    result = run_seq(args)
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    plot_seq(result, args.plot)
-    print(table_seq(result))
-    print(f"wrote {os.path.abspath(args.out)} and {os.path.abspath(args.plot)}")
-
 
 
 def main():
@@ -444,18 +431,19 @@ def main():
     args.batch = args.batch or (1 if seq else 8)
     args.out = args.out or ("bench_long.json" if seq else "bench.json")
     args.plot = args.plot or ("bench_long.png" if seq else "bench.png")
-    if seq:
-        main_seq(args)
+    if seq and args.seq_memory_only:
+        length, kind = args.seq_memory_only.split(",")
+        print(*_seq_point_memory(int(length), kind, args))
         return
     if args.memory_only:
         kind, offload, depth = args.memory_only.split(",")
         peak, method = measure_memory(kind, bool(int(offload)), int(depth), args)
         print(peak, method)
         return
-    records = run(args)
+    records = run_seq(args) if seq else run(args)
     pathlib.Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
-    plot(records, args.plot)
-    print(table(records))
+    (plot_seq if seq else plot)(records, args.plot)
+    print((table_seq if seq else table)(records))
     print(f"wrote {os.path.abspath(args.out)} and {os.path.abspath(args.plot)}")
 
 
