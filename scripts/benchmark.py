@@ -167,6 +167,7 @@ def plot(records, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
+
 # -- sweep over the sequence length: blockwise vs dense attention (make bench-long) ------------------
 
 SEQ_KINDS = ("blockwise", "dense")

@@ -1,8 +1,8 @@
 """Long sequences: exact blockwise attention, the chunked feed-forward and head loss, memory linear in T,
 and the data checks at long lengths.
 
-Tiles of 48 and 64 positions keep these tests small; tiles of 32 or fewer positions are exact too but take
-XLA:CPU far longer to compile (LLVM unrolls the tiny tile loops).
+Tiles of 64 positions keep these tests small; tiles of 32 positions are exact too but take XLA:CPU about
+ten times longer to compile (LLVM unrolls the tiny tile loops).
 """
 
 import pathlib
