@@ -3,6 +3,7 @@
 #   make test
 #   make bench
 #   make bench-depth
+#   make bench-long
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test bench bench-depth clean
+.PHONY: venv data train eval test bench bench-depth bench-long clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +41,13 @@ bench: data
 bench-depth: data
 	$(PY) scripts/benchmark.py --sweep depth
 
+# Blockwise vs dense attention against the sequence length (T = 512 ... 65,536; the longest points are one
+# step each, and T = 65,536 takes a while on a CPU): bench_long.json, bench_long.png and a table.
+bench-long: data
+	$(PY) scripts/benchmark.py --sweep seq
+
 clean:
-	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png
+	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the

@@ -165,6 +165,8 @@ def build(cfg: TrainConfig | None = None) -> Run:
     mesh = make_mesh()
     _divisible(cfg.batch_size, mesh, "train.batch_size")
     task = cfg.task()
+    if hasattr(task, "check_batch_size"):
+        task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
     try:
         model = cfg.model(seed=cfg.seed, **task.model_kwargs())
     except ValueError as e:

@@ -1,8 +1,12 @@
-"""Memory and speed of StandardTrainer vs ReversibleTrainer (with and without offload) against depth.
+"""Memory and speed of StandardTrainer vs ReversibleTrainer (with and without offload) against depth, or
+of blockwise vs dense attention against the sequence length (``--sweep seq``).
 
   python scripts/benchmark.py [--depths 2,4,8,16,32] [--d_model 256] [--seq 512] [--batch 8]
                               [--steps 3] [--out bench.json] [--plot bench.png]
   python scripts/benchmark.py --sweep depth [--out bench_depth.json] [--plot bench_depth.png]
+  python scripts/benchmark.py --sweep seq [--seqs 512,1024,4096,16384,65536] [--depth 4] [--batch 1]
+                              [--attention_block 512] [--dense_max 4096] [--one_step_from 16384]
+                              [--out bench_long.json] [--plot bench_long.png]
 
 ``--sweep depth`` (``make bench-depth``): steps/s and start-up time of tiny blocks at depths 8..256 for
 both executors of both trainers, the cost of a logged step (memory meter on), and offload against no
@@ -14,11 +18,22 @@ round, so machine noise hits all three alike); tokens/s is the median over round
 from the memory meter (``revtrain.memory``): the allocator's peak on GPU/TPU (measured in a fresh
 subprocess per configuration, since that peak cannot be reset), the live-array + compiled-temp estimate on
 CPU. Writes ``bench.json`` (one record per trainer x depth), a PNG plot, and prints a table.
+
+``--sweep seq`` (``make bench-long``): ReversibleTrainer with offload on the same model with exact blockwise
+attention (plus the chunked feed-forward and head loss) and with dense attention (only up to
+``--dense_max``: beyond it dense attention's ``[B, H, T, T]`` arrays do not fit a small machine), over the
+sequence lengths ``--seqs``; StandardTrainer's peak from its compiled step program beside them (no run:
+arguments + temporaries + non-donated outputs, from ``memory_analysis()``). Below ``--one_step_from`` each
+configuration gets a warm-up step, a metered step and ``--steps`` timed steps (blockwise and dense in
+interleaved rounds); from it on, one metered step whose time excludes compilation (JAX's compile-time
+events). It also checks blockwise against dense at ``--exact_seq`` in float32: training losses over 5 steps
+and the attention parameters' gradients. Writes ``bench_long.json``, a log-log PNG and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import pathlib
@@ -33,12 +48,15 @@ except ImportError:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from revtrain.data import byte_lm, pipeline  # noqa: E402
 from revtrain.memory import MemoryMeter  # noqa: E402
 from revtrain.models import ReversibleTransformerLM  # noqa: E402
-from revtrain.placement import global_batch, make_mesh  # noqa: E402
+from revtrain.placement import DATA_AXIS, global_batch, make_mesh  # noqa: E402
 from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 
 CONFIGS = [("standard", False), ("reversible", False), ("reversible", True)]
@@ -53,8 +71,8 @@ def _trainer(kind, offload, depth, args, mesh):
     return ReversibleTrainer(model, tx, mesh, seed=0, offload=offload)
 
 
-def _batches(args, n):
-    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, args.seq, byte_lm.default_data_dir())
+def _batches(args, n, seq=None):
+    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, seq or args.seq, byte_lm.default_data_dir())
     it = iter(pipeline.train_dataset(builder, batch_size=args.batch, seed=0))
     return [next(it) for _ in range(n)]
 
@@ -322,47 +340,303 @@ def depth_plot(result, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# -- sweep over the sequence length: blockwise vs dense attention (make bench-long) ------------------
+
+SEQ_KINDS = ("blockwise", "dense")
+
+
+def _seq_model(seq, args, kind):
+    """The benchmark's LM at length ``seq``: blockwise attention + chunked feed-forward and head, or dense."""
+    chunks = {"attention_block": args.attention_block, "ff_chunk": args.ff_chunk, "head_chunk": args.head_chunk}
+    return ReversibleTransformerLM(seq, num_layers=args.depth, d_model=args.d_model, num_heads=args.heads,
+                                   dropout_rate=0.0, **(chunks if kind == "blockwise" else {}))
+
+
+class _CompileClock:
+    """Seconds JAX spends tracing, lowering and compiling (its monitoring events), to leave out of a timed
+    first step."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.seconds = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event, duration, **kwargs):
+        if event in self.EVENTS:
+            self.seconds += duration
+
+
+def _timed_step(trainer, ts, batch, clock):
+    """One step; returns ``(state, seconds without compilation)``."""
+    c0, t0 = clock.seconds, time.perf_counter()
+    ts, m = trainer.train_step(ts, batch)
+    jax.block_until_ready((ts.params, m))
+    return ts, time.perf_counter() - t0 - (clock.seconds - c0)
+
+
+def _seq_point_memory(seq, kind, args) -> tuple[int, str]:
+    """Peak device bytes of one ReversibleTrainer + offload step at length ``seq`` (after a warm-up step
+    below ``--one_step_from``), in this process."""
+    mesh = make_mesh()
+    trainer = ReversibleTrainer(_seq_model(seq, args, kind), optax.adam(1e-4), mesh, seed=0, offload=True)
+    trainer.meter = MemoryMeter()
+    batches = [global_batch(b, mesh) for b in _batches(args, 2, seq)]
+    ts = trainer.init()
+    if seq < args.one_step_from:
+        ts, m = trainer.train_step(ts, batches[1])
+        jax.block_until_ready((ts.params, m))
+    trainer.meter.start()
+    ts, m = trainer.train_step(ts, batches[0])
+    jax.block_until_ready((ts.params, m))
+    return trainer.meter.stop(), trainer.meter.method
+
+
+def standard_estimate(seq, kind, args, mesh) -> int:
+    """StandardTrainer's peak device bytes at length ``seq`` from its compiled step program, without running
+    it: arguments (weights, Adam state, batch) + temporaries + outputs not aliased to donated inputs. The
+    program is ``StandardTrainer.grads`` (whole-model backprop) followed by the Adam update."""
+    model = _seq_model(seq, args, kind)
+    trainer = StandardTrainer(model, optax.adam(1e-4), mesh, seed=0)
+
+    def step(params, opt_state, states, batch, skey):
+        _, grads, _, new_states, _ = trainer.grads(params, states, batch, skey)
+        updates, opt_state = trainer.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, new_states
+
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
+    params, states = jax.tree.map(spec, model.init())
+    tokens = jax.ShapeDtypeStruct((args.batch, seq), jnp.int32)
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(), P(DATA_AXIS), P()), out_specs=(P(), P(), P())),
+                 donate_argnums=(0, 1))
+    compiled = fn.lower(params, jax.eval_shape(trainer.tx.init, params), states,
+                        {"inputs": tokens, "targets": tokens}, jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+    a = compiled.memory_analysis()
+    return int(a.argument_size_in_bytes + a.temp_size_in_bytes + max(0, a.output_size_in_bytes - a.alias_size_in_bytes))
+
+
+def _seq_memory_in_subprocess(seq, kind, args) -> tuple[int, str]:
+    cmd = [sys.executable, __file__, "--sweep", "seq", "--seq_memory_only", f"{seq},{kind}", *_seq_argv(args)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    peak, method = out.split()
+    return int(peak), method
+
+
+def _seq_argv(args) -> list[str]:
+    return [f"--{name}={getattr(args, name)}" for name in
+            ("depth", "d_model", "heads", "batch", "attention_block", "ff_chunk", "head_chunk", "one_step_from")]
+
+
+def exactness(args, mesh) -> dict:
+    """Blockwise vs dense attention in float32 at ``--exact_seq``: the training losses of 5 ReversibleTrainer
+    steps from the same weights on the same batches, and whole-model backprop's gradients of every block's
+    attention parameters (max |difference| / max |dense| per leaf, the worst leaf)."""
+    seq, steps = args.exact_seq, 5
+    batches = [global_batch(b, mesh) for b in _batches(args, steps, seq)]
+    losses, grads = {}, {}
+    with jax.default_matmul_precision("highest"):
+        for kind in SEQ_KINDS:
+            model = _seq_model(seq, args, kind)
+            trainer = ReversibleTrainer(model, optax.adam(1e-4), mesh, seed=0)
+            ts, out = trainer.init(), []
+            for b in batches:
+                ts, m = trainer.train_step(ts, b)
+                out.append(float(m["loss"]))
+            losses[kind] = out
+            ref = StandardTrainer(model, optax.adam(1e-4), mesh, seed=0)
+            fn = jax.jit(jax.shard_map(lambda p, s, b, k, ref=ref: ref.grads(p, s, b, k)[1], mesh=mesh,
+                                       in_specs=(P(), P(), P(DATA_AXIS), P()), out_specs=P()))
+            params, states = model.init()
+            g = fn(params, states, batches[0], jax.random.PRNGKey(0))
+            grads[kind] = [jax.tree.map(np.asarray, layer_grads["f"]) for layer_grads in g[1:-1]]
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(losses["blockwise"], losses["dense"]))
+    grad_rel = max(float(np.abs(a - b).max() / np.abs(b).max())
+                   for gb, gd in zip(grads["blockwise"], grads["dense"])
+                   for a, b in zip(jax.tree.leaves(gb), jax.tree.leaves(gd)))
+    return {"seq": seq, "steps": steps, "losses": losses, "loss_max_rel_diff": loss_rel,
+            "attention_grad_max_rel_diff": grad_rel}
+
+
+def run_seq(args) -> dict:
+    mesh = make_mesh()
+    device = jax.devices()[0]
+    on_cpu = device.platform == "cpu"
+    clock = _CompileClock()
+    records = []
+    for seq in args.seqs:
+        kinds = [k for k in SEQ_KINDS if k == "blockwise" or seq <= args.dense_max]
+        one_step = seq >= args.one_step_from
+        batches = [global_batch(b, mesh) for b in _batches(args, 1 if one_step else 2 + args.steps, seq)]
+        times = collections.defaultdict(list)
+        peaks = {}
+        trainers, states = {}, {}
+        for kind in kinds:
+            trainer = ReversibleTrainer(_seq_model(seq, args, kind), optax.adam(1e-4), mesh, seed=0, offload=True)
+            ts = trainer.init()
+            if one_step:  # one step: metered (on CPU) and timed without its compilation
+                trainer.meter = MemoryMeter() if on_cpu else None
+                if trainer.meter:
+                    trainer.meter.start()
+                ts, dt = _timed_step(trainer, ts, batches[0], clock)
+                times[kind].append(dt)
+                if trainer.meter:
+                    peaks[kind] = (trainer.meter.stop(), trainer.meter.method)
+                del trainer, ts
+            else:
+                ts, _ = _timed_step(trainer, ts, batches[0], clock)  # compiles
+                if on_cpu:
+                    trainer.meter = MemoryMeter()
+                    trainer.meter.start()
+                    ts, _ = _timed_step(trainer, ts, batches[1], clock)
+                    peaks[kind] = (trainer.meter.stop(), trainer.meter.method)
+                    trainer.meter = None
+                trainers[kind], states[kind] = trainer, ts
+        for batch in batches[2:] if not one_step else []:  # interleaved rounds
+            for kind in kinds:
+                states[kind], dt = _timed_step(trainers[kind], states[kind], batch, clock)
+                times[kind].append(dt)
+        del trainers, states
+        for kind in kinds:
+            peak, method = peaks[kind] if kind in peaks else _seq_memory_in_subprocess(seq, kind, args)
+            tps = args.batch * seq / statistics.median(times[kind])
+            rec = {"seq": seq, "attention": kind, "trainer": "reversible", "offload": True,
+                   "peak_device_bytes": peak, "memory_method": method, "tokens_per_sec": tps,
+                   "timed_steps": len(times[kind])}
+            records.append(rec)
+            print(f"T {seq:>6} {kind:>9} reversible + offload  peak {peak / 2**20:9.1f} MiB  {tps:9,.0f} tok/s "
+                  f"({len(times[kind])} timed step{'s' if len(times[kind]) > 1 else ''})", flush=True)
+        for kind in SEQ_KINDS:
+            peak = standard_estimate(seq, kind, args, mesh)
+            records.append({"seq": seq, "attention": kind, "trainer": "standard", "offload": False,
+                            "peak_device_bytes": peak, "memory_method": "compiled", "tokens_per_sec": None,
+                            "timed_steps": 0})
+            print(f"T {seq:>6} {kind:>9} standard (compiled)   peak {peak / 2**20:9.1f} MiB", flush=True)
+        tps = {r["attention"]: r["tokens_per_sec"] for r in records if r["seq"] == seq and r["trainer"] == "reversible"}
+        if "dense" in tps:
+            print(f"T {seq:>6} blockwise / dense tokens/s: {tps['blockwise'] / tps['dense']:.2f}", flush=True)
+    config = {"platform": device.platform, "device_kind": device.device_kind, "d_model": args.d_model,
+              "heads": args.heads, "depth": args.depth, "batch": args.batch, "attention_block": args.attention_block,
+              "ff_chunk": args.ff_chunk, "head_chunk": args.head_chunk, "steps": args.steps,
+              "one_step_from": args.one_step_from}
+    result = {"config": config, "records": records}
+    if args.exact_seq:
+        result["exactness"] = exactness(args, mesh)
+        e = result["exactness"]
+        print(f"T {e['seq']} float32, blockwise vs dense: losses over {e['steps']} steps within "
+              f"{e['loss_max_rel_diff']:.1e} relative, attention gradients within "
+              f"{e['attention_grad_max_rel_diff']:.1e}", flush=True)
+    return result
+
+
+def table_seq(result) -> str:
+    records = result["records"]
+    lines = ["| T | trainer | attention | peak device MiB | tokens/s | blockwise / dense tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for r in records:
+        name = "reversible + offload" if r["trainer"] == "reversible" else "standard (compiled estimate)"
+        tps = "" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}"
+        if r["timed_steps"] == 1:
+            tps += " (1 step)"
+        ratio = ""
+        if r["trainer"] == "reversible" and r["attention"] == "blockwise":
+            dense = [d for d in records if d["seq"] == r["seq"] and d["trainer"] == "reversible"
+                     and d["attention"] == "dense"]
+            ratio = f"{r['tokens_per_sec'] / dense[0]['tokens_per_sec']:.2f}" if dense else ""
+        peak = r["peak_device_bytes"] / 2**20
+        lines.append(f"| {r['seq']} | {name} | {r['attention']} | {peak:,.1f} | {tps} | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot_seq(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    records, c = result["records"], result["config"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for trainer, kind, style in (("reversible", "blockwise", "o-"), ("reversible", "dense", "s-"),
+                                 ("standard", "blockwise", "o:"), ("standard", "dense", "s:")):
+        rs = [r for r in records if r["trainer"] == trainer and r["attention"] == kind]
+        label = f"{trainer}{' + offload' if trainer == 'reversible' else ' (compiled estimate)'}, {kind}"
+        a.plot([r["seq"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], style, label=label)
+        if trainer == "reversible":
+            b.plot([r["seq"] for r in rs], [r["tokens_per_sec"] for r in rs], style, label=label)
+    method = next(r["memory_method"] for r in records if r["trainer"] == "reversible")
+    fig.suptitle(f"{c['device_kind']} ({method}), d_model {c['d_model']}, {c['heads']} heads, depth {c['depth']}, "
+                 f"batch {c['batch']}, attention block {c['attention_block']}")
+    for ax, ylabel in ((a, "peak device memory (MiB)"), (b, "tokens / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", choices=("trainers", "depth", "seq"), default="trainers",
+                   help="trainers: the three trainers' memory and speed against depth (make bench); depth: "
+                        "tiny blocks at depths 8..256 (make bench-depth); seq: attention against length "
+                        "(make bench-long)")
     p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--d_model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=None, help="default 8 (depth), 1 (seq)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--out", default="bench.json")
-    p.add_argument("--plot", default="bench.png")
+    p.add_argument("--out", default=None, help="default bench.json (depth), bench_long.json (seq)")
+    p.add_argument("--plot", default=None, help="default bench.png (depth), bench_long.png (seq)")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
-    p.add_argument("--sweep", choices=["depth"], help="run a sweep instead of the memory/speed benchmark")
-    p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (sweeps)")
+    # --sweep depth
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (--sweep depth)")
     p.add_argument("--max_startup", type=float, default=600.0,
                    help="skip a sweep configuration once its start-up time would pass this many seconds")
     p.add_argument("--sweep_seq", type=int, default=32)
     p.add_argument("--sweep_batch", type=int, default=4)
     p.add_argument("--offload_widths", default="64,128,256", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--offload_depth", type=int, default=8)
+    # --sweep seq
+    p.add_argument("--seqs", default="512,1024,4096,16384,65536", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--depth", type=int, default=4, help="reversible blocks (--sweep seq)")
+    p.add_argument("--attention_block", type=int, default=512)
+    p.add_argument("--ff_chunk", type=int, default=1024)
+    p.add_argument("--head_chunk", type=int, default=1024)
+    p.add_argument("--dense_max", type=int, default=4096, help="longest T run with dense attention")
+    p.add_argument("--one_step_from", type=int, default=16384, help="from this T on: one metered, timed step")
+    p.add_argument("--exact_seq", type=int, default=512, help="T of the blockwise-vs-dense check (0: skip)")
+    p.add_argument("--seq_memory_only", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.sweep == "depth":
         if "--depths" not in sys.argv:
             args.depths = [8, 32, 64, 128, 256]
-        out = args.out if "--out" in sys.argv else "bench_depth.json"
-        png = args.plot if "--plot" in sys.argv else "bench_depth.png"
+        out, png = args.out or "bench_depth.json", args.plot or "bench_depth.png"
         result = depth_sweep(args)
         pathlib.Path(out).write_text(json.dumps(result, indent=1) + "\n")
         depth_plot(result, png)
         print(depth_table(result))
         print(f"wrote {os.path.abspath(out)} and {os.path.abspath(png)}")
         return
+    seq = args.sweep == "seq"
+    args.batch = args.batch or (1 if seq else 8)
+    args.out = args.out or ("bench_long.json" if seq else "bench.json")
+    args.plot = args.plot or ("bench_long.png" if seq else "bench.png")
+    if seq and args.seq_memory_only:
+        length, kind = args.seq_memory_only.split(",")
+        print(*_seq_point_memory(int(length), kind, args))
+        return
     if args.memory_only:
         kind, offload, depth = args.memory_only.split(",")
         peak, method = measure_memory(kind, bool(int(offload)), int(depth), args)
         print(peak, method)
         return
-    records = run(args)
+    records = run_seq(args) if seq else run(args)
     pathlib.Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
-    plot(records, args.plot)
-    print(table(records))
+    (plot_seq if seq else plot)(records, args.plot)
+    print((table_seq if seq else table)(records))
     print(f"wrote {os.path.abspath(args.out)} and {os.path.abspath(args.plot)}")
 
 

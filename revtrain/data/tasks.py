@@ -40,6 +40,18 @@ class ByteLMTask:
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length}
 
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raises ``byte_lm.DataError`` when the train split holds fewer sequences than one global batch of
+        ``batch_size`` (every batch would repeat sequences; at long lengths a corpus has few of them: the
+        default source holds 83 training sequences of 65,536 bytes)."""
+        count = self.builder.info.splits["train"].num_examples
+        if count < batch_size:
+            raise byte_lm.DataError(
+                f"the train split of {self.source} has {count} sequence{'s' if count != 1 else ''} of "
+                f"ByteLMTask.sequence_length = {self.sequence_length} bytes, fewer than one global batch "
+                f"(train.batch_size = {batch_size}); lower train.batch_size or the sequence length, or use a "
+                "larger corpus")
+
     def train_iterator(self, batch_size: int, seed: int, shard_index: int, shard_count: int):
         """Checkpointable iterator of ``{'inputs','targets'}`` int32 ``[batch_size, T]`` (this process's share)."""
         ds = pipeline.train_dataset(self.builder, batch_size=batch_size, seed=seed, shard_index=shard_index,

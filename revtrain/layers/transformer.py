@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from revtrain.layers.attention import blockwise_causal_attention
 from revtrain.layers.base import ReversibleCoupling, cross_entropy_sums, dropout, snap_to_grid  # noqa: F401 (ReversibleCoupling re-exported)
+from revtrain.layers.chunked import map_chunks, sum_chunks
 
 
 class ByteEmbedding(nnx.Module):
@@ -59,11 +61,14 @@ class ByteEmbedding(nnx.Module):
 class CausalSelfAttention(nnx.Module):
     """F of the coupling: pre-LayerNorm causal multi-head self-attention, then dropout.
 
-    ``[B, T, D] -> [B, T, D]``. Raises ValueError at construction when D is not divisible by the heads.
+    ``[B, T, D] -> [B, T, D]``. ``attention_block`` None: dense attention (``jax.nn.dot_product_attention``,
+    ``[B, H, T, T]`` scores); an integer: exact blockwise attention in tiles of that many positions, memory
+    linear in T (``revtrain.layers.attention.blockwise_causal_attention``). Raises ValueError at
+    construction when D is not divisible by the heads.
     """
 
     def __init__(self, d_model: int, num_heads: int, dropout_rate: float, compute_dtype, out_init, *,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, attention_block: int | None = None):
         if d_model % num_heads:
             raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
@@ -73,26 +78,38 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=compute_dtype, rngs=rngs)
         self.out = nnx.Linear(d_model, d_model, kernel_init=out_init, dtype=compute_dtype, rngs=rngs)
         self.dropout_rate = dropout_rate
+        self.attention_block = attention_block
 
     def __call__(self, x, *, keys, train):
         b, t, d = x.shape
         qkv = self.qkv(self.norm(x)).reshape(b, t, 3, self.num_heads, d // self.num_heads)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        h = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d)
+        if self.attention_block is None:
+            h = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            h = blockwise_causal_attention(q, k, v, self.attention_block)
+        h = h.reshape(b, t, d)
         return dropout(self.out(h), self.dropout_rate, keys, train).astype(x.dtype)
 
 
 class FeedForward(nnx.Module):
-    """G of the coupling: pre-LayerNorm, Dense(d_ff), GELU, Dense(D), dropout. ``[B, T, D] -> [B, T, D]``."""
+    """G of the coupling: pre-LayerNorm, Dense(d_ff), GELU, Dense(D), dropout. ``[B, T, D] -> [B, T, D]``.
 
-    def __init__(self, d_model: int, d_ff: int, dropout_rate: float, compute_dtype, out_init, *, rngs: nnx.Rngs):
+    ``chunk``: compute the position-wise part ``chunk`` positions at a time, rematerialised in the backward
+    (``revtrain.layers.chunked.map_chunks``), so ``[B, T, d_ff]`` never exists whole; None: all at once.
+    Dropout is drawn for the whole ``[B, T, D]`` output, so its masks do not depend on ``chunk``.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, dropout_rate: float, compute_dtype, out_init, *, rngs: nnx.Rngs,
+                 chunk: int | None = None):
         self.norm = nnx.LayerNorm(d_model, dtype=compute_dtype, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, dtype=compute_dtype, rngs=rngs)
         self.down = nnx.Linear(d_ff, d_model, kernel_init=out_init, dtype=compute_dtype, rngs=rngs)
         self.dropout_rate = dropout_rate
+        self.chunk = chunk
 
     def __call__(self, x, *, keys, train):
-        h = self.down(jax.nn.gelu(self.up(self.norm(x))))
+        h = map_chunks(lambda x: self.down(jax.nn.gelu(self.up(self.norm(x)))), x, self.chunk)
         return dropout(h, self.dropout_rate, keys, train).astype(x.dtype)
 
 
@@ -102,14 +119,31 @@ class LanguageModelHead(nnx.Module):
     Input: pair of float32 ``[B, T, D]``. ``batch['targets']``: int32 ``[B, T]``; optional
     ``batch['weights']``: float32 ``[B, T]`` (0 for padding). ``__call__`` returns float32 logits
     ``[B, T, vocab_size]``; ``loss`` returns (sum of weighted token losses in nats, stats sums).
+
+    ``chunk``: ``loss`` computes logits and cross-entropy ``chunk`` positions at a time, rematerialised in
+    the backward (``revtrain.layers.chunked.sum_chunks``), so ``[B, T, vocab_size]`` logits and their
+    gradient never exist whole; None: all at once.
     """
 
-    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs, chunk: int | None = None):
         self.norm = nnx.LayerNorm(2 * d_model, rngs=rngs)
         self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
+        self.chunk = chunk
 
     def __call__(self, x, *, keys, train):
         return self.logits(self.norm(jnp.concatenate(x, axis=-1))).astype(jnp.float32)
 
     def loss(self, x, batch, *, keys, train):
-        return cross_entropy_sums(self(x, keys=keys, train=train), batch)
+        if self.chunk is None:
+            return cross_entropy_sums(self(x, keys=keys, train=train), batch)
+        targets = batch["targets"]
+        weights = batch.get("weights")
+        if weights is None:
+            weights = jnp.ones(targets.shape, jnp.float32)
+
+        def chunk_sums(part):  # padded positions have weight 0
+            x1, x2, targets, weights = part
+            logits = self((x1, x2), keys=keys, train=train)
+            return cross_entropy_sums(logits, {"targets": targets, "weights": weights})
+
+        return sum_chunks(chunk_sums, (x[0], x[1], targets, weights), self.chunk)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from revtrain.layers.base import HeadLayer, Layer, ReversibleLayer
+from revtrain.layers.chunked import check_chunk
 from revtrain.layers.transformer import (ByteEmbedding, CausalSelfAttention, FeedForward, LanguageModelHead,
                                          ReversibleCoupling)
 from revtrain.models.base import Model
@@ -19,7 +20,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: int = 256, num_layers: int = 6,
                             d_model: int = 128, num_heads: int = 4, d_ff: int | None = None,
                             dropout_rate: float = 0.1, compute_dtype: str = "float32",
-                            grid_bits: int | None = 18) -> Model:
+                            grid_bits: int | None = 18, attention_block: int | None = None,
+                            ff_chunk: int | None = None, head_chunk: int | None = None) -> Model:
     """Builds the reversible Transformer LM as a layer list.
 
     Layers: ``ByteEmbedding`` (standard; int32 ``[B, T]`` -> two float32 ``[B, T, d_model]`` streams),
@@ -44,10 +46,22 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         20 after training, beyond the 16 of grid_bits 20); None turns the rounding off (the rebuild is then
         exact only up to float rounding). ``revtrain check`` reports streams beyond the range. See
         ``revtrain.layers.snap_to_grid``.
+      attention_block: None: dense causal attention (``[B, H, T, T]`` scores, quadratic memory); an
+        integer: exact blockwise attention in tiles of that many positions (online softmax with a
+        recomputing backward; memory linear in T, tiles above the diagonal skipped). T need not be a
+        multiple of it (the last tile is padded). See ``revtrain.layers.attention``.
+      ff_chunk: run each feed-forward ``ff_chunk`` positions at a time (None: all at once), so the
+        ``[B, T, d_ff]`` activations never exist whole. See ``revtrain.layers.chunked``.
+      head_chunk: compute the head's logits and cross-entropy (``LanguageModelHead.loss``) ``head_chunk``
+        positions at a time (None: all at once), so ``[B, T, vocab_size]`` logits never exist whole.
+
+    The three length knobs change how, not what, is computed: the same model and parameters (a checkpoint
+    trained with one setting loads with any other), equal results up to float rounding.
 
     Raises:
-      ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 60], or ``d_model``
-        not divisible by ``num_heads``.
+      ValueError: for non-positive sizes, an unknown dtype, ``grid_bits`` outside [1, 60], ``d_model``
+        not divisible by ``num_heads``, or an ``attention_block`` / ``ff_chunk`` / ``head_chunk`` that is
+        not a positive integer or None.
     """
     for name, value in (("num_layers", num_layers), ("d_model", d_model), ("num_heads", num_heads),
                         ("sequence_length", sequence_length)):
@@ -59,6 +73,8 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         raise ValueError(f"ReversibleTransformerLM.compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
     if grid_bits is not None and not (isinstance(grid_bits, int) and 1 <= grid_bits <= 60):
         raise ValueError(f"ReversibleTransformerLM.grid_bits must be an integer in [1, 60] or None, got {grid_bits!r}")
+    for name, value in (("attention_block", attention_block), ("ff_chunk", ff_chunk), ("head_chunk", head_chunk)):
+        check_chunk(f"ReversibleTransformerLM.{name}", value)
     dtype = _DTYPES[compute_dtype]
     d_ff = d_ff or 4 * d_model
     base = jax.random.PRNGKey(seed)
@@ -73,9 +89,11 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
     out_init = nnx.initializers.normal(0.02 / (2 * num_layers) ** 0.5)
     for i in range(num_layers):
         r = rngs(i + 1)
-        block = ReversibleCoupling(CausalSelfAttention(d_model, num_heads, dropout_rate, dtype, out_init, rngs=r),
-                                   FeedForward(d_model, d_ff, dropout_rate, dtype, out_init, rngs=r),
+        block = ReversibleCoupling(CausalSelfAttention(d_model, num_heads, dropout_rate, dtype, out_init, rngs=r,
+                                                       attention_block=attention_block),
+                                   FeedForward(d_model, d_ff, dropout_rate, dtype, out_init, rngs=r, chunk=ff_chunk),
                                    grid_bits=grid_bits)
         layers.append(ReversibleLayer(block, f"block_{i}"))
-    layers.append(HeadLayer(LanguageModelHead(d_model, vocab_size, rngs=rngs(num_layers + 1)), "head"))
+    layers.append(HeadLayer(LanguageModelHead(d_model, vocab_size, rngs=rngs(num_layers + 1), chunk=head_chunk),
+                            "head"))
     return Model(layers, input_key="inputs", tokens_per_example=sequence_length, bits_per_byte=True)
