@@ -1,0 +1,494 @@
+"""Autoregressive byte sampling from the byte-level language model, with per-layer key/value caches.
+
+``revtrain sample`` and the training loop's samples (``train.sample_every``) call `generate`, which runs
+the layers' incremental-decoding interface (``Layer.init_cache`` / ``Layer.decode``, see
+`revtrain.layers.base`): the prompt is encoded once (one ``decode`` of all its positions), then every new
+byte costs one position's work per layer (its attention reads the cached keys and values of the earlier
+positions) instead of a forward over the whole prefix.
+
+How a sample is made (``B`` samples, context ``T`` = the model's sequence length, window ``W = T // 2``):
+
+1. The prompt is cut to its last ``T`` bytes and encoded at positions ``0 .. P - 1``; the head's logits at
+   the last position give the distribution of the next byte.
+2. Each step draws a byte (`next_tokens`: greedy at temperature 0, else temperature, top-k and nucleus
+   top-p filtering, then a categorical draw with the sample's own key ``fold_in(fold_in(PRNGKey(seed),
+   sample index), step)``), and feeds it at the next position.
+3. The model learned absolute positions ``0 .. T - 1`` only. When the cache is full (``T`` positions), the
+   last ``W`` bytes are re-encoded at positions ``0 .. W - 1`` into a fresh cache and generation goes on
+   from position ``W``: every byte is predicted from at least the ``W`` bytes before it, at positions the
+   model was trained on, and the re-encoding costs ``W`` positions once every ``T - W`` bytes.
+
+Without offload, the whole generation (prompt encoding, then a ``lax.scan`` over the new bytes with a
+``lax.cond`` for the window slide) is one compiled program per (model, shapes, sampling settings). With
+``ReversibleTrainer.offload``, weights stay in host memory and each step runs layer by layer, each layer's
+weights copied to the device for its part (the next one's copy overlapping the current one's compute) as
+in training. Samples are split over the ``"data"`` mesh (all devices of all processes); their count is
+padded up to a multiple of the device count (the extra rows are dropped), and a sample's bytes depend only
+on its index, so 1 and N devices give the same text.
+
+References: key/value caching for autoregressive Transformer decoding as in Vaswani et al. 2017 (tensor2tensor
+fast decoding) and the Reformer's fast inference mode (Kitaev et al. 2020); nucleus sampling: Holtzman et
+al., "The Curious Case of Neural Text Degeneration", ICLR 2020; top-k sampling: Fan et al., "Hierarchical
+Neural Story Generation", ACL 2018.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from revtrain import checkpoint as ckpt_lib
+from revtrain import loop
+from revtrain import metrics as metrics_lib
+from revtrain.placement import DATA_AXIS, global_batch
+from revtrain.trainers.common import XLA_OPTIONS
+
+_D = P(DATA_AXIS)
+
+
+class SampleError(loop.ConfigError):
+    """Bad sampling options or a model that cannot generate (one line, exit status 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Sampling settings.
+
+    Attributes:
+      length: bytes to generate after the prompt (> 0).
+      temperature: softmax temperature (>= 0); 0 is greedy (argmax).
+      top_k: keep only the ``top_k`` most likely bytes before drawing (0: off).
+      top_p: nucleus sampling: keep the most likely bytes whose probabilities sum to at least ``top_p``
+        (in (0, 1]; 1: off).
+      num_samples: independent samples from the same prompt (> 0).
+      seed: the samples' PRNG seed; sample ``i`` draws with ``fold_in(PRNGKey(seed), i)``.
+    """
+
+    length: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_samples: int = 1
+    seed: int = 0
+
+    def check(self) -> None:
+        """Raises `SampleError` (one line naming the flag) for an out-of-range setting."""
+        if not isinstance(self.length, int) or self.length <= 0:
+            raise SampleError(f"--length must be a positive integer, got {self.length!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise SampleError(f"--temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SampleError(f"--top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise SampleError(f"--top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.num_samples, int) or self.num_samples <= 0:
+            raise SampleError(f"--num_samples must be a positive integer, got {self.num_samples!r}")
+        if not isinstance(self.seed, int):
+            raise SampleError(f"--seed must be an integer, got {self.seed!r}")
+
+
+def check_decodable(model) -> None:
+    """Raises `SampleError` unless every layer of ``model`` supports incremental decoding.
+
+    The reversible Transformer LM does; the RevNet (convolutions, batch norm) does not.
+    """
+    missing = [layer.name for layer in model.layers if not layer.can_decode]
+    if missing:
+        raise SampleError(f"this model cannot generate text: its layer {missing[0]} has no incremental decoding "
+                          "(init_cache / decode); sampling needs a byte-level language model such as "
+                          "ReversibleTransformerLM")
+
+
+# -- choosing the next byte ------------------------------------------------------------------------
+def next_tokens(logits: jax.Array, keys: jax.Array, temperature: float, top_k: int = 0,
+                top_p: float = 1.0) -> jax.Array:
+    """Draws one token per row of ``logits``.
+
+    Args:
+      logits: float32 ``[B, V]``.
+      keys: uint32 ``[B, 2]``, one PRNG key per row (unused when greedy).
+      temperature: 0 for greedy (argmax), else logits are divided by it.
+      top_k: keep the ``top_k`` largest logits of each row (0: all; clipped to ``V``).
+      top_p: keep the smallest set of largest logits whose probabilities (after temperature and top-k) sum
+        to at least ``top_p`` (1: all). Ties at the cut-off are all kept.
+
+    Returns:
+      int32 ``[B]``.
+    """
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the first token has 0 before it
+        cutoff = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def sample_keys(seed: int, num_samples: int) -> np.ndarray:
+    """uint32 ``[num_samples, 2]``: key ``i`` is ``fold_in(PRNGKey(seed), i)``."""
+    base = jax.random.PRNGKey(seed)
+    return np.asarray(jax.vmap(jax.random.fold_in, in_axes=(None, 0))(base, jnp.arange(num_samples)))
+
+
+def _step_keys(keys, t):
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, t)
+
+
+def _window(context: int) -> int:
+    """Bytes kept (re-encoded at positions 0..W-1) when the cache is full: half the context."""
+    return max(1, context // 2)
+
+
+# -- the fused program (weights on the device) ----------------------------------------------------------
+def _run_layers(layers, params, states, tokens, caches, pos):
+    """Decodes ``tokens`` ``[b, S]`` at positions ``pos..``: returns (last position's logits ``[b, V]``,
+    new caches)."""
+    x, new = tokens, []
+    for i, layer in enumerate(layers):
+        x, cache = layer.decode(params[i], states[i], x, caches[i], pos)
+        new.append(cache)
+    return x[:, -1], new
+
+
+@functools.lru_cache(maxsize=32)
+def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: int, temperature: float,
+                   top_k: int, top_p: float):
+    """One jitted ``shard_map`` program: ``(params, states, prompt [B, P], keys [B, 2]) -> bytes [B, length]``."""
+    window = _window(context)
+
+    def generate(params, states, prompt, keys):
+        b = prompt.shape[0]
+        fresh = [layer.init_cache(b, context) for layer in layers]
+        logits, caches = _run_layers(layers, params, states, prompt, fresh, 0)
+        text = jnp.concatenate([prompt, jnp.zeros((b, length), jnp.int32)], axis=1)
+
+        def body(carry, t):
+            logits, caches, pos, text = carry
+            token = next_tokens(logits, _step_keys(keys, t), temperature, top_k, top_p)
+            n = prompt_len + t  # index of the new byte in ``text``
+            text = lax.dynamic_update_slice(text, token[:, None], (0, n))
+
+            def step():
+                logits, caches_ = _run_layers(layers, params, states, token[:, None], caches, pos)
+                return logits, caches_, pos + 1
+
+            def slide():  # the cache is full: re-encode the last ``window`` bytes at 0..window-1
+                recent = lax.dynamic_slice(text, (0, n + 1 - window), (b, window))
+                logits, caches_ = _run_layers(layers, params, states, recent, fresh, 0)
+                return logits, caches_, jnp.int32(window)
+
+            logits, caches, pos = lax.cond(pos == context, slide, step)
+            return (logits, caches, pos, text), None
+
+        carry = (logits, caches, jnp.int32(prompt_len), text)
+        (_, _, _, text), _ = lax.scan(body, carry, jnp.arange(length, dtype=jnp.int32))
+        return text[:, prompt_len:]
+
+    mapped = jax.shard_map(generate, mesh=mesh, in_specs=(P(), P(), _D, _D), out_specs=_D)
+    return jax.jit(mapped, compiler_options=XLA_OPTIONS)
+
+
+# -- the layer-by-layer driver (weights offloaded to host memory) -------------------------------------
+@functools.lru_cache(maxsize=64)
+def _layer_program(layer, mesh):
+    """``(params, state, x, cache, pos) -> (y, new_cache)`` for one layer, batch split over ``"data"``."""
+    mapped = jax.shard_map(layer.decode, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=(_D, _D))
+    return jax.jit(mapped, donate_argnums=(3,), compiler_options=XLA_OPTIONS)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_program(layer, mesh, batch_size: int, context: int):
+    return jax.jit(lambda: layer.init_cache(batch_size, context), out_shardings=NamedSharding(mesh, _D))
+
+
+@functools.lru_cache(maxsize=16)
+def _choose_program(mesh, temperature: float, top_k: int, top_p: float):
+    """``(logits [B, S, V], keys, t, text, n) -> (token [B, 1], text with it at n)``."""
+    def choose(logits, keys, t, text, n):
+        token = next_tokens(logits[:, -1], _step_keys(keys, t), temperature, top_k, top_p)[:, None]
+        return token, lax.dynamic_update_slice(text, token, (0, n))
+    mapped = jax.shard_map(choose, mesh=mesh, in_specs=(_D, _D, P(), _D, P()), out_specs=(_D, _D))
+    return jax.jit(mapped, donate_argnums=(3,))
+
+
+@functools.lru_cache(maxsize=16)
+def _recent_program(mesh, window: int):
+    mapped = jax.shard_map(lambda text, start: lax.dynamic_slice_in_dim(text, start, window, axis=1), mesh=mesh,
+                           in_specs=(_D, P()), out_specs=_D)
+    return jax.jit(mapped)
+
+
+def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
+    """The same algorithm as `_fused_program`, one compiled call per layer and step (for offload)."""
+    layers, mesh = trainer.model.layers, trainer.mesh
+    batch, prompt_len = prompt.shape
+    window = _window(context)
+
+    def run(tokens, caches, pos):
+        x = tokens
+        nxt = trainer.layer_params(ts, 0)
+        for i, layer in enumerate(layers):
+            params = nxt
+            x, caches[i] = _layer_program(layer, mesh)(params, trainer.layer_state(ts, i), x, caches[i],
+                                                       np.int32(pos))
+            if i + 1 < len(layers):
+                nxt = trainer.layer_params(ts, i + 1)  # copied while layer i computes
+            jax.block_until_ready(x)  # layer i is done: its weights can leave the device
+            del params
+        return x, caches
+
+    def fresh():
+        return [_cache_program(layer, mesh, batch, context)() for layer in layers]
+
+    logits, caches = run(prompt, fresh(), 0)
+    text = jnp.concatenate([prompt, jnp.zeros((batch, opts.length), jnp.int32)], axis=1)
+    choose = _choose_program(mesh, float(opts.temperature), opts.top_k, float(opts.top_p))
+    pos = prompt_len
+    for t in range(opts.length):
+        n = prompt_len + t
+        token, text = choose(logits, keys, np.int32(t), text, np.int32(n))
+        if t + 1 == opts.length:
+            break
+        if pos == context:
+            logits, caches = run(_recent_program(mesh, window)(text, np.int32(n + 1 - window)), fresh(), 0)
+            pos = window
+        else:
+            logits, caches = run(token, caches, pos)
+            pos += 1
+    return text[:, prompt_len:]
+
+
+# -- the public entry points ------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    """What `generate` made.
+
+    Attributes:
+      samples: ``num_samples`` byte strings of ``length`` generated bytes each (the prompt not included).
+      prompt: the prompt bytes the model saw (the last ``context`` bytes of the given prompt).
+      seconds: wall time of the generation (after compilation, for the fused program).
+      compile_seconds: time spent compiling the fused program (0 when it was cached, or layer by layer).
+      devices: devices the samples were split over.
+    """
+
+    samples: list
+    prompt: bytes
+    seconds: float
+    compile_seconds: float
+    devices: int
+
+    @property
+    def bytes_per_second(self) -> float:
+        return sum(len(s) for s in self.samples) / max(self.seconds, 1e-9)
+
+
+def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
+    """Samples ``opts.num_samples`` continuations of ``prompt`` from the model of ``trainer`` at ``ts``.
+
+    Every process of a multi-process run must call it (the samples are split over all devices); every
+    process gets all samples.
+
+    Args:
+      trainer: a trainer whose model's layers all support decoding (`check_decodable`); with
+        ``offload`` its weights stay in host memory and are streamed layer by layer.
+      ts: the `TrainState` (restored checkpoint, or the training loop's current state).
+      prompt: at least one byte; only its last ``context`` bytes are used.
+      context: the model's sequence length (its learned positions).
+      opts: sampling settings (checked here).
+
+    Returns:
+      a `Result`.
+
+    Raises:
+      SampleError: bad options, an empty prompt, or a model that cannot decode.
+    """
+    opts.check()
+    check_decodable(trainer.model)
+    if not prompt:
+        raise SampleError("the prompt is empty: give at least one byte (--prompt or --prompt_file)")
+    prompt = bytes(prompt[-context:])
+    mesh = trainer.mesh
+    devices, processes = mesh.size, jax.process_count()
+    batch = -(-opts.num_samples // devices) * devices
+    local = batch // processes
+    first = jax.process_index() * local
+    rows = np.tile(np.frombuffer(prompt, np.uint8).astype(np.int32), (local, 1))
+    keys = sample_keys(opts.seed, batch)[first:first + local]
+    inputs = global_batch({"prompt": rows, "keys": keys}, mesh)
+    compile_seconds = 0.0
+    if getattr(trainer, "offload", False):
+        start = time.perf_counter()
+        out = _generate_layerwise(trainer, ts, inputs["prompt"], inputs["keys"], context, opts)
+        out = _gather(out)
+    else:
+        params = [trainer.layer_params(ts, i) for i in range(len(trainer.model.layers))]
+        states = [trainer.layer_state(ts, i) for i in range(len(trainer.model.layers))]
+        program = _fused_program(tuple(trainer.model.layers), mesh, context, len(prompt), opts.length,
+                                 float(opts.temperature), opts.top_k, float(opts.top_p))
+        args = (params, states, inputs["prompt"], inputs["keys"])
+        start = time.perf_counter()
+        compiled = program.lower(*args).compile()  # cached by jit after the first time
+        compile_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        out = _gather(compiled(*args))
+    seconds = time.perf_counter() - start
+    samples = [bytes(row.astype(np.uint8)) for row in out[:opts.num_samples]]
+    return Result(samples, prompt, seconds, compile_seconds, devices)
+
+
+def _gather(x: jax.Array) -> np.ndarray:
+    """A global array as one numpy array on every process."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def show(data: bytes) -> str:
+    """Bytes as text for a terminal or a JSON string: UTF-8, invalid sequences as U+FFFD."""
+    return data.decode("utf-8", errors="replace")
+
+
+# -- revtrain sample ------------------------------------------------------------------------------
+def read_prompt(text: str | None, path: str | None) -> bytes:
+    """The prompt bytes from ``--prompt`` (the command line's bytes, as the OS passed them) or
+    ``--prompt_file`` (raw bytes); one newline when neither is given.
+
+    Raises:
+      SampleError: the file cannot be read, or the prompt is empty.
+    """
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise SampleError(f"cannot read the prompt file {path}: {e.strerror or e}") from None
+    else:
+        data = os.fsencode(text) if text is not None else b"\n"
+    if not data:
+        raise SampleError("the prompt is empty: give at least one byte (--prompt or --prompt_file)")
+    return data
+
+
+def output_paths(output: str | None, num_samples: int) -> list[str]:
+    """Where ``--output`` writes: ``FILE`` for one sample, ``FILE.0`` .. ``FILE.K-1`` for K samples.
+
+    Raises:
+      SampleError: a path is a directory or its directory is missing or not writable (checked before
+        anything is generated, so a bad path wastes no time and writes nothing).
+    """
+    if output is None:
+        return []
+    paths = [output] if num_samples == 1 else [f"{output}.{i}" for i in range(num_samples)]
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise SampleError(f"--output {path} is a directory")
+        if not os.path.isdir(folder):
+            raise SampleError(f"cannot write --output {path}: no directory {folder}")
+        if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise SampleError(f"cannot write --output {path}: permission denied")
+    return paths
+
+
+def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | None = None,
+                      output: str | None = None) -> Result:
+    """``revtrain sample``: restores a checkpoint of ``workdir`` and prints (or writes) samples.
+
+    The run's gin config (``workdir/config.gin``) must already be parsed. Each sample is the prompt
+    followed by ``opts.length`` generated bytes: on stdout as text (invalid UTF-8 shown as U+FFFD; K > 1
+    samples each under a ``--- sample i/K ---`` line), or with ``output`` as raw bytes (see
+    `output_paths`). A summary with bytes/s goes to stderr. Only process 0 prints and writes.
+
+    Raises:
+      SampleError: bad options or output path, or a run whose model cannot generate text.
+      revtrain.checkpoint.CheckpointError: no checkpoints, no such step, or an unreadable one.
+      revtrain.loop.ConfigError, revtrain.data.byte_lm.DataError: the run's config cannot be built.
+    """
+    opts.check()
+    paths = output_paths(output, opts.num_samples)
+    workdir = os.path.abspath(workdir)
+    try:
+        cfg = loop.TrainConfig()
+    except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
+        raise loop.ConfigError(str(e).splitlines()[0]) from e
+    if not getattr(cfg.task, "bits_per_byte", False):  # before the task loads its data
+        raise SampleError(f"the run in {workdir} trains {getattr(cfg.model, '__name__', cfg.model)} on "
+                          f"{getattr(cfg.task, '__name__', cfg.task)}, which cannot generate text; sampling "
+                          "needs a byte-level language model (ByteLMTask, ReversibleTransformerLM)")
+    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+    try:
+        chosen = checkpointer.chosen_step(step)
+        run = loop.build(cfg)
+        check_decodable(run.model)
+        ts = checkpointer.restore(run.trainer.init(), chosen)
+    finally:
+        checkpointer.close()
+    result = generate(run.trainer, ts, prompt, run.task.sequence_length, opts)
+    if jax.process_index() == 0:
+        texts = [prompt + s for s in result.samples]
+        for path, data in zip(paths, texts):
+            with open(path, "wb") as f:
+                f.write(data)
+        if not paths:
+            for i, data in enumerate(texts):
+                if len(texts) > 1:
+                    print(f"--- sample {i + 1}/{len(texts)} ---")
+                print(show(data), flush=True)
+        where = f"; wrote {', '.join(paths)}" if paths else ""
+        compiled = f" (+ {result.compile_seconds:.1f} s compiling)" if result.compile_seconds else ""
+        metrics_lib.log(f"sampled {opts.num_samples} x {opts.length} bytes from step {chosen} of {workdir} in "
+                        f"{result.seconds:.2f} s{compiled}: {result.bytes_per_second:,.0f} bytes/s on "
+                        f"{result.devices} device(s){where}")
+    return result
+
+
+# -- samples during training -----------------------------------------------------------------------
+def check_training_sample(run) -> None:
+    """Refuses ``train.sample_every`` for a model that cannot generate (before the run writes anything).
+
+    Raises:
+      SampleError: the model's layers cannot decode, or ``train.sample_length`` is not positive.
+    """
+    check_decodable(run.model)
+    Options(length=run.cfg.sample_length).check()
+    if not run.cfg.sample_prompt:
+        raise SampleError("train.sample_prompt must not be empty")
+
+
+def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
+    """Greedily continues ``train.sample_prompt`` by ``train.sample_length`` bytes from the current state,
+    appends ``{step, prompt, text}`` to ``metrics/samples.jsonl``, adds it to TensorBoard as text
+    (``samples``) and logs it. Every process must call it (the computation spans all devices); process 0
+    writes. Returns the record."""
+    prompt = run.cfg.sample_prompt.encode("utf-8")
+    result = generate(run.trainer, ts, prompt, run.task.sequence_length,
+                      Options(length=run.cfg.sample_length, temperature=0.0))
+    text = show(result.samples[0])
+    record = {"prompt": run.cfg.sample_prompt, "text": text}
+    writer.write("samples", ts.step, record)
+    # TensorBoard's text plugin renders Markdown: indent every line to show the bytes as a code block.
+    writer.add_text("samples", "\n".join("    " + line for line in (run.cfg.sample_prompt + text).split("\n")),
+                    ts.step)
+    metrics_lib.log(f"sample at step {ts.step} (greedy, {result.bytes_per_second:,.0f} bytes/s):\n"
+                    f"{run.cfg.sample_prompt}{text}")
+    return {"step": ts.step, **record}
