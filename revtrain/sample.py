@@ -111,36 +111,36 @@ def check_decodable(model) -> None:
 
 
 # -- choosing the next byte ------------------------------------------------------------------------
-def next_tokens(logits: jax.Array, keys: jax.Array, temperature: float, top_k: int = 0,
-                top_p: float = 1.0) -> jax.Array:
+def next_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
     """Draws one token per row of ``logits``.
+
+    The settings may be traced values (one compiled program serves every setting).
 
     Args:
       logits: float32 ``[B, V]``.
       keys: uint32 ``[B, 2]``, one PRNG key per row (unused when greedy).
-      temperature: 0 for greedy (argmax), else logits are divided by it.
-      top_k: keep the ``top_k`` largest logits of each row (0: all; clipped to ``V``).
+      temperature: 0 for greedy (argmax), else the logits are divided by it.
+      top_k: keep the ``top_k`` largest logits of each row (0 or >= V: all).
       top_p: keep the smallest set of largest logits whose probabilities (after temperature and top-k) sum
-        to at least ``top_p`` (1: all). Ties at the cut-off are all kept.
+        to at least ``top_p`` (1: all). Ties at a cut-off are all kept.
 
     Returns:
       int32 ``[B]``.
     """
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
+    logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the first token has 0 before it
-        cutoff = jnp.take_along_axis(ordered, kept - 1, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    ordered = jnp.where(jnp.arange(vocab) < k, ordered, -jnp.inf)  # top-k, in sorted order
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    kept = jnp.where(top_p < 1.0, jnp.sum(before < top_p, axis=-1), k)  # >= 1: the first has 0 before it
+    cutoff = jnp.take_along_axis(ordered, jnp.minimum(kept, k)[:, None] - 1, axis=-1)
+    filtered = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
 
 
 def sample_keys(seed: int, num_samples: int) -> np.ndarray:
@@ -170,12 +170,12 @@ def _run_layers(layers, params, states, tokens, caches, pos):
 
 
 @functools.lru_cache(maxsize=32)
-def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: int, temperature: float,
-                   top_k: int, top_p: float):
-    """One jitted ``shard_map`` program: ``(params, states, prompt [B, P], keys [B, 2]) -> bytes [B, length]``."""
+def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: int):
+    """One jitted ``shard_map`` program: ``(params, states, prompt [B, P], keys [B, 2], settings) -> bytes
+    [B, length]``, ``settings`` = (temperature, top_k, top_p) scalars."""
     window = _window(context)
 
-    def generate(params, states, prompt, keys):
+    def generate(params, states, prompt, keys, settings):
         b = prompt.shape[0]
         fresh = [layer.init_cache(b, context) for layer in layers]
         logits, caches = _run_layers(layers, params, states, prompt, fresh, 0)
@@ -183,7 +183,7 @@ def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: i
 
         def body(carry, t):
             logits, caches, pos, text = carry
-            token = next_tokens(logits, _step_keys(keys, t), temperature, top_k, top_p)
+            token = next_tokens(logits, _step_keys(keys, t), *settings)
             n = prompt_len + t  # index of the new byte in ``text``
             text = lax.dynamic_update_slice(text, token[:, None], (0, n))
 
@@ -203,8 +203,24 @@ def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: i
         (_, _, _, text), _ = lax.scan(body, carry, jnp.arange(length, dtype=jnp.int32))
         return text[:, prompt_len:]
 
-    mapped = jax.shard_map(generate, mesh=mesh, in_specs=(P(), P(), _D, _D), out_specs=_D)
+    mapped = jax.shard_map(generate, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=_D)
     return jax.jit(mapped, compiler_options=XLA_OPTIONS)
+
+
+_EXECUTABLES: dict = {}  # compiled fused programs, by program and argument shapes / placements
+
+
+def _compiled(program, args):
+    """``(executable, seconds spent compiling it now)``: ``program.lower(*args).compile()``, once per
+    program and argument signature (``lower`` bypasses jit's own cache, and is what lets the compile time
+    be reported apart from the generation time)."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (program, tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if key in _EXECUTABLES:
+        return _EXECUTABLES[key], 0.0
+    start = time.perf_counter()
+    _EXECUTABLES[key] = program.lower(*args).compile()
+    return _EXECUTABLES[key], time.perf_counter() - start
 
 
 # -- the layer-by-layer driver (weights offloaded to host memory) -------------------------------------
@@ -221,12 +237,12 @@ def _cache_program(layer, mesh, batch_size: int, context: int):
 
 
 @functools.lru_cache(maxsize=16)
-def _choose_program(mesh, temperature: float, top_k: int, top_p: float):
-    """``(logits [B, S, V], keys, t, text, n) -> (token [B, 1], text with it at n)``."""
-    def choose(logits, keys, t, text, n):
-        token = next_tokens(logits[:, -1], _step_keys(keys, t), temperature, top_k, top_p)[:, None]
+def _choose_program(mesh):
+    """``(logits [B, S, V], keys, t, text, n, settings) -> (token [B, 1], text with it at n)``."""
+    def choose(logits, keys, t, text, n, settings):
+        token = next_tokens(logits[:, -1], _step_keys(keys, t), *settings)[:, None]
         return token, lax.dynamic_update_slice(text, token, (0, n))
-    mapped = jax.shard_map(choose, mesh=mesh, in_specs=(_D, _D, P(), _D, P()), out_specs=(_D, _D))
+    mapped = jax.shard_map(choose, mesh=mesh, in_specs=(_D, _D, P(), _D, P(), P()), out_specs=(_D, _D))
     return jax.jit(mapped, donate_argnums=(3,))
 
 
@@ -235,6 +251,11 @@ def _recent_program(mesh, window: int):
     mapped = jax.shard_map(lambda text, start: lax.dynamic_slice_in_dim(text, start, window, axis=1), mesh=mesh,
                            in_specs=(_D, P()), out_specs=_D)
     return jax.jit(mapped)
+
+
+def _settings(opts: Options):
+    """The traced sampling settings: float32 temperature, int32 top_k, float32 top_p."""
+    return (np.float32(opts.temperature), np.int32(opts.top_k), np.float32(opts.top_p))
 
 
 def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
@@ -261,11 +282,11 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
 
     logits, caches = run(prompt, fresh(), 0)
     text = jnp.concatenate([prompt, jnp.zeros((batch, opts.length), jnp.int32)], axis=1)
-    choose = _choose_program(mesh, float(opts.temperature), opts.top_k, float(opts.top_p))
+    choose = _choose_program(mesh)
     pos = prompt_len
     for t in range(opts.length):
         n = prompt_len + t
-        token, text = choose(logits, keys, np.int32(t), text, np.int32(n))
+        token, text = choose(logits, keys, np.int32(t), text, np.int32(n), _settings(opts))
         if t + 1 == opts.length:
             break
         if pos == context:
@@ -342,12 +363,9 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
     else:
         params = [trainer.layer_params(ts, i) for i in range(len(trainer.model.layers))]
         states = [trainer.layer_state(ts, i) for i in range(len(trainer.model.layers))]
-        program = _fused_program(tuple(trainer.model.layers), mesh, context, len(prompt), opts.length,
-                                 float(opts.temperature), opts.top_k, float(opts.top_p))
-        args = (params, states, inputs["prompt"], inputs["keys"])
-        start = time.perf_counter()
-        compiled = program.lower(*args).compile()  # cached by jit after the first time
-        compile_seconds = time.perf_counter() - start
+        program = _fused_program(tuple(trainer.model.layers), mesh, context, len(prompt), opts.length)
+        args = (params, states, inputs["prompt"], inputs["keys"], _settings(opts))
+        compiled, compile_seconds = _compiled(program, args)
         start = time.perf_counter()
         out = _gather(compiled(*args))
     seconds = time.perf_counter() - start

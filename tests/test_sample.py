@@ -1,0 +1,316 @@
+"""Sampling (`revtrain.sample`, `revtrain sample`): cached decoding equals the full forward, determinism,
+the window slide, offload, several devices, the command line and samples during training.
+
+This file is also the worker of the several-devices test (``python tests/test_sample.py OUT.json`` with
+``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs" / "enwik_small.gin")
+
+
+def _model(context, num_layers=2, d_model=32):
+    from revtrain.models import ReversibleTransformerLM
+    return ReversibleTransformerLM(context, num_layers=num_layers, d_model=d_model, num_heads=4, dropout_rate=0.1)
+
+
+def _trainer(model, devices=1, offload=False):
+    from revtrain.placement import make_mesh
+    from revtrain.trainers import ReversibleTrainer
+    return ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:devices]), offload=offload)
+
+
+def _full_logits(model, params, states):
+    """jitted ``tokens [B, T] -> logits [B, T, V]``: the training forward in evaluation mode."""
+    def full(tokens):
+        x = tokens
+        for i, layer in enumerate(model.layers):
+            x = layer.apply(params[i], states[i], x, None, False)[0]
+        return x
+    return jax.jit(full)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cached decoding against the full forward.
+# ------------------------------------------------------------------------------------------------
+def test_cached_logits_equal_full_forward():
+    """Prompt of 32 bytes encoded at once, then a 64-byte continuation one byte at a time with the
+    per-layer caches: every position's next-byte logits equal the full forward's within 1e-5 relative
+    (max |difference| / max |logit|), float32, depth 2."""
+    from jax import lax
+    with jax.default_matmul_precision("highest"):
+        prompt_len, continuation = 32, 64
+        context = prompt_len + continuation
+        model = _model(context, num_layers=2)
+        params, states = model.init()
+        tokens = np.random.default_rng(0).integers(0, 256, (2, context)).astype(np.int32)
+        reference = np.asarray(_full_logits(model, params, states)(tokens))
+
+        @jax.jit
+        def cached(tokens):
+            caches = [layer.init_cache(2, context) for layer in model.layers]
+            x = tokens[:, :prompt_len]
+            for i, layer in enumerate(model.layers):
+                x, caches[i] = layer.decode(params[i], states[i], x, caches[i], 0)
+
+            def step(caches, t):
+                y = lax.dynamic_slice_in_dim(tokens, t, 1, axis=1)
+                new = []
+                for i, layer in enumerate(model.layers):
+                    y, cache = layer.decode(params[i], states[i], y, caches[i], t)
+                    new.append(cache)
+                return new, y[:, 0]
+
+            _, steps = lax.scan(step, caches, np.arange(prompt_len, context))
+            return x, steps.swapaxes(0, 1)
+
+        prefix, steps = (np.asarray(a) for a in cached(tokens))
+    scale = np.abs(reference).max()
+    prompt_error = np.abs(prefix - reference[:, :prompt_len]).max() / scale
+    step_error = np.abs(steps - reference[:, prompt_len:]).max(axis=(0, 2)) / scale
+    assert steps.shape == (2, continuation, 256)
+    assert prompt_error <= 1e-5, prompt_error
+    assert step_error.max() <= 1e-5, (int(step_error.argmax()), float(step_error.max()))
+
+
+def _reference_greedy(model, params, states, prompt: bytes, length: int, context: int) -> bytes:
+    """Greedy bytes from full forwards under the documented window policy: when the cache would hold
+    ``context`` positions, the last ``context // 2`` bytes are re-encoded at positions 0.. and decoding
+    goes on from there."""
+    full = _full_logits(model, params, states)
+    window = max(1, context // 2)
+    text = list(prompt[-context:])
+    start, pos = 0, len(text)
+    for _ in range(length):
+        seen = text[start:]
+        padded = np.zeros((1, context), np.int32)
+        padded[0, :len(seen)] = seen  # causal: the padding after the last byte changes nothing
+        text.append(int(np.argmax(np.asarray(full(padded))[0, len(seen) - 1])))
+        if pos == context:
+            start, pos = len(text) - window, window
+        else:
+            pos += 1
+    return bytes(text[-length:])
+
+
+@pytest.fixture(scope="module")
+def short_context():
+    """A random-init 2-block model with a 16-byte context, its trainer and state."""
+    model = _model(16)
+    trainer = _trainer(model)
+    return model, trainer, trainer.init()
+
+
+def test_greedy_sample_follows_full_forward_past_the_context(short_context):
+    """40 greedy bytes from a 5-byte prompt with a 16-byte context (the window slides three times) are
+    exactly the argmax bytes of full forwards under the same window policy."""
+    from revtrain import sample
+    model, trainer, ts = short_context
+    prompt = b"[[Cat"
+    result = sample.generate(trainer, ts, prompt, 16, sample.Options(length=40, temperature=0.0))
+    params, states = (list(x) for x in (ts.params, ts.layer_state))
+    assert result.samples == [_reference_greedy(model, params, states, prompt, 40, 16)]
+    again = sample.generate(trainer, ts, prompt, 16, sample.Options(length=40, temperature=0.0))
+    assert again.samples == result.samples  # greedy is deterministic
+
+
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(short_context):
+    from revtrain import sample
+    _, trainer, ts = short_context
+    opts = sample.Options(length=40, temperature=1.0, top_k=40, top_p=0.95, num_samples=2, seed=3)
+    first = sample.generate(trainer, ts, b"ab", 16, opts).samples
+    assert sample.generate(trainer, ts, b"ab", 16, opts).samples == first
+    other = sample.generate(trainer, ts, b"ab", 16, sample.Options(**{**vars(opts), "seed": 4})).samples
+    assert len(first) == 2 and all(len(s) == 40 for s in first)
+    assert first[0] != first[1]  # each sample draws with its own key
+    assert other[0] != first[0] and other[1] != first[1]
+
+
+def test_next_tokens_filters():
+    """top_k 1 and a tiny top_p are greedy; top_k keeps only the k largest; temperature 0 is argmax."""
+    from revtrain.sample import next_tokens
+    logits = np.log(np.array([[0.1, 0.5, 0.15, 0.25]] * 4000, np.float32))
+    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+    assert set(np.asarray(next_tokens(logits, keys, 1.0, top_k=1)).tolist()) == {1}
+    assert set(np.asarray(next_tokens(logits, keys, 1.0, top_p=0.3)).tolist()) == {1}
+    assert set(np.asarray(next_tokens(logits, keys, 0.0)).tolist()) == {1}
+    two = np.asarray(next_tokens(logits, keys, 1.0, top_k=2))
+    assert set(two.tolist()) == {1, 3}
+    assert abs(np.mean(two == 1) - 0.5 / 0.75) < 0.03
+    nucleus = np.asarray(next_tokens(logits, keys, 1.0, top_p=0.8))  # 0.5 + 0.25 < 0.8: add 0.15
+    assert set(nucleus.tolist()) == {1, 2, 3}
+    free = np.bincount(np.asarray(next_tokens(logits, keys, 1.0)), minlength=4) / 4000
+    np.testing.assert_allclose(free, [0.1, 0.5, 0.15, 0.25], atol=0.03)
+
+
+def test_offload_streams_layers_and_gives_the_same_samples(short_context):
+    """With ReversibleTrainer.offload the weights stay in host memory and each step runs layer by layer:
+    the samples are those of the fused program, past the context too."""
+    from revtrain import sample
+    from revtrain.placement import HOST_MEMORY
+    model, trainer, ts = short_context
+    offload = _trainer(model, offload=True)
+    ots = offload.init()
+    assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
+    opts = sample.Options(length=40, temperature=1.0, top_k=40, top_p=0.95, num_samples=2, seed=3)
+    streamed = sample.generate(offload, ots, b"ab", 16, opts)
+    assert streamed.samples == sample.generate(trainer, ts, b"ab", 16, opts).samples
+    assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
+
+
+def test_model_without_decoding_is_refused():
+    from revtrain import sample
+    from revtrain.models.revnet import RevNet
+    with pytest.raises(sample.SampleError, match="cannot generate text: its layer stem"):
+        sample.check_decodable(RevNet(widths=(4, 8), blocks=(1, 1), num_classes=10))
+
+
+# ------------------------------------------------------------------------------------------------
+# Several devices (a subprocess: the device count is fixed when JAX starts).
+# ------------------------------------------------------------------------------------------------
+def _worker(out_path: str) -> None:
+    from revtrain import sample
+    assert len(jax.devices()) == 2, jax.devices()
+    model = _model(16)
+    opts = sample.Options(length=24, temperature=1.0, num_samples=3, seed=5)
+    out = {}
+    for devices in (1, 2):
+        trainer = _trainer(model, devices)
+        result = sample.generate(trainer, trainer.init(), b"xy", 16, opts)
+        out[devices] = {"samples": [s.hex() for s in result.samples], "devices": result.devices}
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+def test_samples_split_over_two_devices_equal_one_device(tmp_path):
+    """3 samples on 2 devices (padded to 4 rows, the extra one dropped) are the 1-device samples."""
+    out = tmp_path / "two.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["2"]["devices"] == 2 and len(result["2"]["samples"]) == 3
+    assert result["1"]["samples"] == result["2"]["samples"]
+    assert len(set(result["2"]["samples"])) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line, samples during training, eval --split.
+# ------------------------------------------------------------------------------------------------
+TRAINED_GIN = ["ReversibleTransformerLM.num_layers = 2", "ReversibleTransformerLM.d_model = 64",
+               "train.batch_size = 16", "train.log_every = 50", "train.checkpoint_every = 0",
+               "evaluate.max_batches = 2", "STEPS = 150", "WARMUP = 20", "train.sample_every = 75",
+               "train.sample_length = 200"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, byte_lm_data_dir):
+    """A small byte LM trained on the real text by ``revtrain train`` in this process, sampling during
+    training (``train.sample_every``)."""
+    from revtrain import cli
+    workdir = tmp_path_factory.mktemp("sample") / "run"
+    args = ["train", "--config", CONFIG, "--workdir", str(workdir)]
+    for binding in TRAINED_GIN:
+        args += ["--gin", binding]
+    assert cli.main(args) == 0
+    return workdir
+
+
+def test_training_writes_samples(trained, capsys):
+    records = [json.loads(line) for line in (trained / "metrics" / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [75, 150]
+    assert all(r["prompt"] == "[[Category:" and len(r["text"].encode()) >= 150 for r in records)
+    events = list((trained / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and any(b"samples" in e.read_bytes() for e in events)
+
+
+def test_trained_model_closes_category_links(trained, capsys):
+    """A real signal that the model learned the data: the greedy continuation of ``[[Category:`` closes the
+    link with ``]]`` within 200 bytes (checked on this short run and, in README, on the default run)."""
+    from revtrain import cli
+    assert cli.main(["sample", "--workdir", str(trained), "--prompt", "[[Category:", "--temperature", "0",
+                     "--length", "200"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("[[Category:")
+    assert "]]" in out[len("[[Category:"):], out
+    assert "bytes/s" in err and "sampled 1 x 200 bytes from step 150" in err
+
+
+def test_sample_command_output_and_seeds(trained, tmp_path, capsys):
+    from revtrain import cli
+    base = ["sample", "--workdir", str(trained), "--prompt", "The ", "--length", "64", "--top_k", "50"]
+    assert cli.main(base + ["--seed", "1", "--output", str(tmp_path / "a")]) == 0
+    assert cli.main(base + ["--seed", "1", "--output", str(tmp_path / "b")]) == 0
+    assert cli.main(base + ["--seed", "2", "--num_samples", "2", "--output", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    a, b = (tmp_path / "a").read_bytes(), (tmp_path / "b").read_bytes()
+    c0, c1 = (tmp_path / "c.0").read_bytes(), (tmp_path / "c.1").read_bytes()
+    assert a == b and a.startswith(b"The ") and len(a) == 4 + 64
+    assert len({a, c0, c1}) == 3
+    # stdout shows the same bytes as text (invalid UTF-8 as U+FFFD).
+    assert cli.main(base + ["--seed", "1"]) == 0
+    assert capsys.readouterr().out == a.decode("utf-8", "replace") + "\n"
+
+
+def test_eval_split_test(trained):
+    from revtrain import cli
+    assert cli.main(["eval", "--workdir", str(trained), "--split", "test"]) == 0
+    test = [json.loads(line) for line in (trained / "metrics" / "eval_test.jsonl").read_text().splitlines()]
+    validation = [json.loads(line) for line in (trained / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in test] == [150] and [r["step"] for r in validation] == [150]
+    assert 0 < test[0]["bits_per_byte"] < 8 and test[0]["bits_per_byte"] != validation[0]["bits_per_byte"]
+
+
+@pytest.fixture(scope="module")
+def empty_runs(tmp_path_factory):
+    """Workdirs with a config.gin but no checkpoint: a byte LM and a RevNet."""
+    base = tmp_path_factory.mktemp("empty")
+    (base / "lm").mkdir()
+    (base / "lm" / "config.gin").write_text(pathlib.Path(CONFIG).read_text())
+    (base / "revnet").mkdir()
+    (base / "revnet" / "config.gin").write_text((REPO / "configs" / "revnet_fashion_mnist.gin").read_text())
+    return base
+
+
+@pytest.mark.parametrize("args,contains", [
+    (["--workdir", "{lm}"], "no checkpoints in"),
+    (["--workdir", "{revnet}"], "trains RevNet on FashionMNISTTask, which cannot generate text"),
+    (["--workdir", "{lm}", "--length", "0"], "--length must be a positive integer"),
+    (["--workdir", "{lm}", "--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+    (["--workdir", "{lm}", "--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--workdir", "{lm}", "--top_p", "1.5"], "--top_p must be in (0, 1]"),
+    (["--workdir", "{lm}", "--top_k", "-1"], "--top_k must be an integer >= 0"),
+    (["--workdir", "{lm}", "--top_k", "many"], "argument --top_k: invalid int value"),
+    (["--workdir", "{lm}", "--prompt_file", "{base}/missing.txt"], "cannot read the prompt file"),
+    (["--workdir", "{lm}", "--prompt", ""], "the prompt is empty"),
+    (["--workdir", "{base}/nowhere"], "no config.gin in"),
+    (["--workdir", "{lm}", "--output", "{base}/no/such/dir/out"], "cannot write --output"),
+])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(empty_runs, capsys, args, contains):
+    from revtrain import cli
+    before = sorted(p.relative_to(empty_runs) for p in empty_runs.rglob("*"))
+    args = [a.format(lm=empty_runs / "lm", revnet=empty_runs / "revnet", base=empty_runs) for a in args]
+    assert cli.main(["sample", *args, "--output", str(empty_runs / "out.txt")] if "--output" not in args
+                    else ["sample", *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], err
+    assert out == ""
+    assert sorted(p.relative_to(empty_runs) for p in empty_runs.rglob("*")) == before
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
