@@ -52,7 +52,7 @@ from revtrain import checkpoint as ckpt_lib
 from revtrain import loop
 from revtrain import metrics as metrics_lib
 from revtrain.placement import DATA_AXIS, global_batch
-from revtrain.trainers.common import XLA_OPTIONS
+from revtrain.trainers.common import XLA_OPTIONS, per_device
 
 _D = P(DATA_AXIS)
 
@@ -159,14 +159,36 @@ def _window(context: int) -> int:
 
 
 # -- the fused program (weights on the device) ----------------------------------------------------------
+#
+# Both drivers follow one schedule over the text ``[B, P + length]`` (prompt, then the new bytes). Byte ``n``
+# is chosen from the model state that holds bytes ``< n`` (it is the prompt's own byte while ``n < P``,
+# else drawn from the logits). Starting at ``n = min(P, W)``, a *segment* is:
+#   * refill: encode the last ``<= W`` bytes before ``n`` into a fresh cache at positions ``0 ..`` (one
+#     ``decode`` of a ``W``-byte chunk; positions after the real bytes hold padding, which no query ever
+#     sees under the causal mask), and choose byte ``n``;
+#   * steps: feed the byte just chosen at the next position and choose the following one, until the cache
+#     holds ``T`` positions (or the text is complete); the next segment starts with a refill.
+# A compiled program holds the model twice (chunk and one-byte step) whatever P is, and no per-byte branch
+# (a ``lax.cond`` around the model would copy every cache in and out at each byte on XLA:CPU: measured 2x
+# slower at the default model).
 def _run_layers(layers, params, states, tokens, caches, pos):
-    """Decodes ``tokens`` ``[b, S]`` at positions ``pos..``: returns (last position's logits ``[b, V]``,
-    new caches)."""
+    """Decodes ``tokens`` ``[b, S]`` at positions ``pos..``: returns (logits ``[b, S, V]``, new caches)."""
     x, new = tokens, []
     for i, layer in enumerate(layers):
         x, cache = layer.decode(params[i], states[i], x, caches[i], pos)
         new.append(cache)
-    return x[:, -1], new
+    return x, new
+
+
+def _choose(logits, keys, settings, text, n, prompt_len):
+    """``text`` with byte ``n`` set: the prompt's below ``prompt_len``, else drawn from ``logits [b, V]``
+    (`next_tokens`; the greedy case skips the draw)."""
+    temperature = settings[0]
+    drawn = lax.cond(temperature > 0,
+                     lambda: next_tokens(logits, _step_keys(keys, jnp.maximum(n - prompt_len, 0)), *settings),
+                     lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    given = lax.dynamic_index_in_dim(text, n, axis=1, keepdims=False)
+    return lax.dynamic_update_slice(text, jnp.where(n < prompt_len, given, drawn)[:, None], (0, n))
 
 
 @functools.lru_cache(maxsize=32)
@@ -174,34 +196,34 @@ def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: i
     """One jitted ``shard_map`` program: ``(params, states, prompt [B, P], keys [B, 2], settings) -> bytes
     [B, length]``, ``settings`` = (temperature, top_k, top_p) scalars."""
     window = _window(context)
+    total = prompt_len + length
 
     def generate(params, states, prompt, keys, settings):
         b = prompt.shape[0]
-        fresh = [layer.init_cache(b, context) for layer in layers]
-        logits, caches = _run_layers(layers, params, states, prompt, fresh, 0)
-        text = jnp.concatenate([prompt, jnp.zeros((b, length), jnp.int32)], axis=1)
+        fresh = per_device([layer.init_cache(b, context) for layer in layers])  # each device's own samples
+        text = jnp.zeros((b, max(total, window)), jnp.int32).at[:, :prompt_len].set(prompt)
 
-        def body(carry, t):
-            logits, caches, pos, text = carry
-            token = next_tokens(logits, _step_keys(keys, t), *settings)
-            n = prompt_len + t  # index of the new byte in ``text``
-            text = lax.dynamic_update_slice(text, token[:, None], (0, n))
+        def segment(carry):
+            text, n = carry
+            start = jnp.maximum(n - window, 0)
+            chunk = lax.dynamic_slice(text, (0, start), (b, window))
+            logits, caches = _run_layers(layers, params, states, chunk, fresh, 0)
+            text = _choose(lax.dynamic_index_in_dim(logits, n - start - 1, axis=1, keepdims=False), keys,
+                           settings, text, n, prompt_len)
+            pos = n - start  # positions in the cache; steps fill it up to ``context``
+            count = jnp.minimum(context - pos, total - 1 - n)
 
-            def step():
-                logits, caches_ = _run_layers(layers, params, states, token[:, None], caches, pos)
-                return logits, caches_, pos + 1
+            def step(k, carry):  # feed byte n + k - 1 at position pos + k - 1, choose byte n + k
+                caches, text = carry
+                last = lax.dynamic_slice(text, (0, n + k - 1), (b, 1))
+                logits, caches = _run_layers(layers, params, states, last, caches, pos + k - 1)
+                return caches, _choose(logits[:, 0], keys, settings, text, n + k, prompt_len)
 
-            def slide():  # the cache is full: re-encode the last ``window`` bytes at 0..window-1
-                recent = lax.dynamic_slice(text, (0, n + 1 - window), (b, window))
-                logits, caches_ = _run_layers(layers, params, states, recent, fresh, 0)
-                return logits, caches_, jnp.int32(window)
+            _, text = lax.fori_loop(1, count + 1, step, (caches, text))
+            return text, n + count + 1
 
-            logits, caches, pos = lax.cond(pos == context, slide, step)
-            return (logits, caches, pos, text), None
-
-        carry = (logits, caches, jnp.int32(prompt_len), text)
-        (_, _, _, text), _ = lax.scan(body, carry, jnp.arange(length, dtype=jnp.int32))
-        return text[:, prompt_len:]
+        text, _ = lax.while_loop(lambda carry: carry[1] < total, segment, (text, jnp.int32(min(prompt_len, window))))
+        return text[:, prompt_len:total]
 
     mapped = jax.shard_map(generate, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=_D)
     return jax.jit(mapped, compiler_options=XLA_OPTIONS)
@@ -238,17 +260,20 @@ def _cache_program(layer, mesh, batch_size: int, context: int):
 
 @functools.lru_cache(maxsize=16)
 def _choose_program(mesh):
-    """``(logits [B, S, V], keys, t, text, n, settings) -> (token [B, 1], text with it at n)``."""
-    def choose(logits, keys, t, text, n, settings):
-        token = next_tokens(logits[:, -1], _step_keys(keys, t), *settings)[:, None]
-        return token, lax.dynamic_update_slice(text, token, (0, n))
-    mapped = jax.shard_map(choose, mesh=mesh, in_specs=(_D, _D, P(), _D, P(), P()), out_specs=(_D, _D))
-    return jax.jit(mapped, donate_argnums=(3,))
+    """``(logits [B, S, V], index, keys, t, text, n, settings) -> text`` with byte ``n`` drawn from
+    ``logits[:, index]``."""
+    def choose(logits, index, keys, t, text, n, settings):
+        row = lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False)
+        token = next_tokens(row, _step_keys(keys, t), *settings)[:, None]
+        return lax.dynamic_update_slice(text, token, (0, n))
+    mapped = jax.shard_map(choose, mesh=mesh, in_specs=(_D, P(), _D, P(), _D, P(), P()), out_specs=_D)
+    return jax.jit(mapped, donate_argnums=(4,))
 
 
 @functools.lru_cache(maxsize=16)
-def _recent_program(mesh, window: int):
-    mapped = jax.shard_map(lambda text, start: lax.dynamic_slice_in_dim(text, start, window, axis=1), mesh=mesh,
+def _slice_program(mesh, width: int):
+    """``(text [B, N], start) -> text[:, start:start + width]``."""
+    mapped = jax.shard_map(lambda text, start: lax.dynamic_slice_in_dim(text, start, width, axis=1), mesh=mesh,
                            in_specs=(_D, P()), out_specs=_D)
     return jax.jit(mapped)
 
@@ -259,10 +284,11 @@ def _settings(opts: Options):
 
 
 def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
-    """The same algorithm as `_fused_program`, one compiled call per layer and step (for offload)."""
+    """The schedule of `_fused_program`, one compiled call per layer and step (for offload)."""
     layers, mesh = trainer.model.layers, trainer.mesh
     batch, prompt_len = prompt.shape
     window = _window(context)
+    first = min(prompt_len, window)
 
     def run(tokens, caches, pos):
         x = tokens
@@ -277,25 +303,23 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
             del params
         return x, caches
 
-    def fresh():
-        return [_cache_program(layer, mesh, batch, context)() for layer in layers]
-
-    logits, caches = run(prompt, fresh(), 0)
-    text = jnp.concatenate([prompt, jnp.zeros((batch, opts.length), jnp.int32)], axis=1)
+    size = max(prompt_len + opts.length, window)
+    text = jnp.concatenate([prompt, jnp.zeros((batch, size - prompt_len), jnp.int32)], axis=1)
     choose = _choose_program(mesh)
-    pos = prompt_len
-    for t in range(opts.length):
-        n = prompt_len + t
-        token, text = choose(logits, keys, np.int32(t), text, np.int32(n), _settings(opts))
-        if t + 1 == opts.length:
-            break
-        if pos == context:
-            logits, caches = run(_recent_program(mesh, window)(text, np.int32(n + 1 - window)), fresh(), 0)
-            pos = window
+    caches, pos = None, 0
+    for n in range(first, prompt_len + opts.length):
+        if n == first or pos == context:
+            start = max(n - window, 0)
+            fresh = [_cache_program(layer, mesh, batch, context)() for layer in layers]
+            logits, caches = run(_slice_program(mesh, window)(text, np.int32(start)), fresh, 0)
+            index, pos = n - start - 1, n - start
         else:
-            logits, caches = run(token, caches, pos)
-            pos += 1
-    return text[:, prompt_len:]
+            logits, caches = run(_slice_program(mesh, 1)(text, np.int32(n - 1)), caches, pos)
+            index, pos = 0, pos + 1
+        if n >= prompt_len:
+            text = choose(logits, np.int32(index), keys, np.int32(n - prompt_len), text, np.int32(n),
+                          _settings(opts))
+    return text[:, prompt_len:prompt_len + opts.length]
 
 
 # -- the public entry points ------------------------------------------------------------------------

@@ -5,11 +5,13 @@ This file is also the worker of the several-devices test (``python tests/test_sa
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2``).
 """
 
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -42,24 +44,37 @@ def _full_logits(model, params, states):
 
 
 # ------------------------------------------------------------------------------------------------
-# Cached decoding against the full forward.
+# One random-init model for the in-process tests: 2 blocks, d_model 32, an 80-byte context.
 # ------------------------------------------------------------------------------------------------
-def test_cached_logits_equal_full_forward():
-    """Prompt of 32 bytes encoded at once, then a 64-byte continuation one byte at a time with the
-    per-layer caches: every position's next-byte logits equal the full forward's within 1e-5 relative
-    (max |difference| / max |logit|), float32, depth 2."""
+CONTEXT, PROMPT, LENGTH = 80, b"[[Category:", 160  # 160 bytes from an 11-byte prompt: the window slides 3 times
+OPTIONS = dict(length=LENGTH, num_samples=3)  # one compiled program serves every in-process test
+
+
+@pytest.fixture(scope="module")
+def lm():
+    """``(model, trainer, state, full)``: ``full`` is the jitted training forward (evaluation mode),
+    int32 ``[1, CONTEXT]`` -> logits ``[1, CONTEXT, 256]``."""
+    model = _model(CONTEXT)
+    trainer = _trainer(model)
+    ts = trainer.init()
+    return model, trainer, ts, _full_logits(model, list(ts.params), list(ts.layer_state))
+
+
+def test_cached_logits_equal_full_forward(lm):
+    """A 16-byte prompt encoded at once, then a 64-byte continuation one byte at a time with the per-layer
+    caches: every position's next-byte logits equal the full forward's within 1e-5 relative (max
+    |difference| / max |logit|), float32, depth 2."""
     from jax import lax
+    model, _, ts, full = lm
+    params, states = list(ts.params), list(ts.layer_state)
+    prompt_len = 16
+    tokens = np.random.default_rng(0).integers(0, 256, (1, CONTEXT)).astype(np.int32)
     with jax.default_matmul_precision("highest"):
-        prompt_len, continuation = 32, 64
-        context = prompt_len + continuation
-        model = _model(context, num_layers=2)
-        params, states = model.init()
-        tokens = np.random.default_rng(0).integers(0, 256, (2, context)).astype(np.int32)
-        reference = np.asarray(_full_logits(model, params, states)(tokens))
+        reference = np.asarray(full(tokens))
 
         @jax.jit
         def cached(tokens):
-            caches = [layer.init_cache(2, context) for layer in model.layers]
+            caches = [layer.init_cache(1, CONTEXT) for layer in model.layers]
             x = tokens[:, :prompt_len]
             for i, layer in enumerate(model.layers):
                 x, caches[i] = layer.decode(params[i], states[i], x, caches[i], 0)
@@ -72,108 +87,115 @@ def test_cached_logits_equal_full_forward():
                     new.append(cache)
                 return new, y[:, 0]
 
-            _, steps = lax.scan(step, caches, np.arange(prompt_len, context))
+            _, steps = lax.scan(step, caches, np.arange(prompt_len, CONTEXT))
             return x, steps.swapaxes(0, 1)
 
         prefix, steps = (np.asarray(a) for a in cached(tokens))
     scale = np.abs(reference).max()
     prompt_error = np.abs(prefix - reference[:, :prompt_len]).max() / scale
     step_error = np.abs(steps - reference[:, prompt_len:]).max(axis=(0, 2)) / scale
-    assert steps.shape == (2, continuation, 256)
+    assert steps.shape == (1, CONTEXT - prompt_len, 256) and CONTEXT - prompt_len == 64
     assert prompt_error <= 1e-5, prompt_error
     assert step_error.max() <= 1e-5, (int(step_error.argmax()), float(step_error.max()))
 
 
-def _reference_greedy(model, params, states, prompt: bytes, length: int, context: int) -> bytes:
+def _reference_greedy(full, prompt: bytes, length: int) -> bytes:
     """Greedy bytes from full forwards under the documented window policy: when the cache would hold
-    ``context`` positions, the last ``context // 2`` bytes are re-encoded at positions 0.. and decoding
+    ``CONTEXT`` positions, the last ``CONTEXT // 2`` bytes are re-encoded at positions 0.. and decoding
     goes on from there."""
-    full = _full_logits(model, params, states)
-    window = max(1, context // 2)
-    text = list(prompt[-context:])
+    window = CONTEXT // 2
+    text = list(prompt[-CONTEXT:])
     start, pos = 0, len(text)
     for _ in range(length):
         seen = text[start:]
-        padded = np.zeros((1, context), np.int32)
+        padded = np.zeros((1, CONTEXT), np.int32)
         padded[0, :len(seen)] = seen  # causal: the padding after the last byte changes nothing
         text.append(int(np.argmax(np.asarray(full(padded))[0, len(seen) - 1])))
-        if pos == context:
+        if pos == CONTEXT:
             start, pos = len(text) - window, window
         else:
             pos += 1
     return bytes(text[-length:])
 
 
-@pytest.fixture(scope="module")
-def short_context():
-    """A random-init 2-block model with a 16-byte context, its trainer and state."""
-    model = _model(16)
-    trainer = _trainer(model)
-    return model, trainer, trainer.init()
-
-
-def test_greedy_sample_follows_full_forward_past_the_context(short_context):
-    """40 greedy bytes from a 5-byte prompt with a 16-byte context (the window slides three times) are
-    exactly the argmax bytes of full forwards under the same window policy."""
+def test_greedy_sample_follows_full_forward_past_the_context(lm):
+    """160 greedy bytes from an 11-byte prompt with an 80-byte context (the window slides 3 times) are
+    exactly the argmax bytes of full forwards under the same window policy; every sample is the same."""
     from revtrain import sample
-    model, trainer, ts = short_context
-    prompt = b"[[Cat"
-    result = sample.generate(trainer, ts, prompt, 16, sample.Options(length=40, temperature=0.0))
-    params, states = (list(x) for x in (ts.params, ts.layer_state))
-    assert result.samples == [_reference_greedy(model, params, states, prompt, 40, 16)]
-    again = sample.generate(trainer, ts, prompt, 16, sample.Options(length=40, temperature=0.0))
+    _, trainer, ts, full = lm
+    result = sample.generate(trainer, ts, PROMPT, CONTEXT, sample.Options(temperature=0.0, **OPTIONS))
+    assert result.samples == [_reference_greedy(full, PROMPT, LENGTH)] * 3
+    again = sample.generate(trainer, ts, PROMPT, CONTEXT, sample.Options(temperature=0.0, **OPTIONS))
     assert again.samples == result.samples  # greedy is deterministic
 
 
-def test_seeded_sampling_is_reproducible_and_differs_across_seeds(short_context):
+@pytest.fixture(scope="module")
+def seeded(lm):
+    """Samples at temperature 1 with top-k 40 and top-p 0.95, seed 3: fused program and a repeat."""
     from revtrain import sample
-    _, trainer, ts = short_context
-    opts = sample.Options(length=40, temperature=1.0, top_k=40, top_p=0.95, num_samples=2, seed=3)
-    first = sample.generate(trainer, ts, b"ab", 16, opts).samples
-    assert sample.generate(trainer, ts, b"ab", 16, opts).samples == first
-    other = sample.generate(trainer, ts, b"ab", 16, sample.Options(**{**vars(opts), "seed": 4})).samples
-    assert len(first) == 2 and all(len(s) == 40 for s in first)
-    assert first[0] != first[1]  # each sample draws with its own key
-    assert other[0] != first[0] and other[1] != first[1]
+    _, trainer, ts, _ = lm
+    opts = sample.Options(temperature=1.0, top_k=40, top_p=0.95, seed=3, **OPTIONS)
+    return opts, [sample.generate(trainer, ts, PROMPT, CONTEXT, opts).samples for _ in range(2)]
+
+
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(lm, seeded):
+    from revtrain import sample
+    _, trainer, ts, _ = lm
+    opts, (first, repeat) = seeded
+    other = sample.generate(trainer, ts, PROMPT, CONTEXT, dataclasses.replace(opts, seed=4)).samples
+    assert repeat == first
+    assert len(first) == 3 and all(len(s) == LENGTH for s in first)
+    assert len(set(first)) == 3  # each sample draws with its own key
+    assert all(a != b for a, b in zip(first, other))
 
 
 def test_next_tokens_filters():
     """top_k 1 and a tiny top_p are greedy; top_k keeps only the k largest; temperature 0 is argmax."""
-    from revtrain.sample import next_tokens
+    from revtrain import sample
+    next_tokens = jax.jit(sample.next_tokens)  # settings traced: one compiled program for every call
     logits = np.log(np.array([[0.1, 0.5, 0.15, 0.25]] * 4000, np.float32))
     keys = jax.random.split(jax.random.PRNGKey(0), 4000)
-    assert set(np.asarray(next_tokens(logits, keys, 1.0, top_k=1)).tolist()) == {1}
-    assert set(np.asarray(next_tokens(logits, keys, 1.0, top_p=0.3)).tolist()) == {1}
-    assert set(np.asarray(next_tokens(logits, keys, 0.0)).tolist()) == {1}
-    two = np.asarray(next_tokens(logits, keys, 1.0, top_k=2))
+    assert set(np.asarray(next_tokens(logits, keys, 1.0, 1, 1.0)).tolist()) == {1}
+    assert set(np.asarray(next_tokens(logits, keys, 1.0, 0, 0.3)).tolist()) == {1}
+    assert set(np.asarray(next_tokens(logits, keys, 0.0, 0, 1.0)).tolist()) == {1}
+    two = np.asarray(next_tokens(logits, keys, 1.0, 2, 1.0))
     assert set(two.tolist()) == {1, 3}
     assert abs(np.mean(two == 1) - 0.5 / 0.75) < 0.03
-    nucleus = np.asarray(next_tokens(logits, keys, 1.0, top_p=0.8))  # 0.5 + 0.25 < 0.8: add 0.15
+    nucleus = np.asarray(next_tokens(logits, keys, 1.0, 0, 0.8))  # 0.5 + 0.25 < 0.8: 0.15 joins
     assert set(nucleus.tolist()) == {1, 2, 3}
-    free = np.bincount(np.asarray(next_tokens(logits, keys, 1.0)), minlength=4) / 4000
+    both = np.asarray(next_tokens(logits, keys, 1.0, 2, 0.6))  # top-2 renormalised: 0.67 >= 0.6
+    assert set(both.tolist()) == {1}
+    free = np.bincount(np.asarray(next_tokens(logits, keys, 1.0, 0, 1.0)), minlength=4) / 4000
     np.testing.assert_allclose(free, [0.1, 0.5, 0.15, 0.25], atol=0.03)
 
 
-def test_offload_streams_layers_and_gives_the_same_samples(short_context):
+def test_offload_streams_layers_and_gives_the_same_samples(lm, seeded):
     """With ReversibleTrainer.offload the weights stay in host memory and each step runs layer by layer:
     the samples are those of the fused program, past the context too."""
     from revtrain import sample
     from revtrain.placement import HOST_MEMORY
-    model, trainer, ts = short_context
+    model, _, _, _ = lm
+    opts, (first, _) = seeded
     offload = _trainer(model, offload=True)
     ots = offload.init()
     assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
-    opts = sample.Options(length=40, temperature=1.0, top_k=40, top_p=0.95, num_samples=2, seed=3)
-    streamed = sample.generate(offload, ots, b"ab", 16, opts)
-    assert streamed.samples == sample.generate(trainer, ts, b"ab", 16, opts).samples
+    assert sample.generate(offload, ots, PROMPT, CONTEXT, opts).samples == first
     assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
 
 
 def test_model_without_decoding_is_refused():
+    """A layer whose module has no ``decode`` (here a coupling of two dense layers, as the RevNet's
+    couplings of convolutions) is named."""
+    from flax import nnx
+
     from revtrain import sample
-    from revtrain.models.revnet import RevNet
-    with pytest.raises(sample.SampleError, match="cannot generate text: its layer stem"):
-        sample.check_decodable(RevNet(widths=(4, 8), blocks=(1, 1), num_classes=10))
+    from revtrain.layers.base import Layer, ReversibleCoupling, ReversibleLayer
+    rngs = nnx.Rngs(0)
+    layers = [ReversibleLayer(ReversibleCoupling(nnx.Linear(2, 2, rngs=rngs), nnx.Linear(2, 2, rngs=rngs)), "block_0"),
+              Layer(nnx.Linear(2, 2, rngs=rngs), "head")]
+    assert not layers[0].can_decode
+    with pytest.raises(sample.SampleError, match="cannot generate text: its layer block_0 has no incremental"):
+        sample.check_decodable(types.SimpleNamespace(layers=layers))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,18 +204,15 @@ def test_model_without_decoding_is_refused():
 def _worker(out_path: str) -> None:
     from revtrain import sample
     assert len(jax.devices()) == 2, jax.devices()
-    model = _model(16)
-    opts = sample.Options(length=24, temperature=1.0, num_samples=3, seed=5)
-    out = {}
-    for devices in (1, 2):
-        trainer = _trainer(model, devices)
-        result = sample.generate(trainer, trainer.init(), b"xy", 16, opts)
-        out[devices] = {"samples": [s.hex() for s in result.samples], "devices": result.devices}
+    model = _model(CONTEXT)
+    trainer = _trainer(model, 2)
+    opts = sample.Options(temperature=1.0, top_k=40, top_p=0.95, seed=3, **OPTIONS)
+    result = sample.generate(trainer, trainer.init(), PROMPT, CONTEXT, opts)
     with open(out_path, "w") as f:
-        json.dump(out, f)
+        json.dump({"samples": [s.hex() for s in result.samples], "devices": result.devices}, f)
 
 
-def test_samples_split_over_two_devices_equal_one_device(tmp_path):
+def test_samples_split_over_two_devices_equal_one_device(tmp_path, seeded):
     """3 samples on 2 devices (padded to 4 rows, the extra one dropped) are the 1-device samples."""
     out = tmp_path / "two.json"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
@@ -202,9 +221,8 @@ def test_samples_split_over_two_devices_equal_one_device(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    assert result["2"]["devices"] == 2 and len(result["2"]["samples"]) == 3
-    assert result["1"]["samples"] == result["2"]["samples"]
-    assert len(set(result["2"]["samples"])) == 3
+    assert result["devices"] == 2
+    assert [bytes.fromhex(s) for s in result["samples"]] == seeded[1][0]
 
 
 # ------------------------------------------------------------------------------------------------
