@@ -2,29 +2,28 @@
 
 ``revtrain sample`` and the training loop's samples (``train.sample_every``) call `generate`, which runs
 the layers' incremental-decoding interface (``Layer.init_cache`` / ``Layer.decode``, see
-`revtrain.layers.base`): the prompt is encoded once (one ``decode`` of all its positions), then every new
-byte costs one position's work per layer (its attention reads the cached keys and values of the earlier
+`revtrain.layers.base`): the prompt is encoded in one ``decode`` of many positions, then every new byte
+costs one position's work per layer (its attention reads the cached keys and values of the earlier
 positions) instead of a forward over the whole prefix.
 
-How a sample is made (``B`` samples, context ``T`` = the model's sequence length, window ``W = T // 2``):
+How a sample is made (context ``T`` = the model's sequence length, window ``W = T // 2``):
 
-1. The prompt is cut to its last ``T`` bytes and encoded at positions ``0 .. P - 1``; the head's logits at
-   the last position give the distribution of the next byte.
-2. Each step draws a byte (`next_tokens`: greedy at temperature 0, else temperature, top-k and nucleus
-   top-p filtering, then a categorical draw with the sample's own key ``fold_in(fold_in(PRNGKey(seed),
-   sample index), step)``), and feeds it at the next position.
+1. The prompt is cut to its last ``T`` bytes. Its first ``min(P, W)`` bytes are encoded at once at
+   positions ``0 ..``; any further prompt bytes are fed one at a time (they are known, not drawn).
+2. Each new byte is drawn from the head's logits at the last position (`next_tokens`: greedy at temperature
+   0, else temperature, top-k and nucleus top-p filtering, then a categorical draw with the sample's own key
+   ``fold_in(fold_in(PRNGKey(seed), sample index), byte index)``) and fed at the next position.
 3. The model learned absolute positions ``0 .. T - 1`` only. When the cache is full (``T`` positions), the
    last ``W`` bytes are re-encoded at positions ``0 .. W - 1`` into a fresh cache and generation goes on
    from position ``W``: every byte is predicted from at least the ``W`` bytes before it, at positions the
    model was trained on, and the re-encoding costs ``W`` positions once every ``T - W`` bytes.
 
-Without offload, the whole generation (prompt encoding, then a ``lax.scan`` over the new bytes with a
-``lax.cond`` for the window slide) is one compiled program per (model, shapes, sampling settings). With
-``ReversibleTrainer.offload``, weights stay in host memory and each step runs layer by layer, each layer's
-weights copied to the device for its part (the next one's copy overlapping the current one's compute) as
-in training. Samples are split over the ``"data"`` mesh (all devices of all processes); their count is
-padded up to a multiple of the device count (the extra rows are dropped), and a sample's bytes depend only
-on its index, so 1 and N devices give the same text.
+Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
+samples); the sampling settings are runtime values. With ``ReversibleTrainer.offload``, weights stay in host
+memory and every byte runs layer by layer, each layer's weights copied to the device for its part (the next
+layer's copy overlapping the current one's compute), as in training. Samples are split over the ``"data"``
+mesh (all devices of all processes); their count is padded up to a multiple of the device count (the extra
+rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the same text.
 
 References: key/value caching for autoregressive Transformer decoding as in Vaswani et al. 2017 (tensor2tensor
 fast decoding) and the Reformer's fast inference mode (Kitaev et al. 2020); nucleus sampling: Holtzman et
@@ -38,7 +37,6 @@ import dataclasses
 import functools
 import math
 import os
-import sys
 import time
 
 import jax
@@ -253,9 +251,11 @@ def _layer_program(layer, mesh):
     return jax.jit(mapped, donate_argnums=(3,), compiler_options=XLA_OPTIONS)
 
 
-@functools.lru_cache(maxsize=64)
-def _cache_program(layer, mesh, batch_size: int, context: int):
-    return jax.jit(lambda: layer.init_cache(batch_size, context), out_shardings=NamedSharding(mesh, _D))
+def _empty_cache(layer, mesh, batch_size: int, context: int):
+    """``layer.init_cache`` as global arrays split over ``"data"`` (zeros placed directly, no program)."""
+    shapes = jax.eval_shape(lambda: layer.init_cache(batch_size, context))
+    sharding = NamedSharding(mesh, _D)
+    return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), sharding), shapes)
 
 
 @functools.lru_cache(maxsize=16)
@@ -310,7 +310,7 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     for n in range(first, prompt_len + opts.length):
         if n == first or pos == context:
             start = max(n - window, 0)
-            fresh = [_cache_program(layer, mesh, batch, context)() for layer in layers]
+            fresh = [_empty_cache(layer, mesh, batch, context) for layer in layers]
             logits, caches = run(_slice_program(mesh, window)(text, np.int32(start)), fresh, 0)
             index, pos = n - start - 1, n - start
         else:
@@ -512,9 +512,11 @@ def check_training_sample(run) -> None:
       SampleError: the model's layers cannot decode, or ``train.sample_length`` is not positive.
     """
     check_decodable(run.model)
-    Options(length=run.cfg.sample_length).check()
-    if not run.cfg.sample_prompt:
-        raise SampleError("train.sample_prompt must not be empty")
+    length, prompt = run.cfg.sample_length, run.cfg.sample_prompt
+    if not isinstance(length, int) or length <= 0:
+        raise SampleError(f"train.sample_length must be a positive integer, got {length!r}")
+    if not isinstance(prompt, str) or not prompt:
+        raise SampleError(f"train.sample_prompt must be a non-empty string, got {prompt!r}")
 
 
 def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
