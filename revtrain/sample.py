@@ -278,6 +278,14 @@ def _slice_program(mesh, width: int):
     return jax.jit(mapped)
 
 
+@functools.lru_cache(maxsize=16)
+def _text_program(mesh, size: int):
+    """``prompt [B, P] -> text [B, size]``: the prompt followed by zeros."""
+    def text(prompt):
+        return jnp.zeros((prompt.shape[0], size), jnp.int32).at[:, :prompt.shape[1]].set(prompt)
+    return jax.jit(jax.shard_map(text, mesh=mesh, in_specs=_D, out_specs=_D))
+
+
 def _settings(opts: Options):
     """The traced sampling settings: float32 temperature, int32 top_k, float32 top_p."""
     return (np.float32(opts.temperature), np.int32(opts.top_k), np.float32(opts.top_p))
@@ -303,8 +311,7 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
             del params
         return x, caches
 
-    size = max(prompt_len + opts.length, window)
-    text = jnp.concatenate([prompt, jnp.zeros((batch, size - prompt_len), jnp.int32)], axis=1)
+    text = _text_program(mesh, max(prompt_len + opts.length, window))(prompt)
     choose = _choose_program(mesh)
     caches, pos = None, 0
     for n in range(first, prompt_len + opts.length):
@@ -319,7 +326,7 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
         if n >= prompt_len:
             text = choose(logits, np.int32(index), keys, np.int32(n - prompt_len), text, np.int32(n),
                           _settings(opts))
-    return text[:, prompt_len:prompt_len + opts.length]
+    return _slice_program(mesh, opts.length)(text, np.int32(prompt_len))
 
 
 # -- the public entry points ------------------------------------------------------------------------
