@@ -101,10 +101,11 @@ class CausalSelfAttention(nnx.Module):
         return dropout(self.out(h), self.dropout_rate, keys, train).astype(x.dtype)
 
     def init_cache(self, batch_size: int, max_len: int) -> dict:
-        """Empty key/value cache: ``{"k", "v"}`` zeros ``[batch_size, max_len, heads, D / heads]`` in the
-        compute dtype."""
+        """Empty key/value cache: ``{"k", "v"}`` zeros ``[batch_size, heads, max_len, D / heads]`` in the
+        compute dtype (heads before positions: the layout the two attention products read without a
+        transpose, which would copy the whole cache at every byte)."""
         d = self.qkv.in_features
-        shape = (batch_size, max_len, self.num_heads, d // self.num_heads)
+        shape = (batch_size, self.num_heads, max_len, d // self.num_heads)
         dtype = self.qkv.dtype or jnp.float32
         return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
@@ -115,16 +116,23 @@ class CausalSelfAttention(nnx.Module):
         The new keys and values are written into the cache at ``pos`` (``pos + S <= max_len``). Each query
         attends over all ``max_len`` cache slots with a mask that keeps positions ``<= its own``, so one
         step costs ``O(max_len)`` per layer whatever ``pos`` is, and one compiled program serves every
-        position. Returns ``(y [B, S, D], new_cache)``.
+        position. The attention is ``jax.nn.dot_product_attention``'s own recipe (logits in at least
+        float32, scaled by ``1/sqrt(D / heads)``, masked with a large negative number, softmax in float32,
+        probabilities cast to the values' dtype), written for the cache's heads-first layout.
+        Returns ``(y [B, S, D], new_cache)``.
         """
         b, s, d = x.shape
         qkv = self.qkv(self.norm(x)).reshape(b, s, 3, self.num_heads, d // self.num_heads)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        start = (0, pos, 0, 0)
-        keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
-        values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
-        visible = jnp.arange(keys.shape[1])[None, :] <= (pos + jnp.arange(s))[:, None]  # [S, max_len]
-        h = jax.nn.dot_product_attention(q, keys, values, mask=visible[None, None]).reshape(b, s, d)
+        q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B, heads, S, D / heads]
+        keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, pos, 0))
+        values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, pos, 0))
+        logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
+        logits = jnp.einsum("bnqh,bnkh->bnqk", q, keys, preferred_element_type=logits_dtype)
+        logits = logits * jnp.array((d // self.num_heads) ** -0.5, logits_dtype)
+        visible = jnp.arange(keys.shape[2])[None, :] <= (pos + jnp.arange(s))[:, None]  # [S, max_len]
+        logits = jnp.where(visible, logits, -0.7 * float(jnp.finfo(logits_dtype).max))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(keys.dtype)
+        h = jnp.swapaxes(jnp.einsum("bnqk,bnkh->bnqh", probs, values), 1, 2).reshape(b, s, d)
         return self.out(h).astype(x.dtype), {"k": keys, "v": values}
 
 
