@@ -4,6 +4,7 @@
 #   make bench
 #   make bench-depth
 #   make bench-long
+#   make sample [WORKDIR=...] [PROMPT='[[Category:']   make bench-sample   make check-sample
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test bench bench-depth bench-long clean
+.PHONY: venv data train eval test bench bench-depth bench-long clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,7 @@ data: venv
 
 train: data
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) $(GIN)
+	$(VENV)/bin/revtrain eval --workdir $(WORKDIR) --split test
 
 eval: venv
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
@@ -46,8 +48,21 @@ bench-depth: data
 bench-long: data
 	$(PY) scripts/benchmark.py --sweep seq
 
+PROMPT ?= [[Category:
+sample: venv
+	$(VENV)/bin/revtrain sample --workdir $(WORKDIR) --prompt '$(PROMPT)'
+
+# Cached decoding against recomputing the prefix for every byte (default model, 512 bytes).
+bench-sample: venv
+	$(PY) scripts/bench_sample.py
+
+# On the trained default run (make train): the greedy continuation of '[[Category:' closes with ']]'.
+check-sample: venv
+	REVTRAIN_SAMPLE_WORKDIR=$(WORKDIR) $(PY) -m pytest -q tests/test_sample.py -k closes_category_links
+
 clean:
-	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png
+	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
+	  bench_sample.json
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the

@@ -2,7 +2,9 @@
 
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
-  revtrain eval  --workdir DIR [--step N | --all] [--gin ...] [--verbose]
+  revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--gin ...] [--verbose]
+  revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
+                  [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
   revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
 
@@ -35,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    for name in ("train", "eval", "check"):
+    for name in ("train", "eval", "check", "sample"):
         s = sub.add_parser(name)
         s.add_argument("--workdir", required=name != "check", help="run directory")
         s.add_argument("--config", action="append", default=[], help="gin file (repeatable; later files win)")
@@ -48,9 +50,26 @@ def _parser() -> argparse.ArgumentParser:
             g = s.add_mutually_exclusive_group()
             g.add_argument("--step", type=int, help="score this checkpoint step")
             g.add_argument("--all", action="store_true", help="score every kept checkpoint not yet scored")
+            s.add_argument("--split", choices=("validation", "test"), help="split to score (default: evaluate.split)")
+        if name == "sample":
+            _sample_arguments(s)
         if name == "check":
             s.add_argument("--step", type=int, help="with --workdir: check this checkpoint step (default: newest)")
     return p
+
+
+def _sample_arguments(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--step", type=int, help="sample from this checkpoint step (default: newest)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text (default: one newline)")
+    g.add_argument("--prompt_file", help="file whose bytes are the prompt")
+    s.add_argument("--length", type=int, default=256, help="bytes to generate (default 256)")
+    s.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
+    s.add_argument("--top_k", type=int, default=0, help="keep the K most likely bytes (default 0: off)")
+    s.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    s.add_argument("--num_samples", type=int, default=1, help="samples (default 1)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    s.add_argument("--output", help="write raw bytes to FILE (FILE.0, FILE.1, ... for several samples)")
 
 
 def parse_args(argv: list[str]):
@@ -61,7 +80,7 @@ def parse_args(argv: list[str]):
     """
     args, rest = _parser().parse_known_args(argv)
     if args.command is None:
-        raise UsageError("expected a command: train, eval or check")
+        raise UsageError("expected a command: train, eval, check or sample")
     for item in rest:
         m = re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", item, re.S)
         if not m:
@@ -300,8 +319,23 @@ def _run(args) -> int:
         config = os.path.join(args.workdir, "config.gin")
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        if args.split:
+            args.gin.append(f"evaluate.split = {args.split!r}")
         _parse_gin([config] + args.config, args.gin)
         loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all)
+        return 0
+    if args.command == "sample":
+        from revtrain import sample
+        opts = sample.Options(length=args.length, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
+        opts.check()  # flags and prompt first: bad input writes nothing and loads nothing
+        prompt = sample.read_prompt(args.prompt, args.prompt_file)
+        sample.output_paths(args.output, args.num_samples)
+        config = os.path.join(args.workdir, "config.gin")
+        if not os.path.isfile(config):
+            raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        _parse_gin([config] + args.config, args.gin)
+        sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
         return 0
     if args.command == "check":
         from revtrain import check  # noqa: F401  (registers check.*)

@@ -65,6 +65,11 @@ class TrainConfig:
       skip_nonfinite_steps: a step whose loss or gradient is not finite stops the run (the newest good
         checkpoint is kept); with N > 0 up to N such steps are skipped instead (their updates are not
         applied, each one logged) before the run stops.
+      sample_every: every this many steps and at the last step, greedily continue ``sample_prompt`` by
+        ``sample_length`` bytes and write it to ``metrics/samples.jsonl`` and TensorBoard (0: off;
+        byte-level language models only; see ``revtrain.sample``).
+      sample_prompt: the prompt of those samples (text, encoded as UTF-8).
+      sample_length: bytes generated per sample.
     """
 
     steps: int = 1000
@@ -81,6 +86,9 @@ class TrainConfig:
     optimizer: Any = optax.adamw
     learning_rate: Any = 1e-3
     skip_nonfinite_steps: int = 0
+    sample_every: int = 0
+    sample_prompt: str = "[[Category:"
+    sample_length: int = 300
 
 
 @gin.configurable("evaluate")
@@ -114,7 +122,7 @@ def _check_positive(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"train.{name} must be a positive integer, got {value!r}")
-    for name in ("checkpoint_every", "eval_every"):
+    for name in ("checkpoint_every", "eval_every", "sample_every"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"train.{name} must be a non-negative integer, got {value!r}")
@@ -284,6 +292,9 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     """
     workdir = os.path.abspath(workdir)
     run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
+    if run.cfg.sample_every:
+        from revtrain import sample as sample_lib
+        sample_lib.check_training_sample(run)
     _writable(workdir)
     cfg, trainer = run.cfg, run.trainer
     writer_enabled = jax.process_index() == 0
@@ -362,6 +373,10 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     checkpointer.save(ts, data, meta)
                 if cfg.eval_every and step % cfg.eval_every == 0 and not final:
                     _eval_and_write(run, ts, writer)
+                if cfg.sample_every and (step % cfg.sample_every == 0 or final):
+                    t_sample = time.time()
+                    sample_lib.training_sample(run, ts, writer)
+                    t_last += time.time() - t_sample  # sampling time is not training time
                 if stopping:
                     metrics_lib.log(f"received signal {stop.signal or 'on another process'}: saving step {step} "
                                     "and stopping")
@@ -398,9 +413,15 @@ def _kept(checkpointer: ckpt_lib.Checkpointer) -> str:
     return f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint was written"
 
 
+def eval_kind(split: str) -> str:
+    """Metrics kind of a split's scores: ``eval`` (``eval.jsonl``, TensorBoard ``eval/``) for validation,
+    ``eval_<split>`` for any other (e.g. ``eval_test.jsonl``)."""
+    return "eval" if split == "validation" else f"eval_{split}"
+
+
 def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) -> dict:
     result = evaluate(run, ts)
-    writer.write("eval", ts.step, result)
+    writer.write(eval_kind(run.ecfg.split), ts.step, result)
     writer.flush()
     metrics_lib.log(f"eval at step {ts.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return result
@@ -425,7 +446,8 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
     try:
         if all_steps:
             checkpointer.chosen_step()  # at least one checkpoint
-            done = {r["step"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics", "eval.jsonl"))}
+            done = {r["step"] for r in metrics_lib.read_jsonl(
+                os.path.join(workdir, "metrics", f"{eval_kind(run.ecfg.split)}.jsonl"))}
             steps = [s for s in checkpointer.steps() if s not in done]
         else:
             steps = [checkpointer.chosen_step(step)]
@@ -435,8 +457,8 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
         for s in steps:
             ts = checkpointer.restore(template, s)
             result = evaluate(run, ts)
-            writer.write("eval", s, result)
-            metrics_lib.log(f"eval at step {s}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+            writer.write(eval_kind(run.ecfg.split), s, result)
+            metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             records.append({"step": s, **result})
     finally:
         checkpointer.close()

@@ -68,7 +68,7 @@ class MetricWriter:
         self.tb_dir = os.path.join(workdir, "tensorboard")
         if enabled:
             os.makedirs(self.metrics_dir, exist_ok=True)
-            for kind in ("train", "eval"):
+            for kind in ("train", "eval", "samples"):
                 _drop_partial_line(os.path.join(self.metrics_dir, f"{kind}.jsonl"))
 
     def _board(self):
@@ -96,6 +96,11 @@ class MetricWriter:
         for k, v in values.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 board.add_scalar(f"{kind}/{k}", v, int(step))
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        """Adds ``text`` (Markdown) to TensorBoard under ``tag`` at ``step`` (tensorboardX ``add_text``)."""
+        if self.enabled:
+            self._board().add_text(tag, text, int(step))
 
     def flush(self) -> None:
         """Writes buffered TensorBoard events. Raises `MetricsWriteError` when the file system refuses."""

@@ -20,7 +20,8 @@ from revtrain.models.transformer_lm import ReversibleTransformerLM
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = str(REPO / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
-        "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8"]
+        "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
+        "--gin", "train.sample_every = 0"]  # the default config's end-of-run sample: tests/test_sample.py
 
 
 class _WrongInverse(ReversibleCoupling):

@@ -16,7 +16,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = str(REPO / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
-        "--gin", "evaluate.max_batches = 2", "--gin", "train.log_every = 1", "--gin", "STEPS = 20", "--gin", "WARMUP = 2"]
+        "--gin", "evaluate.max_batches = 2", "--gin", "train.log_every = 1", "--gin", "STEPS = 20", "--gin", "WARMUP = 2",
+        "--gin", "train.sample_every = 0"]  # the default config's end-of-run sample: tests/test_sample.py
 
 
 def _env(devices=None):

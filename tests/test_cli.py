@@ -12,7 +12,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = str(REPO / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "train.batch_size = 8", "--gin", "evaluate.max_batches = 4", "--gin", "train.log_every = 5",
-        "--gin", "WARMUP = 5"]
+        "--gin", "WARMUP = 5", "--gin", "train.sample_every = 0"]  # end-of-run samples: tests/test_sample.py
 
 
 def revtrain(*args, cwd=None, timeout=300):

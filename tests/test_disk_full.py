@@ -15,7 +15,7 @@ DRIVER = str(REPO / "tests" / "_write_failure.py")
 ARGS = ["train", "--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 3",
         "--gin", "ReversibleTransformerLM.d_model = 32", "--gin", "train.batch_size = 8", "--gin", "STEPS = 6",
         "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "train.checkpoint_every = 1",
-        "--gin", "evaluate.max_batches = 1"]
+        "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0"]  # samples: test_sample.py
 
 
 def _env():

@@ -25,7 +25,7 @@ CONFIG = str(REPO / "configs" / "enwik_small.gin")
 TINY = ["--config", CONFIG,
         "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "train.batch_size = 8", "--gin", "train.log_every = 1", "--gin", "STEPS = 5", "--gin", "WARMUP = 2",
-        "--gin", "evaluate.max_batches = 2",
+        "--gin", "evaluate.max_batches = 2", "--gin", "train.sample_every = 0",  # samples: test_sample.py
         # Dropout keys depend on each example's global index: equal losses then also show equal batch order.
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1"]
 TIMEOUT = 300  # seconds for one run (both processes) on a slow, shared 2-core machine

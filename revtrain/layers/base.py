@@ -12,6 +12,18 @@ update each layer on its own:
 ``params`` and ``state`` are nested dicts of arrays (``nnx.to_pure_dict`` form): ``params`` holds the
 module's ``nnx.Param`` variables, ``state`` every other variable (e.g. batch-norm running statistics).
 
+Optional incremental decoding (autoregressive sampling with a key/value cache; `revtrain.sample`): a
+layer whose module implements ``init_cache(batch_size, max_len)`` and ``decode(x, cache, pos)`` (see
+`supports_decoding`) offers
+
+* ``Layer.init_cache(batch_size, max_len) -> cache``: the layer's empty cache (a pytree of arrays; ``{}``
+  for a layer that acts on each position on its own);
+* ``Layer.decode(params, state, x, cache, pos) -> (y, new_cache)``: the evaluation-mode forward of ``S``
+  consecutive positions ``pos .. pos + S - 1`` of a sequence whose positions ``0 .. pos - 1`` are already
+  in ``cache``. It computes what ``apply(..., train=False)`` computes at those positions of the whole
+  sequence (same LayerNorms, same ``snap_to_grid`` rounding, same position embedding); for the head,
+  ``y`` is the logits.
+
 ``keys`` is a uint32 array of shape ``[B, 2]``: one raw PRNG key per example of the (local) batch, derived
 by the trainer from ``(seed, step, layer index, global example index)``. Dropout masks therefore depend only
 on the example, not on how the batch is split over devices, so 1 device and N devices give the same
@@ -163,6 +175,51 @@ class ReversibleCoupling(nnx.Module):
         x1 = y1 - self._f(x2, keys, True)
         return (x1, x2)
 
+    # -- incremental decoding (when F and G support it: `supports_decoding`) --
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
+        """The caches of F and G: ``{"f": ..., "g": ...}``."""
+        return {"f": self.f.init_cache(batch_size, max_len), "g": self.g.init_cache(batch_size, max_len)}
+
+    def decode(self, x, cache, pos):
+        """The evaluation-mode coupling at positions ``pos .. pos + S - 1`` (streams ``[B, S, D]``), F and
+        G run incrementally with their caches and rounded to the grid exactly as in ``__call__``.
+        Returns ``((y1, y2), new_cache)``."""
+        x1, x2 = x
+        f, cache_f = self.f.decode(x2, cache["f"], pos)
+        y1 = x1 + snap_to_grid(f, self.grid_bits)
+        g, cache_g = self.g.decode(y1, cache["g"], pos)
+        y2 = x2 + snap_to_grid(g, self.grid_bits)
+        return (y1, y2), {"f": cache_f, "g": cache_g}
+
+
+class PositionWise:
+    """Mixin: the decode interface of a module that acts on every position on its own (no cache).
+
+    ``decode(x, cache, pos)`` is ``__call__(x, keys=None, train=False)`` on the given positions, so it is
+    the training forward's own code.
+    """
+
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
+        """No cache: ``{}``."""
+        del batch_size, max_len
+        return {}
+
+    def decode(self, x, cache, pos):
+        """``(self(x, keys=None, train=False), cache)``."""
+        del pos
+        return self(x, keys=None, train=False), cache
+
+
+def supports_decoding(module) -> bool:
+    """Whether an NNX module implements incremental decoding (``init_cache`` and ``decode``).
+
+    A `ReversibleCoupling` does when both its F and G do (the Transformer LM's attention and feed-forward;
+    the RevNet's convolutions do not).
+    """
+    if isinstance(module, ReversibleCoupling):
+        return supports_decoding(module.f) and supports_decoding(module.g)
+    return callable(getattr(module, "init_cache", None)) and callable(getattr(module, "decode", None))
+
 
 class Layer:
     """A standard (non-reversible) layer: any function of params, state, input and keys.
@@ -188,6 +245,7 @@ class Layer:
         if len(jax.tree.leaves(self.init_params)) != self._params_def.num_leaves:
             raise ValueError(f"layer {name}: params do not flatten to plain arrays")
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((self.init_params, self.init_state)))
+        self.can_decode = supports_decoding(module)  # incremental decoding (`init_cache` / `decode`)
         self._identity = (type(self), self.graphdef, self._params_def, self._state_def, shapes)
 
     # Identity: the jit caches of the trainers key on the layer, so structurally identical layers
@@ -216,6 +274,34 @@ class Layer:
         module = self.merge(params, state)
         y = module(x, keys=keys, train=train)
         return y, self._state_of(module)
+
+    def init_cache(self, batch_size: int, max_len: int) -> PyTree:
+        """The layer's empty decoding cache for ``batch_size`` sequences of up to ``max_len`` positions
+        (zeros; ``{}`` for a position-wise layer). Traceable (may be called inside ``jit``).
+
+        Raises:
+          TypeError: the layer does not support decoding (``can_decode`` is False).
+        """
+        if not self.can_decode:
+            raise TypeError(f"layer {self.name} does not support incremental decoding")
+        return self.merge(self.init_params, self.init_state).init_cache(batch_size, max_len)
+
+    def decode(self, params: dict, state: dict, x: PyTree, cache: PyTree, pos):
+        """Evaluation-mode forward of positions ``pos .. pos + S - 1`` given the cache of positions
+        ``0 .. pos - 1``.
+
+        Args:
+          params, state: as for ``apply``.
+          x: the layer's input at ``S`` consecutive positions (int32 ``[B, S]`` token ids for the
+            embedding, a pair of float32 ``[B, S, D]`` streams for a coupling or the head).
+          cache: this layer's cache (from ``init_cache`` or a previous ``decode``).
+          pos: int32 scalar (may be traced), the position of ``x[:, 0]``; ``pos + S <= max_len``.
+
+        Returns:
+          ``(y, new_cache)``: ``y`` equals ``apply(params, state, whole_sequence, None, False)[0]`` at those
+          positions (up to float rounding); for the head, float32 logits ``[B, S, vocab]``.
+        """
+        return self.merge(params, state).decode(x, cache, pos)
 
 
 class ReversibleLayer(Layer):

@@ -15,6 +15,12 @@ Exact reconstruction: the embedding output and every F / G output are rounded to
 float32 and the inverse rebuilds the inputs bit for bit (while the streams stay below
 ``2**(24 - grid_bits)`` in magnitude). The rebuild then adds no error at all, and the reversible trainer
 follows ordinary backprop as closely as two compilations of the same model can.
+
+Incremental decoding (``init_cache`` / ``decode``, the layer protocol's optional interface used by
+`revtrain.sample`): the embedding reads the position embedding at the given positions, the attention keeps
+a key/value cache ``[B, max_len, heads, D / heads]`` per layer, and the feed-forward and the head act on
+each position on their own. Each runs the same LayerNorms and projections as ``__call__``, so cached
+next-byte logits equal a full forward's (tested to 1e-5 relative in float32).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from revtrain.layers.attention import blockwise_causal_attention
-from revtrain.layers.base import ReversibleCoupling, cross_entropy_sums, dropout, snap_to_grid  # noqa: F401 (ReversibleCoupling re-exported)
+from revtrain.layers.base import (PositionWise, ReversibleCoupling, cross_entropy_sums, dropout,  # noqa: F401 (ReversibleCoupling re-exported)
+                                  snap_to_grid)
 from revtrain.layers.chunked import map_chunks, sum_chunks
 
 
@@ -56,6 +63,18 @@ class ByteEmbedding(nnx.Module):
         # whole-model ``grad`` exactly as in the layer-by-layer backward (the second stream's two uses are
         # summed first), instead of the three terms being summed in another order.
         return (h, jnp.copy(h))
+
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
+        """No cache (the embedding of a position depends only on its token): ``{}``."""
+        del batch_size, max_len
+        return {}
+
+    def decode(self, x, cache, pos):
+        """Embeds int32 tokens ``[B, S]`` standing at positions ``pos .. pos + S - 1`` (evaluation mode, as
+        ``__call__`` with ``train=False`` at those positions). Returns ``((h, h), cache)``."""
+        positions = jax.lax.dynamic_slice_in_dim(self.positions[...], pos, x.shape[1], axis=0)
+        h = snap_to_grid(self.tokens(x) + positions[None], self.grid_bits)
+        return (h, jnp.copy(h)), cache
 
 
 class CausalSelfAttention(nnx.Module):
@@ -91,8 +110,43 @@ class CausalSelfAttention(nnx.Module):
         h = h.reshape(b, t, d)
         return dropout(self.out(h), self.dropout_rate, keys, train).astype(x.dtype)
 
+    def init_cache(self, batch_size: int, max_len: int) -> dict:
+        """Empty key/value cache: ``{"k", "v"}`` zeros ``[batch_size, heads, max_len, D / heads]`` in the
+        compute dtype (heads before positions: the layout the two attention products read without a
+        transpose, which would copy the whole cache at every byte)."""
+        d = self.qkv.in_features
+        shape = (batch_size, self.num_heads, max_len, d // self.num_heads)
+        dtype = self.qkv.dtype or jnp.float32
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
-class FeedForward(nnx.Module):
+    def decode(self, x, cache, pos):
+        """Attention of ``S`` new positions ``pos .. pos + S - 1`` (``x``: ``[B, S, D]``) over the cached keys
+        and values of positions ``0 .. pos - 1`` and their own (causally), in evaluation mode.
+
+        The new keys and values are written into the cache at ``pos`` (``pos + S <= max_len``). Each query
+        attends over all ``max_len`` cache slots with a mask that keeps positions ``<= its own``, so one
+        step costs ``O(max_len)`` per layer whatever ``pos`` is, and one compiled program serves every
+        position. The attention is ``jax.nn.dot_product_attention``'s own recipe (logits in at least
+        float32, scaled by ``1/sqrt(D / heads)``, masked with a large negative number, softmax in float32,
+        probabilities cast to the values' dtype), written for the cache's heads-first layout.
+        Returns ``(y [B, S, D], new_cache)``.
+        """
+        b, s, d = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(b, s, 3, self.num_heads, d // self.num_heads)
+        q, k, v = (jnp.swapaxes(qkv[:, :, i], 1, 2) for i in range(3))  # [B, heads, S, D / heads]
+        keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, 0, pos, 0))
+        values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, 0, pos, 0))
+        logits_dtype = jnp.promote_types(q.dtype, jnp.float32)
+        logits = jnp.einsum("bnqh,bnkh->bnqk", q, keys, preferred_element_type=logits_dtype)
+        logits = logits * jnp.array((d // self.num_heads) ** -0.5, logits_dtype)
+        visible = jnp.arange(keys.shape[2])[None, :] <= (pos + jnp.arange(s))[:, None]  # [S, max_len]
+        logits = jnp.where(visible, logits, -0.7 * float(jnp.finfo(logits_dtype).max))
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(keys.dtype)
+        h = jnp.swapaxes(jnp.einsum("bnqk,bnkh->bnqh", probs, values), 1, 2).reshape(b, s, d)
+        return self.out(h).astype(x.dtype), {"k": keys, "v": values}
+
+
+class FeedForward(PositionWise, nnx.Module):
     """G of the coupling: pre-LayerNorm, Dense(d_ff), GELU, Dense(D), dropout. ``[B, T, D] -> [B, T, D]``.
 
     ``chunk``: compute the position-wise part ``chunk`` positions at a time, rematerialised in the backward
@@ -113,7 +167,7 @@ class FeedForward(nnx.Module):
         return dropout(h, self.dropout_rate, keys, train).astype(x.dtype)
 
 
-class LanguageModelHead(nnx.Module):
+class LanguageModelHead(PositionWise, nnx.Module):
     """Merges the two streams (concatenation), LayerNorm, logits over the vocabulary, softmax cross-entropy.
 
     Input: pair of float32 ``[B, T, D]``. ``batch['targets']``: int32 ``[B, T]``; optional
