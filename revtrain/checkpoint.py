@@ -55,10 +55,13 @@ def damage_reason(e: BaseException) -> str:
     """Why a restore failed, in one line: the first line of the innermost cause (tensorstore's or the
     file system's own words, e.g. "OUT_OF_RANGE: Error reading ... Requested byte range [30272, 34083) is
     not valid for value of size 1000"), without the Python object dumps Orbax appends."""
+    def below(x):  # what Python's traceback shows as its cause ("raise ... from None" shows nothing)
+        return x.__cause__ if x.__cause__ is not None else (None if x.__suppress_context__ else x.__context__)
+
     seen, inner = set(), e
-    while id(inner) not in seen and (inner.__cause__ or inner.__context__) is not None:
+    while id(inner) not in seen and below(inner) is not None:
         seen.add(id(inner))
-        inner = inner.__cause__ or inner.__context__
+        inner = below(inner)
     for candidate in (inner, e):
         text = (str(candidate).strip().splitlines() or [""])[0]
         text = re.sub(r"\s*See full TensorStore details:.*", "", text)
