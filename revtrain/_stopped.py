@@ -3,7 +3,7 @@
 Run through ``os.execv`` in place of that process (same PID, every other thread already gone), with one
 argument: a JSON object ``{"message", "code", "checkpoints", "workdir", "primary"}``. Deletes the
 unfinished ``*.orbax-checkpoint-tmp*`` directories under ``checkpoints``; deletes ``workdir`` (given only
-when the run created it) if it holds no complete checkpoint; prints ``revtrain: <message>; <the newest
+when the run created it) if it holds no complete checkpoint and no metrics record; prints ``revtrain: <message>; <the newest
 checkpoint kept>`` on stderr and exits with ``code``. Standard library only (started with ``python -I -S``).
 """
 
@@ -12,6 +12,14 @@ import os
 import shutil
 import signal
 import sys
+
+
+def _has_records(metrics: str) -> bool:
+    """Whether a metrics file has any record (then the workdir is kept, for the record)."""
+    try:
+        return any(n.endswith(".jsonl") and os.path.getsize(os.path.join(metrics, n)) for n in os.listdir(metrics))
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +39,7 @@ def main(argv: list[str]) -> int:
     else:
         line += "; no checkpoint was written"
         workdir = spec.get("workdir")
-        if workdir and primary and os.path.isdir(workdir):
+        if workdir and primary and os.path.isdir(workdir) and not _has_records(os.path.join(workdir, "metrics")):
             shutil.rmtree(workdir, ignore_errors=True)
             line += f" (the workdir it created, {workdir}, is removed)"
     print(line, file=sys.stderr, flush=True)

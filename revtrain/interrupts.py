@@ -17,7 +17,7 @@ thread (XLA releases the GIL while it compiles and runs). To stop, the watcher r
 the stdlib-only script ``revtrain/_stopped.py`` (``os.execv``, same PID): exec ends every other thread at
 once, Orbax's checkpoint writers included, so the cleanup that follows cannot race with a write. The
 script deletes the unfinished ``*.orbax-checkpoint-tmp*`` directory, and the workdir this run created when
-it holds no checkpoint; then prints one line naming the newest checkpoint on disk and exits. The
+it holds no checkpoint and no metrics record; then prints one line naming the newest checkpoint on disk and exits. The
 workdir's lock (`revtrain.workdir`) is handed over to it, so no other run starts in the workdir until the
 cleanup is done. No traceback, and no false "cannot write the checkpoint" error, whatever the main thread
 was doing.
@@ -54,7 +54,7 @@ class Interrupts:
       idle: True while nothing is unsaved (a signal stops at once, exit 0); ``idle_note`` says why, for
         the stop line ("before the first step finished: nothing new to save").
       checkpoint_dir: the run's ``checkpoints/`` (its unfinished saves are deleted on a stop), or None.
-      workdir: the workdir, deleted on a stop when ``created`` and it holds no checkpoint.
+      workdir: the workdir, deleted on a stop when ``created`` and it holds no checkpoint and no metrics.
       lock: the workdir's `revtrain.workdir.WorkdirLock` (handed to the cleanup), or None.
       primary: whether this process cleans up (process 0).
       log: prints one line (process 0's stderr).

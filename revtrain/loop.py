@@ -297,7 +297,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     that restores when ``checkpoints/`` has one (a damaged newer one is moved to ``damaged_checkpoints/``
     with one line saying why); a run already at ``train.steps`` does nothing. Holds the workdir's lock
     (`revtrain.workdir`) throughout, and SIGINT / SIGTERM follow `revtrain.interrupts`. A run that fails
-    before writing any checkpoint removes the workdir when it created it.
+    before writing any checkpoint or metrics record removes the workdir when it created it.
 
     Raises:
       ConfigError, DataError, TrainerError: bad configuration (nothing written).
@@ -335,8 +335,8 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
 
     def kept() -> str:
         line = _kept(checkpointer)
-        return line + (" (the workdir it created is removed)" if guard.created and checkpointer.latest_step()
-                       is None else "")
+        gone = guard.created and primary and workdir_lib.saved_nothing(workdir)
+        return line + (" (the workdir it created is removed)" if gone else "")
 
     try:
         signature = run_signature(run)

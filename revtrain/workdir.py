@@ -1,4 +1,4 @@
-"""One writer per workdir: an advisory lock on ``DIR/.lock``, and removal of a new workdir that got nothing.
+"""One writer per workdir: an advisory lock on ``DIR/.lock``; and the removal of a new workdir that got nothing.
 
 ``revtrain train``, ``eval`` and ``check --workdir`` take the lock before they write (or read checkpoints
 a writer could be changing); a second command on the same workdir is refused at once with one line naming
@@ -123,16 +123,27 @@ def acquire(workdir: str, command: str) -> WorkdirLock | None:
     return lock
 
 
-def remove_if_unsaved(workdir: str) -> bool:
-    """Deletes ``workdir`` when it holds no complete checkpoint (``checkpoints/<step>/``); for a workdir
-    the failing run created itself. Returns whether it was removed."""
-    checkpoints = os.path.join(workdir, "checkpoints")
-    try:
-        if any(name.isdigit() for name in os.listdir(checkpoints)):
+def saved_nothing(workdir: str) -> bool:
+    """Whether ``workdir`` holds no complete checkpoint (``checkpoints/<step>/``) and no metrics record
+    (a non-empty ``metrics/*.jsonl``): what a run stopped before its first step or first save leaves."""
+    for sub, keep in (("checkpoints", lambda name, path: name.isdigit()),
+                      ("metrics", lambda name, path: name.endswith(".jsonl") and os.path.getsize(path) > 0)):
+        directory = os.path.join(workdir, sub)
+        try:
+            if any(keep(name, os.path.join(directory, name)) for name in os.listdir(directory)):
+                return False
+        except FileNotFoundError:
+            continue
+        except OSError:
             return False
-    except FileNotFoundError:
-        pass
-    except OSError:
+    return True
+
+
+def remove_if_unsaved(workdir: str) -> bool:
+    """Deletes ``workdir`` when it `saved_nothing`; for a workdir the failing run created itself (a run that
+    got as far as a checkpoint or a metrics record keeps it, for the record). Returns whether it was
+    removed."""
+    if not saved_nothing(workdir):
         return False
     shutil.rmtree(workdir, ignore_errors=True)
     return not os.path.exists(workdir)
