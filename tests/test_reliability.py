@@ -192,6 +192,14 @@ def test_a_changed_source_is_prepared_again_once_and_only_then(tmp_path, monkeyp
     assert err == [f"data source {corpus} changed since it was prepared (content differs); preparing it again"]
     assert bytes(np.asarray(again.as_data_source("train")[0]["bytes"])) == changed[:17]
 
+    # A dataset prepared before fingerprints were recorded: its bytes are unknown, so it is prepared again.
+    (pathlib.Path(again.data_dir) / byte_lm.FINGERPRINT_FILE).unlink()
+    byte_lm.load_byte_lm(str(corpus), 16, data_dir)
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("data source")]
+    assert err == [f"data source {corpus} has no recorded fingerprint (prepared by an older revtrain); "
+                   "preparing it again"]
+    assert (pathlib.Path(again.data_dir) / byte_lm.FINGERPRINT_FILE).exists()
+
 
 def test_xla_slow_operation_lines_stay_off_stderr(capfd):
     """XLA's slow-operation alarm (the "Very slow compile?" line, and its "Constant folding ... is taking

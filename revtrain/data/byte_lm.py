@@ -17,8 +17,8 @@ Sources:
 
 The prepared dataset is cached under ``<data_dir>/byte_lm/<config name>/<version>/`` and read back
 with ``builder.as_data_source(split=...)``. The cache is keyed by the source's path, so for a path source
-the prepared dataset also records the source's fingerprint (``source_fingerprint.json``: size and
-modification time, and the SHA-256 of its bytes); a source whose bytes changed is prepared again (see
+the prepared dataset also records the source's fingerprint (``source_fingerprint.json``: size,
+modification and status-change times, and the SHA-256 of its bytes); a source whose bytes changed is prepared again (see
 ``load_byte_lm``).
 """
 
@@ -391,7 +391,8 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
             stale = builder
             shutil.rmtree(stale.data_dir)
             builder = make_builder()
-            builder._source_bytes, builder._source_stat = stale._source_bytes, stale._source_stat  # noqa: SLF001
+            builder._source_bytes = getattr(stale, "_source_bytes", None)  # noqa: SLF001
+            builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
             prepare = True
     if prepare:
         builder.download_and_prepare(
