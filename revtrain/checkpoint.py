@@ -29,16 +29,48 @@ import os
 import re
 import shutil
 import sys
+from typing import Callable
 
 import grain
 import jax
 import orbax.checkpoint as ocp
 
+from revtrain import metrics as metrics_lib
 from revtrain.trainers.common import TrainState
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit the current model."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """The checkpoint of ``step`` exists but cannot be restored; ``reason`` says why (one line)."""
+
+    def __init__(self, step: int, reason: str, message: str | None = None):
+        super().__init__(message or f"the checkpoint at step {step} cannot be restored: {reason}")
+        self.step, self.reason = step, reason
+
+
+def damage_reason(e: BaseException) -> str:
+    """Why a restore failed, in one line: the first line of the innermost cause (tensorstore's or the
+    file system's own words, e.g. "OUT_OF_RANGE: Error reading ... Requested byte range [30272, 34083) is
+    not valid for value of size 1000"), without the Python object dumps Orbax appends."""
+    def below(x):  # what Python's traceback shows as its cause ("raise ... from None" shows nothing)
+        return x.__cause__ if x.__cause__ is not None else (None if x.__suppress_context__ else x.__context__)
+
+    seen, inner = set(), e
+    while id(inner) not in seen and below(inner) is not None:
+        seen.add(id(inner))
+        inner = below(inner)
+    for candidate in (inner, e):
+        text = (str(candidate).strip().splitlines() or [""])[0]
+        text = re.sub(r"\s*See full TensorStore details:.*", "", text)
+        text = re.sub(r"<bound method [^>]*>?", "", text).strip()
+        if text:
+            name = type(candidate).__name__
+            text = text if re.match(r"[A-Z_]+: ", text) or name in ("Exception", "ValueError") else f"{name}: {text}"
+            return text if len(text) <= 300 else text[:297] + "..."
+    return type(e).__name__
 
 
 class CheckpointWriteError(OSError):
@@ -256,15 +288,96 @@ class Checkpointer:
             args["data"] = DataRestore(data_iterator)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
+            tree = out["state"]
+            return TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
-            raise CheckpointError(f"checkpoint at step {step} cannot be restored: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}") from e
-        tree = out["state"]
-        return TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
+            raise DamagedCheckpoint(step, damage_reason(e)) from e
 
     def meta(self, step: int) -> dict:
-        """The JSON metadata saved with ``step``."""
-        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        """The JSON metadata saved with ``step``.
+
+        Raises:
+          DamagedCheckpoint: it cannot be read.
+        """
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 (missing or garbled JSON, I/O errors)
+            raise DamagedCheckpoint(step, damage_reason(e)) from e
+        if not isinstance(meta, dict):
+            raise DamagedCheckpoint(step, f"its metadata is {type(meta).__name__}, not a JSON object")
+        return meta
+
+    def restore_newest(self, template: TrainState, step: int | None = None, data_iterator=None,
+                       accept: Callable[[int, dict], None] | None = None,
+                       on_skip: Callable[[DamagedCheckpoint], None] | None = None) -> tuple[TrainState, int]:
+        """Restores the newest checkpoint that restores (or exactly ``step``); what every reader uses.
+
+        Without ``step``, tries the complete checkpoints newest first; one that cannot be read (a truncated
+        or missing file, garbled metadata) is skipped with one line on stderr naming its step and why (or
+        handed to ``on_skip``), and the next older one is tried.
+
+        Args:
+          template: shapes and placements to restore into (see `restore`).
+          step: restore this step or fail (no fallback).
+          data_iterator: also restore the data iterator's position (in place).
+          accept: called with ``(step, meta)`` before a checkpoint is restored; raising refuses the
+            checkpoint and stops the search (e.g. it was made by another model).
+          on_skip: called with the `DamagedCheckpoint` of each skipped checkpoint instead of the line.
+
+        Returns:
+          ``(state, step)``.
+
+        Raises:
+          CheckpointError: no checkpoints; ``step`` missing; ``step`` (or, without it, every checkpoint)
+            damaged, one line naming the step(s) and why.
+        """
+        if step is not None:
+            self.chosen_step(step)
+            try:
+                if accept is not None:
+                    accept(step, self.meta(step))
+                return self.restore(template, step, data_iterator), step
+            except DamagedCheckpoint as e:
+                others = [s for s in self.steps() if s != step]
+                hint = (f" (without --step the newest checkpoint that restores is used; others: "
+                        f"{', '.join(map(str, others))})" if others else "")
+                raise DamagedCheckpoint(step, e.reason, f"{e}{hint}") from e
+        self.chosen_step()  # at least one checkpoint
+        failures = []
+        for candidate in reversed(self.steps()):
+            try:
+                meta = self.meta(candidate)
+                if accept is not None:
+                    accept(candidate, meta)
+                return self.restore(template, candidate, data_iterator), candidate
+            except DamagedCheckpoint as e:
+                failures.append(e)
+                if on_skip is not None:
+                    on_skip(e)
+                else:
+                    metrics_lib.log(f"skipping the damaged checkpoint at step {e.step}: {e.reason}")
+        raise CheckpointError(f"no checkpoint in {self.directory} can be restored: "
+                              + "; ".join(f"step {e.step}: {e.reason}" for e in failures))
+
+    def set_aside(self, step: int) -> str:
+        """Moves the (damaged) checkpoint of ``step`` out of the way, to
+        ``<workdir>/damaged_checkpoints/<step>`` (a numbered suffix if taken), so that a resumed run can save
+        that step again; nothing is deleted. Every process calls it (process 0 moves and returns the new
+        path; the others return "")."""
+        target = ""
+        if jax.process_index() == 0:
+            aside = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints")
+            target, n = os.path.join(aside, str(step)), 1
+            while os.path.exists(target):
+                n += 1
+                target = os.path.join(aside, f"{step}.{n}")
+            os.makedirs(aside, exist_ok=True)
+            os.rename(os.path.join(self.directory, str(step)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"revtrain_set_aside_{step}")
+        self._manager.reload()
+        return target
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk.

@@ -93,6 +93,14 @@ def _quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if verbose:
         return
+    # XLA's C++ log lines (e.g. the "Very slow compile?" alarm, logged at ERROR) obey the level jaxlib's
+    # absl logging is given: jax sets it from ``jax_logging_level``, whose default is the "jax" Python
+    # logger's level when jax is first imported (ERROR below, which would let those lines through) and
+    # which overrides TF_CPP_MIN_LOG_LEVEL. CRITICAL maps to the C++ level FATAL; it applies at once, also
+    # after the backend started.
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    import jax
+    jax.config.update("jax_logging_level", "CRITICAL")
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="tensorflow_datasets")
@@ -282,6 +290,10 @@ def _gin_names() -> list[str]:
 
 
 def _gin_error_line(e: Exception) -> str:
+    from revtrain import ginconfig
+    line = ginconfig.value_error_line(e) if isinstance(e, SyntaxError) else None
+    if line:
+        return line
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     m = re.search(r"No configurable matching '([^']+)'", msg) or re.search(
         r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", msg)
@@ -294,15 +306,22 @@ def _gin_error_line(e: Exception) -> str:
 
 
 def _parse_gin(configs: list[str], bindings: list[str]) -> None:
+    """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings.
+
+    Raises:
+      UsageError: a missing file or include, or a bad binding or value (one line).
+    """
     import gin
 
+    from revtrain import ginconfig
     from revtrain import registry  # noqa: F401  (registers the configurables)
-    for path in configs:
-        if not os.path.isfile(path):
-            raise UsageError(f"config file not found: {path}")
     gin.clear_config()  # a fresh configuration per command (main() may run several times in one process)
     try:
-        gin.parse_config_files_and_bindings(configs, bindings, finalize_config=False)
+        with ginconfig.include_search_path():
+            gin.parse_config_files_and_bindings([ginconfig.find_config(c) for c in configs], bindings,
+                                                finalize_config=False)
+    except ginconfig.IncludeNotFound as e:
+        raise UsageError(str(e).strip().splitlines()[0]) from e
     except (ValueError, SyntaxError, TypeError, KeyError, NameError) as e:
         raise UsageError(_gin_error_line(e)) from e
 
@@ -339,6 +358,7 @@ def _run(args) -> int:
         return 0
     if args.command == "check":
         from revtrain import check  # noqa: F401  (registers check.*)
+        from revtrain import workdir as workdir_lib
         configs = list(args.config)
         if args.workdir is not None:
             config = os.path.join(args.workdir, "config.gin")
@@ -350,7 +370,12 @@ def _run(args) -> int:
         elif args.step is not None:
             raise UsageError("--step needs --workdir")
         _parse_gin(configs, args.gin)
-        return check.run_check(workdir=args.workdir, step=args.step)
+        lock = workdir_lib.acquire(args.workdir, "check") if args.workdir is not None else None
+        try:
+            return check.run_check(workdir=args.workdir, step=args.step)
+        finally:
+            if lock is not None:
+                lock.release()
     del gin
     raise UsageError(f"unknown command {args.command}")
 
@@ -364,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries(verbose)
         _init_distributed(args)
         return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C outside `train`'s own handling (see revtrain.interrupts)
+        if verbose:
+            raise
+        print("revtrain: interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # classify: usage/config errors -> 2, anything else -> 1
         if verbose:
             raise
@@ -381,14 +411,18 @@ def _classify(e: Exception) -> tuple[int, str]:
     from revtrain.data.byte_lm import DataError
     from revtrain.loop import ConfigError, WriteFailed
     from revtrain.metrics import MetricsWriteError
+    from revtrain.oom import OutOfMemory, describe, is_out_of_memory
     from revtrain.trainers.common import TrainerError
+    from revtrain.workdir import WorkdirBusy
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError)):
+    if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError, WorkdirBusy)):
         return EXIT_USAGE, first
     if isinstance(e, PermissionError):
         return EXIT_USAGE, f"cannot write: {first}"
-    if isinstance(e, (FloatingPointError, WriteFailed, CheckpointWriteError, MetricsWriteError)):
+    if isinstance(e, (FloatingPointError, WriteFailed, CheckpointWriteError, MetricsWriteError, OutOfMemory)):
         return EXIT_FAILURE, first
+    if is_out_of_memory(e):
+        return EXIT_FAILURE, describe(e, "a computation", ["the batch size", "the sequence length"])
     return EXIT_FAILURE, f"{type(e).__name__}: {first} (run with --verbose for the traceback)"
 
 

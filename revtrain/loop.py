@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import signal
+import signal as signal_lib
 import time
 from typing import Any, Callable
 
@@ -19,7 +19,9 @@ import numpy as np
 import optax
 
 from revtrain import checkpoint as ckpt_lib
+from revtrain import ginconfig, interrupts, oom
 from revtrain import metrics as metrics_lib
+from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
 from revtrain.memory import MemoryMeter
 from revtrain.models.transformer_lm import ReversibleTransformerLM
@@ -107,14 +109,24 @@ class EvalConfig:
     max_batches: int | None = None
 
 
-def _writable(workdir: str) -> None:
-    """Creates ``workdir`` if needed; raises ConfigError when it cannot be written."""
+def _writable(workdir: str) -> bool:
+    """Creates ``workdir`` if needed; returns whether this call created it.
+
+    Raises:
+      ConfigError: it cannot be created or written.
+    """
     try:
-        os.makedirs(workdir, exist_ok=True)
+        os.makedirs(os.path.dirname(workdir), exist_ok=True)
+        try:
+            os.mkdir(workdir)
+            created = True
+        except FileExistsError:
+            created = False
         if not os.access(workdir, os.W_OK | os.X_OK):
             raise PermissionError(13, "permission denied")
     except OSError as e:
         raise ConfigError(f"cannot write the workdir {workdir}: {e.strerror or e}") from None
+    return created
 
 
 def _check_positive(cfg: TrainConfig) -> None:
@@ -258,29 +270,33 @@ def _agree_to_stop(local: bool, process_count: int) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(local))))
 
 
-class _StopFlag:
-    """Turns SIGTERM / SIGINT into a request to stop after the current step (then save and exit 0)."""
+def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
+    """The gin settings that lower a step's memory, most effective first (those this run has)."""
+    knobs = ["evaluate.batch_size" if evaluation else "train.batch_size"]
+    if hasattr(run.task, "sequence_length"):
+        knobs.append(f"{type(run.task).__name__}.sequence_length")
+    if isinstance(run.trainer, ReversibleTrainer):
+        if not evaluation and not getattr(run.trainer, "offload", False):
+            knobs.append("ReversibleTrainer.offload = True")
+    elif not evaluation:
+        knobs.append("train.trainer = @ReversibleTrainer")
+    if getattr(run.cfg.model, "__name__", "") == "ReversibleTransformerLM":
+        knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
+    return knobs
 
-    def __init__(self):
-        self.signal = None
-        self._old = {}
 
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+def _config_changes(workdir: str) -> str | None:
+    """One line listing the operative gin values that differ from the saved ``config.gin`` of the run being
+    resumed (None when nothing differs or there is nothing to compare)."""
+    try:
+        with open(os.path.join(workdir, "config.gin")) as f:
+            saved = f.read()
+        changes = ginconfig.config_differences(saved, gin.operative_config_str())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if not changes:
+        return None
+    return f"changed since the saved config.gin ({len(changes)}): " + "; ".join(changes)
 
 
 def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
@@ -288,46 +304,95 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
 
     Writes ``config.gin``, ``metrics/train.jsonl``, ``metrics/eval.jsonl``, ``tensorboard/`` and
     ``checkpoints/`` (process 0 writes files other than checkpoints). Resumes from the newest checkpoint
-    when ``checkpoints/`` has one.
+    that restores when ``checkpoints/`` has one (a damaged newer one is moved to ``damaged_checkpoints/``
+    with one line saying why); a run already at ``train.steps`` does nothing. Holds the workdir's lock
+    (`revtrain.workdir`) throughout, and SIGINT / SIGTERM follow `revtrain.interrupts`. A run that fails
+    before writing any checkpoint or metrics record removes the workdir when it created it.
+
+    Raises:
+      ConfigError, DataError, TrainerError: bad configuration (nothing written).
+      workdir_lib.WorkdirBusy: another process holds the workdir.
+      ckpt_lib.CheckpointError: the checkpoints cannot be resumed (made by another config, all damaged).
+      TrainingStopped, WriteFailed, oom.OutOfMemory: the run stopped (one line naming what is kept).
     """
     workdir = os.path.abspath(workdir)
-    run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
-    if run.cfg.sample_every:
-        from revtrain import sample as sample_lib
-        sample_lib.check_training_sample(run)
-    _writable(workdir)
+    with interrupts.Interrupts(log=metrics_lib.log) as guard:
+        run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
+        if run.cfg.sample_every:
+            from revtrain import sample as sample_lib
+            sample_lib.check_training_sample(run)
+        created = _writable(workdir)
+        lock = workdir_lib.acquire(workdir, "train")
+        primary = jax.process_index() == 0
+        guard.workdir, guard.created, guard.lock, guard.primary = workdir, created, lock, primary
+        guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
+        try:
+            return _train(run, workdir, guard)
+        except BaseException:
+            if created and primary and (lock is None or lock.held):
+                workdir_lib.remove_if_unsaved(workdir)
+            raise
+        finally:
+            guard.lock = None
+            if lock is not None:
+                lock.release()
+
+
+def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
     cfg, trainer = run.cfg, run.trainer
-    writer_enabled = jax.process_index() == 0
-    writer = metrics_lib.MetricWriter(workdir, enabled=writer_enabled)
+    if cfg.sample_every:
+        from revtrain import sample as sample_lib
+    primary = jax.process_index() == 0
     pc, pi = jax.process_count(), jax.process_index()
     data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
     checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints, keep_period=cfg.keep_checkpoint_period)
+    writer = None
+
+    def kept() -> str:
+        line = _kept(checkpointer)
+        gone = guard.created and primary and workdir_lib.saved_nothing(workdir)
+        return line + (" (the workdir it created is removed)" if gone else "")
+
     try:
         signature = run_signature(run)
         meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
                 "processes": pc}
 
         ts = trainer.init()
-        resumed = checkpointer.latest_step()
-        if resumed is not None:
-            _check_resumable(checkpointer.meta(resumed).get("signature", {}), signature, resumed, workdir)
-            ts = checkpointer.restore(ts, resumed, data_iterator=data)
-        if writer_enabled:
+        resumed, damaged = None, []
+        if checkpointer.steps():
+            ts, resumed = checkpointer.restore_newest(
+                ts, data_iterator=data, on_skip=damaged.append,
+                accept=lambda step, saved: _check_resumable(saved.get("signature", {}), signature, step, workdir))
+        if resumed is not None and ts.step >= cfg.steps:
+            where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
+            metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
+                            "the run)")
+            return {}
+        for e in damaged:  # a resumed run saves these steps again: their damaged copies go out of the way
+            where = checkpointer.set_aside(e.step)
+            metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
+        changes = _config_changes(workdir) if resumed is not None and primary else None
+        writer = metrics_lib.MetricWriter(workdir, enabled=primary)
+        writer.restart_at(resumed or 0)  # each step once: records after the resumed step are redone
+        if primary:
             with open(os.path.join(workdir, "config.gin"), "w") as f:
                 f.write(gin.operative_config_str())
         metrics_lib.log(
             (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers, "
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+        if changes:
+            metrics_lib.log(changes)
 
         tokens_per_step = cfg.batch_size * run.model.tokens_per_example
         meter = trainer.meter = MemoryMeter()
         last: dict = {}
         t_start = t_last = time.time()
-        step_last = resumed_or_zero = ts.step
+        step_last = resumed_or_zero = saved = ts.step
         skipped = 0
         stopping = False
-        with _StopFlag() as stop:
+        with oom.in_one_line(lambda: f"training step {ts.step + 1}", _oom_knobs(run)):
             while ts.step < cfg.steps:
                 batch = global_batch(next(data), run.mesh)
                 logged = (ts.step + 1) % cfg.log_every == 0 or ts.step + 1 == cfg.steps
@@ -344,12 +409,13 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     writer.write("train", ts.step, {"skipped_nonfinite": str(e)})
                     metrics_lib.log(f"{e}: skipped its update ({skipped} of at most {cfg.skip_nonfinite_steps})")
                     continue
+                guard.idle = False  # a finished step that is not saved yet: the first signal saves it
                 step = ts.step
                 final = step == cfg.steps
                 if step == resumed_or_zero + 1 and not logged:
                     # The first step compiled every program: leave it out of the first rate.
                     t_last, step_last = time.time(), step
-                stopping = _agree_to_stop(stop.signal is not None, pc)
+                stopping = _agree_to_stop(guard.signal is not None, pc)
                 if logged or stopping:
                     values = _sync_metrics(m)
                     if meter.active:
@@ -370,34 +436,45 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                         step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
                     last = values
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
-                    checkpointer.save(ts, data, meta)
-                if cfg.eval_every and step % cfg.eval_every == 0 and not final:
+                    if checkpointer.save(ts, data, meta):
+                        saved = step
+                if cfg.eval_every and step % cfg.eval_every == 0 and not final and not stopping:
                     _eval_and_write(run, ts, writer)
                 if cfg.sample_every and (step % cfg.sample_every == 0 or final):
                     t_sample = time.time()
                     sample_lib.training_sample(run, ts, writer)
                     t_last += time.time() - t_sample  # sampling time is not training time
                 if stopping:
-                    metrics_lib.log(f"received signal {stop.signal or 'on another process'}: saving step {step} "
-                                    "and stopping")
+                    who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"
+                    metrics_lib.log(f"received {who}: saving step {step} and stopping")
                     break
+        if saved != ts.step:  # (a stop right after a periodic save has nothing more to save)
             checkpointer.save(ts, data, meta, force=True)
-            checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
+        checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
+        guard.idle, guard.idle_note = True, "after the final checkpoint was saved: the final evaluation is skipped"
         if ts.step == cfg.steps and not stopping:
-            _eval_and_write(run, ts, writer)
-            metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
+            if guard.signal is not None:
+                metrics_lib.log(f"received {signal_lib.Signals(guard.signal).name}: step {ts.step} is saved; "
+                                "the final evaluation is skipped")
+            else:
+                _eval_and_write(run, ts, writer)
+                metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
         writer.close()
     except NonFiniteError as e:
-        raise TrainingStopped(f"{e}: training stopped, {_kept(checkpointer)}; train.skip_nonfinite_steps = N "
+        raise TrainingStopped(f"{e}: training stopped, {kept()}; train.skip_nonfinite_steps = N "
                               "skips up to N such steps") from None
+    except oom.OutOfMemory as e:
+        raise oom.OutOfMemory(f"{e}; {kept()}") from e.__cause__
     except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError) as e:
-        writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
-        raise WriteFailed(f"{e}; training stopped, {_kept(checkpointer)}; free space (or fix the file system) "
+        if writer is not None:
+            writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
+        raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "
                           "and rerun the same command to resume") from None
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
         try:
-            writer.flush()  # the events of a run stopped by another error (closed already after success)
+            if writer is not None:
+                writer.flush()  # the events of a run stopped by another error (closed already after success)
         except metrics_lib.MetricsWriteError:
             pass  # an error is already on its way out; this one would only hide it
     return last
@@ -420,49 +497,74 @@ def eval_kind(split: str) -> str:
 
 
 def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) -> dict:
-    result = evaluate(run, ts)
+    result = _evaluate_or_oom(run, ts, f"evaluation at step {ts.step}")
     writer.write(eval_kind(run.ecfg.split), ts.step, result)
     writer.flush()
     metrics_lib.log(f"eval at step {ts.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return result
 
 
+def _evaluate_or_oom(run: Run, ts: TrainState, what: str) -> dict:
+    with oom.in_one_line(lambda: what, _oom_knobs(run, evaluation=True)):
+        return evaluate(run, ts)
+
+
 def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False) -> list[dict]:
     """Scores checkpoints of ``workdir`` (config from ``workdir/config.gin``, parsed by the caller).
 
+    Holds the workdir's lock while it runs. Without ``step``, scores the newest checkpoint that restores
+    (a damaged newer one is skipped with one line saying why).
+
     Args:
-      step: one chosen step (default: the newest).
-      all_steps: every kept checkpoint that ``metrics/eval.jsonl`` does not have yet (t5x style).
+      step: one chosen step (default: the newest that restores).
+      all_steps: every kept checkpoint that ``metrics/eval.jsonl`` does not have yet (t5x style); damaged
+        ones are skipped, each with one line.
 
     Returns:
       the records written to ``eval.jsonl``.
 
     Raises:
-      ckpt_lib.CheckpointError: no checkpoints, or a missing/corrupt chosen step.
+      workdir_lib.WorkdirBusy: another process holds the workdir.
+      ckpt_lib.CheckpointError: no checkpoints, or a missing/damaged chosen step.
     """
     workdir = os.path.abspath(workdir)
+    lock = workdir_lib.acquire(workdir, "eval")
+    try:
+        return _eval_checkpoints(workdir, step, all_steps)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool) -> list[dict]:
     run = build()
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+    records = []
     try:
+        template = run.trainer.init()
         if all_steps:
             checkpointer.chosen_step()  # at least one checkpoint
             done = {r["step"] for r in metrics_lib.read_jsonl(
                 os.path.join(workdir, "metrics", f"{eval_kind(run.ecfg.split)}.jsonl"))}
-            steps = [s for s in checkpointer.steps() if s not in done]
+            todo = [s for s in checkpointer.steps() if s not in done]
         else:
-            steps = [checkpointer.chosen_step(step)]
-        writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
-        template = run.trainer.init()
-        records = []
-        for s in steps:
-            ts = checkpointer.restore(template, s)
-            result = evaluate(run, ts)
+            todo = [None]
+        for s in todo:
+            try:
+                ts, s = checkpointer.restore_newest(template, step if s is None else s)
+            except ckpt_lib.DamagedCheckpoint as e:
+                if not all_steps:
+                    raise
+                metrics_lib.log(f"skipping the damaged checkpoint at step {e.step}: {e.reason}")
+                continue
+            result = _evaluate_or_oom(run, ts, f"evaluation of step {s}")
             writer.write(eval_kind(run.ecfg.split), s, result)
             metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             records.append({"step": s, **result})
     finally:
         checkpointer.close()
-    if not steps:
+    if not todo:
         metrics_lib.log("every kept checkpoint is already in eval.jsonl")
     writer.close()
     return records

@@ -64,6 +64,7 @@ class MetricWriter:
     def __init__(self, workdir: str, enabled: bool = True):
         self.enabled = enabled
         self._tb = None
+        self._purge_step: int | None = None
         self.metrics_dir = os.path.join(workdir, "metrics")
         self.tb_dir = os.path.join(workdir, "tensorboard")
         if enabled:
@@ -74,8 +75,34 @@ class MetricWriter:
     def _board(self):
         if self._tb is None:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(self.tb_dir, flush_secs=10)
+            self._tb = SummaryWriter(self.tb_dir, flush_secs=10, purge_step=self._purge_step)
         return self._tb
+
+    def restart_at(self, step: int) -> None:
+        """Continues the metrics of a run resumed from ``step`` (0: a run starting over): drops every record
+        of a later step from each ``metrics/*.jsonl`` (the run redoes those steps, so each step appears
+        once), and has TensorBoard hide the older events files' events after ``step`` (its purge step).
+
+        Raises:
+          MetricsWriteError: a file could not be rewritten (it is left as it was).
+        """
+        if not self.enabled:
+            return
+        self._purge_step = step + 1
+        for name in sorted(os.listdir(self.metrics_dir)):
+            path = os.path.join(self.metrics_dir, name)
+            if not name.endswith(".jsonl") or not os.path.isfile(path):
+                continue
+            records = read_jsonl(path)
+            kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
+            if len(kept) == len(records):
+                continue
+            try:
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in kept)
+                os.replace(path + ".tmp", path)
+            except OSError as e:
+                raise MetricsWriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
 
     def write(self, kind: str, step: int, values: dict) -> None:
         """Appends ``{"step": step, **values}`` to ``metrics/<kind>.jsonl`` and numeric values to TensorBoard.

@@ -470,7 +470,8 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
 
     Raises:
       SampleError: bad options or output path, or a run whose model cannot generate text.
-      revtrain.checkpoint.CheckpointError: no checkpoints, no such step, or an unreadable one.
+      revtrain.checkpoint.CheckpointError: no checkpoints, no such step, the chosen step damaged, or every
+        checkpoint damaged (without ``step`` the newest one that restores is used, naming any skipped).
       revtrain.loop.ConfigError, revtrain.data.byte_lm.DataError: the run's config cannot be built.
     """
     opts.check()
@@ -486,10 +487,10 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
                           "needs a byte-level language model (ByteLMTask, ReversibleTransformerLM)")
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
-        chosen = checkpointer.chosen_step(step)
+        checkpointer.chosen_step(step)  # no checkpoints, or no such step: before the data loads
         run = loop.build(cfg)
         check_decodable(run.model)
-        ts = checkpointer.restore(run.trainer.init(), chosen)
+        ts, chosen = checkpointer.restore_newest(run.trainer.init(), step)  # a damaged newest one is skipped
     finally:
         checkpointer.close()
     result = generate(run.trainer, ts, prompt, run.task.sequence_length, opts)

@@ -137,7 +137,7 @@ def test_two_processes_match_one_and_resume(tmp_path, procs, byte_lm_data_dir):
     (_, single_log), (_, log0), (_, log1) = results
 
     # Only process 0 writes config, metrics, TensorBoard and progress lines; checkpoints hold both processes.
-    assert sorted(p.name for p in multi.iterdir()) == ["checkpoints", "config.gin", "metrics", "tensorboard"]
+    assert sorted(p.name for p in multi.iterdir()) == [".lock", "checkpoints", "config.gin", "metrics", "tensorboard"]
     assert sorted(p.name for p in (multi / "metrics").iterdir()) == ["eval.jsonl", "train.jsonl"]
     assert len(list((multi / "tensorboard").iterdir())) == 1
     assert [len(_progress_lines(log0)), len(_progress_lines(log1))] == [3, 0], log1[-2000:]

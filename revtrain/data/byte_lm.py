@@ -16,7 +16,10 @@ Sources:
     files skipped) found recursively, concatenated in sorted path order.
 
 The prepared dataset is cached under ``<data_dir>/byte_lm/<config name>/<version>/`` and read back
-with ``builder.as_data_source(split=...)``.
+with ``builder.as_data_source(split=...)``. The cache is keyed by the source's path, so for a path source
+the prepared dataset also records the source's fingerprint (``source_fingerprint.json``: size,
+modification and status-change times, and the SHA-256 of its bytes); a source whose bytes changed is prepared again (see
+``load_byte_lm``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from __future__ import annotations
 import bz2
 import dataclasses
 import hashlib
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -153,14 +158,19 @@ def _read_file(path: pathlib.Path) -> bytes:
     return _decompress_bz2(data, str(path)) if path.suffix == ".bz2" else data
 
 
-def _read_dir(path: pathlib.Path) -> bytes:
-    files = sorted(
+def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The files a directory source is made of, in the order they are concatenated."""
+    return sorted(
         p
         for p in path.rglob("*")
         if p.is_file()
         and p.suffix.lower() in TEXT_SUFFIXES
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
+
+
+def _read_dir(path: pathlib.Path) -> bytes:
+    files = _text_files(path)
     try:
         return b"".join(p.read_bytes() for p in files)
     except OSError as e:
@@ -221,7 +231,14 @@ class ByteLM(tfds.core.GeneratorBasedBuilder):
         length = config.sequence_length
         if length < 1:
             raise DataError(f"sequence length must be >= 1, got {length}")
-        data = read_source(config.source, pathlib.Path(self.data_dir_root) / "downloads")
+        data = getattr(self, "_source_bytes", None)
+        if data is None:
+            stat = source_stat(config.source)
+            data = read_source(config.source, pathlib.Path(self.data_dir_root) / "downloads")
+        else:
+            stat, self._source_bytes = self._source_stat, None
+        if config.source != GENSIM_SOURCE:
+            self._fingerprint = {"stat": stat, "sha256": hashlib.sha256(data).hexdigest()}
         bounds = split_bounds(len(data))
         for split, (start, end) in bounds.items():
             if num_records(end - start, length) == 0:
@@ -240,6 +257,89 @@ class ByteLM(tfds.core.GeneratorBasedBuilder):
             yield k, {"bytes": np.frombuffer(data[k * length : k * length + length + 1], np.uint8)}
 
 
+FINGERPRINT_FILE = "source_fingerprint.json"
+
+
+def source_stat(source: str) -> dict | None:
+    """What identifies a path source cheaply, without reading it: ``{"size", "mtime_ns", "ctime_ns"}`` of a
+    file; for a directory, the total size, the newest modification time, the file count and a digest of
+    every text file's relative path, size, modification and status-change times. None for 'gensim_enwiki'
+    (a pinned wheel, checked by size when read) or a path that does not exist.
+
+    The status-change time (ctime) changes with every write and cannot be set back (unlike the
+    modification time, which ``cp -p``, ``rsync -t`` or ``touch -r`` copy), so other bytes under the same
+    size and modification time are caught too; a ``chmod`` or ``mv`` also changes it, which costs one hash
+    of the source and no re-preparation."""
+    if source == GENSIM_SOURCE:
+        return None
+    path = pathlib.Path(source).expanduser()
+    try:
+        if path.is_dir():
+            listing = [(str(p.relative_to(path)), p.stat()) for p in _text_files(path)]
+            digest = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n"
+                                            for name, st in listing).encode()).hexdigest()
+            return {"size": sum(st.st_size for _, st in listing), "files": len(listing),
+                    "mtime_ns": max((st.st_mtime_ns for _, st in listing), default=0), "listing": digest}
+        st = path.stat()
+    except OSError:
+        return None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _read_fingerprint(builder) -> dict | None:
+    try:
+        with open(os.path.join(builder.data_dir, FINGERPRINT_FILE)) as f:
+            record = json.load(f)
+        return record if isinstance(record, dict) and "sha256" in record else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write_fingerprint(builder, record: dict) -> None:
+    """Writes the fingerprint next to the prepared dataset (atomically; a failure only costs a re-check)."""
+    path = os.path.join(builder.data_dir, FINGERPRINT_FILE)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def _describe_change(old: dict, new: dict) -> str:
+    parts = []
+    if old.get("size") != new.get("size"):
+        parts.append(f"size {old.get('size')} -> {new.get('size')} bytes")
+    if old.get("files") != new.get("files") and "files" in new:
+        parts.append(f"{old.get('files')} -> {new.get('files')} files")
+    parts.append("content differs")
+    return ", ".join(parts)
+
+
+def _source_change(builder, source: str) -> str | None:
+    """Why the prepared dataset of a path source no longer matches the source (None when it does).
+
+    The cheap check first: the source's `source_stat` against the one recorded at preparation. Only when
+    they differ is the source read and hashed (SHA-256 of its bytes); the same hash (a file touched or
+    copied over with the same bytes) only updates the recorded stat. When the source is gone, the prepared
+    dataset is used as it is. The bytes read are kept on the builder for the re-preparation.
+    """
+    stat = source_stat(source)
+    record = _read_fingerprint(builder)
+    if stat is None:
+        return None  # the source was removed: its prepared dataset is all there is
+    if record is None:
+        return "has no recorded fingerprint (prepared by an older revtrain)"
+    if record.get("stat") == stat:
+        return None
+    data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
+    if hashlib.sha256(data).hexdigest() == record["sha256"]:
+        _write_fingerprint(builder, {**record, "stat": stat})
+        return None
+    builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001 (read once, used to prepare)
+    return f"changed since it was prepared ({_describe_change(record.get('stat') or {}, stat)})"
+
+
 class _DropCustomConfigWarning:
     """Logging filter for TFDS's 'Using custom data configuration' warning (configs are dynamic)."""
 
@@ -249,6 +349,10 @@ class _DropCustomConfigWarning:
 
 def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.DatasetBuilder:
     """Prepares (once; cached afterwards) and returns the byte-LM builder.
+
+    A path source's prepared dataset is checked against the source first (`_source_change`: a stat, and a
+    hash only when the stat changed); a changed source is prepared again, replacing the old dataset, with
+    one line on stderr saying so. The 'gensim_enwiki' source is a pinned file and is never re-checked.
 
     Read records with ``builder.as_data_source(split)``: each is ``{'bytes': uint8 [L + 1]}``.
     Record counts: ``builder.info.splits[split].num_examples``.
@@ -267,17 +371,38 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
     preparation of the same dataset is not coordinated.
     """
     config = ByteLMConfig.make(source, sequence_length)
-    quiet = _DropCustomConfigWarning()
-    absl_logging.get_absl_logger().addFilter(quiet)
-    try:
-        builder = ByteLM(config=config, data_dir=os.path.expanduser(data_dir))
-    finally:
-        absl_logging.get_absl_logger().removeFilter(quiet)
-    if not builder.is_prepared():
+
+    def make_builder():
+        quiet = _DropCustomConfigWarning()
+        absl_logging.get_absl_logger().addFilter(quiet)
+        try:
+            return ByteLM(config=config, data_dir=os.path.expanduser(data_dir))
+        finally:
+            absl_logging.get_absl_logger().removeFilter(quiet)
+
+    builder = make_builder()
+    prepare = not builder.is_prepared()
+    if not prepare and source != GENSIM_SOURCE:
+        change = _source_change(builder, source)
+        if change:
+            print(f"data source {source} {change}; preparing it again", file=sys.stderr, flush=True)
+            # The stale dataset goes (readers that have its files open keep reading them); a fresh builder
+            # prepares from the bytes the check already read.
+            stale = builder
+            shutil.rmtree(stale.data_dir)
+            builder = make_builder()
+            builder._source_bytes = getattr(stale, "_source_bytes", None)  # noqa: SLF001
+            builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
+            prepare = True
+    if prepare:
         builder.download_and_prepare(
             file_format="array_record",
             download_config=tfds.download.DownloadConfig(try_download_gcs=False),
         )
+        fingerprint = getattr(builder, "_fingerprint", None)
+        builder = make_builder()  # reads the new dataset's info
+        if fingerprint is not None:
+            _write_fingerprint(builder, fingerprint)
     return builder
 
 

@@ -1,0 +1,143 @@
+"""SIGINT / SIGTERM during ``revtrain train``: stop promptly, never lose or corrupt a checkpoint.
+
+The policy (`Interrupts`):
+
+* While nothing is unsaved (``idle``): before the first step of this run has finished (start-up, data
+  preparation, XLA's compile of the first step) and after the final checkpoint is written, a signal
+  stops the run at once with exit status 0: waiting would save nothing new.
+* Otherwise the first signal asks the loop to stop after the current step (``signal`` is set); the loop
+  saves that step and exits 0.
+* A second signal stops at once, with exit status 128 + the signal's number: the steps after the newest
+  checkpoint are lost (the line says which checkpoint is kept).
+
+Stopping at once must work while the main thread is inside XLA (compiling the first step of a deep model
+can take many minutes, and Python runs signal handlers only between the main thread's bytecodes). The
+C-level handler writes each signal's number to a pipe (`signal.set_wakeup_fd`), which wakes a watcher
+thread (XLA releases the GIL while it compiles and runs). To stop, the watcher replaces the process with
+the stdlib-only script ``revtrain/_stopped.py`` (``os.execv``, same PID): exec ends every other thread at
+once, Orbax's checkpoint writers included, so the cleanup that follows cannot race with a write. The
+script deletes the unfinished ``*.orbax-checkpoint-tmp*`` directory, and the workdir this run created when
+it holds no checkpoint and no metrics record; then prints one line naming the newest checkpoint on disk and exits. The
+workdir's lock (`revtrain.workdir`) is handed over to it, so no other run starts in the workdir until the
+cleanup is done. No traceback, and no false "cannot write the checkpoint" error, whatever the main thread
+was doing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+
+STOPPED_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stopped.py")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class Interrupts:
+    """Context manager installing the stop policy of ``revtrain train`` (see the module docstring).
+
+    Installs handlers only in the main thread (elsewhere it does nothing: signals go to the main thread's
+    handlers, whatever they are). The loop tells it what is on disk through its attributes.
+
+    Attributes:
+      signal: the first signal received while work was unsaved (the loop then stops after the step), or
+        None.
+      idle: True while nothing is unsaved (a signal stops at once, exit 0); ``idle_note`` says why, for
+        the stop line ("before the first step finished: nothing new to save").
+      checkpoint_dir: the run's ``checkpoints/`` (its unfinished saves are deleted on a stop), or None.
+      workdir: the workdir, deleted on a stop when ``created`` and it holds no checkpoint and no metrics.
+      lock: the workdir's `revtrain.workdir.WorkdirLock` (handed to the cleanup), or None.
+      primary: whether this process cleans up (process 0).
+      log: prints one line (process 0's stderr).
+    """
+
+    def __init__(self, log=None):
+        self.signal: int | None = None
+        self.idle = True
+        self.idle_note = "before the first step finished: nothing new to save"
+        self.checkpoint_dir: str | None = None
+        self.workdir: str | None = None
+        self.created = False
+        self.lock = None
+        self.primary = True
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._mutex = threading.Lock()
+        self._installed = False
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old_handlers = {sig: signal.signal(sig, self._python_handler) for sig in SIGNALS}
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="revtrain-signals", daemon=True)
+        self._watcher.start()
+        self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        signal.set_wakeup_fd(self._old_fd)
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        os.write(self._write, b"\0")  # ends the watcher (no signal has number 0)
+        self._watcher.join(timeout=10)
+        os.close(self._read)
+        os.close(self._write)
+
+    @staticmethod
+    def _python_handler(signum, frame) -> None:
+        """The Python-level handler does nothing (no KeyboardInterrupt): the watcher thread acts."""
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            for signum in data:
+                if signum == 0:
+                    return
+                self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        with self._mutex:
+            if self.idle:
+                self.stop_now(signum, f"received {signal_name(signum)} {self.idle_note}", code=0)
+            elif self.signal is None:
+                self.signal = signum
+                self.log(f"received {signal_name(signum)}: saving and stopping after the current step; send it "
+                         "again to stop at once")
+            else:
+                self.stop_now(signum, f"received {signal_name(signum)} again: stopped at once, the steps "
+                                      "after the newest checkpoint are lost", code=128 + signum)
+
+    def stop_now(self, signum: int, message: str, code: int) -> None:
+        """Replaces this process with the cleanup script (see the module docstring); does not return."""
+        spec = {"message": message, "code": code, "checkpoints": self.checkpoint_dir,
+                "workdir": self.workdir if self.created else None, "primary": self.primary}
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        fd = getattr(self.lock, "fd", None)
+        try:
+            if fd is not None:
+                os.set_inheritable(fd, True)
+            os.execv(sys.executable, [sys.executable, "-I", "-S", STOPPED_SCRIPT, json.dumps(spec)])
+        except OSError:  # no interpreter to exec: stop without the cleanup
+            print(f"revtrain: {message}", file=sys.stderr, flush=True)
+            os._exit(code)
