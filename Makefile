@@ -1,6 +1,6 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [WORKDIR=runs/enwik_small] [CONFIG=configs/enwik_small.gin]
-#   make test
+#   make test   (make test-all: with the slow scenario tests)
 #   make bench
 #   make bench-depth
 #   make bench-long
@@ -13,7 +13,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test bench bench-depth bench-long clean sample bench-sample check-sample
+.PHONY: venv data train eval test test-all bench bench-depth bench-long clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,14 @@ train: data
 eval: venv
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
 
+# Two test processes (pytest-xdist; a file's tests stay in one process). make test leaves out the tests
+# marked slow (long multi-process scenarios); make test-all runs every test.
+TEST_WORKERS ?= 2
 test: data
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+
+test-all: data
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: data
 	$(PY) scripts/benchmark.py

@@ -338,10 +338,16 @@ def _run(args) -> int:
         config = os.path.join(args.workdir, "config.gin")
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
-        if args.split:
-            args.gin.append(f"evaluate.split = {args.split!r}")
         _parse_gin([config] + args.config, args.gin)
-        loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all)
+        kind = "eval"
+        if args.split:  # scores of another split than the run's own go to metrics/eval_<split>.jsonl
+            try:
+                run_split = gin.query_parameter("evaluate.split")
+            except ValueError:  # not bound: EvalConfig's default
+                run_split = loop.EvalConfig.split
+            kind = loop.eval_kind(args.split, run_split)
+            gin.bind_parameter("evaluate.split", args.split)
+        loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
         return 0
     if args.command == "sample":
         from revtrain import sample

@@ -490,15 +490,16 @@ def _kept(checkpointer: ckpt_lib.Checkpointer) -> str:
     return f"the newest checkpoint (step {newest}) is kept" if newest is not None else "no checkpoint was written"
 
 
-def eval_kind(split: str) -> str:
-    """Metrics kind of a split's scores: ``eval`` (``eval.jsonl``, TensorBoard ``eval/``) for validation,
-    ``eval_<split>`` for any other (e.g. ``eval_test.jsonl``)."""
-    return "eval" if split == "validation" else f"eval_{split}"
+def eval_kind(split: str, run_split: str) -> str:
+    """Metrics kind of a split's scores: ``eval`` (``eval.jsonl``, TensorBoard ``eval/``) for the split the
+    run evaluates during training (``run_split``, its ``evaluate.split``: validation by default), and
+    ``eval_<split>`` for any other (e.g. ``eval_test.jsonl`` from ``revtrain eval --split test``)."""
+    return "eval" if split == run_split else f"eval_{split}"
 
 
 def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) -> dict:
     result = _evaluate_or_oom(run, ts, f"evaluation at step {ts.step}")
-    writer.write(eval_kind(run.ecfg.split), ts.step, result)
+    writer.write("eval", ts.step, result)
     writer.flush()
     metrics_lib.log(f"eval at step {ts.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return result
@@ -509,7 +510,8 @@ def _evaluate_or_oom(run: Run, ts: TrainState, what: str) -> dict:
         return evaluate(run, ts)
 
 
-def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False) -> list[dict]:
+def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False,
+                     kind: str = "eval") -> list[dict]:
     """Scores checkpoints of ``workdir`` (config from ``workdir/config.gin``, parsed by the caller).
 
     Holds the workdir's lock while it runs. Without ``step``, scores the newest checkpoint that restores
@@ -517,11 +519,12 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
 
     Args:
       step: one chosen step (default: the newest that restores).
-      all_steps: every kept checkpoint that ``metrics/eval.jsonl`` does not have yet (t5x style); damaged
-        ones are skipped, each with one line.
+      all_steps: every kept checkpoint that ``metrics/<kind>.jsonl`` does not have yet (t5x style);
+        damaged ones are skipped, each with one line.
+      kind: the metrics file and TensorBoard prefix of the scores (`eval_kind`).
 
     Returns:
-      the records written to ``eval.jsonl``.
+      the records written to ``metrics/<kind>.jsonl``.
 
     Raises:
       workdir_lib.WorkdirBusy: another process holds the workdir.
@@ -530,13 +533,13 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
     workdir = os.path.abspath(workdir)
     lock = workdir_lib.acquire(workdir, "eval")
     try:
-        return _eval_checkpoints(workdir, step, all_steps)
+        return _eval_checkpoints(workdir, step, all_steps, kind)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool) -> list[dict]:
+def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str) -> list[dict]:
     run = build()
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
@@ -546,7 +549,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool) -> list[d
         if all_steps:
             checkpointer.chosen_step()  # at least one checkpoint
             done = {r["step"] for r in metrics_lib.read_jsonl(
-                os.path.join(workdir, "metrics", f"{eval_kind(run.ecfg.split)}.jsonl"))}
+                os.path.join(workdir, "metrics", f"{kind}.jsonl"))}
             todo = [s for s in checkpointer.steps() if s not in done]
         else:
             todo = [None]
@@ -559,7 +562,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool) -> list[d
                 metrics_lib.log(f"skipping the damaged checkpoint at step {e.step}: {e.reason}")
                 continue
             result = _evaluate_or_oom(run, ts, f"evaluation of step {s}")
-            writer.write(eval_kind(run.ecfg.split), s, result)
+            writer.write(kind, s, result)
             metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             records.append({"step": s, **result})
     finally:

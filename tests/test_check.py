@@ -113,6 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
     assert not (tmp_path / "w").exists()  # found before anything was written
 
 
+@pytest.mark.slow  # make test-all: trains a model, then checks it in subprocesses
 def test_check_a_trained_checkpoint_on_two_devices(tmp_path):
     assert _train(tmp_path).returncode == 0
     env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
@@ -138,6 +139,7 @@ def test_check_needs_a_config_or_a_workdir(capsys):
     assert "check needs --config FILE" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test-all: trains a model, then checks it in subprocesses
 def test_check_a_hot_trained_bfloat16_model_and_the_grid_range_note(tmp_path, capsys):
     """After 40 steps at a high learning rate the streams reach ~45: inside the default grid's exact range
     (64, grid_bits 18) the bfloat16 rebuild is exact and the gradients equal layer-at-a-time backprop bit

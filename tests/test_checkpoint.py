@@ -95,6 +95,7 @@ def test_sigterm_then_resume_matches_uninterrupted_run(reference, tmp_path):
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow  # make test-all: several full training processes
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(reference, tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(workdir, "--gin", "train.checkpoint_every = 5"), stderr=subprocess.DEVNULL,
@@ -130,6 +131,7 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(reference, tm
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+@pytest.mark.slow  # make test-all: several full training processes
 def test_keep_n_and_eval_all_scores_each_checkpoint_once(tmp_path):
     workdir = tmp_path / "run"
     run_train(workdir, "--gin", "train.checkpoint_every = 4", "--gin", "train.keep_checkpoints = 2",
@@ -143,6 +145,7 @@ def test_keep_n_and_eval_all_scores_each_checkpoint_once(tmp_path):
     assert sorted(evals) == [8, 16, 20]  # 20 from the end of training, 8 and 16 from the first --all only
 
 
+@pytest.mark.slow  # make test-all: several full training processes
 def test_corrupt_checkpoint_is_one_clear_error_and_others_survive(tmp_path):
     workdir = tmp_path / "run"
     run_train(workdir, "--gin", "train.checkpoint_every = 10")
@@ -160,6 +163,7 @@ def test_corrupt_checkpoint_is_one_clear_error_and_others_survive(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow  # make test-all: several full training processes
 def test_resume_with_a_different_model_is_refused(tmp_path):
     workdir = tmp_path / "run"
     run_train(workdir, "--gin", "STEPS = 5")
@@ -171,6 +175,7 @@ def test_resume_with_a_different_model_is_refused(tmp_path):
     assert sorted(p.name for p in workdir.rglob("*")) == before
 
 
+@pytest.mark.slow  # make test-all: several full training processes
 def test_relative_workdir_and_resume_on_a_different_device_count(tmp_path):
     """Saved on 4 devices at step 10, resumed on 1: losses match the 4-device continuation within 1e-5."""
     four = tmp_path / "four"

@@ -424,7 +424,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_train(base, tmp_path
     code, lines = run(capfd, "eval", "--workdir", workdir)
     assert code == 0, lines
     assert lines[0].startswith("skipping the damaged checkpoint at step 4: OUT_OF_RANGE: Error reading"), lines
-    assert lines[1].startswith("eval at step 2: ") and len(lines) == 2, lines
+    assert lines[1].startswith("eval at step 2 (validation): ") and len(lines) == 2, lines
     assert "bound method" not in "".join(lines)
     assert records(workdir, "eval") == [4, 2]
 
