@@ -44,6 +44,7 @@ def BrokenInverseLM(sequence_length, *, seed=0, broken_block=1):
                  bits_per_byte=True)
 
 
+@pytest.mark.slow  # make test-all (make test: test_long's check with blockwise attention passes)
 def test_check_passes_on_an_exact_model(capsys):
     assert cli.main(["check", "--config", CONFIG, *TINY]) == 0
     out = capsys.readouterr().out
@@ -66,6 +67,7 @@ def _train(tmp_path, *extra):
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow  # make test-all
 def test_nonfinite_loss_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
     # Step 1 is finite; its huge SGD step makes step 2's loss overflow.
     result = _train(tmp_path, "--gin", "train.checkpoint_every = 1", "--gin", "train.optimizer = @optax.sgd",

@@ -77,6 +77,7 @@ def _start_and_signal(workdir, after_step, sig, extra=()):
     return proc
 
 
+@pytest.mark.slow  # make test-all (make test: test_reliability's signals, test_depth's exact resume)
 def test_sigterm_then_resume_matches_uninterrupted_run(reference, tmp_path):
     workdir = tmp_path / "run"
     proc = _start_and_signal(workdir, 10, signal.SIGTERM)

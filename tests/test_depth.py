@@ -83,7 +83,8 @@ class _WalkingMeter(MemoryMeter):
             self.pairs.append((walked, self._total))
 
 
-@pytest.mark.parametrize("kwargs", [{"scan_layers": False, "offload": True}, {"scan_layers": True}])
+@pytest.mark.parametrize("kwargs", [pytest.param({"scan_layers": False, "offload": True}, marks=pytest.mark.slow),
+                                    {"scan_layers": True}])
 def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs):
     """Before every call of a logged step, the meter's running total of live device bytes is what walking
     every live array gives (as layers move on and off the device and buffers are donated)."""

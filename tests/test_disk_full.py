@@ -32,9 +32,8 @@ def _private_tmpfs_works() -> bool:
     return probe.returncode == 0
 
 
-# enospc (a real full disk) in make test; the other two failure kinds in make test-all (a full run each).
-@pytest.mark.parametrize("mode", ["enospc", pytest.param("efbig", marks=pytest.mark.slow),
-                                  pytest.param("silent", marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-all: a full run per failure kind
+@pytest.mark.parametrize("mode", ["enospc", "efbig", "silent"])
 def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, mode):
     result = tmp_path / "result.json"
     if mode == "enospc":

@@ -171,6 +171,7 @@ def _small_model():
     return ReversibleTransformerLM(SEQ, num_layers=3, d_model=32, num_heads=2, dropout_rate=0.1)
 
 
+@pytest.mark.slow  # make test-all (make test: test_parallel's executors, scanned with offload, on 4 devices)
 def test_offload_and_executors_are_bitwise_identical(text_batches):
     """Per layer or scanned, with or without offload: the same bits (params and optimizer state), and the
     same evaluation; offloaded stacks stay in host memory between steps."""

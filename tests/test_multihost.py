@@ -125,6 +125,7 @@ def procs(tmp_path):
     p.close()
 
 
+@pytest.mark.slow  # make test-all: three training processes
 def test_two_processes_match_one_and_resume(tmp_path, procs, byte_lm_data_dir):
     single, multi = tmp_path / "single", tmp_path / "multi"
 

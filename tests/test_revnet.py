@@ -293,6 +293,7 @@ def _shard_map_one_device(fn, in_specs, out_specs):
     return jax.jit(jax.shard_map(fn, mesh=make_mesh(jax.devices()[:1]), in_specs=in_specs, out_specs=out_specs))
 
 
+@pytest.mark.slow  # make test-all
 def test_coupling_inverse_rebuilds_inputs_bitwise(fashion_mnist, highest_precision):
     """Forward and rebuild in two separate programs (as in the trainer): the inputs come back bit for bit."""
     import jax
@@ -429,6 +430,7 @@ def test_batch_stats_change_exactly_as_one_forward_pass(fashion_mnist, highest_p
         assert _worst_leaf(twice, got)[0] > 1e-3
 
 
+@pytest.mark.slow  # make test-all
 def test_eval_uses_running_statistics(fashion_mnist, highest_precision):
     """eval_step scores with the running statistics (by-hand forward) and leaves the state unchanged."""
     import jax
@@ -473,6 +475,7 @@ def four_devices(fashion_mnist, tmp_path_factory):
         return json.load(f)
 
 
+@pytest.mark.slow  # make test-all
 def test_four_devices_equal_one_device(four_devices):
     """Batch statistics averaged over 4 devices: the 4-device reversible trainer equals 1-device backprop."""
     for key, (rel, leaf) in four_devices["compare"].items():
@@ -482,6 +485,7 @@ def test_four_devices_equal_one_device(four_devices):
         np.testing.assert_allclose(losses[name], losses["standard/1"], rtol=1e-5)
 
 
+@pytest.mark.slow  # make test-all
 def test_four_devices_offload_and_replicas(four_devices):
     assert four_devices["offload_bitwise"]
     assert all(four_devices["replicas_identical"].values()), four_devices["replicas_identical"]
@@ -518,6 +522,7 @@ def cli_run(fashion_mnist, tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # make test-all
 def test_cli_trains_and_evaluates_on_test_split(cli_run):
     # (The explicit split works around config.gin lacking the evaluate.* bindings; see the next test.)
     result = _revtrain("eval", "--workdir", str(cli_run), "--step", "3", "--gin", "evaluate.split = 'test'")
@@ -529,6 +534,7 @@ def test_cli_trains_and_evaluates_on_test_split(cli_run):
         assert 0.0 <= r["accuracy"] <= 1.0 and np.isfinite(r["loss"])
 
 
+@pytest.mark.slow  # make test-all
 def test_cli_config_gin_keeps_the_eval_split(cli_run):
     assert "evaluate.split = 'test'" in (cli_run / "config.gin").read_text()
 
