@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -256,14 +257,25 @@ def _measure(configs, build, batches, rounds):
     return out
 
 
+def _extrapolate(seen: list[tuple[int, float]], depth: int) -> float:
+    """Start-up seconds at ``depth`` from measured ``(depth, seconds)`` pairs: ``t ~ depth ** k`` through
+    the last two (``k`` at least 0), or linear in depth from a single one."""
+    (d1, t1), (d0, t0) = seen[-1], (seen[-2] if len(seen) > 1 else (0, 0.0))
+    if d0 <= 0 or t0 <= 0:
+        return t1 * depth / d1
+    k = max(0.0, math.log(t1 / t0) / math.log(d1 / d0))
+    return t1 * (depth / d1) ** k
+
+
 def depth_sweep(args) -> dict:
     """Tiny blocks (d_model 16, 2 heads, batch 4, sequence 32, dropout 0.1, Adam) at ``args.depths``.
 
     For each depth, every configuration of ``DEPTH_CONFIGS`` is built and stepped once (start-up time),
     then timed in interleaved rounds (median step time), unlogged and with the memory meter on. A
-    configuration whose start-up time, scaled linearly to the next depth, would pass
-    ``args.max_startup`` seconds is skipped from there on (recorded with the reason). Then offload
-    against no offload at ``args.offload_widths`` (depth ``args.offload_depth``).
+    configuration whose start-up time, extrapolated to the next depth, would pass ``args.max_startup``
+    seconds is skipped from there on (recorded with the reason): extrapolated with the power of depth
+    that its last two measured depths show (the scanned executor's start-up hardly grows), or linearly
+    after one. Then offload against no offload at ``args.offload_widths`` (depth ``args.offload_depth``).
     """
     mesh = make_mesh()
     records, skipped, last_startup = [], {}, {}
@@ -271,12 +283,13 @@ def depth_sweep(args) -> dict:
     for depth in args.depths:
         configs = []
         for label, kind, kwargs in DEPTH_CONFIGS:
-            prev = last_startup.get(label)
-            if label in skipped:
+            seen = last_startup.get(label, [])
+            if label in skipped or (args.only and label not in args.only):
                 continue
-            if prev and prev[1] * depth / prev[0] > args.max_startup:
-                skipped[label] = (f"skipped from depth {depth}: start-up {prev[1]:.0f} s at depth {prev[0]} "
-                                  f"scales past {args.max_startup:.0f} s")
+            if seen and _extrapolate(seen, depth) > args.max_startup:
+                d, t = seen[-1]
+                skipped[label] = (f"skipped from depth {depth}: start-up {t:.0f} s at depth {d} "
+                                  f"extrapolates to {_extrapolate(seen, depth):.0f} s, past {args.max_startup:.0f} s")
                 print(f"{label}: {skipped[label]}", flush=True)
                 continue
             configs.append((label, kind, tuple(sorted(kwargs.items()))))
@@ -284,7 +297,7 @@ def depth_sweep(args) -> dict:
                        batches, args.rounds)
         for c in configs:
             r = res[c]
-            last_startup[c[0]] = (depth, r["startup_s"])
+            last_startup.setdefault(c[0], []).append((depth, r["startup_s"]))
             records.append({"sweep": "depth", "config": c[0], "depth": depth, "d_model": 16, **r})
             print(f"depth {depth:>3} {c[0]:<28} start-up {r['startup_s']:7.1f} s  {r['steps_per_sec']:8.2f} "
                   f"steps/s  logged/unlogged {r['logged_over_unlogged']:.2f}", flush=True)
@@ -608,9 +621,12 @@ def main():
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (--sweep depth)")
     p.add_argument("--max_startup", type=float, default=600.0,
                    help="skip a sweep configuration once its start-up time would pass this many seconds")
+    p.add_argument("--only", default=None, type=lambda s: [x.strip() for x in s.split(";") if x.strip()],
+                   help="--sweep depth: only these configurations, ';'-separated labels (e.g. 'reversible, scan')")
     p.add_argument("--sweep_seq", type=int, default=32)
     p.add_argument("--sweep_batch", type=int, default=4)
-    p.add_argument("--offload_widths", default="64,128,256", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--offload_widths", default="64,128,256", type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="d_model values of the offload comparison (empty: skip it)")
     p.add_argument("--offload_depth", type=int, default=8)
     # --sweep seq
     p.add_argument("--seqs", default="512,1024,4096,16384,65536", type=lambda s: [int(x) for x in s.split(",")])
