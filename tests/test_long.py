@@ -143,6 +143,13 @@ def test_check_passes_with_blockwise_attention(capsys):
     ("train.batch_size = 32", "has 21 sequences of ByteLMTask.sequence_length = 512 bytes, fewer than one global "
                               "batch (train.batch_size = 32)"),
     ("ReversibleTransformerLM.attention_block = 0", "ReversibleTransformerLM.attention_block must be a positive"),
+    ("ReversibleTransformerLM.ff_chunk = 0", "ReversibleTransformerLM.ff_chunk must be a positive"),
+    ("ReversibleTransformerLM.head_chunk = -4", "ReversibleTransformerLM.head_chunk must be a positive"),
+    # The other knobs of this round, refused the same way (one line, exit 2, no workdir).
+    ("ReversibleTrainer.scan_layers = 'no'", "ReversibleTrainer.scan_layers must be True or False, got 'no'"),
+    ("train.trainer = @StandardTrainer\nStandardTrainer.remat_layers = 1", "StandardTrainer.remat_layers must be True or False"),
+    ("train.sample_every = -1", "train.sample_every"),
+    ("train.sample_length = 0", "train.sample_length must be a positive integer"),
 ])
 def test_long_length_config_errors_exit_2_before_writing(tmp_path, capsys, binding, contains):
     """A train split with fewer sequences than one batch (a 12 kB file at T = 512: 21 training sequences),

@@ -37,6 +37,14 @@ class TrainerError(ValueError):
     """A configuration the trainer refuses (e.g. an optimizer that couples leaves)."""
 
 
+def check_flags(owner: str, **flags) -> None:
+    """Raises `TrainerError` naming ``owner.name`` unless every flag is a bool (gin would otherwise take
+    the string ``'False'`` as true)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TrainerError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient.
 

@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, put_replicated,
                                 replicated)
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
-                                      check_per_layer_optimizer, example_keys, guarded_update, per_device, step_key)
+                                      check_flags, check_per_layer_optimizer, example_keys, guarded_update, per_device,
+                                      step_key)
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
@@ -79,6 +80,7 @@ class ReversibleTrainer(TrainerBase):
     name = "reversible"
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True):
+        check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers)
         super().__init__(model, optimizer, mesh, seed)
         check_per_layer_optimizer(optimizer)
         if offload and not host_memory_supported(mesh):

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of,
-                                      check_batch, check_finite, example_keys, guarded_update, per_device, step_key)
+                                      check_batch, check_finite, check_flags, example_keys, guarded_update, per_device,
+                                      step_key)
 from revtrain.trainers.stacking import find_runs, groups_of
 
 
@@ -40,6 +41,7 @@ class StandardTrainer(TrainerBase):
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, scan_layers: bool = False,
                  remat_layers: bool = False):
+        check_flags("StandardTrainer", scan_layers=scan_layers, remat_layers=remat_layers)
         super().__init__(model, optimizer, mesh, seed)
         self.scan_layers, self.remat_layers = scan_layers, remat_layers
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
