@@ -51,6 +51,7 @@ def test_check_passes_on_an_exact_model(capsys):
     assert "PASS" in out and "block_2" in out and "rebuild bfloat16" in out
 
 
+@pytest.mark.slow  # make test-all
 def test_check_names_the_layer_with_a_wrong_inverse(capsys):
     code = cli.main(["check", "--config", CONFIG, *TINY, "--gin", "train.model = @BrokenInverseLM"])
     out = capsys.readouterr().out

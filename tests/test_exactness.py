@@ -199,6 +199,7 @@ def test_offload_and_executors_are_bitwise_identical(text_batches):
             assert np.array_equal(x, y), key
 
 
+@pytest.mark.slow  # make test-all (make test: the scanned executor's residency test below)
 def test_offload_keeps_at_most_two_layers_on_device(text_batches):
     """With offload, weights + optimizer state on the device never exceed the two largest layers' (the
     per-layer executor; the scanned one is checked below)."""
