@@ -380,7 +380,8 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                 f.write(gin.operative_config_str())
         metrics_lib.log(
             (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
-            + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers, "
+            + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
+            f"({sum(bool(getattr(layer, 'reversible', False)) for layer in run.model.layers)} reversible), "
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
         if changes:
             metrics_lib.log(changes)
@@ -562,6 +563,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
                 metrics_lib.log(f"skipping the damaged checkpoint at step {e.step}: {e.reason}")
                 continue
             result = _evaluate_or_oom(run, ts, f"evaluation of step {s}")
+            writer.forget(kind, s)  # scored again: the new record replaces the old one
             writer.write(kind, s, result)
             metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             records.append({"step": s, **result})

@@ -93,16 +93,17 @@ class MetricWriter:
             path = os.path.join(self.metrics_dir, name)
             if not name.endswith(".jsonl") or not os.path.isfile(path):
                 continue
-            records = read_jsonl(path)
-            kept = [r for r in records if not isinstance(r.get("step"), int) or r["step"] <= step]
-            if len(kept) == len(records):
-                continue
-            try:
-                with open(path + ".tmp", "w") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in kept)
-                os.replace(path + ".tmp", path)
-            except OSError as e:
-                raise MetricsWriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
+            _drop_records(path, lambda r: isinstance(r.get("step"), int) and r["step"] > step)
+
+    def forget(self, kind: str, step: int) -> None:
+        """Drops the records of ``step`` from ``metrics/<kind>.jsonl`` (a checkpoint scored again replaces
+        its record, so each step appears once).
+
+        Raises:
+          MetricsWriteError: the file could not be rewritten (it is left as it was).
+        """
+        if self.enabled:
+            _drop_records(os.path.join(self.metrics_dir, f"{kind}.jsonl"), lambda r: r.get("step") == step)
 
     def write(self, kind: str, step: int, values: dict) -> None:
         """Appends ``{"step": step, **values}`` to ``metrics/<kind>.jsonl`` and numeric values to TensorBoard.
@@ -162,6 +163,25 @@ class MetricWriter:
                     worker.join(timeout=10)
                 events._closed = True  # noqa: SLF001
             tb.close()
+
+
+def _drop_records(path: str, drop) -> None:
+    """Rewrites the metrics file ``path`` without the records for which ``drop(record)`` is true (atomically:
+    a temporary file replaces it; nothing is written when no record is dropped or the file is missing).
+
+    Raises:
+      MetricsWriteError: the file could not be rewritten (it is left as it was).
+    """
+    records = read_jsonl(path)
+    kept = [r for r in records if not drop(r)]
+    if len(kept) == len(records):
+        return
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        raise MetricsWriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -278,6 +278,7 @@ def test_sample_command_writes_and_prints_reproducible_samples(trained, tmp_path
 def test_eval_split_test(trained):
     from revtrain import cli
     assert cli.main(["eval", "--workdir", str(trained), "--split", "test"]) == 0
+    assert cli.main(["eval", "--workdir", str(trained), "--split", "test"]) == 0  # scored again: replaced
     test = [json.loads(line) for line in (trained / "metrics" / "eval_test.jsonl").read_text().splitlines()]
     validation = [json.loads(line) for line in (trained / "metrics" / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in test] == [10] and [r["step"] for r in validation] == [10]
