@@ -376,12 +376,10 @@ def _run(args) -> int:
         elif args.step is not None:
             raise UsageError("--step needs --workdir")
         _parse_gin(configs, args.gin)
-        lock = workdir_lib.acquire(args.workdir, "check") if args.workdir is not None else None
-        try:
+        if args.workdir is None:
+            return check.run_check()
+        with workdir_lib.locked(args.workdir, "check"):
             return check.run_check(workdir=args.workdir, step=args.step)
-        finally:
-            if lock is not None:
-                lock.release()
     del gin
     raise UsageError(f"unknown command {args.command}")
 

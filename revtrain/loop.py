@@ -381,7 +381,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         metrics_lib.log(
             (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
-            f"({sum(bool(getattr(layer, 'reversible', False)) for layer in run.model.layers)} reversible), "
+            f"({sum(layer.reversible for layer in run.model.layers)} reversible), "
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
         if changes:
             metrics_lib.log(changes)
@@ -532,12 +532,8 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
       ckpt_lib.CheckpointError: no checkpoints, or a missing/damaged chosen step.
     """
     workdir = os.path.abspath(workdir)
-    lock = workdir_lib.acquire(workdir, "eval")
-    try:
+    with workdir_lib.locked(workdir, "eval"):
         return _eval_checkpoints(workdir, step, all_steps, kind)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str) -> list[dict]:

@@ -17,6 +17,7 @@ and `revtrain.checkpoint.Checkpointer.restore_newest` skips a damaged one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -121,6 +122,21 @@ def acquire(workdir: str, command: str) -> WorkdirLock | None:
     if error is not None:
         raise error
     return lock
+
+
+@contextlib.contextmanager
+def locked(workdir: str, command: str):
+    """``with locked(workdir, command):`` holds the lock of `acquire` for the block and releases it after.
+
+    Raises:
+      WorkdirBusy: as `acquire`.
+    """
+    lock = acquire(workdir, command)
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def saved_nothing(workdir: str) -> bool:

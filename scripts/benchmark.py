@@ -66,8 +66,7 @@ CONFIGS = [("standard", False), ("reversible", False), ("reversible", True)]
 def _ready(ts, metrics) -> None:
     """Blocks until a step's state and metrics are computed. Waits on the arrays the trainer holds: the
     stacked layout as it is (``ts.params`` of a stacked state would copy every slice out, each step)."""
-    held = ts.stacked if ts.stacked is not None else ts
-    jax.block_until_ready(((held.params, held.opt_state, held.layer_state), metrics))
+    jax.block_until_ready((ts.held(), metrics))
 
 
 def _trainer(kind, offload, depth, args, mesh):

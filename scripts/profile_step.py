@@ -42,8 +42,7 @@ DEFAULT_CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" 
 
 
 def _ready(ts, metrics) -> None:
-    held = ts.stacked if ts.stacked is not None else ts
-    jax.block_until_ready(((held.params, held.opt_state, held.layer_state), metrics))
+    jax.block_until_ready((ts.held(), metrics))
 
 
 def profile(steps: int, warmup: int) -> dict:

@@ -57,7 +57,7 @@ def _worker(out_path: str) -> None:
             ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
             losses.append(metrics["loss"])
         # The arrays the trainer holds (stacked runs as they are: a per-layer view would be a fresh copy).
-        held = (ts.stacked.params, ts.stacked.opt_state) if ts.stacked is not None else (ts.params, ts.opt_state)
+        held = ts.held()[:2]
         replicas_identical = all(
             all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
                 for s in leaf.addressable_shards)

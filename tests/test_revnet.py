@@ -91,7 +91,8 @@ def _worker(out_path: str) -> None:
     for name in ("reversible/4", "reversible_offload/4"):
         ts = runs[name][0]
         # The arrays the trainer holds (a stacked run as it is: its per-layer view would be a fresh copy).
-        held = (ts.stacked.params, ts.stacked.layer_state) if ts.stacked is not None else (ts.params, ts.layer_state)
+        params, _, layer_state = ts.held()
+        held = (params, layer_state)
         out["replicas_identical"][name] = all(
             all(np.array_equal(np.asarray(s.data), np.asarray(leaf.addressable_shards[0].data))
                 for s in leaf.addressable_shards)

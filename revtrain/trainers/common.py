@@ -105,6 +105,14 @@ class TrainState:
     opt_state = property(lambda self: self._layers()[1], lambda self, v: self._assign(1, v))
     layer_state = property(lambda self: self._layers()[2], lambda self, v: self._assign(2, v))
 
+    def held(self) -> tuple:
+        """``(params, opt_state, layer_state)`` as the trainer holds them, without a copy: the stacked
+        groups' lists when the state is stacked (whose ``params`` etc. would copy every slice out), else the
+        per-layer lists. For waiting on a step (``jax.block_until_ready``) or reading placements."""
+        if self.stacked is not None:
+            return self.stacked.params, self.stacked.opt_state, self.stacked.layer_state
+        return tuple(self._lists)
+
     def per_layer(self) -> "TrainState":
         """This state in the per-layer layout (itself when it already is; otherwise a new state with
         copies of the stacked slices, not kept on this one): what checkpoints hold."""
