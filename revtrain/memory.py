@@ -143,8 +143,14 @@ class MemoryMeter:
             self._count(jax.live_arrays())
             self.peak = self._total
 
-    def observe(self, fn, args) -> None:
-        """Accounts for one compiled call of ``fn(*args)`` that is about to run (estimate method only)."""
+    def observe(self, fn, args, moved: tuple = ()) -> None:
+        """Accounts for one compiled call of ``fn(*args)`` that is about to run (estimate method only).
+
+        ``moved``: positions of arguments in host memory that the program moves to the device itself
+        (an offloaded layer's weights and optimizer state). Their bytes count as device bytes while the
+        call runs: XLA:CPU, whose host and device memory are one, compiles those moves to nothing, so its
+        temporary bytes do not show them.
+        """
         if not self.active or self.method != "estimate":
             return
         leaves, treedef = jax.tree.flatten(args)
@@ -159,6 +165,10 @@ class MemoryMeter:
                     0, int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes))
             except Exception:  # a backend without memory analysis: count live arrays only
                 extra = 0
+            for i in moved:
+                for x in jax.tree.leaves(args[i]):
+                    if isinstance(x, jax.Array) and self.device in x.sharding.device_set:
+                        extra += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
             self._temp_cache[key] = extra
         self.peak = max(self.peak, self._total + extra)
 

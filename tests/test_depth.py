@@ -14,6 +14,7 @@ from revtrain.models import ReversibleTransformerLM
 from revtrain.models.revnet import RevNet
 from revtrain.placement import HOST_MEMORY, global_batch, make_mesh, put_replicated
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers.common import guarded_update
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 
@@ -76,10 +77,10 @@ def test_stacked_round_trip_keeps_values_and_memory_kinds():
 class _WalkingMeter(MemoryMeter):
     """Also walks every live array before each call (the old meter's O(live arrays) sum) and keeps both."""
 
-    def observe(self, fn, args):
+    def observe(self, fn, args, moved=()):
         if self.active:
             walked = sum(_bytes_on(a, self.device) for a in jax.live_arrays())
-            super().observe(fn, args)
+            super().observe(fn, args, moved)
             self.pairs.append((walked, self._total))
 
 
@@ -87,7 +88,8 @@ class _WalkingMeter(MemoryMeter):
                                     {"scan_layers": True}])
 def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs):
     """Before every call of a logged step, the meter's running total of live device bytes is what walking
-    every live array gives (as layers move on and off the device and buffers are donated)."""
+    every live array gives (as activations come and go, buffers are donated and, with offload, saved inputs
+    move to host memory)."""
     mesh = _mesh()
     model = ReversibleTransformerLM(32, num_layers=3, d_model=16, num_heads=2, dropout_rate=0.1)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
@@ -159,6 +161,52 @@ def test_standard_trainer_scan_matches_unrolled(text_batches):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, err_msg=str(key))
         for x, y in zip(jax.tree.leaves(ref), jax.tree.leaves(params)):
             assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), key
+
+
+def test_standard_program_grows_linearly_with_depth():
+    """Whole-model backprop's compiled step grows linearly with depth, not with its square: 4x the blocks
+    give at most 4x the optimised HLO (measured 3.0x). The non-finite guard once fused the AND of every
+    leaf's flag into each leaf's update (7.2x here; 96,549 lines and a 13 s compile at depth 8 of the
+    benchmark's tiny blocks, 165 s at depth 32)."""
+    mesh = _mesh()
+    tokens = np.zeros((2, 16), np.int32)
+    batch = global_batch({"inputs": tokens, "targets": tokens}, mesh)
+    lines = {}
+    for depth in (2, 8):
+        model = ReversibleTransformerLM(16, num_layers=depth, d_model=16, num_heads=2, dropout_rate=0.0)
+        trainer = StandardTrainer(model, optax.adam(1e-3), mesh, seed=0)
+        ts = trainer.init()
+        trainer.train_step(ts, batch)  # builds the step program
+        ts = trainer.init()
+        lowered = trainer._cache["step"].lower(ts.params, ts.opt_state[0], ts.layer_state, batch,
+                                               jax.random.PRNGKey(0))
+        lines[depth] = len(lowered.compile().as_text().splitlines())
+    assert lines[8] <= 4 * lines[2], lines
+
+
+def test_guarded_update_skips_non_finite_gradients():
+    """Both forms of the guarded update (a select per leaf, or ``lax.cond``) apply the optax update when
+    every gradient is finite, to the same bits, and leave parameters and optimizer state as they were
+    otherwise."""
+    tx = optax.adam(1e-2)
+    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, np.float32)}
+    state = tx.init(params)
+    good = {"a": np.full((2, 3), 0.5, np.float32), "b": np.linspace(-1, 1, 4, dtype=np.float32)}
+    bad = dict(good, b=np.array([0, np.nan, 0, 0], np.float32))
+    updates, _ = tx.update(good, state, params)
+    want = optax.apply_updates(params, updates)
+    out = {}
+    for branch in (False, True):
+        fn = jax.jit(lambda g, o, p, branch=branch: guarded_update(tx, g, o, p, branch=branch))
+        new_params, new_state, finite = fn(good, state, params)
+        assert bool(finite)
+        for x, y in zip(jax.tree.leaves(new_params), jax.tree.leaves(want)):
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+        out[branch] = (new_params, new_state)
+        new_params, new_state, finite = fn(bad, state, params)
+        assert not bool(finite)
+        assert _leaves_equal(new_params, params) and _leaves_equal(new_state, state), branch
+    assert _leaves_equal(out[False], out[True])
 
 
 def test_checkpoints_resume_across_the_executor_switch(text_batches, tmp_path):

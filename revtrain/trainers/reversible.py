@@ -11,10 +11,16 @@ input (rematerialisation) and the walk continues from that saved input, which al
 drift at every block boundary. At most one layer's gradients exist at a time.
 
 With ``offload=True`` every layer's weights and optimizer state live in host memory (memory kind
-``pinned_host``, replicated) between uses; the trainer copies the next layer to the device while the
-current one computes (JAX dispatch is asynchronous) and writes updated weights and state back to host
-memory without blocking. Saved standard-layer inputs go to host memory too. At most two layers' weights +
-optimizer state are on the device at any time.
+``pinned_host``, replicated) between uses. Each compiled call takes them there, moves them to the device
+inside the program (``jax.device_put`` to ``jax.memory.Space.Device`` under ``jit``) and returns the updated
+ones in host memory, so the Python loop itself never places weights on the device and never waits: the
+device holds the weights of the program it is running (one layer; two slices of a stacked run), however
+far asynchronous dispatch runs ahead, and XLA schedules the copies inside each program (it may start the
+optimizer state's copy while the layer's rebuild and vjp run). Saved standard-layer inputs go to host
+memory too. (An earlier design moved each layer from Python and prefetched the next one, which needed a
+host wait per layer to bound residency; on a CPU those waits and the Python copies cost 0.31x of
+no-offload speed at d_model 64, where XLA:CPU compiles the in-program moves to nothing, host and device
+memory being one.)
 
 Two executors (DESIGN.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
 (``scan_layers=True``): each maximal run of consecutive, structurally identical reversible layers is held
@@ -94,25 +100,16 @@ class ReversibleTrainer(TrainerBase):
         self._plans: dict = {}
 
     # -- placement -------------------------------------------------------------------------------
-    def _to_device(self, tree):
-        if not self.offload:
-            return tree
-        return jax.tree.map(lambda x: jax.device_put(x, self._device), tree)
-
-    def _to_host(self, tree):
-        if not self.offload:
-            return tree
-        return jax.tree.map(lambda x: jax.device_put(x, self._host), tree)
-
+    # Outside a program: one ``jax.device_put`` per tree (JAX moves every leaf in one batched call).
     def _act_to_host(self, tree):
         if not self.offload:
             return tree
-        return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(HOST_MEMORY)), tree)
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(HOST_MEMORY), tree))
 
     def _act_to_device(self, tree):
         if not self.offload:
             return tree
-        return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(DEVICE_MEMORY)), tree)
+        return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE_MEMORY), tree))
 
     def _inside_to_device(self, tree):
         if not self.offload:
@@ -125,12 +122,10 @@ class ReversibleTrainer(TrainerBase):
         return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
 
     def _fetch(self, tree):
-        return self._to_device(tree)
-
-    def _wait(self, tree) -> None:
-        """With offload, blocks until ``tree`` is computed (bounds the layers resident on the device)."""
-        if self.offload and tree is not None:
-            jax.block_until_ready(tree)
+        """A single layer's params on the device (a copy from host memory with offload)."""
+        if not self.offload:
+            return tree
+        return jax.device_put(tree, self._device)
 
     def init(self) -> TrainState:
         """Initial state, replicated (in host memory when offloading), in this trainer's layout: per
@@ -265,21 +260,37 @@ class ReversibleTrainer(TrainerBase):
                                               reverse=True)
         return x, dx, stacks[0], stacks[1], finite
 
+    def _moved(self, fn, inputs: tuple, outputs: tuple):
+        """``fn`` (a per-layer function) moving its arguments at positions ``inputs`` (weights, optimizer
+        state: in host memory) to the device inside the program and its results at positions ``outputs``
+        (the updated ones) back to host memory (offload)."""
+        def moved(layer, *args):
+            args = [self._inside_to_device(a) if i in inputs else a for i, a in enumerate(args)]
+            out = fn(layer, *args)
+            return tuple(self._inside_to_host(o) if i in outputs else o for i, o in enumerate(out))
+
+        return moved
+
+    # Per-layer programs: (function, in_specs, out_specs, donated arguments, arguments moved to the device
+    # and results moved back to host memory with offload).
+    _PER_LAYER = {
+        "forward_rev": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (2,), (0,), ()),
+        "forward_std": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (), (0,), ()),
+        "head": ("_head", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R, _R), (0, 1), (0, 1), (1, 2)),
+        "reverse": ("_reverse_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _D, _R, _R, _R), (0, 1, 3, 4), (0, 1),
+                    (2, 3)),
+        "recompute": ("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R), (0, 1, 4), (0, 1),
+                      (1, 2)),
+    }
+
     def _fn(self, kind, layer):
-        if kind == "forward_rev":
-            return self._compiled(kind, layer, self._forward, (_R, _R, _D, _R, _R), (_D, _R), donate=(2,))
-        if kind == "forward_std":
-            return self._compiled(kind, layer, self._forward, (_R, _R, _D, _R, _R), (_D, _R))
-        if kind == "head":
-            return self._compiled(kind, layer, self._head, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _R, _R, _R, _R, _R), donate=(0, 1))
-        if kind == "reverse":
-            return self._compiled(kind, layer, self._reverse_and_update, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _D, _R, _R, _R), donate=(0, 1, 3, 4))
-        if kind == "recompute":
-            return self._compiled(kind, layer, self._recompute_and_update, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _R, _R, _R), donate=(0, 1, 4))
-        raise KeyError(kind)
+        name, in_specs, out_specs, donate, inputs, outputs = self._PER_LAYER[kind]
+        fn = getattr(self, name)
+        if not self.offload:
+            return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate)
+        out = tuple(self._host if i in outputs else NamedSharding(self.mesh, spec) for i, spec in enumerate(out_specs))
+        return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
+                              out_shardings=out, moved=inputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
@@ -347,74 +358,36 @@ class ReversibleTrainer(TrainerBase):
         new_states = list(states)
         saved = {}
 
-        # With offload, at most two layers' weights (+ optimizer state) are on the device at any time:
-        # the one computing and the one in flight (prefetched, or being written back). JAX dispatch is
-        # asynchronous, so the loop waits (`_wait`) for the previous layer before it moves another one:
-        # the device is never idle for more than one dispatch, and the Python loop cannot run ahead and
-        # fill device memory with every layer's weights. A stacked run moves its own slices inside its
-        # program (two at a time), so nothing is prefetched across its boundaries. These are the only
-        # host syncs of a step besides the final check of non-finite values, and only with offload.
+        # With offload every program takes its layer's weights and optimizer state where they live (host
+        # memory), moves them to the device itself and writes the updated ones back to host memory (a
+        # stacked run moves one slice at a time inside its scan). Nothing in this loop allocates weights
+        # on the device, so the device holds at most the layers of the program it runs, however far
+        # asynchronous dispatch runs ahead: the loop never waits. The step's one host sync is the final
+        # check of non-finite values.
 
         # Forward: keep only the current activation (+ the inputs of standard layers).
         x = batch[self.model.input_key]
-        cur = head_opt = None
         for g in range(last):
-            self._wait(x)  # the previous layer has finished: its weights have left the device
-            if kinds[g] == "run":
-                x, new_states[g] = plan.forward[g](params[g], states[g], x, skey, index[g])
-            else:
-                if cur is None:
-                    cur = self._to_device(params[g])
-                if kinds[g] == "std":
-                    saved[g] = self._act_to_host(x)
-                x, new_states[g] = plan.forward[g](cur, states[g], x, skey, index[g])
-                cur = None
-                if kinds[g + 1] != "run":  # prefetch the next layer while this one runs
-                    cur = self._to_device(params[g + 1])
-                    if g + 1 == last:
-                        head_opt = self._to_device(opt_state[last])
+            if kinds[g] == "std":
+                saved[g] = self._act_to_host(x)
+            x, new_states[g] = plan.forward[g](params[g], states[g], x, skey, index[g])
 
         # Head: loss, vjp and update in one call.
-        self._wait(x)
-        if cur is None:
-            cur = self._to_device(params[last])
-        if head_opt is None:
-            head_opt = self._to_device(opt_state[last])
         finite = [None] * (last + 1)
-        dy, hp, ho, new_states[last], metrics, finite[last] = plan.head(
-            cur, head_opt, states[last], x, batch, skey, index[last])
-        del cur, head_opt
-        nxt = None
-        if last and kinds[last - 1] != "run":
-            nxt = (self._to_device(params[last - 1]), self._to_device(opt_state[last - 1]))
-        params[last], opt_state[last] = written = (self._to_host(hp), self._to_host(ho))
-        del hp, ho
+        dy, params[last], opt_state[last], new_states[last], metrics, finite[last] = plan.head(
+            params[last], opt_state[last], states[last], x, batch, skey, index[last])
 
         # Backward: reverse-and-update each layer (each run in one scan), newest first.
         y = x
         for g in range(last - 1, -1, -1):
-            self._wait((y, dy))  # the layer above has finished computing
-            if kinds[g] == "run":
-                self._wait(written)  # the layer above is back in host memory before this run moves slices
+            if kinds[g] == "std":
+                xs = self._act_to_device(saved.pop(g))
+                dy, params[g], opt_state[g], finite[g] = plan.backward[g](
+                    params[g], opt_state[g], states[g], xs, dy, skey, index[g])
+                y = xs
+            else:
                 y, dy, params[g], opt_state[g], finite[g] = plan.backward[g](
                     params[g], opt_state[g], states[g], y, dy, skey, index[g])
-                written = None
-                continue
-            if nxt is None:
-                nxt = (self._to_device(params[g]), self._to_device(opt_state[g]))
-            (p, o), nxt = nxt, None
-            if kinds[g] == "rev":
-                y, dy, p, o, finite[g] = plan.backward[g](p, o, states[g], y, dy, skey, index[g])
-            else:
-                xs = self._act_to_device(saved.pop(g))
-                dy, p, o, finite[g] = plan.backward[g](p, o, states[g], xs, dy, skey, index[g])
-                y = xs
-            self._wait(written)  # the layer above's updated weights are back in host memory
-            if g and kinds[g - 1] != "run":
-                nxt = (self._to_device(params[g - 1]), self._to_device(opt_state[g - 1]))
-            params[g], opt_state[g] = written = (self._to_host(p), self._to_host(o))
-            del p, o
-        self._wait(written)
         groups = grouped.groups
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,

@@ -97,7 +97,7 @@ class StandardTrainer(TrainerBase):
         loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
         finite = jnp.stack([all_finite(g) for g in grads])
         new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
-                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)))
+                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)), branch=True)
         metrics = {"loss": loss,
                    "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
         return new_params, new_opt, new_states, metrics, finite
