@@ -223,14 +223,34 @@ class ReversibleTrainer(TrainerBase):
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
     def _forward_run(self, layer, params, states, x, skey, start):
-        """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``."""
+        """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``.
+
+        With offload each iteration also moves the next layer's weights to the device and carries them,
+        so that copy can run while this layer computes (as the backward's scan does): two slices on the
+        device at most.
+        """
         count = jax.tree.leaves(params)[0].shape[0]
+        steps = jnp.arange(count, dtype=jnp.int32)
+        if not self.offload:
+            def body(x, slices):
+                p, s, j = slices
+                return self._forward(layer, p, s, x, skey, start + j)
 
-        def body(x, slices):
-            p, s, j = slices
-            return self._forward(layer, self._inside_to_device(p), s, x, skey, start + j)
+            return lax.scan(body, x, (params, states, steps))
 
-        return lax.scan(body, x, (params, states, jnp.arange(count, dtype=jnp.int32)))
+        def take(j):
+            return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False),
+                                                       params))
+
+        def prefetching(carry, slices):
+            x, p = carry
+            s, j = slices
+            nxt = take(jnp.minimum(j + 1, count - 1))
+            x, new_state = self._forward(layer, p, s, x, skey, start + j)
+            return (x, nxt), new_state
+
+        (x, _), new_states = lax.scan(prefetching, (x, take(0)), (states, steps))
+        return x, new_states
 
     def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
         """``_reverse_and_update`` of every layer of a stacked run, last first: one reverse ``lax.scan``.
