@@ -248,7 +248,7 @@ def _measure(configs, build, batches, rounds):
         trainers[c], states[c] = trainer, ts
         out[c] = {"startup_s": startup}
     plain = _timed_rounds(configs, trainers, states, batches, rounds, logged=False)
-    logged = _timed_rounds(configs, trainers, states, batches, max(2, rounds // 2), logged=True)
+    logged = _timed_rounds(configs, trainers, states, batches, rounds, logged=True)
     for c in configs:
         step = statistics.median(plain[c])
         out[c].update(step_s=step, steps_per_sec=1.0 / step,
