@@ -20,8 +20,8 @@ How a sample is made (context ``T`` = the model's sequence length, window ``W = 
 
 Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
 samples); the sampling settings are runtime values. With ``ReversibleTrainer.offload``, weights stay in host
-memory and every byte runs layer by layer, each layer's weights copied to the device for its part (the next
-layer's copy overlapping the current one's compute), as in training. Samples are split over the ``"data"``
+memory and every byte runs layer by layer, each layer's program moving its weights to the device itself, as
+in training (no host wait between layers). Samples are split over the ``"data"``
 mesh (all devices of all processes); their count is padded up to a multiple of the device count (the extra
 rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the same text.
 
@@ -246,8 +246,14 @@ def _compiled(program, args):
 # -- the layer-by-layer driver (weights offloaded to host memory) -------------------------------------
 @functools.lru_cache(maxsize=64)
 def _layer_program(layer, mesh):
-    """``(params, state, x, cache, pos) -> (y, new_cache)`` for one layer, batch split over ``"data"``."""
-    mapped = jax.shard_map(layer.decode, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=(_D, _D))
+    """``(params, state, x, cache, pos) -> (y, new_cache)`` for one layer, batch split over ``"data"``.
+    ``params`` may be in host memory: the program moves them to the device itself (as the trainer's
+    offloaded programs do), so the caller neither copies weights nor waits between layers."""
+    def decode(params, state, x, cache, pos):
+        params = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), params)
+        return layer.decode(params, state, x, cache, pos)
+
+    mapped = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=(_D, _D))
     return jax.jit(mapped, donate_argnums=(3,), compiler_options=XLA_OPTIONS)
 
 
@@ -298,17 +304,13 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     window = _window(context)
     first = min(prompt_len, window)
 
+    params = ts.params  # in host memory: each layer's program moves its own weights to the device
+
     def run(tokens, caches, pos):
         x = tokens
-        nxt = trainer.layer_params(ts, 0)
         for i, layer in enumerate(layers):
-            params = nxt
-            x, caches[i] = _layer_program(layer, mesh)(params, trainer.layer_state(ts, i), x, caches[i],
+            x, caches[i] = _layer_program(layer, mesh)(params[i], trainer.layer_state(ts, i), x, caches[i],
                                                        np.int32(pos))
-            if i + 1 < len(layers):
-                nxt = trainer.layer_params(ts, i + 1)  # copied while layer i computes
-            jax.block_until_ready(x)  # layer i is done: its weights can leave the device
-            del params
         return x, caches
 
     text = _text_program(mesh, max(prompt_len + opts.length, window))(prompt)
