@@ -6,6 +6,10 @@
   naming it and every directory searched.
 * `value_error_line`: a value gin cannot parse (``--gin.train.steps=abc``) named with its binding and a hint
   to quote strings, instead of Python's "malformed node or string" text.
+* `call_error_line`: an error raised inside a call gin makes for a binding (``@optax.warmup_cosine_decay_
+  schedule()`` with ``decay_steps`` below ``warmup_steps``) as one line naming the configurable and its
+  bindings, with the values of the macros they use (``decay_steps = %STEPS = 30``), instead of the
+  library's message alone.
 * `config_differences`: the operative values (macros resolved) that differ between two operative configs,
   e.g. a run's saved ``config.gin`` and the configuration resuming it.
 """
@@ -128,6 +132,34 @@ class _Delegate(config_parser.ParserDelegate):
 
     def macro(self, macro_name):
         return _Macro(macro_name)
+
+
+_CALL = re.compile(r"In call to configurable '([^']+)'")
+_MACRO = re.compile(r"%([A-Za-z_][\w.]*)")
+
+
+def call_error_line(e: Exception) -> str:
+    """One line for ``e``, raised in a call that gin made for a binding (gin appends "In call to
+    configurable 'NAME'" to such errors): the error's first line, then NAME's bindings in the parsed
+    config, each macro followed by its value. Errors from elsewhere give their first line only."""
+    text = str(e)
+    first = text.splitlines()[0] if text else type(e).__name__
+    match = _CALL.search(text)
+    if not match:
+        return first
+    name, bindings = match.group(1), []
+    for line in gin.config_str().splitlines():
+        selector, _, value = line.partition(" = ")
+        if not value or selector.rsplit("/", 1)[-1].rsplit(".", 1)[0].rsplit(".", 1)[-1] != name:
+            continue
+        for macro in dict.fromkeys(_MACRO.findall(value)):
+            try:
+                value += f" = {gin.query_parameter('%' + macro)!r}"
+            except (ValueError, KeyError):
+                pass
+        bindings.append(f"{selector.rsplit('.', 1)[-1]} = {value}")
+    where = f"{name}: {', '.join(bindings)}" if bindings else name
+    return f"{first} (in {where})"
 
 
 def operative_values(text: str) -> dict[str, str]:

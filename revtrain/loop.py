@@ -180,7 +180,7 @@ def build(cfg: TrainConfig | None = None) -> Run:
         try:
             cfg = TrainConfig()
         except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
-            raise ConfigError(str(e).splitlines()[0]) from e
+            raise ConfigError(ginconfig.call_error_line(e)) from e
     _check_positive(cfg)
     mesh = make_mesh()
     _divisible(cfg.batch_size, mesh, "train.batch_size")
@@ -194,12 +194,12 @@ def build(cfg: TrainConfig | None = None) -> Run:
     try:
         tx, schedule = build_optimizer(cfg)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"cannot build the optimizer: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"cannot build the optimizer: {ginconfig.call_error_line(e)}") from e
     trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed)
     try:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from e
+        raise ConfigError(ginconfig.call_error_line(e)) from e
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
 

@@ -95,6 +95,9 @@ def test_skip_nonfinite_steps_skips_and_logs_each(tmp_path):
     (None, ["--config", CONFIG, "--gin", "train.steps = 'many'"], "train.steps must be a positive integer"),
     (None, ["--config", CONFIG, "--gin", "train.batch_size = 0"], "train.batch_size must be a positive"),
     (None, ["--config", CONFIG, "--gin", "ByteLMTask.sequence_length = 10000000"], "sequence length"),
+    # A bound call that raises (the schedule, with fewer steps than its warmup): its bindings and macro values.
+    (None, ["--config", CONFIG, "--gin", "STEPS = 30"], "decay_steps = %STEPS = 30, end_value = 0.0001, "
+     "init_value = 0.0, peak_value = 0.003, warmup_steps = %WARMUP = 50)"),
     ("file", ["--config", CONFIG, "--workdir", "{file}"], "cannot write"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
