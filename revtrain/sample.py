@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import checkpoint as ckpt_lib
 from revtrain import loop
 from revtrain import metrics as metrics_lib
-from revtrain.placement import DATA_AXIS, global_batch
+from revtrain.placement import DATA_AXIS, DispatchLimiter, global_batch
 from revtrain.trainers.common import XLA_OPTIONS, per_device
 
 _D = P(DATA_AXIS)
@@ -305,12 +305,13 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     first = min(prompt_len, window)
 
     params = ts.params  # in host memory: each layer's program moves its own weights to the device
+    limit = DispatchLimiter(mesh)  # bounded asynchronous dispatch on a multi-device CPU (placement.py)
 
     def run(tokens, caches, pos):
         x = tokens
         for i, layer in enumerate(layers):
-            x, caches[i] = _layer_program(layer, mesh)(params[i], trainer.layer_state(ts, i), x, caches[i],
-                                                       np.int32(pos))
+            x, caches[i] = limit(_layer_program(layer, mesh)(params[i], trainer.layer_state(ts, i), x, caches[i],
+                                                             np.int32(pos)))
         return x, caches
 
     text = _text_program(mesh, max(prompt_len + opts.length, window))(prompt)
