@@ -33,6 +33,11 @@ import jax
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
+def _shard_bytes(arr) -> int:
+    """Bytes of one device's shard of ``arr``, whatever its memory kind."""
+    return math.prod(arr.sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
+
+
 def _bytes_on(arr, device, cache: dict | None = None) -> int:
     """Bytes of ``arr`` held in device memory on ``device`` (0 for host memory kinds and other devices).
     ``cache``: a dict remembering the answer per (sharding, shape, dtype)."""
@@ -44,7 +49,7 @@ def _bytes_on(arr, device, cache: dict | None = None) -> int:
         if sharding.memory_kind in HOST_KINDS or device not in sharding.device_set:
             nbytes = 0
         else:
-            nbytes = math.prod(sharding.shard_shape(arr.shape)) * arr.dtype.itemsize
+            nbytes = _shard_bytes(arr)
     except Exception:  # an array without a usable sharding (deleted, or a backend that has none)
         return 0
     if cache is not None:
@@ -168,7 +173,7 @@ class MemoryMeter:
             for i in moved:
                 for x in jax.tree.leaves(args[i]):
                     if isinstance(x, jax.Array) and self.device in x.sharding.device_set:
-                        extra += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                        extra += _shard_bytes(x)
             self._temp_cache[key] = extra
         self.peak = max(self.peak, self._total + extra)
 

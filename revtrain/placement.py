@@ -43,6 +43,12 @@ def host_memory_supported(mesh: Mesh) -> bool:
         return False
 
 
+def move_inside(tree, space):
+    """Inside a compiled program: every leaf of ``tree`` moved to memory ``space``
+    (``jax.memory.Space.Device`` or ``.Host``); a leaf already there is left as it is."""
+    return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
 def put_replicated(tree, mesh: Mesh, memory_kind: str | None = None):
     """Places every leaf of ``tree`` (host numpy or jax arrays) replicated over ``mesh``."""
     sharding = replicated(mesh, memory_kind)

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import checkpoint as ckpt_lib
 from revtrain import loop
 from revtrain import metrics as metrics_lib
-from revtrain.placement import DATA_AXIS, DispatchLimiter, global_batch
+from revtrain.placement import DATA_AXIS, DispatchLimiter, global_batch, move_inside
 from revtrain.trainers.common import XLA_OPTIONS, per_device
 
 _D = P(DATA_AXIS)
@@ -250,8 +250,7 @@ def _layer_program(layer, mesh):
     ``params`` may be in host memory: the program moves them to the device itself (as the trainer's
     offloaded programs do), so the caller neither copies weights nor waits between layers."""
     def decode(params, state, x, cache, pos):
-        params = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), params)
-        return layer.decode(params, state, x, cache, pos)
+        return layer.decode(move_inside(params, jax.memory.Space.Device), state, x, cache, pos)
 
     mapped = jax.shard_map(decode, mesh=mesh, in_specs=(P(), P(), _D, _D, P()), out_specs=(_D, _D))
     return jax.jit(mapped, donate_argnums=(3,), compiler_options=XLA_OPTIONS)

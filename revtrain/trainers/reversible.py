@@ -50,8 +50,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, put_replicated,
-                                replicated)
+from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
+                                put_replicated, replicated)
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
                                       check_flags, check_per_layer_optimizer, example_keys, guarded_update, per_device,
                                       step_key)
@@ -112,14 +112,14 @@ class ReversibleTrainer(TrainerBase):
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE_MEMORY), tree))
 
     def _inside_to_device(self, tree):
-        if not self.offload:
-            return tree
-        return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+        return move_inside(tree, jax.memory.Space.Device) if self.offload else tree
 
     def _inside_to_host(self, tree):
-        if not self.offload:
-            return tree
-        return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+        return move_inside(tree, jax.memory.Space.Host) if self.offload else tree
+
+    def _slice_to_device(self, stacks, j):
+        """Inside a scan: slice ``j`` of stacked trees, moved to the device (with offload)."""
+        return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks))
 
     def _fetch(self, tree):
         """A single layer's params on the device (a copy from host memory with offload)."""
@@ -238,18 +238,14 @@ class ReversibleTrainer(TrainerBase):
 
             return lax.scan(body, x, (params, states, steps))
 
-        def take(j):
-            return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False),
-                                                       params))
-
         def prefetching(carry, slices):
             x, p = carry
             s, j = slices
-            nxt = take(jnp.minimum(j + 1, count - 1))
+            nxt = self._slice_to_device(params, jnp.minimum(j + 1, count - 1))
             x, new_state = self._forward(layer, p, s, x, skey, start + j)
             return (x, nxt), new_state
 
-        (x, _), new_states = lax.scan(prefetching, (x, take(0)), (states, steps))
+        (x, _), new_states = lax.scan(prefetching, (x, self._slice_to_device(params, 0)), (states, steps))
         return x, new_states
 
     def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
@@ -262,20 +258,16 @@ class ReversibleTrainer(TrainerBase):
         """
         count = jax.tree.leaves(params)[0].shape[0]
 
-        def take(stacks, j):
-            return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False),
-                                                       stacks))
-
         def body(carry, slices):
             stacks, y, dy, (p, o) = carry
             s, j = slices
             x, dx, p, o, finite = self._reverse_and_update(layer, p, o, s, y, dy, skey, start + j)
             stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks,
                                   self._inside_to_host((p, o)))
-            return (stacks, x, dx, take(stacks, jnp.maximum(j - 1, 0))), finite
+            return (stacks, x, dx, self._slice_to_device(stacks, jnp.maximum(j - 1, 0))), finite
 
         stacks = (params, opt_state)
-        carry = (stacks, y, dy, take(stacks, count - 1))
+        carry = (stacks, y, dy, self._slice_to_device(stacks, count - 1))
         (stacks, x, dx, _), finite = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)),
                                               reverse=True)
         return x, dx, stacks[0], stacks[1], finite
