@@ -7,6 +7,7 @@ batches, logs, evaluates and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal as signal_lib
@@ -288,13 +289,18 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     return knobs
 
 
-def _config_changes(workdir: str) -> str | None:
+def _run_config(cfg: TrainConfig):
+    """`ginconfig.run_config` of the run: the operative config plus every ``train.*`` value it was given."""
+    return ginconfig.run_config({f"train.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def _config_changes(workdir: str, cfg: TrainConfig) -> str | None:
     """One line listing the operative gin values that differ from the saved ``config.gin`` of the run being
     resumed (None when nothing differs or there is nothing to compare)."""
     try:
         with open(os.path.join(workdir, "config.gin")) as f:
             saved = f.read()
-        changes = ginconfig.config_differences(saved, gin.operative_config_str())
+        changes = ginconfig.config_differences(saved, _run_config(cfg)[0])
     except (OSError, SyntaxError, ValueError):
         return None
     if not changes:
@@ -375,12 +381,20 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         for e in damaged:  # a resumed run saves these steps again: their damaged copies go out of the way
             where = checkpointer.set_aside(e.step)
             metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
-        changes = _config_changes(workdir) if resumed is not None and primary else None
+        changes = _config_changes(workdir, cfg) if resumed is not None and primary else None
         writer = metrics_lib.MetricWriter(workdir, enabled=primary)
         writer.restart_at(resumed or 0)  # each step once: records after the resumed step are redone
         if primary:
+            text, modules, unnamed = _run_config(run.cfg)
             with open(os.path.join(workdir, "config.gin"), "w") as f:
-                f.write(gin.operative_config_str())
+                f.write(text)
+            if modules:  # where the user's modules came from: eval / sample / check find them again
+                with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
+                    json.dump(modules, f, indent=1)
+            if unnamed:
+                metrics_lib.log(f"config.gin cannot name {', '.join(unnamed)} (set from Python, and neither a "
+                                "literal nor a gin configurable): revtrain eval / sample / check on this workdir "
+                                "will use the gin default; make it a @gin.configurable to have it recorded")
         metrics_lib.log(
             (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
