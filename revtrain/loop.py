@@ -24,16 +24,13 @@ from revtrain import ginconfig, interrupts, oom
 from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
+from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
 from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState
 from revtrain.trainers.reversible import ReversibleTrainer
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run (reported as one line, exit status 2)."""
 
 
 class TrainingStopped(FloatingPointError):
@@ -286,6 +283,10 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
         knobs.append("train.trainer = @ReversibleTrainer")
     if getattr(run.cfg.model, "__name__", "") == "ReversibleTransformerLM":
         knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
+    elif getattr(run.cfg.model, "__name__", "") == "ComposedModel" and any(
+            "CausalSelfAttention" in type(getattr(layer.merge(layer.init_params, layer.init_state), "f", None)).__name__
+            for layer in run.model.layers if layer.reversible):
+        knobs.append("attention blocking (CausalSelfAttention.attention_block)")
     return knobs
 
 
@@ -328,7 +329,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
         run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
         if run.cfg.sample_every:
-            from revtrain import sample as sample_lib
+            from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
         created = _writable(workdir)
         lock = workdir_lib.acquire(workdir, "train")
@@ -350,7 +351,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
 def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
     cfg, trainer = run.cfg, run.trainer
     if cfg.sample_every:
-        from revtrain import sample as sample_lib
+        from revtrain import generate as sample_lib
     primary = jax.process_index() == 0
     pc, pi = jax.process_count(), jax.process_index()
     data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
