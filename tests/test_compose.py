@@ -62,6 +62,7 @@ def test_composed_revnet_gives_the_builders_weights():
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer", ["ReversibleTrainer", "StandardTrainer"])
 def test_composed_default_trains_like_the_builder_to_the_last_digit(tmp_path, byte_lm_data_dir, trainer):
     runs = {}
