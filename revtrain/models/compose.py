@@ -34,6 +34,7 @@ references to classes, as in t5x / flaxformer configs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ from flax import nnx
 
 from revtrain.layers.base import HeadLayer, Layer, ReversibleCoupling, ReversibleLayer
 from revtrain.models.base import Model
-from revtrain.models.contract import ContractError, check_part, check_coupling
+from revtrain.models.contract import ContractError, check_coupling, check_part
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -62,6 +63,8 @@ def _scope_name() -> str | None:
 
 
 def _part_name(part) -> str:
+    while isinstance(part, functools.partial):
+        part = part.func
     return getattr(part, "__name__", None) or type(part).__name__
 
 
