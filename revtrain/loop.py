@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import ginconfig, interrupts, oom
+from revtrain import ginconfig, interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
@@ -326,6 +326,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         primary = jax.process_index() == 0
         guard.workdir, guard.created, guard.lock, guard.primary = workdir, created, lock, primary
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
+        lost_peer.watch(guard.checkpoint_dir)
         try:
             return _train(run, workdir, guard)
         except BaseException:
@@ -412,6 +413,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     continue
                 guard.idle = False  # a finished step that is not saved yet: the first signal saves it
                 step = ts.step
+                lost_peer.watch(step=step)
                 final = step == cfg.steps
                 if step == resumed_or_zero + 1 and not logged:
                     # The first step compiled every program: leave it out of the first rate.
@@ -471,6 +473,9 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
         raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "
                           "and rerun the same command to resume") from None
+    except Exception as e:  # a lost peer: one line and exit 1 now, before the cleanup below waits for it
+        lost_peer.exit_if_peer_lost(e)
+        raise
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
         try:
