@@ -253,8 +253,9 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         layers_per_chunk = 1
     base_dtype = _model_dtype(cfg)
     results = {}
-    done = {"text": "before the first pass"}
-    guard.lost_note = lambda: f"check stopped during {done['text']}: no verdict"
+    done = {"text": None}
+    guard.lost_note = lambda: (f"check got as far as {done['text']}" if done["text"] else
+                               "check had not finished a layer") + "; no verdict"
     guard.idle = False
     for dtype in (base_dtype, "bfloat16" if base_dtype == "float32" else "float32"):
         if dtype != base_dtype and _with_dtype(cfg, dtype) is None:

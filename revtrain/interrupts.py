@@ -9,7 +9,8 @@ The policy (`Interrupts`):
   saves that step and exits 0.
 * A second signal stops at once, with exit status 128 + the signal's number: the steps after the newest
   checkpoint are lost (the line says which checkpoint is kept).
-* Signals that arrive together count as one: a signal within `BURST_WINDOW` seconds of the previous one
+* Signals that arrive together count as one: a signal within `BURST_WINDOW` seconds (1 s; the
+  environment variable ``REVTRAIN_SIGNAL_BURST_SECONDS`` sets another, 0 turns it off) of the previous one
   that counted is ignored. ``timeout``, SLURM's ``scancel`` and ``mpirun`` send their SIGTERM to the
   process and to its whole process group at once (so revtrain, and the Python interpreter that runs it,
   receive it twice within microseconds); a second signal means someone asked again.
@@ -44,7 +45,16 @@ import time
 
 STOPPED_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stopped.py")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-BURST_WINDOW = 1.0  # seconds: signals closer together than this count as one
+BURST_WINDOW = 1.0  # seconds: signals closer together than this count as one (REVTRAIN_SIGNAL_BURST_SECONDS)
+
+
+def burst_window() -> float:
+    """`BURST_WINDOW`, or the environment's ``REVTRAIN_SIGNAL_BURST_SECONDS`` (0 turns bursts off)."""
+    value = os.environ.get("REVTRAIN_SIGNAL_BURST_SECONDS", "").strip()
+    try:
+        return max(0.0, float(value)) if value else BURST_WINDOW
+    except ValueError:
+        return BURST_WINDOW
 
 
 def signal_name(signum: int) -> str:
@@ -92,6 +102,7 @@ class Interrupts:
         self.lost_note = "the steps after the newest checkpoint are lost"
         self.report_checkpoints = True
         self._last_signal: float | None = None
+        self.burst_window = burst_window()
         self._mutex = threading.Lock()
         self._installed = False
 
@@ -137,7 +148,7 @@ class Interrupts:
     def _on_signal(self, signum: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._mutex:
-            if self._last_signal is not None and now - self._last_signal < BURST_WINDOW:
+            if self._last_signal is not None and now - self._last_signal < self.burst_window:
                 return  # the same burst (see BURST_WINDOW)
             self._last_signal = now
             name = signal_name(signum)

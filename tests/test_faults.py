@@ -4,6 +4,7 @@ time is bounded, and the files left behind.
 """
 
 import json
+import shutil
 import os
 import pathlib
 import signal
@@ -147,3 +148,135 @@ def test_an_unusable_data_source_prints_only_the_error_and_leaves_no_cache(tmp_p
     assert code == 2 and len(lines) == 1 and lines[0].startswith("revtrain: error: ") and want in lines[0], lines
     assert not workdir.exists()
     assert not data_dir.exists() or not any(data_dir.rglob("*")), sorted(data_dir.rglob("*"))
+
+
+# -- signals: bursts, and eval / sample / check ----------------------------------------------------------
+
+def test_signals_within_the_burst_window_count_as_one(monkeypatch):
+    """The policy itself (no process is stopped): a signal within BURST_WINDOW of the last one that counted
+    is the same request; one after it asks again."""
+    from revtrain import interrupts
+    stops = []
+    guard = interrupts.Interrupts(log=lambda line: stops.append(("log", line)))
+    monkeypatch.setattr(guard, "stop_now", lambda signum, message, code: stops.append((code, message)))
+    guard.idle = False
+    window = interrupts.BURST_WINDOW
+    assert window == 1.0 and guard.burst_window == window
+    guard._on_signal(signal.SIGTERM, now=100.0)
+    guard._on_signal(signal.SIGTERM, now=100.0 + 1e-6)  # timeout: to the child and to its group at once
+    guard._on_signal(signal.SIGINT, now=100.0 + 0.9 * window)
+    assert guard.signal == signal.SIGTERM
+    assert stops == [("log", "received SIGTERM: saving and stopping after the current step; send it again to "
+                              "stop at once")]
+    guard._on_signal(signal.SIGTERM, now=100.0 + 0.9 * window + 1.01 * window)  # a later, second request
+    assert stops[-1] == (128 + signal.SIGTERM, "received SIGTERM again: stopped at once, the steps after the "
+                                               "newest checkpoint are lost")
+    monkeypatch.setenv("REVTRAIN_SIGNAL_BURST_SECONDS", "0")
+    assert interrupts.Interrupts().burst_window == 0.0
+
+
+def test_a_burst_from_timeout_saves_and_stops_like_one_signal(tmp_path, byte_lm_data_dir):
+    """SIGTERM to the process and to its process group at once (what timeout, scancel and mpirun do) during
+    training: one request, so the step is saved and the run exits 0 (not the stop-at-once path)."""
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "revtrain", "train", *TINY, "--gin", "STEPS = 1000", "--gin",
+                             "train.checkpoint_every = 1000", "--workdir", str(workdir)], stderr=subprocess.PIPE,
+                            text=True, env=_env(byte_lm_data_dir), start_new_session=True)
+    try:
+        out = []
+        for line in proc.stderr:
+            out.append(line.rstrip())
+            if line.startswith("step 3/"):
+                os.kill(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        out += proc.stderr.read().splitlines()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, out[-10:]
+    received = [l for l in out if "received SIGTERM" in l]
+    assert received[0] == "received SIGTERM: saving and stopping after the current step; send it again to stop " \
+        "at once" and len(received) == 2 and received[1].startswith("received SIGTERM: saving step "), out[-10:]
+    saved = int(received[1].split("saving step ")[1].split()[0])
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [saved]
+    assert not [l for l in out if "again" in l.split("send it again")[0] or "Traceback" in l]
+
+
+@pytest.fixture(scope="module")
+def four_checkpoints(tmp_path_factory, byte_lm_data_dir):
+    """A finished 4-step run with checkpoints 1-4; training scored step 4 (metrics/eval.jsonl)."""
+    workdir = tmp_path_factory.mktemp("signals") / "run"
+    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *TINY, "--gin", "STEPS = 4", "--gin",
+                             "train.checkpoint_every = 1", "--gin", "train.keep_checkpoints = 10",
+                             "--workdir", str(workdir)], capture_output=True, text=True, env=_env(byte_lm_data_dir),
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def _signalled(target: str, gaps: str, args: list, data_dir: str):
+    """``revtrain ARGS`` signalling itself when ``target`` is first called (tests/_signal_inside.py)."""
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "_signal_inside.py"), target, gaps, "--",
+                             *[str(a) for a in args]], capture_output=True, text=True, env=_env(data_dir),
+                            timeout=300)
+    return result.returncode, result.stdout, [l for l in result.stderr.splitlines() if l.strip()]
+
+
+def _eval_steps(workdir) -> list:
+    return [json.loads(l)["step"] for l in (workdir / "metrics" / "eval.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("gaps", ["", "0"])
+def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_is_left(
+        tmp_path, four_checkpoints, byte_lm_data_dir, gaps):
+    """One SIGTERM (or two at once) while step 1 is scored: step 1 is finished and written, 2 and 3 are not
+    scored, exit 0, and eval.jsonl holds whole records only."""
+    workdir = tmp_path / "run"
+    shutil.copytree(four_checkpoints, workdir)
+    code, out, err = _signalled("revtrain.loop._evaluate_or_oom", gaps, ["eval", "--workdir", workdir, "--all"],
+                                byte_lm_data_dir)
+    assert code == 0, err
+    assert err[0] == "received SIGTERM: finishing the scoring of step 1, then stopping; send it again to stop at " \
+        "once", err
+    assert err[1].startswith("eval at step 1 (validation): loss "), err
+    assert err[2:] == ["received SIGTERM: stopped after scoring step 1; scored: 1 (in metrics/eval.jsonl); not "
+                       "scored: 2, 3 (the same command scores them)"], err
+    assert _eval_steps(workdir) == [4, 1]
+
+
+def test_a_second_signal_during_eval_stops_at_once_and_keeps_eval_jsonl_intact(tmp_path, four_checkpoints,
+                                                                               byte_lm_data_dir):
+    workdir = tmp_path / "run"
+    shutil.copytree(four_checkpoints, workdir)
+    before = (workdir / "metrics" / "eval.jsonl").read_bytes()
+    code, out, err = _signalled("revtrain.loop._evaluate_or_oom", "1.5", ["eval", "--workdir", workdir, "--all"],
+                                byte_lm_data_dir)
+    assert code == 128 + signal.SIGTERM, err
+    assert err == ["received SIGTERM: finishing the scoring of step 1, then stopping; send it again to stop at once",
+                   "revtrain: received SIGTERM again: stopped at once, the scoring of step 1 is lost; scored: none "
+                   "(in metrics/eval.jsonl); not scored: 1, 2, 3 (the same command scores them)"], err
+    assert (workdir / "metrics" / "eval.jsonl").read_bytes() == before
+
+
+def test_a_signal_during_sampling_stops_at_once_saying_nothing_was_written(tmp_path, four_checkpoints,
+                                                                           byte_lm_data_dir):
+    output = tmp_path / "sample.bin"
+    code, out, err = _signalled("revtrain.sample.generate", "", ["sample", "--workdir", four_checkpoints,
+                                                                  "--length", "2000", "--output", output],
+                                byte_lm_data_dir)
+    assert code == 128 + signal.SIGTERM, err
+    assert err == ["revtrain: received SIGTERM: stopped at once, the 1 x 2000-byte sample from step 4 did not "
+                   "finish; nothing was written"], err
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+def test_a_signal_during_check_stops_at_once_saying_how_far_it_got(four_checkpoints, byte_lm_data_dir):
+    code, out, err = _signalled("revtrain.check._Checker.reversible", "", ["check", "--workdir", four_checkpoints],
+                                byte_lm_data_dir)
+    assert code == 128 + signal.SIGTERM, err
+    assert err[-1] == "revtrain: received SIGTERM: stopped at once, check got as far as float32 forward: 3 of 3 " \
+        "layers; no verdict", err
+    assert all(l.startswith("check float32 forward: ") for l in err[:-1]), err
+    assert out == ""  # no table, no verdict
