@@ -2,6 +2,7 @@
 
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
+                 [--heartbeat_timeout SECONDS]
   revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--gin ...] [--verbose]
   revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
                   [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE]
@@ -262,16 +263,16 @@ def _init_distributed(args) -> None:
             kwargs = {k: v for k, v in (("num_processes", n), ("process_id", i)) if v is not None}
         where = f"{os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'} (from the {cluster} environment)"
 
+    from revtrain import lost_peer
+    timeout = lost_peer.DEFAULT_HEARTBEAT_TIMEOUT if args.heartbeat_timeout is None else args.heartbeat_timeout
+    if timeout < 1:
+        raise UsageError(f"--heartbeat_timeout must be a positive number of seconds, got {timeout}")
     import jax
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():  # too late for gloo and for jax.distributed
         raise UsageError("JAX backends were started before jax.distributed.initialize")
     if _platform_is_cpu() and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from revtrain import lost_peer
-    timeout = lost_peer.DEFAULT_HEARTBEAT_TIMEOUT if args.heartbeat_timeout is None else args.heartbeat_timeout
-    if timeout < 1:
-        raise UsageError(f"--heartbeat_timeout must be a positive number of seconds, got {timeout}")
     try:
         lost_peer.initialize(heartbeat_timeout=timeout, **kwargs)
     except ValueError as e:  # JAX found no process count / index / coordinator in the environment
