@@ -59,16 +59,18 @@ def newest_checkpoint(checkpoint_dir: str | None) -> int | None:
     return max(steps) if steps else None
 
 
-def _who() -> str:
+def _who() -> tuple[str, str]:
+    """(the lost process, a note on it) as far as this process can tell."""
     pc, pi = _state["processes"], _state["process"]
     if pc == 2:
-        return f"process {1 - pi} of 2" + (", the coordinator," if pi == 1 else "")
-    return f"another of the {pc} processes"
+        return f"process {1 - pi} of 2", "the coordinator; " if pi == 1 else ""
+    return f"another of the {pc} processes", ""
 
 
 def report_line(how: str) -> str:
     """The one line a survivor prints (see the module docstring)."""
-    line = f"revtrain: error: lost {_who()} ({how})"
+    who, note = _who()
+    line = f"revtrain: error: lost {who} ({note}{how})"
     if _state["step"] is not None:
         line += f"; stopped after step {_state['step']}"
     newest = newest_checkpoint(_state["checkpoints"])

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -82,16 +83,12 @@ def _kill_all(procs):
         p.wait(timeout=30)
 
 
-@pytest.mark.parametrize("lost", [1, 0])
-def test_a_lost_process_stops_the_other_with_one_line_and_the_run_resumes_exactly(tmp_path, lost, byte_lm_data_dir):
-    """kill -9 of one process at step 12 of a two-process run: the other prints one line naming the lost
-    process and the newest checkpoint and exits 1 within the heartbeat timeout (5 s here), with no C++
-    trace; the same command on both processes then resumes, and its steps after the checkpoint equal the
-    first run's bit for bit."""
-    workdir = tmp_path / "run"
-    procs = _pair(workdir, 15, byte_lm_data_dir, tmp_path, "first")
+def _lose_one(workdir, lost: int, data_dir: str, logdir) -> dict:
+    """A two-process run (15 steps, checkpoint every 5) whose process ``lost`` is killed with SIGKILL at step
+    12: the survivor's exit status, seconds from the kill to its exit, output, and the checkpoints left."""
+    procs = _pair(workdir, 15, data_dir, logdir, f"first.lost{lost}")
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 400
         while "step 12/15" not in _read(procs[0][1]):
             assert time.monotonic() < deadline and all(p.poll() is None for p, _ in procs), _read(procs[0][1])
             time.sleep(0.05)
@@ -102,29 +99,69 @@ def test_a_lost_process_stops_the_other_with_one_line_and_the_run_resumes_exactl
         seconds = time.monotonic() - killed
     finally:
         _kill_all(procs)
-    before = _records(workdir)
-    out = _read(log).splitlines()
+    return {"code": code, "seconds": seconds, "out": _read(log).splitlines(), "records": _records(workdir),
+            "checkpoints": sorted(os.listdir(workdir / "checkpoints"))}
+
+
+def _survivor_reported(r: dict, lost: int) -> int:
+    """Checks the survivor's exit and line; returns the newest checkpoint step it names."""
+    out = r["out"]
     errors = [l for l in out if "error" in l.lower() or "Check failure" in l or "coordination" in l.lower()]
-    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert code == 1, out[-20:]
-    assert seconds < HEARTBEAT + 5, seconds
-    who = "process 1 of 2" if lost == 1 else "process 0 of 2, the coordinator,"
-    assert len(errors) == 1 and errors[0].startswith(f"revtrain: error: lost {who} ("), out[-20:]
+    steps = sorted(int(n) for n in r["checkpoints"] if n.isdigit())
+    assert r["code"] == 1, out[-20:]
+    assert r["seconds"] < HEARTBEAT + 5, r["seconds"]
+    who = "process 1 of 2 (" if lost == 1 else "process 0 of 2 (the coordinator; "
+    assert len(errors) == 1 and errors[0].startswith(f"revtrain: error: lost {who}"), out[-20:]
     assert out[-1] == errors[0] and f"the newest checkpoint (step {steps[-1]}) is kept; start the same command " \
         "on every host to resume" in errors[0], out[-20:]
     assert steps[-1] in (5, 10)  # (step 10's save may not have finished on both processes)
+    assert all(n.isdigit() or ".orbax-checkpoint-tmp" in n for n in r["checkpoints"]), r["checkpoints"]
+    return steps[-1]
 
+
+def test_a_lost_process_stops_the_other_with_one_line_within_the_heartbeat_timeout(tmp_path, byte_lm_data_dir):
+    """Both directions at once (two two-process runs side by side): kill -9 of process 1 in one, of process
+    0 (the coordinator) in the other; each survivor prints one line naming the lost process and the newest
+    checkpoint and exits 1 within the heartbeat timeout (5 s here), with no C++ trace."""
+    results = {}
+
+    def scenario(lost):
+        try:
+            results[lost] = _lose_one(tmp_path / f"run{lost}", lost, byte_lm_data_dir, tmp_path)
+        except BaseException as e:  # noqa: BLE001 (handed to the test)
+            results[lost] = e
+
+    threads = [threading.Thread(target=scenario, args=(lost,)) for lost in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for lost in (1, 0):
+        if isinstance(results.get(lost), BaseException):
+            raise results[lost]
+        _survivor_reported(results[lost], lost)
+
+
+@pytest.mark.slow  # make test-all: four two-process runs one after another
+@pytest.mark.parametrize("lost", [1, 0])
+def test_after_a_lost_process_the_same_command_resumes_exactly(tmp_path, lost, byte_lm_data_dir):
+    """After the loss above, the same command on both processes resumes from the newest checkpoint, and its
+    steps after the checkpoint equal the first run's bit for bit."""
+    workdir = tmp_path / "run"
+    first = _lose_one(workdir, lost, byte_lm_data_dir, tmp_path)
+    newest = _survivor_reported(first, lost)
+    before = first["records"]
     procs = _pair(workdir, 15, byte_lm_data_dir, tmp_path, "resume")
     try:
-        codes = [p.wait(timeout=240) for p, _ in procs]
+        codes = [p.wait(timeout=400) for p, _ in procs]
     finally:
         _kill_all(procs)
     assert codes == [0, 0], _read(procs[0][1])[-3000:] + _read(procs[1][1])[-3000:]
-    assert f"resumed from checkpoint at step {steps[-1]}" in _read(procs[0][1])
+    assert f"resumed from checkpoint at step {newest}" in _read(procs[0][1])
     after = _records(workdir)
     assert sorted(after) == list(range(1, 16))
-    redone = [s for s in before if s > steps[-1]]
-    assert redone, (steps, sorted(before))
+    redone = [s for s in before if s > newest]
+    assert redone, (newest, sorted(before))
     for s in redone:  # the same losses, bit for bit, as before the loss of the process
         assert after[s]["loss"] == before[s]["loss"], (s, before[s]["loss"], after[s]["loss"])
     assert all(n.isdigit() for n in os.listdir(workdir / "checkpoints")), os.listdir(workdir / "checkpoints")
@@ -175,13 +212,16 @@ def test_signals_within_the_burst_window_count_as_one(monkeypatch):
     assert interrupts.Interrupts().burst_window == 0.0
 
 
-def test_a_burst_from_timeout_saves_and_stops_like_one_signal(tmp_path, byte_lm_data_dir):
-    """SIGTERM to the process and to its process group at once (what timeout, scancel and mpirun do) during
-    training: one request, so the step is saved and the run exits 0 (not the stop-at-once path)."""
-    workdir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def burst_run(tmp_path_factory, byte_lm_data_dir):
+    """A run (checkpoint every step) stopped by a burst: SIGTERM to the process and to its process group at
+    once, as timeout, scancel and mpirun send it, after step 3. Returns (exit status, stderr lines, workdir);
+    its checkpoints 1..N serve the eval / sample / check tests below."""
+    workdir = tmp_path_factory.mktemp("signals") / "run"
     proc = subprocess.Popen([sys.executable, "-m", "revtrain", "train", *TINY, "--gin", "STEPS = 1000", "--gin",
-                             "train.checkpoint_every = 1000", "--workdir", str(workdir)], stderr=subprocess.PIPE,
-                            text=True, env=_env(byte_lm_data_dir), start_new_session=True)
+                             "train.checkpoint_every = 1", "--gin", "train.keep_checkpoints = 100",
+                             "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True,
+                            env=_env(byte_lm_data_dir), start_new_session=True)
     try:
         out = []
         for line in proc.stderr:
@@ -195,25 +235,29 @@ def test_a_burst_from_timeout_saves_and_stops_like_one_signal(tmp_path, byte_lm_
     finally:
         if proc.poll() is None:
             proc.kill()
+    return code, out, workdir
+
+
+def test_a_burst_from_timeout_saves_and_stops_like_one_signal(burst_run):
+    """The burst is one request: the step is saved and the run exits 0 (not the stop-at-once path)."""
+    code, out, workdir = burst_run
     assert code == 0, out[-10:]
     received = [l for l in out if "received SIGTERM" in l]
     assert received[0] == "received SIGTERM: saving and stopping after the current step; send it again to stop " \
         "at once" and len(received) == 2 and received[1].startswith("received SIGTERM: saving step "), out[-10:]
     saved = int(received[1].split("saving step ")[1].split()[0])
-    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [saved]
-    assert not [l for l in out if "again" in l.split("send it again")[0] or "Traceback" in l]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == list(range(1, saved + 1))
+    assert not [l for l in out if "again:" in l or "Traceback" in l], out
 
 
-@pytest.fixture(scope="module")
-def four_checkpoints(tmp_path_factory, byte_lm_data_dir):
-    """A finished 4-step run with checkpoints 1-4; training scored step 4 (metrics/eval.jsonl)."""
-    workdir = tmp_path_factory.mktemp("signals") / "run"
-    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *TINY, "--gin", "STEPS = 4", "--gin",
-                             "train.checkpoint_every = 1", "--gin", "train.keep_checkpoints = 10",
-                             "--workdir", str(workdir)], capture_output=True, text=True, env=_env(byte_lm_data_dir),
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return workdir
+@pytest.fixture
+def four_checkpoints(burst_run, tmp_path):
+    """A copy of the burst run's workdir (checkpoints 1..N, N >= 3, nothing scored yet); returns (workdir, N)."""
+    workdir = tmp_path / "run"
+    shutil.copytree(burst_run[2], workdir)
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
+    assert steps[0] == 1 and steps[-1] >= 3, steps
+    return workdir, steps[-1]
 
 
 def _signalled(target: str, gaps: str, args: list, data_dir: str):
@@ -225,16 +269,20 @@ def _signalled(target: str, gaps: str, args: list, data_dir: str):
 
 
 def _eval_steps(workdir) -> list:
-    return [json.loads(l)["step"] for l in (workdir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    path = workdir / "metrics" / "eval.jsonl"
+    return [json.loads(l)["step"] for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def _steps(first: int, last: int) -> str:
+    return ", ".join(str(s) for s in range(first, last + 1))
 
 
 @pytest.mark.parametrize("gaps", ["", "0"])
 def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_is_left(
-        tmp_path, four_checkpoints, byte_lm_data_dir, gaps):
-    """One SIGTERM (or two at once) while step 1 is scored: step 1 is finished and written, 2 and 3 are not
-    scored, exit 0, and eval.jsonl holds whole records only."""
-    workdir = tmp_path / "run"
-    shutil.copytree(four_checkpoints, workdir)
+        four_checkpoints, byte_lm_data_dir, gaps):
+    """One SIGTERM (or two at once) while step 1 is scored: step 1 is finished and written, the others are
+    not scored, exit 0, and eval.jsonl holds whole records only."""
+    workdir, last = four_checkpoints
     code, out, err = _signalled("revtrain.loop._evaluate_or_oom", gaps, ["eval", "--workdir", workdir, "--all"],
                                 byte_lm_data_dir)
     assert code == 0, err
@@ -242,38 +290,37 @@ def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_i
         "once", err
     assert err[1].startswith("eval at step 1 (validation): loss "), err
     assert err[2:] == ["received SIGTERM: stopped after scoring step 1; scored: 1 (in metrics/eval.jsonl); not "
-                       "scored: 2, 3 (the same command scores them)"], err
-    assert _eval_steps(workdir) == [4, 1]
+                       f"scored: {_steps(2, last)} (the same command scores them)"], err
+    assert _eval_steps(workdir) == [1]
 
 
-def test_a_second_signal_during_eval_stops_at_once_and_keeps_eval_jsonl_intact(tmp_path, four_checkpoints,
-                                                                               byte_lm_data_dir):
-    workdir = tmp_path / "run"
-    shutil.copytree(four_checkpoints, workdir)
-    before = (workdir / "metrics" / "eval.jsonl").read_bytes()
+def test_a_second_signal_during_eval_stops_at_once_and_keeps_eval_jsonl_intact(four_checkpoints, byte_lm_data_dir):
+    workdir, last = four_checkpoints
     code, out, err = _signalled("revtrain.loop._evaluate_or_oom", "1.5", ["eval", "--workdir", workdir, "--all"],
                                 byte_lm_data_dir)
     assert code == 128 + signal.SIGTERM, err
     assert err == ["received SIGTERM: finishing the scoring of step 1, then stopping; send it again to stop at once",
                    "revtrain: received SIGTERM again: stopped at once, the scoring of step 1 is lost; scored: none "
-                   "(in metrics/eval.jsonl); not scored: 1, 2, 3 (the same command scores them)"], err
-    assert (workdir / "metrics" / "eval.jsonl").read_bytes() == before
+                   f"(in metrics/eval.jsonl); not scored: {_steps(1, last)} (the same command scores them)"], err
+    assert _eval_steps(workdir) == []
 
 
 def test_a_signal_during_sampling_stops_at_once_saying_nothing_was_written(tmp_path, four_checkpoints,
                                                                            byte_lm_data_dir):
-    output = tmp_path / "sample.bin"
-    code, out, err = _signalled("revtrain.sample.generate", "", ["sample", "--workdir", four_checkpoints,
-                                                                  "--length", "2000", "--output", output],
-                                byte_lm_data_dir)
+    workdir, last = four_checkpoints
+    output = tmp_path / "samples" / "sample.bin"
+    output.parent.mkdir()
+    code, out, err = _signalled("revtrain.sample.generate", "", ["sample", "--workdir", workdir, "--length", "2000",
+                                                                  "--output", output], byte_lm_data_dir)
     assert code == 128 + signal.SIGTERM, err
-    assert err == ["revtrain: received SIGTERM: stopped at once, the 1 x 2000-byte sample from step 4 did not "
+    assert err == [f"revtrain: received SIGTERM: stopped at once, the 1 x 2000-byte sample from step {last} did not "
                    "finish; nothing was written"], err
-    assert out == "" and not list(tmp_path.iterdir())
+    assert out == "" and not list(output.parent.iterdir())
 
 
 def test_a_signal_during_check_stops_at_once_saying_how_far_it_got(four_checkpoints, byte_lm_data_dir):
-    code, out, err = _signalled("revtrain.check._Checker.reversible", "", ["check", "--workdir", four_checkpoints],
+    workdir, _ = four_checkpoints
+    code, out, err = _signalled("revtrain.check._Checker.reversible", "", ["check", "--workdir", workdir],
                                 byte_lm_data_dir)
     assert code == 128 + signal.SIGTERM, err
     assert err[-1] == "revtrain: received SIGTERM: stopped at once, check got as far as float32 forward: 3 of 3 " \
