@@ -1,10 +1,11 @@
 """Finishes a ``revtrain train`` process stopped at once by a signal (see `revtrain.interrupts`).
 
 Run through ``os.execv`` in place of that process (same PID, every other thread already gone), with one
-argument: a JSON object ``{"message", "code", "checkpoints", "workdir", "primary"}``. Deletes the
+argument: a JSON object ``{"message", "code", "checkpoints", "workdir", "primary", "report_checkpoints"}``. Deletes the
 unfinished ``*.orbax-checkpoint-tmp*`` directories under ``checkpoints``; deletes ``workdir`` (given only
 when the run created it) if it holds no complete checkpoint and no metrics record; prints ``revtrain: <message>; <the newest
-checkpoint kept>`` on stderr and exits with ``code``. Standard library only (started with ``python -I -S``).
+checkpoint kept>`` (without it when ``report_checkpoints`` is false: eval, sample, check) on stderr and exits
+with ``code``. Standard library only (started with ``python -I -S``).
 """
 
 import json
@@ -34,7 +35,9 @@ def main(argv: list[str]) -> int:
                 shutil.rmtree(os.path.join(checkpoints, name), ignore_errors=True)
         steps = sorted(int(name) for name in os.listdir(checkpoints) if name.isdigit())
     line = f"revtrain: {spec['message']}"
-    if steps:
+    if not spec.get("report_checkpoints", True):
+        pass  # eval, sample, check: the message says it all
+    elif steps:
         line += f"; the newest checkpoint (step {steps[-1]}) is kept"
     else:
         line += "; no checkpoint was written"

@@ -65,29 +65,52 @@ def _rel(a, b) -> float:
 
 
 class _Checker:
-    """Runs the two gradient computations of one model on one batch (inside shard_map over "data")."""
+    """Runs the two gradient computations of one model on one batch (inside shard_map over "data").
 
-    def __init__(self, model, mesh, seed: int):
+    Every program is compiled once per distinct layer (structurally identical layers compare equal, see
+    `revtrain.layers.base.Layer`) and takes the layer's index as an argument (its dropout keys), so a model
+    of 48 identical blocks compiles each pass's block program once, as the trainer does. ``progress(text)``
+    is called after each layer of each pass ("forward", "reversible backward", "backprop").
+    """
+
+    def __init__(self, model, mesh, seed: int, progress=None):
         self.model, self.mesh, self.seed = model, mesh, seed
         self.layers = model.layers
         self.skey = step_key(seed, 0)
+        self.progress = progress or (lambda text: None)
+        self._programs: dict = {}
 
-    def _sharded(self, fn, in_specs, out_specs):
-        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                       compiler_options=XLA_OPTIONS)
+    def _sharded(self, key, fn, in_specs, out_specs):
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = jax.jit(
+                jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
+                compiler_options=XLA_OPTIONS)
+        return program
 
     def _keys(self, i, x):
         return example_keys(self.skey, i, batch_size_of(x))
 
+    def _tell(self, what: str, done: int, total: int) -> None:
+        every = max(1, total // 8)
+        if done % every == 0 or done == total:
+            self.progress(f"{what}: {done} of {total} layers")
+
+    def _forward_program(self, layer):
+        return self._sharded(("forward", layer), lambda p, s, x, i: layer.apply(p, s, x, self._keys(i, x), True)[0],
+                             (_R, _R, _D, _R), _D)
+
     def forward_inputs(self, params, states, batch):
         """The input of every layer in the forward pass (host numpy copies) and the head's input."""
         inputs, x = [], batch[self.model.input_key]
+        n = len(self.layers)
         for i, layer in enumerate(self.layers[:-1]):
             inputs.append(jax.tree.map(np.asarray, x))
-            fn = self._sharded(lambda p, s, x, i=i, layer=layer: layer.apply(p, s, x, self._keys(i, x), True)[0],
-                               (_R, _R, _D), _D)
-            x = fn(params[i], states[i], x)
+            x = self._forward_program(layer)(params[i], states[i], x, np.int32(i))
+            if i + 1 < n - 1:
+                self._tell("forward", i + 1, n)
         inputs.append(jax.tree.map(np.asarray, x))
+        self._tell("forward", n, n)  # (the head's input is the last forward output)
         return inputs
 
     def reversible(self, params, states, batch):
@@ -98,29 +121,30 @@ class _Checker:
         for i, layer in enumerate(layers[:-1]):
             if not layer.reversible:
                 saved[i] = x
-            fn = self._sharded(lambda p, s, x, i=i, layer=layer: layer.apply(p, s, x, self._keys(i, x), True)[0],
-                               (_R, _R, _D), _D)
-            x = fn(params[i], states[i], x)
-        head = self._sharded(lambda p, s, x, b: ReversibleTrainer.head_grads(
-            layers[-1], p, s, x, b, self._keys(n - 1, x))[1:3], (_R, _R, _D, _D), (_R, _D))
-        grads, dy = head(params[-1], states[-1], x, batch)
+            x = self._forward_program(layer)(params[i], states[i], x, np.int32(i))
+        head_layer = layers[-1]
+        head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
+            head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
+        grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
         out = [None] * n
         out[-1] = (None, grads)
         y = x
         for i in range(n - 2, -1, -1):
             layer = layers[i]
             if layer.reversible:
-                fn = self._sharded(lambda p, s, y, dy, i=i, layer=layer: ReversibleTrainer.reverse_grads(
-                    layer, p, s, y, dy, self._keys(i, y)), (_R, _R, _D, _D), (_D, _D, _R))
-                y, dy, grads = fn(params[i], states[i], y, dy)
+                fn = self._sharded(("reverse", layer), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
+                    layer, p, s, y, dy, self._keys(i, y)), (_R, _R, _D, _D, _R), (_D, _D, _R))
+                y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
                 out[i] = (jax.tree.map(np.asarray, y), grads)
             else:
                 xs = saved.pop(i)
-                fn = self._sharded(lambda p, s, x, dy, i=i, layer=layer: ReversibleTrainer.recompute_grads(
-                    layer, p, s, x, dy, self._keys(i, x)), (_R, _R, _D, _D), (_D, _R))
-                dy, grads = fn(params[i], states[i], xs, dy)
-                out[i] = (None, grads)
+                fn = self._sharded(("recompute", layer), lambda p, s, x, dy, i, layer=layer:
+                                   ReversibleTrainer.recompute_grads(layer, p, s, x, dy, self._keys(i, x)),
+                                   (_R, _R, _D, _D, _R), (_D, _R))
+                dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
+                out[i] = (None, jax.tree.map(np.asarray, grads))
                 y = xs
+            self._tell("reversible backward", n - i, n)
         return out
 
     def backprop(self, params, states, batch, inputs, chunk: int | None):
@@ -132,15 +156,16 @@ class _Checker:
         for start in range(((n - 1) // chunk) * chunk, -1, -chunk):
             stop = min(start + chunk, n)
             idx = list(range(start, stop))
+            members = tuple(layers[i] for i in idx)
 
-            def run(ps, ss, x, b, dy, idx=idx, stop=stop):
+            def run(ps, ss, x, b, dy, first, members=members, last=stop == n):
                 def f(ps, x):
-                    for k, i in enumerate(idx):
-                        if layers[i].is_head:
-                            loss_sum, stats, _ = layers[i].loss(ps[k], ss[k], x, b, self._keys(i, x), True)
+                    for k, layer in enumerate(members):
+                        if layer.is_head:
+                            loss_sum, stats, _ = layer.loss(ps[k], ss[k], x, b, self._keys(first + k, x), True)
                             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
                             return loss_sum / total
-                        x = layers[i].apply(ps[k], ss[k], x, self._keys(i, x), True)[0]
+                        x = layer.apply(ps[k], ss[k], x, self._keys(first + k, x), True)[0]
                     return x
 
                 float_x = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(x))
@@ -148,16 +173,17 @@ class _Checker:
                     out, vjp_fn = jax.vjp(f, per_device(ps), x)
                 else:
                     out, vjp_fn = jax.vjp(lambda ps: f(ps, x), per_device(ps))
-                cot = jnp.ones_like(out) if stop == n else dy
+                cot = jnp.ones_like(out) if last else dy
                 res = vjp_fn(cot)
                 g, dx = (res[0], res[1]) if float_x else (res[0], None)
                 return lax.psum(g, DATA_AXIS), dx
 
-            fn = self._sharded(run, (_R, _R, _D, _D, _D), (_R, _D))
+            fn = self._sharded(("backprop", members, stop == n), run, (_R, _R, _D, _D, _D, _R), (_R, _D))
             x_in = jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(self.mesh, _D)), inputs[start])
-            g, dy = fn([params[i] for i in idx], [states[i] for i in idx], x_in, batch, dy)
+            g, dy = fn([params[i] for i in idx], [states[i] for i in idx], x_in, batch, dy, np.int32(start))
             for k, i in enumerate(idx):
-                grads[i] = g[k]
+                grads[i] = jax.tree.map(np.asarray, g[k])
+            self._tell("backprop" if chunk < n else "backprop (whole model)", n - start, n)
         return grads
 
 
@@ -172,17 +198,29 @@ def _with_dtype(cfg, dtype: str):
     return dtype
 
 
+# Above this many layers the default backprop reference is layer-at-a-time (``layers_per_chunk = 1``): one
+# whole-model backprop program of a deep model takes XLA minutes to compile (depth 48: over 10 minutes on
+# 2 CPU cores), while per-layer programs compile once per distinct layer.
+WHOLE_MODEL_MAX_LAYERS = 16
+
+
 @gin.configurable("check")
 def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, step: int | None = None,
-              out=None) -> int:
+              out=None, progress=None) -> int:
     """Runs the check on the parsed gin config; prints a per-layer table and a verdict.
 
+    Progress goes to stderr, a line every few layers of each pass. SIGINT / SIGTERM stop it at once
+    (`revtrain.interrupts`): exit 0 before the computation starts, 128 + the signal's number after, with one
+    line saying how far it got (there is no verdict then).
+
     Args:
-      layers_per_chunk: compute the backprop reference this many layers at a time (None: all at once).
+      layers_per_chunk: compute the backprop reference this many layers at a time (None: the whole model at
+        once for models of up to `WHOLE_MODEL_MAX_LAYERS` layers, one layer at a time for deeper ones).
       workdir: check the parameters (and layer state) of this run's checkpoint instead of the model's
         initial ones (``revtrain check --workdir DIR``): trained weights give larger F/G outputs and so show
         the drift a long run will see.
       step: the checkpoint step (default: the newest); only with ``workdir``.
+      progress: prints one progress line (default: `revtrain.metrics.log`, stderr).
 
     Returns:
       0 when every layer is within tolerance, 1 otherwise.
@@ -191,7 +229,14 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
       loop.ConfigError, DataError: as for ``revtrain train``.
       CheckpointError: no checkpoint (or no such step) in ``workdir``, or it does not fit the model.
     """
-    out = out or sys.stdout
+    from revtrain import interrupts
+    with interrupts.command_interrupts("check", at_once=True) as guard:
+        return _run_check(layers_per_chunk, workdir, step, out or sys.stdout, progress, guard)
+
+
+def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
+    from revtrain import metrics as metrics_lib
+    progress = progress or metrics_lib.log
     jax.config.update("jax_default_matmul_precision", "highest")
     run = loop.build()
     cfg, mesh = run.cfg, run.mesh
@@ -203,14 +248,26 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
         params, states = run.model.init()
         where = "initial parameters"
     params, states = put_replicated(params, mesh), put_replicated(states, mesh)
+    n = len(run.model.layers)
+    if layers_per_chunk is None and n > WHOLE_MODEL_MAX_LAYERS:
+        layers_per_chunk = 1
     base_dtype = _model_dtype(cfg)
     results = {}
+    done = {"text": None}
+    guard.lost_note = lambda: (f"check got as far as {done['text']}" if done["text"] else
+                               "check had not finished a layer") + "; no verdict"
+    guard.idle = False
     for dtype in (base_dtype, "bfloat16" if base_dtype == "float32" else "float32"):
         if dtype != base_dtype and _with_dtype(cfg, dtype) is None:
             continue
         model = run.model if dtype == base_dtype else cfg.model(seed=cfg.seed, compute_dtype=dtype,
                                                                  **run.task.model_kwargs())
-        checker = _Checker(model, mesh, cfg.seed)
+
+        def tell(text, dtype=dtype):
+            done["text"] = f"{dtype} {text}"
+            progress(f"check {dtype} {text}")
+
+        checker = _Checker(model, mesh, cfg.seed, progress=tell)
         inputs = checker.forward_inputs(params, states, batch)
         rev = checker.reversible(params, states, batch)
         # Each precision against backprop in the same precision: what reversibility adds, not what
@@ -224,8 +281,11 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
         results[dtype] = rows
         if dtype == base_dtype:
             stream_max = _stream_max(model, inputs)
-    print(f"revtrain check: {where}, {len(run.model.layers)} layers, one batch of {cfg.batch_size} on "
-          f"{mesh.size} device(s)", file=out)
+    reference = ("whole-model backprop" if not layers_per_chunk or layers_per_chunk >= n else
+                 "backprop one layer at a time" if layers_per_chunk == 1 else
+                 f"backprop {layers_per_chunk} layers at a time")
+    print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
+          f"{mesh.size} device(s); reference: {reference}", file=out)
     note = _grid_hint(cfg, results[base_dtype], stream_max) or _noise_hint(results[base_dtype], base_dtype,
                                                                             layers_per_chunk)
     return _report(results, base_dtype, out, note=note)

@@ -2,6 +2,7 @@
 
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
+                 [--heartbeat_timeout SECONDS]
   revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--gin ...] [--verbose]
   revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
                   [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE]
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--coordinator_address", help="multi-host: HOST:PORT of process 0")
         s.add_argument("--num_processes", type=int, help="multi-host: number of processes")
         s.add_argument("--process_id", type=int, help="multi-host: this process's index")
+        s.add_argument("--heartbeat_timeout", type=int, default=None,
+                       help="multi-host: seconds after which a silent process counts as lost (default 100)")
         if name == "eval":
             g = s.add_mutually_exclusive_group()
             g.add_argument("--step", type=int, help="score this checkpoint step")
@@ -221,6 +224,9 @@ def _init_distributed(args) -> None:
       numbered by the local rank (``SLURM_LOCALID`` / ``OMPI_COMM_WORLD_LOCAL_RANK``) visible: one
       process per GPU.
 
+    A lost process is reported by `revtrain.lost_peer` (one line, exit 1); ``--heartbeat_timeout`` sets
+    how long a silent process may go unnoticed (JAX's ``heartbeat_timeout_seconds``, default 100).
+
     On the CPU platform (no accelerator), cross-process collectives use gloo over TCP
     (``jax_cpu_collectives_implementation = "gloo"``, unless ``JAX_CPU_COLLECTIVES_IMPLEMENTATION`` chose
     another). This must happen before any JAX backend starts, so it is the first JAX call of a command.
@@ -257,6 +263,10 @@ def _init_distributed(args) -> None:
             kwargs = {k: v for k, v in (("num_processes", n), ("process_id", i)) if v is not None}
         where = f"{os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'} (from the {cluster} environment)"
 
+    from revtrain import lost_peer
+    timeout = lost_peer.DEFAULT_HEARTBEAT_TIMEOUT if args.heartbeat_timeout is None else args.heartbeat_timeout
+    if timeout < 1:
+        raise UsageError(f"--heartbeat_timeout must be a positive number of seconds, got {timeout}")
     import jax
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():  # too late for gloo and for jax.distributed
@@ -264,7 +274,7 @@ def _init_distributed(args) -> None:
     if _platform_is_cpu() and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
-        jax.distributed.initialize(**kwargs)
+        lost_peer.initialize(heartbeat_timeout=timeout, **kwargs)
     except ValueError as e:  # JAX found no process count / index / coordinator in the environment
         raise UsageError(f"cannot start multi-host from {where}: {str(e).strip()} (set JAX_NUM_PROCESSES and "
                          "JAX_PROCESS_ID, or pass --coordinator_address, --num_processes and --process_id)") from e
@@ -401,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         print("revtrain: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # classify: usage/config errors -> 2, anything else -> 1
+        if "revtrain.lost_peer" in sys.modules:
+            sys.modules["revtrain.lost_peer"].exit_if_peer_lost(e)  # a lost process: one line, exit 1, now
         if verbose:
             raise
         code, line = _classify(e)

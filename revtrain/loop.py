@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import ginconfig, interrupts, oom
+from revtrain import ginconfig, interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
@@ -336,6 +336,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         primary = jax.process_index() == 0
         guard.workdir, guard.created, guard.lock, guard.primary = workdir, created, lock, primary
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
+        lost_peer.watch(guard.checkpoint_dir)
         try:
             return _train(run, workdir, guard)
         except BaseException:
@@ -430,6 +431,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     continue
                 guard.idle = False  # a finished step that is not saved yet: the first signal saves it
                 step = ts.step
+                lost_peer.watch(step=step)
                 final = step == cfg.steps
                 if step == resumed_or_zero + 1 and not logged:
                     # The first step compiled every program: leave it out of the first rate.
@@ -489,6 +491,9 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
         raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "
                           "and rerun the same command to resume") from None
+    except Exception as e:  # a lost peer: one line and exit 1 now, before the cleanup below waits for it
+        lost_peer.exit_if_peer_lost(e)
+        raise
     finally:
         checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
         try:
@@ -550,11 +555,17 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
       ckpt_lib.CheckpointError: no checkpoints, or a missing/damaged chosen step.
     """
     workdir = os.path.abspath(workdir)
-    with workdir_lib.locked(workdir, "eval"):
-        return _eval_checkpoints(workdir, step, all_steps, kind)
+    with interrupts.command_interrupts("eval", at_once=False) as guard, workdir_lib.locked(workdir, "eval"):
+        return _eval_checkpoints(workdir, step, all_steps, kind, guard)
 
 
-def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str) -> list[dict]:
+def _steps_text(steps) -> str:
+    return ", ".join(str(s) for s in steps) if steps else "none"
+
+
+def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str,
+                      guard: interrupts.Interrupts | None = None) -> list[dict]:
+    guard = guard or interrupts.Interrupts()  # (not installed: no signal handling)
     run = build()
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
@@ -568,6 +579,19 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
             todo = [s for s in checkpointer.steps() if s not in done]
         else:
             todo = [None]
+        where = f"metrics/{kind}.jsonl"
+        scored, left, current = [], [t for t in todo if t is not None], None
+
+        def status() -> str:
+            text = f"scored: {_steps_text(scored)} (in {where})"
+            return text + (f"; not scored: {_steps_text(left)} (the same command scores them)" if left else "")
+
+        guard.idle_note = lambda: ((f"after scoring step {scored[-1]}" if scored else "before the scoring started")
+                                   + ": nothing was lost; " + status())
+        guard.lost_note = lambda: f"the scoring of step {current} is lost; " + status()
+        guard.first_note = lambda: (f"finishing the scoring of step {current}, then stopping; send it again to "
+                                    "stop at once")
+        pc = jax.process_count()
         for s in todo:
             try:
                 ts, s = checkpointer.restore_newest(template, step if s is None else s)
@@ -575,12 +599,23 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
                 if not all_steps:
                     raise
                 metrics_lib.log(f"skipping the damaged checkpoint at step {e.step}: {e.reason}")
+                left.remove(e.step)
                 continue
+            current, guard.idle = s, False
             result = _evaluate_or_oom(run, ts, f"evaluation of step {s}")
             writer.forget(kind, s)  # scored again: the new record replaces the old one
             writer.write(kind, s, result)
+            writer.flush()
+            scored.append(s)
+            if s in left:
+                left.remove(s)
+            guard.idle = True
             metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
             records.append({"step": s, **result})
+            if _agree_to_stop(guard.signal is not None, pc) and left:
+                who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"
+                metrics_lib.log(f"received {who}: stopped after scoring step {s}; " + status())
+                break
     finally:
         checkpointer.close()
     if not todo:

@@ -12,6 +12,7 @@ import os
 import jax
 
 from revtrain import checkpoint as ckpt_lib
+from revtrain import interrupts
 from revtrain import loop
 from revtrain import metrics as metrics_lib
 from revtrain.generate import (Options, Result, SampleError, check_decodable, check_training_sample,  # noqa: F401
@@ -78,6 +79,12 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
     opts.check()
     paths = output_paths(output, opts.num_samples)
     workdir = os.path.abspath(workdir)
+    with interrupts.command_interrupts("sample", at_once=True) as guard:
+        return _sample_checkpoint(workdir, prompt, opts, step, paths, guard)
+
+
+def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | None, paths: list[str],
+                       guard: interrupts.Interrupts) -> Result:
     try:
         cfg = loop.TrainConfig()
     except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
@@ -94,12 +101,21 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
         ts, chosen = checkpointer.restore_newest(run.trainer.init(), step)  # a damaged newest one is skipped
     finally:
         checkpointer.close()
+    guard.idle = False
+    guard.lost_note = (f"the {opts.num_samples} x {opts.length}-byte sample{'s' if opts.num_samples > 1 else ''} "
+                       f"from step {chosen} did not finish; nothing was "
+                       + ("written" if paths else "printed"))
     result = generate(run.trainer, ts, prompt, run.task.sequence_length, opts)
+    # The samples exist: a signal now lets them be written (or printed) in full, then stops.
+    guard.at_once, guard.first_note = False, "writing the samples, then stopping; send it again to stop at once"
+    guard.lost_note = "the samples were being written (a FILE.partial left beside --output is incomplete)"
     if jax.process_index() == 0:
         texts = [prompt + s for s in result.samples]
         for path, data in zip(paths, texts):
-            with open(path, "wb") as f:
+            partial = f"{path}.partial"
+            with open(partial, "wb") as f:
                 f.write(data)
+            os.replace(partial, path)  # a file under its own name is always whole
         if not paths:
             for i, data in enumerate(texts):
                 if len(texts) > 1:

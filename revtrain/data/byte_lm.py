@@ -202,6 +202,19 @@ def read_source(source: str, download_dir: str | os.PathLike) -> bytes:
     return data
 
 
+def _check_splits(num_bytes: int, length: int) -> dict[str, tuple[int, int]]:
+    """`split_bounds` of a corpus of ``num_bytes``; raises DataError when a split holds no record."""
+    bounds = split_bounds(num_bytes)
+    for split, (start, end) in bounds.items():
+        if num_records(end - start, length) == 0:
+            raise DataError(
+                f"sequence length {length} is too large: the {split} split has only "
+                f"{end - start} bytes ({num_bytes} in total) and needs at least "
+                f"{length + 1}; use a shorter sequence length or a larger corpus"
+            )
+    return bounds
+
+
 class ByteLM(tfds.core.GeneratorBasedBuilder):
     """Byte-level LM dataset; records ``{'bytes': uint8 [sequence_length + 1]}``.
 
@@ -239,14 +252,7 @@ class ByteLM(tfds.core.GeneratorBasedBuilder):
             stat, self._source_bytes = self._source_stat, None
         if config.source != GENSIM_SOURCE:
             self._fingerprint = {"stat": stat, "sha256": hashlib.sha256(data).hexdigest()}
-        bounds = split_bounds(len(data))
-        for split, (start, end) in bounds.items():
-            if num_records(end - start, length) == 0:
-                raise DataError(
-                    f"sequence length {length} is too large: the {split} split has only "
-                    f"{end - start} bytes ({len(data)} in total) and needs at least "
-                    f"{length + 1}; use a shorter sequence length or a larger corpus"
-                )
+        bounds = _check_splits(len(data), length)
         self.info.metadata["total_bytes"] = len(data)
         self.info.metadata["split_bytes"] = {s: e - b for s, (b, e) in bounds.items()}
         view = memoryview(data)
@@ -395,6 +401,15 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
             builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
             prepare = True
     if prepare:
+        if getattr(builder, "_source_bytes", None) is None:
+            # Read and check the source before TFDS announces the preparation or creates any directory: a
+            # missing, empty or too small source is one line and leaves nothing in the cache.
+            if sequence_length < 1:
+                raise DataError(f"sequence length must be >= 1, got {sequence_length}")
+            stat = source_stat(source)
+            data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
+            _check_splits(len(data), sequence_length)
+            builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001
         builder.download_and_prepare(
             file_format="array_record",
             download_config=tfds.download.DownloadConfig(try_download_gcs=False),
