@@ -3,13 +3,15 @@ weights and optimizer state, and the run follows the replicated one bit for bit.
 
 The measurements on 4 and 8 CPU devices run in subprocesses (``XLA_FLAGS`` must be set before JAX is
 imported): this file is also the worker (``python tests/test_shard.py OUT.json``). Resuming across layouts
-goes through the CLI: 2 steps sharded on 4 devices, then 2 more replicated on 2 devices, against 4 straight
-sharded steps on 4 devices. The two-process run (2 processes x 2 devices over gloo) is in the slow tier.
+goes through the CLI: 4 steps sharded on 4 devices (checkpoints at 2 and 4), then a copy of that run resumed
+from step 2 replicated on 2 devices, against the straight run. The two-process run (2 processes x 2 devices
+over gloo) is in the slow tier.
 """
 
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NUM_DEVICES = 4
-DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 4
+DEPTH, D_MODEL, BATCH, STEPS = 2, 32, 8, 3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,24 +195,55 @@ def test_cli_refuses_adafactor_in_one_line(byte_lm_data_dir, tmp_path):
 
 
 def test_resume_sharded_four_devices_on_two_replicated(byte_lm_data_dir, tmp_path):
-    """2 steps sharded on 4 devices, then 2 replicated on 2 devices from that checkpoint: the losses of
-    steps 3-4 equal 4 straight sharded steps on 4 devices within 1e-5; host_state_bytes is reported."""
+    """4 steps sharded on 4 devices; a copy of the run resumed from its step-2 checkpoint replicated on 2
+    devices: the losses of steps 3-4 equal the straight run's within 1e-5; host_state_bytes is reported."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    logs = []
-    for args, devices in (([*TINY, *SHARD, "--workdir", str(straight)], 4),
-                          ([*TINY, *SHARD, "--gin", "train.steps = 2", "--workdir", str(resumed)], 4),
-                          ([*TINY, "--workdir", str(resumed)], 2)):
-        proc = _cli(["train", *args], devices, byte_lm_data_dir, tmp_path)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        logs.append([line for line in proc.stderr.splitlines() if line.startswith("shard_state: ")])
-    assert len(logs[0]) == 1 and "split over 4 devices" in logs[0][0], logs
-    assert logs[2] == []  # the resumed run is replicated
+    proc = _cli(["train", *TINY, *SHARD, "--workdir", str(straight)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shard_lines = [line for line in proc.stderr.splitlines() if line.startswith("shard_state: ")]
+    assert len(shard_lines) == 1 and "split over 4 devices" in shard_lines[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    proc = _cli(["train", *TINY, "--workdir", str(resumed)], 2, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from checkpoint at step 2" in proc.stderr
+    assert not any(line.startswith("shard_state: ") for line in proc.stderr.splitlines())  # replicated
     a, b = _losses(straight), _losses(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     np.testing.assert_allclose([b[s]["loss"] for s in (3, 4)], [a[s]["loss"] for s in (3, 4)], rtol=1e-5)
-    assert [b[s]["loss"] for s in (1, 2)] == [a[s]["loss"] for s in (1, 2)]  # the same sharded run so far
     assert a[4]["host_state_bytes"] > 0 and a[4]["devices"] == 4
     assert b[4]["devices"] == 2 and b[4]["host_state_bytes"] > a[4]["host_state_bytes"]  # replicated again
+
+
+@pytest.mark.slow
+def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tmp_path):
+    """2 processes x 2 devices (gloo), sharded with offload, each process holding its devices' pieces: the
+    losses equal 1 process x 4 devices replicated within 1e-6 relative; then the two-process run's step-2
+    checkpoint resumes in one process (4 devices, sharded) within 1e-5 of the straight run."""
+    from test_multihost import _env, _free_port, _Procs
+
+    reference, multi, single = tmp_path / "reference", tmp_path / "multi", tmp_path / "single"
+    proc = _cli(["train", *TINY, "--workdir", str(reference)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    procs, port = _Procs(tmp_path), _free_port()
+    for i in range(2):
+        procs.start(f"multi.p{i}", ["train", *TINY, *SHARD, "--workdir", str(multi), "--coordinator_address",
+                                    f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
+                    _env(2, byte_lm_data_dir))
+    results = procs.wait(600)
+    for i, (code, log) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{log[-4000:]}"
+    a, b = _losses(reference), _losses(multi)
+    np.testing.assert_allclose([b[s]["loss"] for s in range(1, 5)], [a[s]["loss"] for s in range(1, 5)], rtol=1e-6)
+    assert b[4]["processes"] == 2 and 0 < b[4]["host_state_bytes"] < a[4]["host_state_bytes"]
+    shutil.copytree(multi, single)
+    shutil.rmtree(single / "checkpoints" / "4")
+    proc = _cli(["train", *TINY, *SHARD, "--workdir", str(single)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    c = _losses(single)
+    assert c[4]["processes"] == 1
+    np.testing.assert_allclose([c[s]["loss"] for s in (3, 4)], [b[s]["loss"] for s in (3, 4)], rtol=1e-5)
 
 
 if __name__ == "__main__":

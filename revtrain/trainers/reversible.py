@@ -113,8 +113,6 @@ class ReversibleTrainer(TrainerBase):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
         self.offload = offload
         self.scan_layers = scan_layers
-        self._host = replicated(mesh, HOST_MEMORY) if offload else None
-        self._device = replicated(mesh, DEVICE_MEMORY) if offload else None
         runs = find_runs(model.layers) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)  # this trainer's working layout
         self._plans: dict = {}
@@ -178,9 +176,10 @@ class ReversibleTrainer(TrainerBase):
                         split += 1
                         split_bytes += nbytes
         names = ", ".join(sorted(small)[:6]) + (", ..." if len(small) > 6 else "")
-        return (f"shard_state: {split} leaves of weights and optimizer state split over {self.num_devices} devices "
-                f"({100 * split_bytes / max(total, 1):.1f}% of {total / 2**20:.1f} MiB), {kept} replicated (too small or "
-                f"no axis divisible by {self.num_devices}{': ' + names if names else ''})")
+        n = self.num_devices
+        return (f"shard_state: {split} leaves of weights and optimizer state split over {n} devices "
+                f"({100 * split_bytes / max(total, 1):.1f}% of {total / 2**20:.1f} MiB), {kept} replicated "
+                f"(too small or no axis divisible by {n}{': ' + names if names else ''})")
 
     # -- placement -------------------------------------------------------------------------------
     # Outside a program: one ``jax.device_put`` per tree (JAX moves every leaf in one batched call).
