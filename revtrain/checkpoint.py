@@ -17,6 +17,12 @@ the shards it owns under ``state/ocdbt.process_<i>`` and its own data-iterator f
 on a file system every process sees. A checkpoint written by N processes can be resumed by a different
 number of processes when every process saved the same iterator position (revtrain's pipelines: each
 process is at the same global batch).
+
+Sharded state (``ReversibleTrainer.shard_state``): each leaf is saved with its own sharding, so every
+process writes only its devices' pieces (measured with 2 processes: about half of the state in each
+``ocdbt.process_<i>``; nothing is gathered through one host), and `Checkpointer.restore` reads into the
+layout of its template: a checkpoint of either layout, from any number of devices or processes, restores
+sharded or replicated on any other.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
-from revtrain.memory import MemoryMeter
+from revtrain.memory import MemoryMeter, host_state_bytes
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
@@ -442,6 +442,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     if meter.active:
                         values["peak_device_bytes"] = meter.stop()
                         values["peak_device_bytes_method"] = meter.method
+                        values["host_state_bytes"] = host_state_bytes(ts)
                     now = time.time()
                     sps = (step - step_last) / max(now - t_last, 1e-9)
                     t_last, step_last = now, step

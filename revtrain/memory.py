@@ -201,3 +201,25 @@ class MemoryMeter:
             self.peak = max(self.peak, self._total)
         self._reset()
         return self.peak
+
+
+def host_state_bytes(ts, device=None) -> int:
+    """Bytes of weights and optimizer state that one device holds in host memory (``pinned_host``).
+
+    Args:
+      ts: a `TrainState` (either layout; nothing is copied).
+      device: the device to account for (default: the first local device).
+
+    Returns:
+      The sum over the leaves in a host memory kind of that device's piece of each (the whole leaf when
+      replicated, 1/N of it when split over N devices: ``ReversibleTrainer.shard_state``); 0 without
+      offload (the state is then in device memory, counted by the meter).
+    """
+    device = device or jax.local_devices()[0]
+    params, opt_state, _ = ts.held()
+    total = 0
+    for x in jax.tree.leaves((params, opt_state)):
+        if isinstance(x, jax.Array) and not x.is_deleted() and x.sharding.memory_kind in HOST_KINDS \
+                and device in x.sharding.device_set:
+            total += _shard_bytes(x)
+    return total

@@ -217,6 +217,8 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
     parts.append(f"{values['tokens_per_sec']:,.0f} {unit}/s")
     if values.get("peak_device_bytes"):
         parts.append(f"peak {values['peak_device_bytes'] / 2**20:.1f} MiB")
+    if values.get("host_state_bytes"):
+        parts.append(f"host state {values['host_state_bytes'] / 2**20:.1f} MiB/device")
     parts.append(f"ETA {_duration(eta_seconds)}")
     return " | ".join(parts)
 

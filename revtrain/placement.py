@@ -3,7 +3,10 @@
 One 1-D mesh over all global devices with axis ``"data"`` (docs/design.md section 4). Layer weights and
 optimizer state are replicated (``P()``); batches are split over the axis (``P("data")``). With offload,
 weights and optimizer state live in the ``pinned_host`` memory kind between uses, with the same
-replicated sharding.
+replicated sharding. With ``ReversibleTrainer.shard_state`` every large leaf of a layer's weights and
+optimizer state is instead split along one of its axes over ``"data"`` (`shard_spec`; ZeRO-3, Rajbhandari
+et al. 2020, and ZeRO-Infinity, 2021, partition the same state over data-parallel ranks): each device holds
+1/N of it, in the same memory kind.
 """
 
 from __future__ import annotations
@@ -47,6 +50,61 @@ def move_inside(tree, space):
     """Inside a compiled program: every leaf of ``tree`` moved to memory ``space``
     (``jax.memory.Space.Device`` or ``.Host``); a leaf already there is left as it is."""
     return jax.tree.map(lambda x: jax.device_put(x, space), tree)
+
+
+# Leaves with fewer elements stay replicated when the state is sharded: a gather of a few KiB costs more
+# than the bytes it saves (biases and norm scales; the matrices hold nearly all the bytes).
+MIN_SHARD_ELEMENTS = 4096
+
+
+def shard_axis(shape, num_devices: int, min_elements: int = MIN_SHARD_ELEMENTS) -> int | None:
+    """The axis along which a leaf of ``shape`` is split over ``num_devices`` devices, or None (replicated).
+
+    The largest axis whose size is a multiple of ``num_devices`` (the first of equal ones), for a leaf of at
+    least ``min_elements`` elements; None when there is no such axis, the leaf is smaller, or there is one
+    device. The rule depends on the shape alone, so a parameter and its optimizer moments (same shape) are
+    split alike and an elementwise update runs on matching local pieces.
+    """
+    shape = tuple(shape)
+    if num_devices <= 1 or int(np.prod(shape, dtype=np.int64)) < min_elements:
+        return None
+    candidates = [a for a, n in enumerate(shape) if n % num_devices == 0]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda a: (shape[a], -a))
+
+
+def shard_spec(shape, num_devices: int, min_elements: int = MIN_SHARD_ELEMENTS, leading: int = 0) -> P:
+    """The ``PartitionSpec`` of a leaf of ``shape`` split by `shard_axis` (``P()`` when replicated).
+
+    ``leading``: number of leading axes (a stacked run's layer axis) left out of the choice and never split.
+    """
+    shape = tuple(shape)
+    axis = shard_axis(shape[leading:], num_devices, min_elements)
+    if axis is None:
+        return P()
+    parts = [None] * len(shape)
+    parts[leading + axis] = DATA_AXIS
+    return P(*parts)
+
+
+def spec_axis(spec: P) -> int | None:
+    """The axis a ``PartitionSpec`` of `shard_spec` splits over ``"data"``, or None."""
+    for a, name in enumerate(tuple(spec)):
+        if name == DATA_AXIS:
+            return a
+    return None
+
+
+def put_sharded(tree, mesh: Mesh, specs, memory_kind: str | None = None):
+    """Places every leaf of ``tree`` (host numpy arrays, the same value on every process) with its
+    ``PartitionSpec`` in ``specs`` (a matching tree); each process builds only its own devices' pieces."""
+    def put(x, spec):
+        value = np.asarray(x)
+        sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree.map(put, tree, specs)
 
 
 def put_replicated(tree, mesh: Mesh, memory_kind: str | None = None):

@@ -19,6 +19,12 @@ from the memory meter (``revtrain.memory``): the allocator's peak on GPU/TPU (me
 subprocess per configuration, since that peak cannot be reset), the live-array + compiled-temp estimate on
 CPU. Writes ``bench.json`` (one record per trainer x depth), a PNG plot, and prints a table.
 
+``--sweep shard``: ReversibleTrainer with replicated against sharded state (``shard_state``), with and
+without offload, on ``--shard_devices`` forced CPU devices (the script re-runs itself with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``), the default model (configs/enwik_small.gin: 6
+layers, d_model 128, T 128, batch 32, AdamW): tokens/s in interleaved rounds (the median), the ratio
+sharded / replicated, peak device bytes (meter) and ``host_state_bytes`` per device; see ``shard_sweep``.
+
 ``--sweep seq`` (``make bench-long``): ReversibleTrainer with offload on the same model with exact blockwise
 attention (plus the chunked feed-forward and head loss) and with dense attention (only up to
 ``--dense_max``: beyond it dense attention's ``[B, H, T, T]`` arrays do not fit a small machine), over the
@@ -359,6 +365,76 @@ def depth_plot(result, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# -- replicated vs sharded state (--sweep shard) ------------------------------------------------------
+SHARD_CONFIGS = [
+    ("replicated + offload", {"offload": True}),
+    ("sharded + offload", {"offload": True, "shard_state": True}),
+    ("replicated", {}),
+    ("sharded", {"shard_state": True}),
+]
+
+
+def shard_sweep(args) -> dict:
+    """Replicated vs sharded state on the devices of this process (see the module note): one record per
+    configuration with ``tokens_per_sec``, ``startup_s``, ``peak_device_bytes`` and ``host_state_bytes``
+    (per device), and ``ratios``: sharded / replicated tokens/s and host bytes, with and without offload."""
+    from revtrain.memory import host_state_bytes
+
+    mesh = make_mesh()
+    seq, batch = args.seq, args.batch
+    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, seq, byte_lm.default_data_dir())
+    it = iter(pipeline.train_dataset(builder, batch_size=batch, seed=0))
+    batches = [global_batch(next(it), mesh) for _ in range(4)]
+    configs = [c for c, _ in SHARD_CONFIGS]
+    kwargs = dict(SHARD_CONFIGS)
+
+    def build(c):
+        model = ReversibleTransformerLM(seq, num_layers=args.depth, d_model=args.d_model, num_heads=args.heads,
+                                        dropout_rate=0.0)
+        return ReversibleTrainer(model, optax.adamw(1e-4, weight_decay=0.01), mesh, seed=0, **kwargs[c])
+
+    trainers = {}
+
+    def keep(c):
+        trainers[c] = build(c)
+        return trainers[c]
+
+    measured = _measure(configs, keep, batches, args.rounds)
+    records = []
+    for c in configs:
+        t = trainers[c]
+        ts = t.init()
+        t.meter.start()  # the meter of `_measure` (its compiled-memory analyses are cached)
+        ts, m = t.train_step(ts, batches[0])
+        _ready(ts, m)
+        peak = t.meter.stop()
+        records.append({"sweep": "shard", "config": c, "devices": mesh.size, "depth": args.depth,
+                        "d_model": args.d_model, "seq": seq, "batch": batch,
+                        "tokens_per_sec": measured[c]["steps_per_sec"] * batch * seq,
+                        "startup_s": measured[c]["startup_s"], "peak_device_bytes": peak,
+                        "peak_device_bytes_method": t.meter.method, "host_state_bytes": host_state_bytes(ts)})
+    by = {r["config"]: r for r in records}
+    ratios = {}
+    for suffix in (" + offload", ""):
+        a, b = by["replicated" + suffix], by["sharded" + suffix]
+        ratios["tokens_per_sec" + suffix.replace(" + ", ", ")] = b["tokens_per_sec"] / a["tokens_per_sec"]
+    ratios["host_state_bytes, offload"] = (by["sharded + offload"]["host_state_bytes"]
+                                           / by["replicated + offload"]["host_state_bytes"])
+    ratios["peak_device_bytes"] = by["sharded"]["peak_device_bytes"] / by["replicated"]["peak_device_bytes"]
+    return {"records": records, "ratios": ratios}
+
+
+def shard_table(result) -> str:
+    rows = ["| state | devices | tokens/s | peak device MiB | host state MiB / device | start-up s |",
+            "|---|---|---|---|---|---|"]
+    for r in result["records"]:
+        rows.append(f"| {r['config']} | {r['devices']} | {r['tokens_per_sec']:,.0f} | "
+                    f"{r['peak_device_bytes'] / 2**20:.1f} | {r['host_state_bytes'] / 2**20:.2f} | {r['startup_s']:.1f} |")
+    rows.append("")
+    rows += [f"sharded / replicated {k}: {v:.3f}" for k, v in result["ratios"].items()]
+    return "\n".join(rows)
+
+
 # -- sweep over the sequence length: blockwise vs dense attention (make bench-long) ------------------
 
 SEQ_KINDS = ("blockwise", "dense")
@@ -602,10 +678,10 @@ def plot_seq(result, path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sweep", choices=("trainers", "depth", "seq"), default="trainers",
+    p.add_argument("--sweep", choices=("trainers", "depth", "seq", "shard"), default="trainers",
                    help="trainers: the three trainers' memory and speed against depth (make bench); depth: "
                         "tiny blocks at depths 8..256 (make bench-depth); seq: attention against length "
-                        "(make bench-long)")
+                        "(make bench-long); shard: replicated vs sharded state on --shard_devices devices")
     p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--d_model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -637,7 +713,27 @@ def main():
     p.add_argument("--one_step_from", type=int, default=16384, help="from this T on: one metered, timed step")
     p.add_argument("--exact_seq", type=int, default=512, help="T of the blockwise-vs-dense check (0: skip)")
     p.add_argument("--seq_memory_only", help=argparse.SUPPRESS)
+    # --sweep shard
+    p.add_argument("--shard_devices", type=int, default=4, help="forced CPU devices (--sweep shard)")
     args = p.parse_args()
+    if args.sweep == "shard":
+        flag = f"--xla_force_host_platform_device_count={args.shard_devices}"
+        if flag not in os.environ.get("XLA_FLAGS", ""):  # JAX reads it when its backend starts: run again
+            env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip())
+            sys.exit(subprocess.run([sys.executable, *sys.argv], env=env).returncode)
+        if "--seq" not in sys.argv:
+            args.seq = 128
+        if "--d_model" not in sys.argv:
+            args.d_model = 128
+        if "--depth" not in sys.argv:
+            args.depth = 6
+        args.batch = args.batch or 32
+        out = args.out or "bench_shard.json"
+        result = shard_sweep(args)
+        pathlib.Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(shard_table(result))
+        print(f"wrote {os.path.abspath(out)}")
+        return
     if args.sweep == "depth":
         if "--depths" not in sys.argv:
             args.depths = [8, 32, 64, 128, 256]

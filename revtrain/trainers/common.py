@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from revtrain.models.base import Model
-from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
+from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated, spec_axis
 from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
@@ -163,8 +163,48 @@ def per_device(tree):
     so an explicit ``psum`` on top would multiply gradients by the device count. Differentiating with
     respect to ``per_device(params)`` instead returns each device's own gradient, which the trainers then
     sum explicitly: pmap's semantics, one all-reduce per layer.
+
+    Leaves that already vary over ``"data"`` (weights gathered from shards by `gather_params`) are left
+    as they are: their cotangent is each device's own already.
     """
-    return jax.tree.map(lambda x: lax.pcast(x, DATA_AXIS, to="varying"), tree)
+    def mark(x):
+        if DATA_AXIS in jax.typeof(x).mat.varying:
+            return x
+        return lax.pcast(x, DATA_AXIS, to="varying")
+
+    return jax.tree.map(mark, tree)
+
+
+def _split(spec) -> int | None:
+    return None if spec is None else spec_axis(spec)
+
+
+def gather_params(tree, specs=None):
+    """Inside ``shard_map`` over ``"data"``: the whole of every leaf of ``tree`` that is held split
+    (``specs``: a matching tree of ``PartitionSpec``, `placement.shard_spec`; None: nothing is split). Each
+    split leaf is all-gathered (tiled) along its split axis; the result is the same on every device (pmap
+    semantics during compute) and typed as varying over ``"data"``.
+    """
+    if specs is None:
+        return tree
+    def gather(x, spec):
+        axis = _split(spec)
+        return x if axis is None else lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
+    return jax.tree.map(gather, tree, specs)
+
+
+def reduce_grads(grads, specs=None):
+    """Inside ``shard_map``: each device's gradients summed over ``"data"``: ``lax.psum`` (every device gets
+    the sum) for a replicated leaf, ``lax.psum_scatter`` (each device gets the sum of its own piece, along
+    the split axis of ``specs``) for a split one, so the optimizer then updates only the local piece."""
+    if specs is None:
+        return lax.psum(grads, DATA_AXIS)
+    def reduce(g, spec):
+        axis = _split(spec)
+        if axis is None:
+            return lax.psum(g, DATA_AXIS)
+        return lax.psum_scatter(g, DATA_AXIS, scatter_dimension=axis, tiled=True)
+    return jax.tree.map(reduce, grads, specs)
 
 
 def check_batch(batch: dict, num_devices: int) -> None:
@@ -180,7 +220,8 @@ def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
     return optax.apply_updates(params, updates), new_opt_state
 
 
-def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, branch: bool = False):
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, branch: bool = False,
+                   across: str | None = None):
     """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
     finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
 
@@ -191,10 +232,16 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     compile at depth 8, 165 s at depth 32). The select form suits one layer's few leaves inside a scanned
     body, where a conditional would make an accelerator wait for its flag at every iteration. Both give
     the same values.
+
+    ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
+    the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
+    or skip the update together.
     """
     finite = all_finite(grads)
     if ok is not None:
         finite = jnp.logical_and(finite, ok)
+    if across is not None:
+        finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
     if branch:
         new_params, new_opt = lax.cond(finite, lambda: apply_updates(tx, grads, opt_state, params),
                                        lambda: (params, opt_state))
@@ -284,6 +331,58 @@ def check_per_layer_optimizer(tx: optax.GradientTransformation, steps: int = 4) 
                 "optax.adaptive_grad_clip(clipping), or train with StandardTrainer")
 
 
+def check_sharded_optimizer(tx: optax.GradientTransformation, pieces: int = 2, steps: int = 2) -> None:
+    """Refuses an optimizer whose update of a leaf needs the whole leaf, for sharded state.
+
+    With ``ReversibleTrainer.shard_state`` each device updates only its piece of a leaf, so the update
+    must be elementwise: the same on a piece as on the whole. Adam, AdamW, SGD (with momentum), Lion,
+    RMSProp, ``optax.clip`` are; adafactor (factored second moments: row and column means of the whole
+    leaf), lamb (the trust ratio: norms of the whole leaf) and ``optax.clip_by_block_rms`` (the leaf's RMS)
+    are not. The test runs ``tx`` for a few steps on a 256 x 256 leaf (large enough for adafactor to factor
+    it, and each piece too) and on its ``pieces`` row blocks and column blocks separately, with gradients of
+    very different scales in different blocks, and compares the updates.
+
+    Raises:
+      TrainerError: the update of a piece differs from the whole leaf's; the message names elementwise
+        alternatives.
+    """
+    rng = np.random.default_rng(1)
+    shape = (256, 256)
+    param = rng.normal(size=shape).astype(np.float32)
+    scales = np.geomspace(1e-3, 1e3, pieces * pieces).reshape(pieces, pieces)
+    scale = np.kron(scales, np.ones((shape[0] // pieces, shape[1] // pieces)))
+    grads = [(rng.normal(size=shape) * scale).astype(np.float32) for _ in range(steps)]
+
+    @jax.jit
+    def steps_of(p, gs):  # one program per shape (eager optax ops would dispatch one by one)
+        p = {"w": p}
+        state = tx.init(p)
+        for g in gs:
+            u, state = tx.update({"w": g}, state, p)
+            p = optax.apply_updates(p, u)
+        return p["w"]
+
+    def run(p, gs):
+        return np.asarray(steps_of(jnp.asarray(p), [jnp.asarray(g) for g in gs]))
+
+    try:
+        whole = run(param, grads)
+        for axis in (0, 1):
+            parts = [run(pp, [np.array_split(g, pieces, axis)[k] for g in grads])
+                     for k, pp in enumerate(np.array_split(param, pieces, axis))]
+            if not np.allclose(np.concatenate(parts, axis), whole, rtol=1e-5, atol=1e-7):
+                raise TrainerError(
+                    "ReversibleTrainer.shard_state needs an elementwise optimizer (each device updates its piece "
+                    "of a leaf), and this one's update of a leaf needs the whole leaf (e.g. optax.adafactor's "
+                    "factored moments, optax.lamb's trust ratio, optax.clip_by_block_rms); use optax.adam, "
+                    "optax.adamw, optax.sgd, optax.lion or optax.clip(max_delta), or shard_state = False")
+    except TrainerError:
+        raise
+    except Exception as e:  # an optimizer that cannot run on a piece at all
+        raise TrainerError(f"the optimizer cannot update a piece of a leaf for ReversibleTrainer.shard_state "
+                           f"({type(e).__name__}: {e})") from e
+
+
 class _Dispatch:
     """A jitted function whose every call goes through the trainer's ``DispatchLimiter`` and, while a
     measurement is running, the trainer's memory meter (``revtrain.memory.MemoryMeter``: ``observe``
@@ -365,9 +464,19 @@ class TrainerBase:
         offload override this; the others compute where the stack is)."""
         return tree
 
+    def _param_specs(self, layer, leading: int = 0):
+        """``in_specs`` of a layer's params in its programs (``leading``: stacked layer axes): ``P()``, a
+        prefix for the whole tree (replicated); a trainer that shards its state returns a tree of specs."""
+        return P()
+
+    def _whole(self, layer, params):
+        """Inside a program: a layer's params as whole leaves (a trainer that shards its state gathers
+        them; see ``gather_params``)."""
+        return params
+
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_layer(self, layer, params, state, x):
-        return layer.apply(self._inside_to_device(params), state, x, None, False)[0]
+        return layer.apply(self._whole(layer, self._inside_to_device(params)), state, x, None, False)[0]
 
     def _eval_run(self, layer, params, states, x):
         """``_eval_layer`` over a stacked run: one ``lax.scan``, one layer's weights on the device at a time."""
@@ -377,7 +486,8 @@ class TrainerBase:
         return lax.scan(body, x, (params, states))[0]
 
     def _eval_head(self, layer, params, state, x, batch):
-        loss_sum, stats, _ = layer.loss(self._inside_to_device(params), state, x, batch, None, False)
+        loss_sum, stats, _ = layer.loss(self._whole(layer, self._inside_to_device(params)), state, x, batch, None,
+                                        False)
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
 
@@ -400,11 +510,12 @@ class TrainerBase:
             for start, count in groups[:-1]:
                 layer = layers[start]
                 if count == 1:
-                    fns.append(self._compiled("eval", layer, self._eval_layer, (P(), P(), P(DATA_AXIS)),
-                                              P(DATA_AXIS)))
+                    fns.append(self._compiled("eval", layer, self._eval_layer,
+                                              (self._param_specs(layer), P(), P(DATA_AXIS)), P(DATA_AXIS)))
                 else:
-                    fns.append(self._compiled("eval_run", layer, self._eval_run, (P(), P(), P(DATA_AXIS)),
-                                              P(DATA_AXIS), key=("eval_run", layer, count)))
+                    fns.append(self._compiled("eval_run", layer, self._eval_run,
+                                              (self._param_specs(layer, 1), P(), P(DATA_AXIS)), P(DATA_AXIS),
+                                              key=("eval_run", layer, count)))
             self._cache[key] = fns
         return self._cache[key]
 
@@ -427,5 +538,5 @@ class TrainerBase:
         for g, fn in enumerate(self._eval_fns(grouped.groups)):  # with offload each program moves its weights
             x = fn(grouped.params[g], grouped.layer_state[g], x)
         head = self._compiled("eval_head", self.model.layers[-1], self._eval_head,
-                              (P(), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+                              (self._param_specs(self.model.layers[-1]), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
         return head(grouped.params[-1], grouped.layer_state[-1], x, batch)

@@ -34,6 +34,16 @@ moves its slice to the device inside the program (and the updated slice back): t
 prefetched next one are the only layers on the device. Other layers keep the per-layer path. Both executors
 compute the same numbers; checkpoints hold the per-layer layout either way.
 
+Sharded state (``shard_state=True``, ZeRO-3 / ZeRO-Infinity over the ``"data"`` axis): every large leaf
+of every layer's weights and optimizer state is split along one axis over the devices
+(`placement.shard_spec`) wherever it lives (host memory with offload, device memory otherwise), so N
+devices hold one copy between them instead of N. Each program takes the local pieces (moving them to the
+device with offload), all-gathers the weights over ``"data"`` (`common.gather_params`: whole and the same
+on every device during the forward, rebuild and vjp, pmap semantics), reduce-scatters the gradients
+(``lax.psum_scatter``, `common.reduce_grads`) instead of summing them everywhere, and runs the optax
+update on the local piece; the updated piece goes back where it lives. The update must then be
+elementwise (`common.check_sharded_optimizer`).
+
 Reference: Trax ``ReversibleSerialTrainer`` (trax/optimizers/trainer.py); Gomez et al., "The Reversible
 Residual Network", NeurIPS 2017; Kitaev et al., "Reformer", ICLR 2020.
 """
@@ -50,11 +60,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
-                                put_replicated, replicated)
+                                put_replicated, put_sharded, replicated, shard_spec, spec_axis)
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
-                                      check_flags, check_per_layer_optimizer, example_keys, guarded_update, per_device,
-                                      step_key)
+                                      check_flags, check_per_layer_optimizer, check_sharded_optimizer, example_keys,
+                                      gather_params, guarded_update, per_device, reduce_grads, step_key)
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
@@ -73,10 +84,14 @@ class ReversibleTrainer(TrainerBase):
       offload: keep weights, optimizer state and saved standard-layer inputs in host memory between uses.
       scan_layers: run each run of consecutive identical reversible layers as one ``lax.scan`` per pass
         (the scanned executor; see the module note). Same results as the per-layer executor.
+      shard_state: split every large leaf of the weights and optimizer state over the ``"data"`` devices
+        (see the module note): each device holds 1/N of it. One log line at construction says how many
+        leaves (and bytes) are split and which stay replicated.
 
     Raises:
-      TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or offload was asked
-        for on a backend without a ``pinned_host`` memory space.
+      TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or needs whole leaves
+        with ``shard_state`` (``check_sharded_optimizer``), or offload was asked for on a backend without a
+        ``pinned_host`` memory space.
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
@@ -85,19 +100,86 @@ class ReversibleTrainer(TrainerBase):
 
     name = "reversible"
 
-    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True):
-        check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers)
+    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
+                 shard_state: bool = False):
+        check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers, shard_state=shard_state)
         super().__init__(model, optimizer, mesh, seed)
         check_per_layer_optimizer(optimizer)
+        if shard_state:
+            check_sharded_optimizer(optimizer)
+        self.shard_state = shard_state
+        self._specs: dict = {}  # id(layer) -> (params specs, optimizer state specs), per layer
         if offload and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
         self.offload = offload
         self.scan_layers = scan_layers
-        self._host = replicated(mesh, HOST_MEMORY) if offload else None
-        self._device = replicated(mesh, DEVICE_MEMORY) if offload else None
         runs = find_runs(model.layers) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)  # this trainer's working layout
         self._plans: dict = {}
+        if shard_state:
+            metrics_lib.log(self.shard_summary())
+
+    # -- sharded state: one PartitionSpec per leaf (placement.shard_spec), per layer -------------------
+    def layer_specs(self, layer):
+        """``(params specs, optimizer state specs)`` of one layer: trees of ``PartitionSpec`` matching its
+        params and its optax state (``P()`` for a replicated leaf), from the shapes alone. Without
+        ``shard_state`` both are ``P()`` (a prefix: everything replicated)."""
+        if not self.shard_state:
+            return _R, _R
+        key = id(layer)
+        if key not in self._specs:
+            n = self.num_devices
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), layer.init_params)
+            opt = jax.eval_shape(self.tx.init, shapes)
+            spec = lambda x: shard_spec(x.shape, n)  # noqa: E731
+            self._specs[key] = (jax.tree.map(spec, shapes), jax.tree.map(spec, opt))
+        return self._specs[key]
+
+    def _group_specs(self, layer, count: int = 1):
+        """`layer_specs` of a group: a stacked run's specs have the leading layer axis unsplit."""
+        specs = self.layer_specs(layer)
+        if count == 1 or not self.shard_state:
+            return specs
+        return tuple(jax.tree.map(lambda p: P(None, *p) if spec_axis(p) is not None else _R, t) for t in specs)
+
+    def _param_specs(self, layer, leading: int = 0):
+        return self._group_specs(layer, 1 + leading)[0]
+
+    def _whole(self, layer, params):
+        return gather_params(params, self.layer_specs(layer)[0]) if self.shard_state else params
+
+    def _grad_specs(self, layer):
+        """Where the gradients' sum goes (``reduce_grads``): None (every device) or this layer's specs."""
+        return self.layer_specs(layer)[0] if self.shard_state else None
+
+    @property
+    def _across(self):
+        return DATA_AXIS if self.shard_state else None
+
+    def shard_summary(self) -> str:
+        """One line: how many leaves of the weights and optimizer state are split over the devices, their
+        share of the bytes, and which leaves stay replicated (too small or no divisible axis)."""
+        split = kept = split_bytes = total = 0
+        small = set()
+        for layer in self.model.layers:
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), layer.init_params)
+            trees = (shapes, jax.eval_shape(self.tx.init, shapes))
+            for tree, specs in zip(trees, self.layer_specs(layer)):
+                for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(specs)):
+                    nbytes = int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+                    total += nbytes
+                    if spec_axis(spec) is None:
+                        kept += 1
+                        if x.shape:
+                            small.add(jax.tree_util.keystr(path[-1:]).strip("[]'"))
+                    else:
+                        split += 1
+                        split_bytes += nbytes
+        names = ", ".join(sorted(small)[:6]) + (", ..." if len(small) > 6 else "")
+        n = self.num_devices
+        return (f"shard_state: {split} leaves of weights and optimizer state split over {n} devices "
+                f"({100 * split_bytes / max(total, 1):.1f}% of {total / 2**20:.1f} MiB), {kept} replicated "
+                f"(too small or no axis divisible by {n}{': ' + names if names else ''})")
 
     # -- placement -------------------------------------------------------------------------------
     # Outside a program: one ``jax.device_put`` per tree (JAX moves every leaf in one batched call).
@@ -122,23 +204,30 @@ class ReversibleTrainer(TrainerBase):
         return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks))
 
     def _fetch(self, tree):
-        """A single layer's params on the device (a copy from host memory with offload)."""
-        if not self.offload:
+        """A single layer's params on the device, whole (a copy from host memory with offload; gathered
+        from the devices' pieces with ``shard_state``)."""
+        if not self.offload and not self.shard_state:
             return tree
-        return jax.device_put(tree, self._device)
+        return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
 
     def init(self) -> TrainState:
-        """Initial state, replicated (in host memory when offloading), in this trainer's layout: per
-        layer, or with runs of identical layers stacked (``scan_layers``)."""
+        """Initial state, replicated or split over the devices (``shard_state``), in host memory when
+        offloading, in this trainer's layout: per layer, or with runs of identical layers stacked
+        (``scan_layers``)."""
         params, state = self.model.init()
         # The optimizer is initialised layer by layer, so that at most one layer's weights and optimizer
         # state pass through the device; the copies are on the host (np.array: np.asarray may alias).
         opt_state = [jax.tree.map(np.array, self.tx.init(p)) for p in params]
         grouped = Stacked.from_per_layer(self.groups, params, opt_state, state)  # numpy in, numpy out
         kind = HOST_MEMORY if self.offload else None
-        placed = Stacked(self.groups, [put_replicated(p, self.mesh, kind) for p in grouped.params],
-                         [put_replicated(o, self.mesh, kind) for o in grouped.opt_state],
-                         [self.replicate(s) for s in grouped.layer_state])
+        if self.shard_state:  # each process builds only its devices' pieces
+            specs = [self._group_specs(self.model.layers[start], count) for start, count in self.groups]
+            placed_params = [put_sharded(p, self.mesh, s[0], kind) for p, s in zip(grouped.params, specs)]
+            placed_opt = [put_sharded(o, self.mesh, s[1], kind) for o, s in zip(grouped.opt_state, specs)]
+        else:
+            placed_params = [put_replicated(p, self.mesh, kind) for p in grouped.params]
+            placed_opt = [put_replicated(o, self.mesh, kind) for o in grouped.opt_state]
+        placed = Stacked(self.groups, placed_params, placed_opt, [self.replicate(s) for s in grouped.layer_state])
         return self._state(0, placed)
 
     def _state(self, step: int, grouped: Stacked) -> TrainState:
@@ -156,14 +245,17 @@ class ReversibleTrainer(TrainerBase):
         return Stacked.from_per_layer(self.groups, *lists, consume=True)
 
     # -- the per-layer fused functions (run inside shard_map over "data") ---------------------------
-    @staticmethod
-    def _forward(layer, params, state, x, skey, index):
+    # With shard_state each takes the local pieces of its layer's weights and optimizer state: the weights
+    # are gathered whole at entry (`_whole`), the gradients reduce-scattered back to pieces (``specs``), and
+    # the update runs on the pieces.
+    def _forward(self, layer, params, state, x, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        return layer.apply(params, state, x, keys, True)
+        return layer.apply(self._whole(layer, params), state, x, keys, True)
 
-    # The gradient halves, shared with `revtrain check`: gradients are summed over devices ("data").
+    # The gradient halves, shared with `revtrain check`: gradients are summed over devices ("data"), or
+    # reduce-scattered to the pieces of ``specs`` (`reduce_grads`).
     @staticmethod
-    def head_grads(layer, params, state, x, batch, keys):
+    def head_grads(layer, params, state, x, batch, keys, specs=None):
         """Loss and ``vjp`` of the head: returns ``(mean loss, grads, dx, stats, new_state, total weight)``."""
         def objective(p, x):
             loss_sum, stats, new_state = layer.loss(p, state, x, batch, keys, True)
@@ -172,10 +264,10 @@ class ReversibleTrainer(TrainerBase):
 
         obj, vjp_fn, (stats, new_state, total) = jax.vjp(objective, per_device(params), x, has_aux=True)
         grads, dx = vjp_fn(jnp.ones_like(obj))
-        return obj, lax.psum(grads, DATA_AXIS), dx, stats, new_state, total
+        return obj, reduce_grads(grads, specs), dx, stats, new_state, total
 
     @staticmethod
-    def reverse_grads(layer, params, state, y, dy, keys):
+    def reverse_grads(layer, params, state, y, dy, keys, specs=None):
         """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
         given weights: returns ``(x, dx, grads)``."""
         # The barrier keeps XLA from merging the rebuild's F and G with the vjp's recomputation of them:
@@ -187,10 +279,10 @@ class ReversibleTrainer(TrainerBase):
         x = lax.optimization_barrier(lax.stop_gradient(layer.inverse(params, state, y, keys)))
         _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
         grads, dx = vjp_fn(dy)
-        return x, dx, lax.psum(grads, DATA_AXIS)
+        return x, dx, reduce_grads(grads, specs)
 
     @staticmethod
-    def recompute_grads(layer, params, state, x, dy, keys):
+    def recompute_grads(layer, params, state, x, dy, keys, specs=None):
         """Recomputes a standard layer from its saved input under ``vjp``: returns ``(dx, grads)``; ``dx``
         is None for integer inputs (token ids have no cotangent)."""
         if _is_float_tree(x):
@@ -199,26 +291,30 @@ class ReversibleTrainer(TrainerBase):
         else:
             _, vjp_fn = jax.vjp(lambda p: layer.apply(p, state, x, keys, True)[0], per_device(params))
             (grads,), dx = vjp_fn(dy), None
-        return dx, lax.psum(grads, DATA_AXIS)
+        return dx, reduce_grads(grads, specs)
 
     def _head(self, layer, params, opt_state, state, x, batch, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        obj, grads, dx, stats, new_state, total = self.head_grads(layer, params, state, x, batch, keys)
+        obj, grads, dx, stats, new_state, total = self.head_grads(layer, self._whole(layer, params), state, x, batch,
+                                                                  keys, self._grad_specs(layer))
         loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, ok=jnp.isfinite(loss))
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, ok=jnp.isfinite(loss),
+                                                     across=self._across)
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
         return dx, new_params, new_opt, new_state, metrics, finite
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
-        x, dx, grads = self.reverse_grads(layer, params, state, y, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
+        x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
+                                          self._grad_specs(layer))
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
         return x, dx, new_params, new_opt, finite
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        dx, grads = self.recompute_grads(layer, params, state, x, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
+        dx, grads = self.recompute_grads(layer, self._whole(layer, params), state, x, dy, keys,
+                                         self._grad_specs(layer))
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
         return dx, new_params, new_opt, finite
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
@@ -295,28 +391,44 @@ class ReversibleTrainer(TrainerBase):
                       (1, 2)),
     }
 
+    def _with_specs(self, specs: tuple, positions: tuple, state_specs: tuple) -> tuple:
+        """``specs`` with the entries at ``positions`` (params, then optimizer state) set to ``state_specs``."""
+        specs = list(specs)
+        for i, spec in zip(positions, state_specs):
+            specs[i] = spec
+        return tuple(specs)
+
+    def _host_shardings(self, specs):
+        """Host-memory shardings of a tree of specs (or of one spec, a prefix)."""
+        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=HOST_MEMORY), specs)
+
     def _fn(self, kind, layer):
         name, in_specs, out_specs, donate, inputs, outputs = self._PER_LAYER[kind]
         fn = getattr(self, name)
+        state_specs = self.layer_specs(layer)
+        in_specs = self._with_specs(in_specs, inputs, state_specs)
+        out_specs = self._with_specs(out_specs, outputs, state_specs)
         if not self.offload:
             return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate)
-        out = tuple(self._host if i in outputs else NamedSharding(self.mesh, spec) for i, spec in enumerate(out_specs))
+        out = tuple(self._host_shardings(spec) if i in outputs else NamedSharding(self.mesh, spec)
+                    for i, spec in enumerate(out_specs))
         return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
                               out_shardings=out, moved=inputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
         key = (kind, layer, count)
+        pspec, ospec = self._group_specs(layer, count)
         if kind == "forward_run":
-            return self._compiled(kind, layer, self._forward_run, (_R, _R, _D, _R, _R), (_D, _R), donate=(2,),
+            return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
                                   key=key)
         if kind == "reverse_run":
             out = None
             if self.offload:  # the updated stacks stay in host memory
                 batch = NamedSharding(self.mesh, _D)
-                out = (batch, batch, self._host, self._host, replicated(self.mesh))
-            return self._compiled(kind, layer, self._reverse_run, (_R, _R, _R, _D, _D, _R, _R),
-                                  (_D, _D, _R, _R, _R), donate=(0, 1, 3, 4), out_shardings=out, key=key)
+                out = (batch, batch, self._host_shardings(pspec), self._host_shardings(ospec), replicated(self.mesh))
+            return self._compiled(kind, layer, self._reverse_run, (pspec, ospec, _R, _D, _D, _R, _R),
+                                  (_D, _D, pspec, ospec, _R), donate=(0, 1, 3, 4), out_shardings=out, key=key)
         raise KeyError(kind)
 
     def _plan(self, groups) -> "_Plan":

@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Group = tuple[int, int]  # (index of the first layer, number of layers)
 
@@ -61,6 +63,45 @@ def groups_of(num_layers: int, runs: Sequence[Group]) -> tuple[Group, ...]:
     return tuple(groups)
 
 
+def _split(x) -> bool:
+    """True for a ``jax.Array`` split over its devices (sharded state), not replicated."""
+    return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
+
+
+def _key(index) -> tuple:
+    """A hashable form of a shard's index (a tuple of slices)."""
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _with_lead(sharding, lead: bool):
+    """``sharding`` (a ``NamedSharding``) for the stacked array (``lead``: one more leading, unsplit axis) or
+    for one slice of it (the leading axis dropped)."""
+    spec = tuple(sharding.spec)
+    spec = (None, *spec) if lead else spec[1:]
+    return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
+
+
+def _stack_split(column):
+    """`stack` of split arrays: each process stacks its own devices' pieces (nothing is gathered)."""
+    first = column[0]
+    pieces = [{_key(sh.index): sh.data for sh in x.addressable_shards} for x in column]
+    sharding = _with_lead(first.sharding, True)
+
+    def piece(index):
+        return np.stack([np.asarray(p[_key(index[1:])]) for p in pieces])
+
+    return jax.make_array_from_callback((len(column), *first.shape), sharding, piece)
+
+
+def _unstack_split(x, count: int) -> list:
+    """`unstack` of a split array: each slice built from this process's pieces."""
+    pieces = {_key(sh.index[1:]): sh.data for sh in x.addressable_shards}
+    sharding = _with_lead(x.sharding, False)
+    shape = tuple(x.shape[1:])
+    return [jax.make_array_from_callback(shape, sharding, lambda index, i=i: np.array(pieces[_key(index)][i]))
+            for i in range(count)]
+
+
 def _local(x) -> np.ndarray:
     """This process's full copy of a replicated leaf, as numpy (host and device memory kinds alike)."""
     if isinstance(x, jax.Array):
@@ -84,7 +125,8 @@ def stack(trees: Sequence, consume: bool = False):
     """One tree whose leaves are the given trees' leaves stacked on a new leading axis.
 
     Args:
-      trees: ``count`` pytrees of the same structure; leaves numpy arrays or replicated ``jax.Array`` s.
+      trees: ``count`` pytrees of the same structure; leaves numpy arrays or ``jax.Array`` s, replicated or
+        split over devices alike (sharded state: each process stacks its own pieces).
       consume: delete each input leaf once it is copied (the caller gives them up), so that at most one
         stacked leaf exists twice at a time.
 
@@ -96,8 +138,10 @@ def stack(trees: Sequence, consume: bool = False):
     out = []
     for k in range(treedef.num_leaves):
         column = [f[k] for f in flat]
-        value = np.stack([_local(x) for x in column])
-        out.append(_place_like(value, column[0]))
+        if _split(column[0]):
+            out.append(_stack_split(column))
+        else:
+            out.append(_place_like(np.stack([_local(x) for x in column]), column[0]))
         if consume:
             for x in column:
                 _delete(x)
@@ -109,6 +153,11 @@ def unstack(tree, count: int) -> list:
     leaves, treedef = jax.tree.flatten(tree)
     columns = []
     for x in leaves:
+        if _split(x):
+            if x.shape[:1] != (count,):
+                raise ValueError(f"a stacked leaf has shape {x.shape}, expected a leading axis of {count}")
+            columns.append(_unstack_split(x, count))
+            continue
         value = _local(x)
         if value.shape[:1] != (count,):
             raise ValueError(f"a stacked leaf has shape {value.shape}, expected a leading axis of {count}")
@@ -120,6 +169,8 @@ def unstack_shapes(tree, count: int):
     """The per-layer ``jax.ShapeDtypeStruct`` (with sharding) of one slice of a stacked tree."""
     def one(x):
         sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and len(sharding.spec):  # split: the slice's own spec
+            sharding = _with_lead(sharding, False)
         return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype, sharding=sharding)
     return jax.tree.map(one, tree)
 

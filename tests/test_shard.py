@@ -1,0 +1,253 @@
+"""Sharded state (``ReversibleTrainer.shard_state``): each of N devices holds 1/N of the large leaves of the
+weights and optimizer state, and the run follows the replicated one bit for bit.
+
+The measurements on 4 and 8 CPU devices run in subprocesses (``XLA_FLAGS`` must be set before JAX is
+imported): this file is also the worker (``python tests/test_shard.py OUT.json``). Resuming across layouts
+goes through the CLI: 4 steps sharded on 4 devices (checkpoints at 2 and 4), then a copy of that run resumed
+from step 2 replicated on 2 devices, against the straight run. The two-process run (2 processes x 2 devices
+over gloo) is in the slow tier.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NUM_DEVICES = 4
+DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
+
+
+# ------------------------------------------------------------------------------------------------
+# The worker (a fresh interpreter with NUM_DEVICES, or 8, CPU devices).
+# ------------------------------------------------------------------------------------------------
+def _worker(out_path: str) -> None:
+    import jax
+    import optax
+
+    from revtrain.data import byte_lm, pipeline
+    from revtrain.memory import host_state_bytes
+    from revtrain.models import ReversibleTransformerLM
+    from revtrain.placement import global_batch, make_mesh
+    from revtrain.trainers import ReversibleTrainer
+
+    ndev = len(jax.devices())
+    mesh = make_mesh()
+    out = {"devices": ndev}
+
+    # host_state_bytes of the default model (configs/enwik_small.gin: 6 layers, d_model 128, AdamW), offload,
+    # right after init (no program is compiled).
+    def default_bytes(shard: bool) -> tuple[int, dict]:
+        model = ReversibleTransformerLM(256, num_layers=6, d_model=128, num_heads=4)
+        trainer = ReversibleTrainer(model, optax.adamw(1e-3, weight_decay=0.01), mesh, offload=True,
+                                    shard_state=shard)
+        ts = trainer.init()
+        # The embedding matrix [256, 128] of the first layer: the piece each device holds.
+        emb = [x for x in jax.tree.leaves(ts.params[0]) if x.ndim == 2][0]
+        pieces = {"shape": list(emb.shape), "piece": list(emb.addressable_shards[0].data.shape),
+                  "distinct": len({tuple((s.start, s.stop) for s in sh.index) for sh in emb.addressable_shards})}
+        return host_state_bytes(ts), pieces
+
+    out["bytes_replicated"], _ = default_bytes(False)
+    out["bytes_sharded"], out["embedding"] = default_bytes(True)
+    if ndev != NUM_DEVICES:
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1)
+        return
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, 128, byte_lm.default_data_dir())
+    it = iter(pipeline.train_dataset(builder, batch_size=BATCH, seed=0))
+    batches = [next(it) for _ in range(STEPS)]
+
+    def train(**kwargs):
+        model = ReversibleTransformerLM(128, num_layers=DEPTH, d_model=D_MODEL, dropout_rate=0.1)
+        trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, offload=True, **kwargs)
+        ts = trainer.init()
+        losses = []
+        for batch in batches:
+            ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+            losses.append(metrics["loss"])
+        evaluated = trainer.eval_step(ts, global_batch(batches[0], mesh))
+        ts = ts.per_layer()
+        leaves = [np.asarray(x) for x in jax.tree.leaves((ts.params, ts.opt_state))]
+        return [float(x) for x in losses], leaves, float(evaluated["loss_sum"])
+
+    reference = train()
+    out["runs"] = {}
+    for name, kwargs in {"scan": {}, "per_layer": {"scan_layers": False}}.items():
+        losses, leaves, evaluated = train(shard_state=True, **kwargs)
+        out["runs"][name] = {
+            "losses": losses, "reference_losses": reference[0],
+            "bitwise": len(leaves) == len(reference[1]) and all(np.array_equal(a, b) for a, b in
+                                                                  zip(leaves, reference[1])),
+            "max_abs": max(float(np.max(np.abs(a - b))) for a, b in zip(leaves, reference[1])),
+            "eval_equal": evaluated == reference[2]}
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _run_worker(devices: int, data_dir: str, out: pathlib.Path) -> dict:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               REVTRAIN_DATA_DIR=data_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(byte_lm_data_dir, tmp_path_factory):
+    return _run_worker(NUM_DEVICES, byte_lm_data_dir, tmp_path_factory.mktemp("shard") / "results.json")
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests.
+# ------------------------------------------------------------------------------------------------
+def test_host_state_bytes_four_devices(results):
+    """Default model, offload, 4 devices: each device holds at most 0.3x the replicated bytes."""
+    ratio = results["bytes_sharded"] / results["bytes_replicated"]
+    assert results["bytes_replicated"] > 2 * 2**20, results  # weights + AdamW moments of ~0.9M parameters
+    assert ratio <= 0.3, f"sharded / replicated host bytes {ratio:.3f}"
+    assert ratio >= 0.25, f"{ratio:.3f}: below 1/4, so something is missing from the count"
+    # The embedding [256, 128] is split along its 256 rows: four distinct pieces of 64 rows.
+    assert results["embedding"] == {"shape": [256, 128], "piece": [64, 128], "distinct": 4}
+
+
+def test_host_state_bytes_eight_devices(byte_lm_data_dir, tmp_path):
+    out = _run_worker(8, byte_lm_data_dir, tmp_path / "eight.json")
+    ratio = out["bytes_sharded"] / out["bytes_replicated"]
+    assert 0.125 <= ratio <= 0.16, f"sharded / replicated host bytes on 8 devices {ratio:.3f}"
+    assert out["embedding"] == {"shape": [256, 128], "piece": [32, 128], "distinct": 8}
+
+
+@pytest.mark.parametrize("executor", ["scan", "per_layer"])
+def test_sharded_equals_replicated_bit_for_bit(results, executor):
+    """4 devices, offload, Adam, dropout: losses, parameters, optimizer state and an evaluation equal the
+    replicated run's bit for bit (the reduce-scatter adds the devices' gradients in the all-reduce's order
+    on XLA:CPU)."""
+    run = results["runs"][executor]
+    assert run["losses"] == run["reference_losses"], run
+    assert run["bitwise"], f"largest difference {run['max_abs']:.3g}"
+    assert run["eval_equal"]
+    assert run["losses"][-1] < run["losses"][0]
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "clip_by_block_rms"])
+def test_refuses_optimizers_that_need_the_whole_leaf(name):
+    import optax
+
+    from revtrain.trainers.common import TrainerError, check_sharded_optimizer
+
+    tx = {"adafactor": lambda: optax.adafactor(1e-3), "lamb": lambda: optax.lamb(1e-3),
+          "clip_by_block_rms": lambda: optax.chain(optax.clip_by_block_rms(1.0), optax.adam(1e-3))}[name]()
+    with pytest.raises(TrainerError, match=r"needs an elementwise optimizer.*optax\.adam, optax\.adamw"):
+        check_sharded_optimizer(tx)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd_momentum", "lion", "clip"])
+def test_accepts_elementwise_optimizers(name):
+    import optax
+
+    from revtrain.trainers.common import check_sharded_optimizer
+
+    tx = {"adam": lambda: optax.adam(1e-3), "adamw": lambda: optax.adamw(1e-3, weight_decay=0.1),
+          "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9), "lion": lambda: optax.lion(1e-4),
+          "clip": lambda: optax.chain(optax.clip(0.1), optax.adam(1e-3))}[name]()
+    check_sharded_optimizer(tx)  # raises if refused
+
+
+TINY = ["--config", str(REPO / "configs" / "enwik_small.gin"),
+        "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
+        "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "ReversibleTrainer.offload = True",
+        "--gin", "train.batch_size = 8", "--gin", "train.log_every = 1", "--gin", "STEPS = 4", "--gin", "WARMUP = 2",
+        "--gin", "train.sample_every = 0", "--gin", "train.checkpoint_every = 2"]
+SHARD = ["--gin", "ReversibleTrainer.shard_state = True"]
+
+
+def _cli(args: list, devices: int, data_dir: str, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.run([sys.executable, "-m", "revtrain", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _losses(workdir: pathlib.Path) -> dict:
+    lines = (workdir / "metrics" / "train.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, filter(str.strip, lines)) if "loss" in r}
+
+
+def test_cli_refuses_adafactor_in_one_line(byte_lm_data_dir, tmp_path):
+    proc = _cli(["train", *TINY, *SHARD, "--gin", "train.optimizer = @optax.adafactor", "--workdir",
+                 str(tmp_path / "run")], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("revtrain: error:")]
+    assert len(errors) == 1 and "needs an elementwise optimizer" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_sharded_four_devices_on_two_replicated(byte_lm_data_dir, tmp_path):
+    """4 steps sharded on 4 devices; a copy of the run resumed from its step-2 checkpoint replicated on 2
+    devices: the losses of steps 3-4 equal the straight run's within 1e-5; host_state_bytes is reported."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = _cli(["train", *TINY, *SHARD, "--workdir", str(straight)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    shard_lines = [line for line in proc.stderr.splitlines() if line.startswith("shard_state: ")]
+    assert len(shard_lines) == 1 and "split over 4 devices" in shard_lines[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    proc = _cli(["train", *TINY, "--workdir", str(resumed)], 2, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from checkpoint at step 2" in proc.stderr
+    assert not any(line.startswith("shard_state: ") for line in proc.stderr.splitlines())  # replicated
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    np.testing.assert_allclose([b[s]["loss"] for s in (3, 4)], [a[s]["loss"] for s in (3, 4)], rtol=1e-5)
+    assert a[4]["host_state_bytes"] > 0 and a[4]["devices"] == 4
+    assert b[4]["devices"] == 2 and b[4]["host_state_bytes"] > a[4]["host_state_bytes"]  # replicated again
+
+
+@pytest.mark.slow
+def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tmp_path):
+    """2 processes x 2 devices (gloo), sharded with offload, each process holding its devices' pieces: the
+    losses equal 1 process x 4 devices replicated within 1e-6 relative; then the two-process run's step-2
+    checkpoint resumes in one process (4 devices, sharded) within 1e-5 of the straight run."""
+    from test_multihost import _env, _free_port, _Procs
+
+    reference, multi, single = tmp_path / "reference", tmp_path / "multi", tmp_path / "single"
+    # Three blocks: with offload, a stacked run of exactly two blocks fails on 4 replicated CPU devices
+    # ("Memory kind mismatch", also without shard_state).
+    tiny = [*TINY, "--gin", "ReversibleTransformerLM.num_layers = 3"]
+    proc = _cli(["train", *tiny, "--workdir", str(reference)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    procs, port = _Procs(tmp_path), _free_port()
+    for i in range(2):
+        procs.start(f"multi.p{i}", ["train", *tiny, *SHARD, "--workdir", str(multi), "--coordinator_address",
+                                    f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
+                    _env(2, byte_lm_data_dir))
+    results = procs.wait(600)
+    for i, (code, log) in enumerate(results):
+        assert code == 0, f"process {i} exited {code}:\n{log[-4000:]}"
+    a, b = _losses(reference), _losses(multi)
+    np.testing.assert_allclose([b[s]["loss"] for s in range(1, 5)], [a[s]["loss"] for s in range(1, 5)], rtol=1e-6)
+    assert b[4]["processes"] == 2 and 0 < b[4]["host_state_bytes"] < a[4]["host_state_bytes"]
+    shutil.copytree(multi, single)
+    shutil.rmtree(single / "checkpoints" / "4")
+    proc = _cli(["train", *tiny, *SHARD, "--workdir", str(single)], 4, byte_lm_data_dir, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    c = _losses(single)
+    assert c[4]["processes"] == 1
+    np.testing.assert_allclose([c[s]["loss"] for s in (3, 4)], [b[s]["loss"] for s in (3, 4)], rtol=1e-5)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
