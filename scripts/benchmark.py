@@ -60,7 +60,20 @@ from revtrain.models import ReversibleTransformerLM  # noqa: E402
 from revtrain.placement import DATA_AXIS, global_batch, make_mesh  # noqa: E402
 from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 
-CONFIGS = [("standard", False), ("reversible", False), ("reversible", True)]
+# The trainers of ``make bench``: (label, trainer kind, keyword arguments of the trainer). "remat" is what a
+# JAX user would pick for memory without a reversible model: the standard trainer scanning its identical
+# blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward).
+# "exact" is the reversible trainer's bit-exact rebuild (inverse, then the vjp of the block), "fused" the
+# rebuild from the vjp's own primal outputs (one forward of F and G less per block).
+CONFIGS = [
+    ("standard", "standard", {}),
+    ("remat", "standard", {"scan_layers": True, "remat_layers": True}),
+    ("reversible exact", "reversible", {"rebuild": "exact"}),
+    ("reversible fused", "reversible", {"rebuild": "fused"}),
+    ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
+    ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
+]
+_BY_LABEL = {label: (kind, kwargs) for label, kind, kwargs in CONFIGS}
 
 
 def _ready(ts, metrics) -> None:
@@ -69,13 +82,15 @@ def _ready(ts, metrics) -> None:
     jax.block_until_ready((ts.held(), metrics))
 
 
-def _trainer(kind, offload, depth, args, mesh):
-    model = ReversibleTransformerLM(args.seq, num_layers=depth, d_model=args.d_model, num_heads=args.heads,
-                                    dropout_rate=0.0)
+def _trainer(label, depth, args, mesh, seq=None):
+    """The trainer ``label`` of ``CONFIGS`` on the benchmark's LM (``seq`` positions, default ``--seq``;
+    ``--attention_block`` for blockwise attention)."""
+    kind, kwargs = _BY_LABEL[label]
+    model = ReversibleTransformerLM(seq or args.seq, num_layers=depth, d_model=args.d_model, num_heads=args.heads,
+                                    dropout_rate=0.0, attention_block=getattr(args, "bench_attention_block", None))
     tx = optax.adam(1e-4)
-    if kind == "standard":
-        return StandardTrainer(model, tx, mesh, seed=0)
-    return ReversibleTrainer(model, tx, mesh, seed=0, offload=offload)
+    cls = StandardTrainer if kind == "standard" else ReversibleTrainer
+    return cls(model, tx, mesh, seed=0, **kwargs)
 
 
 def _batches(args, n, seq=None):
@@ -84,14 +99,14 @@ def _batches(args, n, seq=None):
     return [next(it) for _ in range(n)]
 
 
-def measure_memory(kind, offload, depth, args) -> tuple[int, str]:
+def measure_memory(label, depth, args, seq=None) -> tuple[int, str]:
     """Peak device bytes of one step after a warm-up step, in this process."""
     mesh = make_mesh()
-    trainer = _trainer(kind, offload, depth, args, mesh)
+    trainer = _trainer(label, depth, args, mesh, seq)
     meter = MemoryMeter()
     trainer.meter = meter
     ts = trainer.init()
-    batches = [global_batch(b, mesh) for b in _batches(args, 2)]
+    batches = [global_batch(b, mesh) for b in _batches(args, 2, seq)]
     ts, m = trainer.train_step(ts, batches[0])
     jax.block_until_ready(m)
     meter.start()
@@ -100,60 +115,86 @@ def measure_memory(kind, offload, depth, args) -> tuple[int, str]:
     return meter.stop(), meter.method
 
 
-def _memory_in_subprocess(kind, offload, depth, args) -> tuple[int, str]:
-    cmd = [sys.executable, __file__, "--memory_only", f"{kind},{int(offload)},{depth}", "--d_model",
-           str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch), "--heads", str(args.heads)]
+def _memory_in_subprocess(label, depth, args, seq=None) -> tuple[int, str]:
+    cmd = [sys.executable, __file__, "--memory_only", f"{label},{depth},{seq or args.seq}", "--d_model",
+           str(args.d_model), "--batch", str(args.batch), "--heads", str(args.heads),
+           "--bench_attention_block", str(args.bench_attention_block or 0)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     peak, method = out.split()
     return int(peak), method
 
 
-def run(args) -> list[dict]:
-    mesh = make_mesh()
+def _point(args, mesh, depth, seq, warmup, steps, labels) -> list[dict]:
+    """One benchmark point: every trainer of ``labels`` on the same model and batches, warmed up, then timed
+    in interleaved rounds (median), then metered."""
     on_cpu = jax.devices()[0].platform == "cpu"
-    batches = [global_batch(b, mesh) for b in _batches(args, args.warmup + args.steps)]
-    tokens = args.batch * args.seq
+    batches = [global_batch(b, mesh) for b in _batches(args, warmup + steps, seq)]
+    tokens = args.batch * seq
+    trainers, states = {}, {}
+    for label in labels:
+        t = _trainer(label, depth, args, mesh, seq)
+        ts = t.init()
+        for b in batches[:warmup]:
+            ts, m = t.train_step(ts, b)
+        _ready(ts, m)
+        trainers[label], states[label] = t, ts
+    times = {c: [] for c in labels}
+    for b in batches[warmup:]:  # interleaved rounds
+        for c in labels:
+            t0 = time.perf_counter()
+            states[c], m = trainers[c].train_step(states[c], b)
+            _ready(states[c], m)
+            times[c].append(time.perf_counter() - t0)
+    del trainers, states
+    tps = {c: tokens / statistics.median(times[c]) for c in labels}
+    records = []
+    for label in labels:
+        if on_cpu:
+            peak, method = measure_memory(label, depth, args, seq)
+        else:
+            peak, method = _memory_in_subprocess(label, depth, args, seq)
+        kind, kwargs = _BY_LABEL[label]
+        rec = {"config": label, "trainer": kind, "offload": kwargs.get("offload", False),
+               "rebuild": kwargs.get("rebuild"), "depth": depth, "peak_device_bytes": peak,
+               "memory_method": method, "tokens_per_sec": tps[label],
+               "ratio_to_standard": tps[label] / tps["standard"] if "standard" in tps else None,
+               "ratio_to_remat": tps[label] / tps["remat"] if "remat" in tps else None,
+               "ratio_to_exact": (tps[label] / tps["reversible exact"] if "reversible exact" in tps else None),
+               "timed_steps": steps, "platform": jax.devices()[0].platform,
+               "device_kind": jax.devices()[0].device_kind, "d_model": args.d_model, "seq": seq,
+               "batch": args.batch, "attention_block": args.bench_attention_block}
+        records.append(rec)
+        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_exact")
+                          if rec[k] is not None)
+        print(f"depth {depth:>3} T {seq:>5} {label:<27} peak {peak / 2**20:9.1f} MiB  {tps[label]:10,.0f} tok/s  "
+              f"{ratios}", flush=True)
+    return records
+
+
+def run(args) -> list[dict]:
+    """The depth points (``--depths`` at ``--seq``), then the activation-dominated point (``--long_depth``
+    blocks at ``--long_seq`` positions, blockwise attention, ``--long_steps`` timed steps; skipped when
+    ``--long_seq`` is 0)."""
+    mesh = make_mesh()
+    labels = [label for label, _, _ in CONFIGS if not args.configs or label in args.configs]
     records = []
     for depth in args.depths:
-        trainers, states = {}, {}
-        for kind, offload in CONFIGS:
-            t = _trainer(kind, offload, depth, args, mesh)
-            ts = t.init()
-            for b in batches[: args.warmup]:
-                ts, m = t.train_step(ts, b)
-            _ready(ts, m)
-            trainers[(kind, offload)], states[(kind, offload)] = t, ts
-        times = {c: [] for c in CONFIGS}
-        for b in batches[args.warmup:]:  # interleaved rounds
-            for c in CONFIGS:
-                t0 = time.perf_counter()
-                states[c], m = trainers[c].train_step(states[c], b)
-                _ready(states[c], m)
-                times[c].append(time.perf_counter() - t0)
-        del trainers, states
-        base = tokens / statistics.median(times[("standard", False)])
-        for kind, offload in CONFIGS:
-            tps = tokens / statistics.median(times[(kind, offload)])
-            if on_cpu:
-                peak, method = measure_memory(kind, offload, depth, args)
-            else:
-                peak, method = _memory_in_subprocess(kind, offload, depth, args)
-            rec = {"trainer": kind, "offload": offload, "depth": depth, "peak_device_bytes": peak,
-                   "memory_method": method, "tokens_per_sec": tps, "ratio_to_standard": tps / base,
-                   "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-                   "d_model": args.d_model, "seq": args.seq, "batch": args.batch}
-            records.append(rec)
-            print(f"depth {depth:>3} {kind:>10}{' +offload' if offload else '         '} "
-                  f"peak {peak / 2**20:9.1f} MiB  {tps:10,.0f} tok/s  x{tps / base:.2f}", flush=True)
+        records += _point(args, mesh, depth, args.seq, args.warmup, args.steps, labels)
+    if args.long_seq:
+        args.bench_attention_block = args.long_attention_block
+        records += _point(args, mesh, args.long_depth, args.long_seq, 1, args.long_steps, labels)
+        args.bench_attention_block = None
     return records
 
 
 def table(records) -> str:
-    lines = ["| depth | trainer | peak device MiB | tokens/s | ratio to standard |", "|---|---|---|---|---|"]
+    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible exact |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     for r in records:
-        name = r["trainer"] + (" + offload" if r["offload"] else "")
-        lines.append(f"| {r['depth']} | {name} | {r['peak_device_bytes'] / 2**20:.1f} | "
-                     f"{r['tokens_per_sec']:,.0f} | {r['ratio_to_standard']:.2f} |")
+        lines.append(f"| {r['depth']} | {r['seq']} | {r['config']} | {r['peak_device_bytes'] / 2**20:.1f} | "
+                     f"{r['tokens_per_sec']:,.0f} | {fmt(r['ratio_to_standard'])} | {fmt(r['ratio_to_remat'])} | "
+                     f"{fmt(r['ratio_to_exact'])} |")
     return "\n".join(lines)
 
 
@@ -162,12 +203,13 @@ def plot(records, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, offload in CONFIGS:
-        rs = [r for r in records if r["trainer"] == kind and r["offload"] == offload]
-        label = kind + (" + offload" if offload else "")
+    r0 = records[0]
+    for label, _, _ in CONFIGS:
+        rs = [r for r in records if r["config"] == label and r["seq"] == r0["seq"]]
+        if not rs:
+            continue
         a.plot([r["depth"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], "o-", label=label)
         b.plot([r["depth"] for r in rs], [r["tokens_per_sec"] for r in rs], "o-", label=label)
-    r0 = records[0]
     title = f"{r0['device_kind']} ({r0['memory_method']}), d_model {r0['d_model']}, seq {r0['seq']}, batch {r0['batch']}"
     for ax, ylabel in ((a, "peak device memory (MiB)"), (b, "tokens / s")):
         ax.set_xscale("log", base=2)
@@ -616,6 +658,14 @@ def main():
     p.add_argument("--out", default=None, help="default bench.json (depth), bench_long.json (seq)")
     p.add_argument("--plot", default=None, help="default bench.png (depth), bench_long.png (seq)")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
+    p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--configs", default=None, type=lambda s: [x.strip() for x in s.split(";") if x.strip()],
+                   help="make bench: only these trainers, ';'-separated labels of CONFIGS (e.g. 'remat;reversible fused')")
+    p.add_argument("--long_depth", type=int, default=32, help="make bench: depth of the activation-dominated point")
+    p.add_argument("--long_seq", type=int, default=4096,
+                   help="make bench: T of the activation-dominated point (0: skip it)")
+    p.add_argument("--long_attention_block", type=int, default=512)
+    p.add_argument("--long_steps", type=int, default=1, help="timed steps of the activation-dominated point")
     # --sweep depth
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (--sweep depth)")
     p.add_argument("--max_startup", type=float, default=600.0,
@@ -657,8 +707,8 @@ def main():
         print(*_seq_point_memory(int(length), kind, args))
         return
     if args.memory_only:
-        kind, offload, depth = args.memory_only.split(",")
-        peak, method = measure_memory(kind, bool(int(offload)), int(depth), args)
+        label, depth, length = args.memory_only.rsplit(",", 2)
+        peak, method = measure_memory(label, int(depth), args, int(length))
         print(peak, method)
         return
     records = run_seq(args) if seq else run(args)

@@ -73,10 +73,17 @@ class ReversibleTrainer(TrainerBase):
       offload: keep weights, optimizer state and saved standard-layer inputs in host memory between uses.
       scan_layers: run each run of consecutive identical reversible layers as one ``lax.scan`` per pass
         (the scanned executor; see the module note). Same results as the per-layer executor.
+      rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
+        `ReversibleLayer.reverse_vjp`): ``"fused"``, one ``vjp`` per half-residual of a coupling whose
+        primal output is the rebuild (each of F and G runs forward once in the backward: 2.75 forwards of
+        a block instead of 3.75); ``"exact"``, the inverse behind an optimization barrier, then the vjp of
+        the whole layer (F and G run twice, each compiled like the forward, so the rebuild is bit-exact
+        wherever the streams stay on the fixed-point grid). Layers without ``half_residuals`` use the
+        exact recipe in both modes.
 
     Raises:
-      TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or offload was asked
-        for on a backend without a ``pinned_host`` memory space.
+      TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), offload was asked
+        for on a backend without a ``pinned_host`` memory space, or ``rebuild`` is not a known mode.
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
@@ -84,9 +91,15 @@ class ReversibleTrainer(TrainerBase):
     """
 
     name = "reversible"
+    REBUILD_MODES = ("exact", "fused")
 
-    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True):
+    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
+                 rebuild: str = "exact"):
         check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers)
+        if rebuild not in self.REBUILD_MODES:
+            raise TrainerError(f"ReversibleTrainer.rebuild must be one of {', '.join(map(repr, self.REBUILD_MODES))}, "
+                               f"got {rebuild!r}")
+        self.rebuild = rebuild
         super().__init__(model, optimizer, mesh, seed)
         check_per_layer_optimizer(optimizer)
         if offload and not host_memory_supported(mesh):
@@ -175,18 +188,12 @@ class ReversibleTrainer(TrainerBase):
         return obj, lax.psum(grads, DATA_AXIS), dx, stats, new_state, total
 
     @staticmethod
-    def reverse_grads(layer, params, state, y, dy, keys):
+    def reverse_grads(layer, params, state, y, dy, keys, rebuild: str = "exact"):
         """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
-        given weights: returns ``(x, dx, grads)``."""
-        # The barrier keeps XLA from merging the rebuild's F and G with the vjp's recomputation of them:
-        # merged, F's intermediates also feed the backward, XLA fuses and lays them out differently, and
-        # F (rebuild) no longer equals F (forward) to the bit; the error then grows layer by layer down
-        # the network (measured on the trained default model: 5.1e-6 relative at the bottom block; with
-        # the barrier the rebuild is exact wherever the streams stay on the fixed-point grid). Cost: F is
-        # evaluated once more per layer (about 1% of a step at d_model 256, sequence 512, on CPU).
-        x = lax.optimization_barrier(lax.stop_gradient(layer.inverse(params, state, y, keys)))
-        _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
-        grads, dx = vjp_fn(dy)
+        given weights (`ReversibleLayer.reverse_vjp`): returns ``(x, dx, grads)``, gradients summed over
+        devices. ``rebuild``: ``"exact"`` (inverse, then the vjp of the whole layer) or ``"fused"`` (one vjp
+        per half-residual, whose primal output rebuilds that half's input); see ``REBUILD_MODES``."""
+        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild == "fused")
         return x, dx, lax.psum(grads, DATA_AXIS)
 
     @staticmethod
@@ -211,7 +218,7 @@ class ReversibleTrainer(TrainerBase):
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
-        x, dx, grads = self.reverse_grads(layer, params, state, y, dy, keys)
+        x, dx, grads = self.reverse_grads(layer, params, state, y, dy, keys, self.rebuild)
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params)
         return x, dx, new_params, new_opt, finite
 
