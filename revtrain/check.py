@@ -90,7 +90,7 @@ class _Checker:
         inputs.append(jax.tree.map(np.asarray, x))
         return inputs
 
-    def reversible(self, params, states, batch, rebuild: str = "exact"):
+    def reversible(self, params, states, batch, rebuild: str = "fused"):
         """Per-layer (rebuilt input or None, grads) of the reversible trainer's backward pass with the
         given ``ReversibleTrainer.rebuild`` mode."""
         layers, n = self.layers, len(self.layers)

@@ -63,14 +63,14 @@ from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 # The trainers of ``make bench``: (label, trainer kind, keyword arguments of the trainer). "remat" is what a
 # JAX user would pick for memory without a reversible model: the standard trainer scanning its identical
 # blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward).
-# "exact" is the reversible trainer's bit-exact rebuild (inverse, then the vjp of the block), "fused" the
-# rebuild from the vjp's own primal outputs (one forward of F and G less per block).
+# "fused" is the reversible trainer's rebuild from the vjp's own primal outputs (the default), "inverse" the
+# inverse then the vjp of the block (one forward of F and G more per block; the same bits).
 CONFIGS = [
     ("standard", "standard", {}),
     ("remat", "standard", {"scan_layers": True, "remat_layers": True}),
-    ("reversible exact", "reversible", {"rebuild": "exact"}),
+    ("reversible inverse", "reversible", {"rebuild": "inverse"}),
     ("reversible fused", "reversible", {"rebuild": "fused"}),
-    ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
+    ("reversible inverse + offload", "reversible", {"rebuild": "inverse", "offload": True}),
     ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
 ]
 _BY_LABEL = {label: (kind, kwargs) for label, kind, kwargs in CONFIGS}
@@ -86,8 +86,11 @@ def _trainer(label, depth, args, mesh, seq=None):
     """The trainer ``label`` of ``CONFIGS`` on the benchmark's LM (``seq`` positions, default ``--seq``;
     ``--attention_block`` for blockwise attention)."""
     kind, kwargs = _BY_LABEL[label]
+    extra = {name: getattr(args, name) for name in ("compute_dtype", "ff_chunk", "head_chunk")
+             if getattr(args, name, None) is not None and (name == "compute_dtype" or args.bench_attention_block)}
     model = ReversibleTransformerLM(seq or args.seq, num_layers=depth, d_model=args.d_model, num_heads=args.heads,
-                                    dropout_rate=0.0, attention_block=getattr(args, "bench_attention_block", None))
+                                    dropout_rate=0.0, attention_block=getattr(args, "bench_attention_block", None),
+                                    **extra)
     tx = optax.adam(1e-4)
     cls = StandardTrainer if kind == "standard" else ReversibleTrainer
     return cls(model, tx, mesh, seed=0, **kwargs)
@@ -159,16 +162,63 @@ def _point(args, mesh, depth, seq, warmup, steps, labels) -> list[dict]:
                "memory_method": method, "tokens_per_sec": tps[label],
                "ratio_to_standard": tps[label] / tps["standard"] if "standard" in tps else None,
                "ratio_to_remat": tps[label] / tps["remat"] if "remat" in tps else None,
-               "ratio_to_exact": (tps[label] / tps["reversible exact"] if "reversible exact" in tps else None),
+               "ratio_to_inverse": (tps[label] / tps["reversible inverse"] if "reversible inverse" in tps else None),
                "timed_steps": steps, "platform": jax.devices()[0].platform,
                "device_kind": jax.devices()[0].device_kind, "d_model": args.d_model, "seq": seq,
                "batch": args.batch, "attention_block": args.bench_attention_block}
         records.append(rec)
-        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_exact")
+        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_inverse")
                           if rec[k] is not None)
         print(f"depth {depth:>3} T {seq:>5} {label:<27} peak {peak / 2**20:9.1f} MiB  {tps[label]:10,.0f} tok/s  "
               f"{ratios}", flush=True)
     return records
+
+
+def point(args) -> dict:
+    """One configuration in this process (``--sweep point``, for ``scripts/gpu_report.sh``): trainer
+    ``--point`` at depth ``--depth``, ``--warmup`` steps, ``--steps`` timed steps, the memory meter on the
+    last. Returns one record; a step that runs out of device memory gives ``status: "out of memory"``."""
+    mesh = make_mesh()
+    device = jax.devices()[0]
+    kind, kwargs = _BY_LABEL[args.point]
+    rec = {"config": args.point, "trainer": kind, "offload": kwargs.get("offload", False),
+           "rebuild": kwargs.get("rebuild"), "depth": args.depth, "d_model": args.d_model, "heads": args.heads,
+           "seq": args.seq, "batch": args.batch, "compute_dtype": args.compute_dtype,
+           "attention_block": args.bench_attention_block, "platform": device.platform,
+           "device_kind": device.device_kind}
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        rec["device_bytes_limit"] = int(stats["bytes_limit"])
+    try:
+        trainer = _trainer(args.point, args.depth, args, mesh)
+        # weights + Adam's two moments, float32
+        rec["state_bytes"] = 3 * sum(x.nbytes for layer in trainer.model.layers for x in jax.tree.leaves(layer.init_params))
+        ts = trainer.init()
+        batches = [global_batch(b, mesh) for b in _batches(args, args.warmup + args.steps)]
+        t0 = time.perf_counter()
+        for b in batches[: args.warmup]:
+            ts, m = trainer.train_step(ts, b)
+        _ready(ts, m)
+        rec["warmup_s"] = time.perf_counter() - t0
+        trainer.meter = MemoryMeter()
+        times = []
+        for i, b in enumerate(batches[args.warmup:]):
+            last = i == args.steps - 1
+            if last:
+                trainer.meter.start()
+            t0 = time.perf_counter()
+            ts, m = trainer.train_step(ts, b)
+            _ready(ts, m)
+            times.append(time.perf_counter() - t0)
+            if last:
+                rec["peak_device_bytes"], rec["memory_method"] = trainer.meter.stop(), trainer.meter.method
+        rec.update(status="ok", loss=float(m["loss"]), timed_steps=len(times),
+                   tokens_per_sec=args.batch * args.seq / statistics.median(times))
+    except Exception as e:  # noqa: BLE001 (the record says what happened; out of memory is a result here)
+        text = f"{type(e).__name__}: {e}"
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        rec.update(status="out of memory" if oom else "error", error=text.splitlines()[0][:300])
+    return rec
 
 
 def run(args) -> list[dict]:
@@ -188,13 +238,13 @@ def run(args) -> list[dict]:
 
 
 def table(records) -> str:
-    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible exact |",
+    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible inverse |",
              "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     for r in records:
         lines.append(f"| {r['depth']} | {r['seq']} | {r['config']} | {r['peak_device_bytes'] / 2**20:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {fmt(r['ratio_to_standard'])} | {fmt(r['ratio_to_remat'])} | "
-                     f"{fmt(r['ratio_to_exact'])} |")
+                     f"{fmt(r['ratio_to_inverse'])} |")
     return "\n".join(lines)
 
 
@@ -644,7 +694,7 @@ def plot_seq(result, path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sweep", choices=("trainers", "depth", "seq"), default="trainers",
+    p.add_argument("--sweep", choices=("trainers", "depth", "seq", "point"), default="trainers",
                    help="trainers: the three trainers' memory and speed against depth (make bench); depth: "
                         "tiny blocks at depths 8..256 (make bench-depth); seq: attention against length "
                         "(make bench-long)")
@@ -658,7 +708,9 @@ def main():
     p.add_argument("--out", default=None, help="default bench.json (depth), bench_long.json (seq)")
     p.add_argument("--plot", default=None, help="default bench.png (depth), bench_long.png (seq)")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
-    p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None,
+                   help="--sweep point: blockwise attention in tiles of this many positions (with the chunked "
+                        "feed-forward and head, --ff_chunk / --head_chunk); 0: dense")
     p.add_argument("--configs", default=None, type=lambda s: [x.strip() for x in s.split(";") if x.strip()],
                    help="make bench: only these trainers, ';'-separated labels of CONFIGS (e.g. 'remat;reversible fused')")
     p.add_argument("--long_depth", type=int, default=32, help="make bench: depth of the activation-dominated point")
@@ -666,6 +718,8 @@ def main():
                    help="make bench: T of the activation-dominated point (0: skip it)")
     p.add_argument("--long_attention_block", type=int, default=512)
     p.add_argument("--long_steps", type=int, default=1, help="timed steps of the activation-dominated point")
+    p.add_argument("--compute_dtype", default=None, help="the model's compute dtype (default: the model's)")
+    p.add_argument("--point", default=None, help="--sweep point: the CONFIGS label to run (one JSON line out)")
     # --sweep depth
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (--sweep depth)")
     p.add_argument("--max_startup", type=float, default=600.0,
@@ -697,6 +751,12 @@ def main():
         depth_plot(result, png)
         print(depth_table(result))
         print(f"wrote {os.path.abspath(out)} and {os.path.abspath(png)}")
+        return
+    if args.sweep == "point":
+        args.batch = args.batch or 8
+        args.ff_chunk = args.ff_chunk if args.bench_attention_block else None
+        args.head_chunk = args.head_chunk if args.bench_attention_block else None
+        print(json.dumps(point(args)), flush=True)
         return
     seq = args.sweep == "seq"
     args.batch = args.batch or (1 if seq else 8)
