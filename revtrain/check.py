@@ -90,7 +90,7 @@ class _Checker:
         inputs.append(jax.tree.map(np.asarray, x))
         return inputs
 
-    def reversible(self, params, states, batch, rebuild: str = "fused"):
+    def reversible(self, params, states, batch, rebuild: str = "exact"):
         """Per-layer (rebuilt input or None, grads) of the reversible trainer's backward pass with the
         given ``ReversibleTrainer.rebuild`` mode."""
         layers, n = self.layers, len(self.layers)
@@ -234,9 +234,20 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
             alternative = (other_mode, rows_of(checker.reversible(params, states, batch, other_mode)))
     print(f"revtrain check: {where}, {len(run.model.layers)} layers, one batch of {cfg.batch_size} on "
           f"{mesh.size} device(s), ReversibleTrainer.rebuild = '{mode}'", file=out)
-    note = _grid_hint(cfg, results[base_dtype], stream_max) or _noise_hint(results[base_dtype], base_dtype,
-                                                                            layers_per_chunk)
+    note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
+            or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
     return _report(results, base_dtype, out, note=note, alternative=alternative)
+
+
+def _fused_hint(mode: str, rows, alternative) -> str | None:
+    """When the fused rebuild is not exact but the exact one is, a line saying so (the fused rebuild's F and
+    G are compiled inside the vjp and round differently from the forward's)."""
+    if mode != "fused" or not alternative or not any(rebuild for _, _, rebuild, _ in rows):
+        return None
+    if any(rebuild for _, _, rebuild, _ in alternative[1]):
+        return None
+    return ("note: the fused rebuild's F and G (computed inside their vjp) round differently from the "
+            "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
 
 
 def _rebuild_mode(trainer) -> str:

@@ -1,8 +1,12 @@
-"""Memory and speed of StandardTrainer vs ReversibleTrainer (with and without offload) against depth, or
-of blockwise vs dense attention against the sequence length (``--sweep seq``).
+"""Memory and speed of StandardTrainer (plain and remat) vs ReversibleTrainer (exact and fused rebuild,
+with and without offload) against depth, or of blockwise vs dense attention against the sequence length
+(``--sweep seq``), or one configuration in its own process (``--sweep point``, for scripts/gpu_report.sh).
 
   python scripts/benchmark.py [--depths 2,4,8,16,32] [--d_model 256] [--seq 512] [--batch 8]
-                              [--steps 3] [--out bench.json] [--plot bench.png]
+                              [--steps 3] [--configs 'remat;reversible fused'] [--long_depth 32]
+                              [--long_seq 4096] [--long_steps 1] [--out bench.json] [--plot bench.png]
+  python scripts/benchmark.py --sweep point --point 'reversible fused + offload' --depth 4 [--d_model ...]
+                              [--compute_dtype bfloat16] [--bench_attention_block 1024]
   python scripts/benchmark.py --sweep depth [--out bench_depth.json] [--plot bench_depth.png]
   python scripts/benchmark.py --sweep seq [--seqs 512,1024,4096,16384,65536] [--depth 4] [--batch 1]
                               [--attention_block 512] [--dense_max 4096] [--one_step_from 16384]
@@ -12,9 +16,10 @@ of blockwise vs dense attention against the sequence length (``--sweep seq``).
 both executors of both trainers, the cost of a logged step (memory meter on), and offload against no
 offload at d_model 64-256; see ``depth_sweep``.
 
-For each depth the three trainers are built on the same model and the same real batches (the English-
-Wikipedia excerpt), warmed up (compilation), then timed in interleaved rounds (one step of each trainer per
-round, so machine noise hits all three alike); tokens/s is the median over rounds. Peak device bytes come
+For each depth the trainers of ``CONFIGS`` are built on the same model and the same real batches (the
+English-Wikipedia excerpt), warmed up (compilation), then timed in interleaved rounds (one step of each
+trainer per round, so machine noise hits all alike); tokens/s is the median over rounds. After the depths,
+an activation-dominated point (``--long_depth`` blocks at ``--long_seq`` positions, blockwise attention). Peak device bytes come
 from the memory meter (``revtrain.memory``): the allocator's peak on GPU/TPU (measured in a fresh
 subprocess per configuration, since that peak cannot be reset), the live-array + compiled-temp estimate on
 CPU. Writes ``bench.json`` (one record per trainer x depth), a PNG plot, and prints a table.
@@ -63,14 +68,14 @@ from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 # The trainers of ``make bench``: (label, trainer kind, keyword arguments of the trainer). "remat" is what a
 # JAX user would pick for memory without a reversible model: the standard trainer scanning its identical
 # blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward).
-# "fused" is the reversible trainer's rebuild from the vjp's own primal outputs (the default), "inverse" the
-# inverse then the vjp of the block (one forward of F and G more per block; the same bits).
+# "exact" is the reversible trainer's default rebuild (inverse, then the vjp of the block), "fused" the
+# rebuild from the vjp's own primal outputs (one forward of F and G less per block).
 CONFIGS = [
     ("standard", "standard", {}),
     ("remat", "standard", {"scan_layers": True, "remat_layers": True}),
-    ("reversible inverse", "reversible", {"rebuild": "inverse"}),
+    ("reversible exact", "reversible", {"rebuild": "exact"}),
     ("reversible fused", "reversible", {"rebuild": "fused"}),
-    ("reversible inverse + offload", "reversible", {"rebuild": "inverse", "offload": True}),
+    ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
     ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
 ]
 _BY_LABEL = {label: (kind, kwargs) for label, kind, kwargs in CONFIGS}
@@ -162,12 +167,12 @@ def _point(args, mesh, depth, seq, warmup, steps, labels) -> list[dict]:
                "memory_method": method, "tokens_per_sec": tps[label],
                "ratio_to_standard": tps[label] / tps["standard"] if "standard" in tps else None,
                "ratio_to_remat": tps[label] / tps["remat"] if "remat" in tps else None,
-               "ratio_to_inverse": (tps[label] / tps["reversible inverse"] if "reversible inverse" in tps else None),
+               "ratio_to_exact": (tps[label] / tps["reversible exact"] if "reversible exact" in tps else None),
                "timed_steps": steps, "platform": jax.devices()[0].platform,
                "device_kind": jax.devices()[0].device_kind, "d_model": args.d_model, "seq": seq,
                "batch": args.batch, "attention_block": args.bench_attention_block}
         records.append(rec)
-        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_inverse")
+        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_exact")
                           if rec[k] is not None)
         print(f"depth {depth:>3} T {seq:>5} {label:<27} peak {peak / 2**20:9.1f} MiB  {tps[label]:10,.0f} tok/s  "
               f"{ratios}", flush=True)
@@ -238,13 +243,13 @@ def run(args) -> list[dict]:
 
 
 def table(records) -> str:
-    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible inverse |",
+    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible exact |",
              "|---|---|---|---|---|---|---|---|"]
     fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     for r in records:
         lines.append(f"| {r['depth']} | {r['seq']} | {r['config']} | {r['peak_device_bytes'] / 2**20:.1f} | "
                      f"{r['tokens_per_sec']:,.0f} | {fmt(r['ratio_to_standard'])} | {fmt(r['ratio_to_remat'])} | "
-                     f"{fmt(r['ratio_to_inverse'])} |")
+                     f"{fmt(r['ratio_to_exact'])} |")
     return "\n".join(lines)
 
 

@@ -141,5 +141,5 @@ def test_fused_hlo_runs_each_function_forward_once():
 
 def test_unknown_rebuild_mode_is_refused():
     model = ReversibleTransformerLM(T, num_layers=1, d_model=D, num_heads=2)
-    with pytest.raises(TrainerError, match="ReversibleTrainer.rebuild must be one of 'fused', 'inverse'"):
-        ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), rebuild="exact")
+    with pytest.raises(TrainerError, match="ReversibleTrainer.rebuild must be one of 'exact', 'fused'"):
+        ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), rebuild="inverse")

@@ -346,9 +346,11 @@ class ReversibleLayer(Layer):
             the target stream (``x_t = y_t - fn(x_s)``), and ``fn``'s pullback, so every function runs
             forward once (3.0 forwards of a Transformer block in all instead of 3.75). False, or a module
             without ``half_residuals``: ``inverse`` behind an ``optimization_barrier``, then the ``vjp`` of
-            ``apply`` at the rebuilt input (F and G run twice). On XLA:CPU both give the same bits: the
-            primal outputs inside the vjp round like the forward's, and the source stream's cotangent is
-            accumulated in the whole layer's order (see below).
+            ``apply`` at the rebuilt input (F and G run twice, the rebuild compiled like the forward:
+            bit-exact on the grid). The fused rebuild is exact only where the primal outputs inside the
+            vjp round like the forward's F and G (XLA fuses them with the backward); given an exact
+            rebuild, its gradients are the exact recipe's bit for bit, because each source stream's
+            cotangent is accumulated in the whole layer's order (see below).
 
         Returns:
           ``(x, dx, grads)``: the rebuilt input, its cotangent, and the gradient with respect to ``params``
