@@ -1,7 +1,7 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [WORKDIR=runs/enwik_small] [CONFIG=configs/enwik_small.gin]
 #   make test   (make test-all: with the slow scenario tests)
-#   make bench
+#   make bench   make bench-gpu
 #   make bench-depth
 #   make bench-long
 #   make sample [WORKDIR=...] [PROMPT='[[Category:']   make bench-sample   make check-sample
@@ -13,7 +13,7 @@ WORKDIR ?= runs/enwik_small
 CONFIG ?= configs/enwik_small.gin
 GIN ?=
 
-.PHONY: venv data train eval test test-all bench bench-depth bench-long clean sample bench-sample check-sample
+.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,15 @@ test: data
 test-all: data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
+# Standard, remat (scan + jax.checkpoint), reversible (fused and inverse rebuild, each +offload) at depths 8
+# and 32, then an activation-dominated point (depth 32, T 4,096, blockwise attention; one step each).
 bench: data
-	$(PY) scripts/benchmark.py
+	$(PY) scripts/benchmark.py --depths 8,32
+
+# On a machine with one GPU: every GPU figure, each configuration in its own process, JSON out (<= 8 min).
+# DRY_RUN=1 make bench-gpu runs every configuration at tiny sizes on the CPU.
+bench-gpu: venv
+	PYTHON=$(PY) scripts/gpu_report.sh gpu_report.json
 
 # Steps/s and start-up time against depth (8..256 tiny blocks) for both executors of both trainers.
 bench-depth: data
@@ -68,7 +75,7 @@ check-sample: venv
 
 clean:
 	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
-	  bench_sample.json
+	  bench_sample.json gpu_report.json
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the

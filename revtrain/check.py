@@ -113,8 +113,9 @@ class _Checker:
         self._tell("forward", n, n)  # (the head's input is the last forward output)
         return inputs
 
-    def reversible(self, params, states, batch):
-        """Per-layer (rebuilt input or None, grads) of the reversible trainer's backward pass."""
+    def reversible(self, params, states, batch, rebuild: str = "exact"):
+        """Per-layer (rebuilt input or None, grads) of the reversible trainer's backward pass with the
+        given ``ReversibleTrainer.rebuild`` mode."""
         layers, n = self.layers, len(self.layers)
         x = batch[self.model.input_key]
         saved = {}
@@ -132,8 +133,8 @@ class _Checker:
         for i in range(n - 2, -1, -1):
             layer = layers[i]
             if layer.reversible:
-                fn = self._sharded(("reverse", layer), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
-                    layer, p, s, y, dy, self._keys(i, y)), (_R, _R, _D, _D, _R), (_D, _D, _R))
+                fn = self._sharded(("reverse", layer, rebuild), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
+                    layer, p, s, y, dy, self._keys(i, y), rebuild=rebuild), (_R, _R, _D, _D, _R), (_D, _D, _R))
                 y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
                 out[i] = (jax.tree.map(np.asarray, y), grads)
             else:
@@ -252,7 +253,9 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     if layers_per_chunk is None and n > WHOLE_MODEL_MAX_LAYERS:
         layers_per_chunk = 1
     base_dtype = _model_dtype(cfg)
-    results = {}
+    mode = _rebuild_mode(run.trainer)
+    other_mode = next(m for m in ReversibleTrainer.REBUILD_MODES if m != mode)
+    results, alternative = {}, None
     done = {"text": None}
     guard.lost_note = lambda: (f"check got as far as {done['text']}" if done["text"] else
                                "check had not finished a layer") + "; no verdict"
@@ -269,26 +272,55 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
 
         checker = _Checker(model, mesh, cfg.seed, progress=tell)
         inputs = checker.forward_inputs(params, states, batch)
-        rev = checker.reversible(params, states, batch)
         # Each precision against backprop in the same precision: what reversibility adds, not what
         # bfloat16 itself costs.
         ref = checker.backprop(params, states, batch, inputs, layers_per_chunk)
-        rows = []
-        for i, layer in enumerate(model.layers):
-            rebuilt, grads = rev[i]
-            rebuild = _rel(inputs[i], rebuilt) if rebuilt is not None else None
-            rows.append((layer.name, layer.reversible, rebuild, _rel(ref[i], grads)))
-        results[dtype] = rows
+
+        def rows_of(rev):
+            rows = []
+            for i, layer in enumerate(model.layers):
+                rebuilt, grads = rev[i]
+                rebuild = _rel(inputs[i], rebuilt) if rebuilt is not None else None
+                rows.append((layer.name, layer.reversible, rebuild, _rel(ref[i], grads)))
+            return rows
+
+        results[dtype] = rows_of(checker.reversible(params, states, batch, mode))
         if dtype == base_dtype:
             stream_max = _stream_max(model, inputs)
+            # The other rebuild mode in the configured dtype, for comparison (what switching would give).
+            alternative = (other_mode, rows_of(checker.reversible(params, states, batch, other_mode)))
     reference = ("whole-model backprop" if not layers_per_chunk or layers_per_chunk >= n else
                  "backprop one layer at a time" if layers_per_chunk == 1 else
                  f"backprop {layers_per_chunk} layers at a time")
     print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
-          f"{mesh.size} device(s); reference: {reference}", file=out)
-    note = _grid_hint(cfg, results[base_dtype], stream_max) or _noise_hint(results[base_dtype], base_dtype,
-                                                                            layers_per_chunk)
-    return _report(results, base_dtype, out, note=note)
+          f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'", file=out)
+    note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
+            or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
+    return _report(results, base_dtype, out, note=note, alternative=alternative)
+
+
+def _fused_hint(mode: str, rows, alternative) -> str | None:
+    """When the fused rebuild is not exact but the exact one is, a line saying so (the fused rebuild's F and
+    G are compiled inside the vjp and round differently from the forward's)."""
+    if mode != "fused" or not alternative or not any(rebuild for _, _, rebuild, _ in rows):
+        return None
+    if any(rebuild for _, _, rebuild, _ in alternative[1]):
+        return None
+    return ("note: the fused rebuild's F and G (computed inside their vjp) round differently from the "
+            "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
+
+
+def _rebuild_mode(trainer) -> str:
+    """The rebuild mode the configured run uses: its reversible trainer's, else the gin binding or default
+    of ``ReversibleTrainer.rebuild``."""
+    mode = getattr(trainer, "rebuild", None)
+    if mode in ReversibleTrainer.REBUILD_MODES:
+        return mode
+    try:
+        mode = gin.query_parameter("ReversibleTrainer.rebuild")
+    except ValueError:
+        mode = inspect.signature(ReversibleTrainer.__init__).parameters["rebuild"].default
+    return mode if mode in ReversibleTrainer.REBUILD_MODES else ReversibleTrainer.REBUILD_MODES[0]
 
 
 def _noise_hint(rows, dtype: str, layers_per_chunk: int | None) -> str | None:
@@ -382,25 +414,36 @@ def _worst_text(ratio: float, name, what) -> str:
     return f"worst layer {name} ({what})"
 
 
-def _report(results: dict, base: str, out, note: str | None = None) -> int:
-    """Prints the table, ``note`` (if any) and the verdict (on the configured dtype ``base``; the other
-    dtype's columns are for comparison: what switching precision would do). Returns the exit status."""
+def _report(results: dict, base: str, out, note: str | None = None, alternative=None) -> int:
+    """Prints the table, ``note`` (if any) and the verdict (on the configured dtype ``base`` and rebuild
+    mode; the other dtype's columns and, last, the other rebuild mode's, ``alternative = (mode, rows)`` in
+    ``base``, are for comparison: what switching would do). Returns the exit status."""
     rows = results[base]
     other = next((d for d in results if d != base), None)
     head = f"{'layer':<14} {'kind':<10} {'rebuild ' + base:>17} {'grad diff ' + base:>19}"
     if other:
         head += f" {'rebuild ' + other:>17} {'grad diff ' + other:>19}"
+    if alternative:
+        alt = alternative[0]
+        head += f" {'rebuild ' + base + ' ' + alt:>23} {'grad diff ' + base + ' ' + alt:>25}"
     print(head, file=out)
     for k, (name, reversible, rebuild, gdiff) in enumerate(rows):
         line = f"{name:<14} {'reversible' if reversible else 'standard':<10} {_fmt(rebuild):>17} {_fmt(gdiff):>19}"
         if other:
             line += f" {_fmt(results[other][k][2]):>17} {_fmt(results[other][k][3]):>19}"
+        if alternative:
+            line += f" {_fmt(alternative[1][k][2]):>23} {_fmt(alternative[1][k][3]):>25}"
         print(line, file=out)
     if other:
         ratio, name, what = _worst(results[other], other)
         tol_rebuild, tol_grad = TOLERANCE[other]
         print(f"(for comparison: compute dtype {other} would be {'within' if ratio <= 1 else 'OUTSIDE'} its "
               f"tolerance {tol_rebuild:.0e} / {tol_grad:.0e}; {_worst_text(ratio, name, what)})", file=out)
+    if alternative:
+        ratio, name, what = _worst(alternative[1], base)
+        tol_rebuild, tol_grad = TOLERANCE.get(base, TOLERANCE["float32"])
+        print(f"(for comparison: ReversibleTrainer.rebuild = '{alternative[0]}' would be "
+              f"{'within' if ratio <= 1 else 'OUTSIDE'} the tolerance; {_worst_text(ratio, name, what)})", file=out)
     if note:
         print(note, file=out)
     ratio, name, what = _worst(rows, base)

@@ -1,8 +1,12 @@
-"""Memory and speed of StandardTrainer vs ReversibleTrainer (with and without offload) against depth, or
-of blockwise vs dense attention against the sequence length (``--sweep seq``).
+"""Memory and speed of StandardTrainer (plain and remat) vs ReversibleTrainer (exact and fused rebuild,
+with and without offload) against depth, or of blockwise vs dense attention against the sequence length
+(``--sweep seq``), or one configuration in its own process (``--sweep point``, for scripts/gpu_report.sh).
 
   python scripts/benchmark.py [--depths 2,4,8,16,32] [--d_model 256] [--seq 512] [--batch 8]
-                              [--steps 3] [--out bench.json] [--plot bench.png]
+                              [--steps 3] [--configs 'remat;reversible fused'] [--long_depth 32]
+                              [--long_seq 4096] [--long_steps 1] [--out bench.json] [--plot bench.png]
+  python scripts/benchmark.py --sweep point --point 'reversible fused + offload' --depth 4 [--d_model ...]
+                              [--compute_dtype bfloat16] [--bench_attention_block 1024]
   python scripts/benchmark.py --sweep depth [--out bench_depth.json] [--plot bench_depth.png]
   python scripts/benchmark.py --sweep seq [--seqs 512,1024,4096,16384,65536] [--depth 4] [--batch 1]
                               [--attention_block 512] [--dense_max 4096] [--one_step_from 16384]
@@ -12,9 +16,10 @@ of blockwise vs dense attention against the sequence length (``--sweep seq``).
 both executors of both trainers, the cost of a logged step (memory meter on), and offload against no
 offload at d_model 64-256; see ``depth_sweep``.
 
-For each depth the three trainers are built on the same model and the same real batches (the English-
-Wikipedia excerpt), warmed up (compilation), then timed in interleaved rounds (one step of each trainer per
-round, so machine noise hits all three alike); tokens/s is the median over rounds. Peak device bytes come
+For each depth the trainers of ``CONFIGS`` are built on the same model and the same real batches (the
+English-Wikipedia excerpt), warmed up (compilation), then timed in interleaved rounds (one step of each
+trainer per round, so machine noise hits all alike); tokens/s is the median over rounds. After the depths,
+an activation-dominated point (``--long_depth`` blocks at ``--long_seq`` positions, blockwise attention). Peak device bytes come
 from the memory meter (``revtrain.memory``): the allocator's peak on GPU/TPU (measured in a fresh
 subprocess per configuration, since that peak cannot be reset), the live-array + compiled-temp estimate on
 CPU. Writes ``bench.json`` (one record per trainer x depth), a PNG plot, and prints a table.
@@ -66,7 +71,20 @@ from revtrain.models import ReversibleTransformerLM  # noqa: E402
 from revtrain.placement import DATA_AXIS, global_batch, make_mesh  # noqa: E402
 from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 
-CONFIGS = [("standard", False), ("reversible", False), ("reversible", True)]
+# The trainers of ``make bench``: (label, trainer kind, keyword arguments of the trainer). "remat" is what a
+# JAX user would pick for memory without a reversible model: the standard trainer scanning its identical
+# blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward).
+# "exact" is the reversible trainer's default rebuild (inverse, then the vjp of the block), "fused" the
+# rebuild from the vjp's own primal outputs (one forward of F and G less per block).
+CONFIGS = [
+    ("standard", "standard", {}),
+    ("remat", "standard", {"scan_layers": True, "remat_layers": True}),
+    ("reversible exact", "reversible", {"rebuild": "exact"}),
+    ("reversible fused", "reversible", {"rebuild": "fused"}),
+    ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
+    ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
+]
+_BY_LABEL = {label: (kind, kwargs) for label, kind, kwargs in CONFIGS}
 
 
 def _ready(ts, metrics) -> None:
@@ -75,13 +93,18 @@ def _ready(ts, metrics) -> None:
     jax.block_until_ready((ts.held(), metrics))
 
 
-def _trainer(kind, offload, depth, args, mesh):
-    model = ReversibleTransformerLM(args.seq, num_layers=depth, d_model=args.d_model, num_heads=args.heads,
-                                    dropout_rate=0.0)
+def _trainer(label, depth, args, mesh, seq=None):
+    """The trainer ``label`` of ``CONFIGS`` on the benchmark's LM (``seq`` positions, default ``--seq``;
+    ``--attention_block`` for blockwise attention)."""
+    kind, kwargs = _BY_LABEL[label]
+    extra = {name: getattr(args, name) for name in ("compute_dtype", "ff_chunk", "head_chunk")
+             if getattr(args, name, None) is not None and (name == "compute_dtype" or args.bench_attention_block)}
+    model = ReversibleTransformerLM(seq or args.seq, num_layers=depth, d_model=args.d_model, num_heads=args.heads,
+                                    dropout_rate=0.0, attention_block=getattr(args, "bench_attention_block", None),
+                                    **extra)
     tx = optax.adam(1e-4)
-    if kind == "standard":
-        return StandardTrainer(model, tx, mesh, seed=0)
-    return ReversibleTrainer(model, tx, mesh, seed=0, offload=offload)
+    cls = StandardTrainer if kind == "standard" else ReversibleTrainer
+    return cls(model, tx, mesh, seed=0, **kwargs)
 
 
 def _batches(args, n, seq=None):
@@ -90,14 +113,14 @@ def _batches(args, n, seq=None):
     return [next(it) for _ in range(n)]
 
 
-def measure_memory(kind, offload, depth, args) -> tuple[int, str]:
+def measure_memory(label, depth, args, seq=None) -> tuple[int, str]:
     """Peak device bytes of one step after a warm-up step, in this process."""
     mesh = make_mesh()
-    trainer = _trainer(kind, offload, depth, args, mesh)
+    trainer = _trainer(label, depth, args, mesh, seq)
     meter = MemoryMeter()
     trainer.meter = meter
     ts = trainer.init()
-    batches = [global_batch(b, mesh) for b in _batches(args, 2)]
+    batches = [global_batch(b, mesh) for b in _batches(args, 2, seq)]
     ts, m = trainer.train_step(ts, batches[0])
     jax.block_until_ready(m)
     meter.start()
@@ -106,60 +129,133 @@ def measure_memory(kind, offload, depth, args) -> tuple[int, str]:
     return meter.stop(), meter.method
 
 
-def _memory_in_subprocess(kind, offload, depth, args) -> tuple[int, str]:
-    cmd = [sys.executable, __file__, "--memory_only", f"{kind},{int(offload)},{depth}", "--d_model",
-           str(args.d_model), "--seq", str(args.seq), "--batch", str(args.batch), "--heads", str(args.heads)]
+def _memory_in_subprocess(label, depth, args, seq=None) -> tuple[int, str]:
+    cmd = [sys.executable, __file__, "--memory_only", f"{label},{depth},{seq or args.seq}", "--d_model",
+           str(args.d_model), "--batch", str(args.batch), "--heads", str(args.heads),
+           "--bench_attention_block", str(args.bench_attention_block or 0)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     peak, method = out.split()
     return int(peak), method
 
 
-def run(args) -> list[dict]:
-    mesh = make_mesh()
+def _point(args, mesh, depth, seq, warmup, steps, labels) -> list[dict]:
+    """One benchmark point: every trainer of ``labels`` on the same model and batches, warmed up, then timed
+    in interleaved rounds (median), then metered."""
     on_cpu = jax.devices()[0].platform == "cpu"
-    batches = [global_batch(b, mesh) for b in _batches(args, args.warmup + args.steps)]
-    tokens = args.batch * args.seq
+    batches = [global_batch(b, mesh) for b in _batches(args, warmup + steps, seq)]
+    tokens = args.batch * seq
+    trainers, states = {}, {}
+    for label in labels:
+        t = _trainer(label, depth, args, mesh, seq)
+        ts = t.init()
+        for b in batches[:warmup]:
+            ts, m = t.train_step(ts, b)
+        _ready(ts, m)
+        trainers[label], states[label] = t, ts
+    times = {c: [] for c in labels}
+    for b in batches[warmup:]:  # interleaved rounds
+        for c in labels:
+            t0 = time.perf_counter()
+            states[c], m = trainers[c].train_step(states[c], b)
+            _ready(states[c], m)
+            times[c].append(time.perf_counter() - t0)
+    del trainers, states
+    tps = {c: tokens / statistics.median(times[c]) for c in labels}
+    records = []
+    for label in labels:
+        if on_cpu:
+            peak, method = measure_memory(label, depth, args, seq)
+        else:
+            peak, method = _memory_in_subprocess(label, depth, args, seq)
+        kind, kwargs = _BY_LABEL[label]
+        rec = {"config": label, "trainer": kind, "offload": kwargs.get("offload", False),
+               "rebuild": kwargs.get("rebuild"), "depth": depth, "peak_device_bytes": peak,
+               "memory_method": method, "tokens_per_sec": tps[label],
+               "ratio_to_standard": tps[label] / tps["standard"] if "standard" in tps else None,
+               "ratio_to_remat": tps[label] / tps["remat"] if "remat" in tps else None,
+               "ratio_to_exact": (tps[label] / tps["reversible exact"] if "reversible exact" in tps else None),
+               "timed_steps": steps, "platform": jax.devices()[0].platform,
+               "device_kind": jax.devices()[0].device_kind, "d_model": args.d_model, "seq": seq,
+               "batch": args.batch, "attention_block": args.bench_attention_block}
+        records.append(rec)
+        ratios = " ".join(f"x{rec[k]:.2f} {k[9:]}" for k in ("ratio_to_standard", "ratio_to_remat", "ratio_to_exact")
+                          if rec[k] is not None)
+        print(f"depth {depth:>3} T {seq:>5} {label:<27} peak {peak / 2**20:9.1f} MiB  {tps[label]:10,.0f} tok/s  "
+              f"{ratios}", flush=True)
+    return records
+
+
+def point(args) -> dict:
+    """One configuration in this process (``--sweep point``, for ``scripts/gpu_report.sh``): trainer
+    ``--point`` at depth ``--depth``, ``--warmup`` steps, ``--steps`` timed steps, the memory meter on the
+    last. Returns one record; a step that runs out of device memory gives ``status: "out of memory"``."""
+    mesh = make_mesh()
+    device = jax.devices()[0]
+    kind, kwargs = _BY_LABEL[args.point]
+    rec = {"config": args.point, "trainer": kind, "offload": kwargs.get("offload", False),
+           "rebuild": kwargs.get("rebuild"), "depth": args.depth, "d_model": args.d_model, "heads": args.heads,
+           "seq": args.seq, "batch": args.batch, "compute_dtype": args.compute_dtype,
+           "attention_block": args.bench_attention_block, "platform": device.platform,
+           "device_kind": device.device_kind}
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        rec["device_bytes_limit"] = int(stats["bytes_limit"])
+    try:
+        trainer = _trainer(args.point, args.depth, args, mesh)
+        # weights + Adam's two moments, float32
+        rec["state_bytes"] = 3 * sum(x.nbytes for layer in trainer.model.layers for x in jax.tree.leaves(layer.init_params))
+        ts = trainer.init()
+        batches = [global_batch(b, mesh) for b in _batches(args, args.warmup + args.steps)]
+        t0 = time.perf_counter()
+        for b in batches[: args.warmup]:
+            ts, m = trainer.train_step(ts, b)
+        _ready(ts, m)
+        rec["warmup_s"] = time.perf_counter() - t0
+        trainer.meter = MemoryMeter()
+        times = []
+        for i, b in enumerate(batches[args.warmup:]):
+            last = i == args.steps - 1
+            if last:
+                trainer.meter.start()
+            t0 = time.perf_counter()
+            ts, m = trainer.train_step(ts, b)
+            _ready(ts, m)
+            times.append(time.perf_counter() - t0)
+            if last:
+                rec["peak_device_bytes"], rec["memory_method"] = trainer.meter.stop(), trainer.meter.method
+        rec.update(status="ok", loss=float(m["loss"]), timed_steps=len(times),
+                   tokens_per_sec=args.batch * args.seq / statistics.median(times))
+    except Exception as e:  # noqa: BLE001 (the record says what happened; out of memory is a result here)
+        text = f"{type(e).__name__}: {e}"
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        rec.update(status="out of memory" if oom else "error", error=text.splitlines()[0][:300])
+    return rec
+
+
+def run(args) -> list[dict]:
+    """The depth points (``--depths`` at ``--seq``), then the activation-dominated point (``--long_depth``
+    blocks at ``--long_seq`` positions, blockwise attention, ``--long_steps`` timed steps; skipped when
+    ``--long_seq`` is 0)."""
+    mesh = make_mesh()
+    labels = [label for label, _, _ in CONFIGS if not args.configs or label in args.configs]
     records = []
     for depth in args.depths:
-        trainers, states = {}, {}
-        for kind, offload in CONFIGS:
-            t = _trainer(kind, offload, depth, args, mesh)
-            ts = t.init()
-            for b in batches[: args.warmup]:
-                ts, m = t.train_step(ts, b)
-            _ready(ts, m)
-            trainers[(kind, offload)], states[(kind, offload)] = t, ts
-        times = {c: [] for c in CONFIGS}
-        for b in batches[args.warmup:]:  # interleaved rounds
-            for c in CONFIGS:
-                t0 = time.perf_counter()
-                states[c], m = trainers[c].train_step(states[c], b)
-                _ready(states[c], m)
-                times[c].append(time.perf_counter() - t0)
-        del trainers, states
-        base = tokens / statistics.median(times[("standard", False)])
-        for kind, offload in CONFIGS:
-            tps = tokens / statistics.median(times[(kind, offload)])
-            if on_cpu:
-                peak, method = measure_memory(kind, offload, depth, args)
-            else:
-                peak, method = _memory_in_subprocess(kind, offload, depth, args)
-            rec = {"trainer": kind, "offload": offload, "depth": depth, "peak_device_bytes": peak,
-                   "memory_method": method, "tokens_per_sec": tps, "ratio_to_standard": tps / base,
-                   "platform": jax.devices()[0].platform, "device_kind": jax.devices()[0].device_kind,
-                   "d_model": args.d_model, "seq": args.seq, "batch": args.batch}
-            records.append(rec)
-            print(f"depth {depth:>3} {kind:>10}{' +offload' if offload else '         '} "
-                  f"peak {peak / 2**20:9.1f} MiB  {tps:10,.0f} tok/s  x{tps / base:.2f}", flush=True)
+        records += _point(args, mesh, depth, args.seq, args.warmup, args.steps, labels)
+    if args.long_seq:
+        args.bench_attention_block = args.long_attention_block
+        records += _point(args, mesh, args.long_depth, args.long_seq, 1, args.long_steps, labels)
+        args.bench_attention_block = None
     return records
 
 
 def table(records) -> str:
-    lines = ["| depth | trainer | peak device MiB | tokens/s | ratio to standard |", "|---|---|---|---|---|"]
+    lines = ["| depth | T | trainer | peak device MiB | tokens/s | vs standard | vs remat | vs reversible exact |",
+             "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v: "" if v is None else f"{v:.2f}"  # noqa: E731
     for r in records:
-        name = r["trainer"] + (" + offload" if r["offload"] else "")
-        lines.append(f"| {r['depth']} | {name} | {r['peak_device_bytes'] / 2**20:.1f} | "
-                     f"{r['tokens_per_sec']:,.0f} | {r['ratio_to_standard']:.2f} |")
+        lines.append(f"| {r['depth']} | {r['seq']} | {r['config']} | {r['peak_device_bytes'] / 2**20:.1f} | "
+                     f"{r['tokens_per_sec']:,.0f} | {fmt(r['ratio_to_standard'])} | {fmt(r['ratio_to_remat'])} | "
+                     f"{fmt(r['ratio_to_exact'])} |")
     return "\n".join(lines)
 
 
@@ -168,12 +264,13 @@ def plot(records, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, offload in CONFIGS:
-        rs = [r for r in records if r["trainer"] == kind and r["offload"] == offload]
-        label = kind + (" + offload" if offload else "")
+    r0 = records[0]
+    for label, _, _ in CONFIGS:
+        rs = [r for r in records if r["config"] == label and r["seq"] == r0["seq"]]
+        if not rs:
+            continue
         a.plot([r["depth"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], "o-", label=label)
         b.plot([r["depth"] for r in rs], [r["tokens_per_sec"] for r in rs], "o-", label=label)
-    r0 = records[0]
     title = f"{r0['device_kind']} ({r0['memory_method']}), d_model {r0['d_model']}, seq {r0['seq']}, batch {r0['batch']}"
     for ax, ylabel in ((a, "peak device memory (MiB)"), (b, "tokens / s")):
         ax.set_xscale("log", base=2)
@@ -678,7 +775,7 @@ def plot_seq(result, path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sweep", choices=("trainers", "depth", "seq", "shard"), default="trainers",
+    p.add_argument("--sweep", choices=("trainers", "depth", "seq", "shard", "point"), default="trainers",
                    help="trainers: the three trainers' memory and speed against depth (make bench); depth: "
                         "tiny blocks at depths 8..256 (make bench-depth); seq: attention against length "
                         "(make bench-long); shard: replicated vs sharded state on --shard_devices devices")
@@ -692,6 +789,18 @@ def main():
     p.add_argument("--out", default=None, help="default bench.json (depth), bench_long.json (seq)")
     p.add_argument("--plot", default=None, help="default bench.png (depth), bench_long.png (seq)")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
+    p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None,
+                   help="--sweep point: blockwise attention in tiles of this many positions (with the chunked "
+                        "feed-forward and head, --ff_chunk / --head_chunk); 0: dense")
+    p.add_argument("--configs", default=None, type=lambda s: [x.strip() for x in s.split(";") if x.strip()],
+                   help="make bench: only these trainers, ';'-separated labels of CONFIGS (e.g. 'remat;reversible fused')")
+    p.add_argument("--long_depth", type=int, default=32, help="make bench: depth of the activation-dominated point")
+    p.add_argument("--long_seq", type=int, default=4096,
+                   help="make bench: T of the activation-dominated point (0: skip it)")
+    p.add_argument("--long_attention_block", type=int, default=512)
+    p.add_argument("--long_steps", type=int, default=1, help="timed steps of the activation-dominated point")
+    p.add_argument("--compute_dtype", default=None, help="the model's compute dtype (default: the model's)")
+    p.add_argument("--point", default=None, help="--sweep point: the CONFIGS label to run (one JSON line out)")
     # --sweep depth
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration (--sweep depth)")
     p.add_argument("--max_startup", type=float, default=600.0,
@@ -744,6 +853,12 @@ def main():
         print(depth_table(result))
         print(f"wrote {os.path.abspath(out)} and {os.path.abspath(png)}")
         return
+    if args.sweep == "point":
+        args.batch = args.batch or 8
+        args.ff_chunk = args.ff_chunk if args.bench_attention_block else None
+        args.head_chunk = args.head_chunk if args.bench_attention_block else None
+        print(json.dumps(point(args)), flush=True)
+        return
     seq = args.sweep == "seq"
     args.batch = args.batch or (1 if seq else 8)
     args.out = args.out or ("bench_long.json" if seq else "bench.json")
@@ -753,8 +868,8 @@ def main():
         print(*_seq_point_memory(int(length), kind, args))
         return
     if args.memory_only:
-        kind, offload, depth = args.memory_only.split(",")
-        peak, method = measure_memory(kind, bool(int(offload)), int(depth), args)
+        label, depth, length = args.memory_only.rsplit(",", 2)
+        peak, method = measure_memory(label, int(depth), args, int(length))
         print(peak, method)
         return
     records = run_seq(args) if seq else run(args)

@@ -71,17 +71,22 @@ class _RebuildProbe:
 def depth12(text_batches):
     """Both trainers at depth 12, dropout 0.1, Adam, 5 steps of real text, one device; the reversible
     trainer with both executors (``reversible``: the 12 blocks in one scan per pass; ``per_layer``: one
-    call per block and pass, which also records every block's forward input and rebuilt input)."""
+    call per block and pass, which also records every block's forward input and rebuilt input) with the
+    ``exact`` rebuild, and both executors with the ``fused`` one (``fused``, ``fused_per_layer``: recorded
+    too)."""
     batches = text_batches(BATCH, STEPS)
     mesh = _mesh()
     out = {}
-    runs = {"standard": (StandardTrainer, {}), "reversible": (ReversibleTrainer, {"scan_layers": True}),
-            "per_layer": (ReversibleTrainer, {"scan_layers": False})}
+    runs = {"standard": (StandardTrainer, {}),
+            "reversible": (ReversibleTrainer, {"scan_layers": True, "rebuild": "exact"}),
+            "per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "exact"}),
+            "fused": (ReversibleTrainer, {"scan_layers": True, "rebuild": "fused"}),
+            "fused_per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "fused"})}
     with jax.default_matmul_precision("highest"):
         for name, (cls, kwargs) in runs.items():
             model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
             trainer = cls(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
-            probe = _RebuildProbe(trainer) if name == "per_layer" else None
+            probe = _RebuildProbe(trainer) if name in ("per_layer", "fused_per_layer") else None
             ts, losses, rebuilds = trainer.init(), [], []
             for batch in batches:
                 ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
@@ -105,13 +110,16 @@ def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
-@pytest.mark.parametrize("executor", ["reversible", "per_layer"])
+@pytest.mark.parametrize("executor", ["reversible", "per_layer", "fused", "fused_per_layer"])
 def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
     (coupling grid), the per-layer programs compute the same float operations in the same order as the
     whole-model gradient (the embedding emits two distinct arrays), so nothing is left to differ. The
     scanned executor's loop body is the same computation as one per-layer call, and XLA:CPU compiles it to
-    the same bits."""
+    the same bits. The fused rebuild too, here (near initialisation): the primal outputs of its per-half
+    vjps round like the forward's F and G (on trained weights they may not: docs/rebuild.md), and each
+    half's pullback accumulates its source stream's cotangent in the whole layer's order
+    (`ReversibleLayer.reverse_vjp`)."""
     std, rev = depth12["standard"], depth12[executor]
     assert rev["losses"] == std["losses"]
     for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(rev["params"])):
@@ -139,6 +147,37 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
                 rel = np.abs(x[s] - r[s]).max() / np.abs(x[s]).max()
                 assert rel <= 1e-5, f"step {step}, block {i}, stream {s}: rebuild off by {rel:.1e}"
                 assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
+
+
+@pytest.mark.parametrize("executor", ["fused", "fused_per_layer"])
+def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
+    """The fused rebuild (one vjp per half-residual): losses within 1e-7 relative of backprop over 5 Adam
+    steps (the A-exact rule) and every parameter leaf within 1e-5."""
+    std, rev = depth12["standard"], depth12[executor]
+    np.testing.assert_allclose(rev["losses"], std["losses"], rtol=1e-7)
+    rel, leaf = _worst_leaf(std["params"], rev["params"])
+    assert rel <= 1e-5, f"leaf {leaf}: fused reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
+
+
+def test_fused_scan_and_per_layer_executors_are_bitwise_identical(depth12):
+    """The fused rebuild: parameters and Adam state of the two executors, identical bits."""
+    a, b = depth12["fused"], depth12["fused_per_layer"]
+    for (path, x), y in zip(tree_flatten_with_path((a["params"], a["opt_state"]))[0],
+                            jax.tree.leaves((b["params"], b["opt_state"]))):
+        assert np.array_equal(x, y), keystr(path)
+
+
+def test_fused_rebuild_rebuilds_every_block_input_exactly(depth12):
+    """Near initialisation the fused rebuild's primal outputs F(x2), G(y1) equal the forward's to the bit,
+    so every rebuilt block input equals the forward's input (12 blocks, dropout 0.1, 5 steps of training)."""
+    rebuilds = depth12["fused_per_layer"]["rebuilds"]
+    assert len(rebuilds) == STEPS
+    for step, (forward, rebuilt) in enumerate(rebuilds):
+        assert len(forward) == len(rebuilt) == 12
+        for i, (x, r) in enumerate(zip(forward, rebuilt)):
+            for s in range(2):
+                assert np.array_equal(x[s], r[s]), (f"step {step}, block {i}, stream {s}: "
+                                                    f"{np.mean(x[s] != r[s]):.2%} of the elements differ")
 
 
 @pytest.mark.parametrize("grid_bits", [20, None])

@@ -45,7 +45,7 @@ def _real_batches(count, batch_size=BATCH, seed=0):
     return [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(count)]
 
 
-def _train(trainer_cls, optimizer, batches, devices, offload=None):
+def _train(trainer_cls, optimizer, batches, devices, offload=None, rebuild=None):
     """Runs ``len(batches)`` steps of the tiny RevNet; returns (state, losses)."""
     import jax
 
@@ -53,6 +53,8 @@ def _train(trainer_cls, optimizer, batches, devices, offload=None):
     from revtrain.placement import global_batch, make_mesh
     mesh = make_mesh(jax.devices()[:devices])
     kwargs = {} if offload is None else {"offload": offload}
+    if rebuild is not None:
+        kwargs["rebuild"] = rebuild
     trainer = trainer_cls(RevNet(10, seed=0, **TINY), optimizer, mesh, seed=0, **kwargs)
     ts, losses = trainer.init(), []
     for batch in batches:
@@ -323,14 +325,16 @@ def test_coupling_inverse_rebuilds_inputs_bitwise(fashion_mnist, highest_precisi
         assert np.array_equal(a, b), f"stream {s}: {np.mean(a != b):.1%} of the elements are not exact"
 
 
-def test_reversible_equals_standard_params_and_batch_stats(fashion_mnist, highest_precision):
-    """Adam, 3 steps, real images: every parameter and every running statistic within 1e-5."""
+@pytest.mark.parametrize("rebuild", ["exact", "fused"])
+def test_reversible_equals_standard_params_and_batch_stats(fashion_mnist, highest_precision, rebuild):
+    """Adam, 3 steps, real images: every parameter and every running statistic within 1e-5, in both rebuild
+    modes (the fused one runs F and G's batch norms once, on the same tensors as the forward)."""
     import optax
 
     from revtrain.trainers import ReversibleTrainer, StandardTrainer
     batches = _real_batches(STEPS)
     std, std_losses = _train(StandardTrainer, optax.adam(1e-3), batches, 1)
-    rev, rev_losses = _train(ReversibleTrainer, optax.adam(1e-3), batches, 1)
+    rev, rev_losses = _train(ReversibleTrainer, optax.adam(1e-3), batches, 1, rebuild=rebuild)
     np.testing.assert_allclose(rev_losses, std_losses, rtol=1e-6)
     rel, leaf = _worst_leaf(std.params, rev.params)
     assert rel <= 1e-5, f"parameter {leaf} differs by {rel:.2e}"

@@ -87,11 +87,21 @@ class ReversibleTrainer(TrainerBase):
       shard_state: split every large leaf of the weights and optimizer state over the ``"data"`` devices
         (see the module note): each device holds 1/N of it. One log line at construction says how many
         leaves (and bytes) are split and which stay replicated.
+      rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
+        `ReversibleLayer.reverse_vjp`): ``"exact"`` (default), the inverse behind an optimization barrier,
+        then the vjp of the whole layer: F and G run twice, the rebuild's compiled like the forward's, so
+        the rebuild is bit-exact wherever the streams stay on the fixed-point grid. ``"fused"``: one ``vjp``
+        per half-residual of a coupling whose primal output is the rebuild, so F and G each run forward
+        once in the backward (3.0 forwards of a Transformer block instead of 3.75); its primal outputs are
+        compiled inside the vjp and may round differently from the forward's (measured on the trained
+        default checkpoint: rebuild error up to 4.6e-6 relative in float32, 1.6e-2 in bfloat16 compute;
+        0 at initialisation and early in training). Layers without ``half_residuals`` use the exact recipe
+        in both modes. See docs/rebuild.md.
 
     Raises:
       TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or needs whole leaves
-        with ``shard_state`` (``check_sharded_optimizer``), or offload was asked for on a backend without a
-        ``pinned_host`` memory space.
+        with ``shard_state`` (``check_sharded_optimizer``), offload was asked for on a backend without a
+        ``pinned_host`` memory space, or ``rebuild`` is not a known mode.
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
@@ -99,10 +109,15 @@ class ReversibleTrainer(TrainerBase):
     """
 
     name = "reversible"
+    REBUILD_MODES = ("exact", "fused")
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
-                 shard_state: bool = False):
+                 shard_state: bool = False, rebuild: str = "exact"):
         check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers, shard_state=shard_state)
+        if rebuild not in self.REBUILD_MODES:
+            raise TrainerError(f"ReversibleTrainer.rebuild must be one of {', '.join(map(repr, self.REBUILD_MODES))}, "
+                               f"got {rebuild!r}")
+        self.rebuild = rebuild
         super().__init__(model, optimizer, mesh, seed)
         check_per_layer_optimizer(optimizer)
         if shard_state:
@@ -267,18 +282,13 @@ class ReversibleTrainer(TrainerBase):
         return obj, reduce_grads(grads, specs), dx, stats, new_state, total
 
     @staticmethod
-    def reverse_grads(layer, params, state, y, dy, keys, specs=None):
+    def reverse_grads(layer, params, state, y, dy, keys, specs=None, rebuild: str = "exact"):
         """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
-        given weights: returns ``(x, dx, grads)``."""
-        # The barrier keeps XLA from merging the rebuild's F and G with the vjp's recomputation of them:
-        # merged, F's intermediates also feed the backward, XLA fuses and lays them out differently, and
-        # F (rebuild) no longer equals F (forward) to the bit; the error then grows layer by layer down
-        # the network (measured on the trained default model: 5.1e-6 relative at the bottom block; with
-        # the barrier the rebuild is exact wherever the streams stay on the fixed-point grid). Cost: F is
-        # evaluated once more per layer (about 1% of a step at d_model 256, sequence 512, on CPU).
-        x = lax.optimization_barrier(lax.stop_gradient(layer.inverse(params, state, y, keys)))
-        _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
-        grads, dx = vjp_fn(dy)
+        given weights (`ReversibleLayer.reverse_vjp`): returns ``(x, dx, grads)``, gradients summed over
+        devices (reduce-scattered to the local pieces with ``specs``, see ``reduce_grads``). ``rebuild``:
+        ``"exact"`` (inverse, then the vjp of the whole layer) or ``"fused"`` (one vjp per half-residual, whose
+        primal output rebuilds that half's input); see ``REBUILD_MODES``."""
+        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild == "fused")
         return x, dx, reduce_grads(grads, specs)
 
     @staticmethod
@@ -306,7 +316,7 @@ class ReversibleTrainer(TrainerBase):
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
         x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
-                                          self._grad_specs(layer))
+                                          self._grad_specs(layer), self.rebuild)
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
         return x, dx, new_params, new_opt, finite
 

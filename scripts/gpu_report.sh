@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The GPU figures of revtrain in one run: every configuration in its own process (a fresh allocator, so each
+# peak is its own), one JSON record each, all gathered into one JSON file.
+#
+#   scripts/gpu_report.sh [OUT.json]          on a machine with one GPU (default out: gpu_report.json)
+#   DRY_RUN=1 scripts/gpu_report.sh [OUT]     every configuration at tiny sizes on the CPU (checks the script)
+#
+# Configurations (scripts/benchmark.py --sweep point; see docs/rebuild.md):
+#   1. standard, remat (scan + jax.checkpoint), reversible (fused rebuild), reversible + offload, at depth 4 and
+#      16, d_model 1024, T 1,024, batch 8, bfloat16 compute;
+#   2. T 65,536 with blockwise attention (chunked feed-forward and head), reversible + offload, depth 4, batch 1;
+#   3. a model whose weights + Adam state are at least 3x the device memory it may use
+#      (XLA_PYTHON_CLIENT_MEM_FRACTION): the standard trainer (expected: out of memory) and the reversible
+#      trainer with offload (expected: trains), and the ratio state_bytes / device_bytes_limit in the record.
+# Budget: BUDGET_S seconds in all (default 480); a configuration that would start after the budget is
+# recorded as skipped, and each process is limited to POINT_LIMIT_S seconds (default 100).
+# Environment: PYTHON (default .venv/bin/python, else python3).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_report.json}
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+BUDGET_S=${BUDGET_S:-480}
+POINT_LIMIT_S=${POINT_LIMIT_S:-100}
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+START=$(date +%s)
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+  D=64; T=64; B=2; DEPTHS="2 4"; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4; FRACTION=0.02
+else
+  D=1024; T=1024; B=8; DEPTHS="4 16"; LONG_T=65536; LONG_BLOCK=1024; FRACTION=${BIG_FRACTION:-0.02}
+  # d_model 2048: 50M parameters per block, 0.6 GB of weights + Adam; 16 blocks ~ 9.7 GB, 3.4x of 2% of an
+  # 141 GB device. (On a smaller GPU raise BIG_FRACTION or lower BIG_LAYERS; the record gives the ratio.)
+  BIG_D=${BIG_D:-2048}; BIG_LAYERS=${BIG_LAYERS:-16}
+fi
+
+n=0
+point() {  # point NAME [env assignments --] benchmark.py arguments...
+  local name=$1; shift
+  n=$((n + 1))
+  local file="$TMP/$(printf %02d $n).json"
+  local envs=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  local now=$(( $(date +%s) - START ))
+  if [ $((now + 20)) -gt "$BUDGET_S" ]; then
+    printf '{"name": "%s", "status": "skipped", "error": "past the %s s budget"}\n' "$name" "$BUDGET_S" > "$file"
+    echo "gpu_report: $name skipped (budget)" >&2
+    return
+  fi
+  local limit=$POINT_LIMIT_S left=$((BUDGET_S - now))
+  [ "$left" -lt "$limit" ] && limit=$left
+  echo "gpu_report: $name" >&2
+  env "${envs[@]}" timeout -k 5 "$limit" "$PY" scripts/benchmark.py --sweep point "$@" > "$TMP/out" 2> "$TMP/err"
+  local rc=$?
+  local line
+  line=$(grep '^{' "$TMP/out" | tail -1)
+  if [ -n "$line" ]; then
+    printf '%s\n' "$line" | "$PY" -c 'import json,sys; r=json.loads(sys.stdin.read()); r["name"]=sys.argv[1]; print(json.dumps(r))' "$name" > "$file"
+  else
+    local why="exit status $rc"
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="killed after $limit s"
+    local tail_err
+    tail_err=$(tail -1 "$TMP/err" | tr -d '"\\' | cut -c1-300)
+    printf '{"name": "%s", "status": "error", "error": "%s: %s"}\n' "$name" "$why" "$tail_err" > "$file"
+  fi
+  grep -o '"status": "[^"]*"' "$file" >&2
+}
+
+COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 --warmup 1 --steps 3)
+[ "${DRY_RUN:-0}" = 1 ] && COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 4 --compute_dtype bfloat16 --warmup 1 --steps 2)
+for depth in $DEPTHS; do
+  for cfg in "standard" "remat" "reversible fused" "reversible fused + offload"; do
+    point "$cfg, depth $depth" -- --point "$cfg" --depth "$depth" "${COMMON[@]}"
+  done
+done
+point "T $LONG_T blockwise, reversible fused + offload" -- --point "reversible fused + offload" --depth 4 \
+  --d_model "$D" --heads 8 --seq "$LONG_T" --batch 1 --compute_dtype bfloat16 --bench_attention_block "$LONG_BLOCK" \
+  --ff_chunk "$LONG_BLOCK" --head_chunk "$LONG_BLOCK" --warmup 1 --steps 1
+for cfg in "standard" "reversible fused + offload"; do
+  point "state 3x device memory, $cfg" XLA_PYTHON_CLIENT_MEM_FRACTION="$FRACTION" -- --point "$cfg" \
+    --depth "$BIG_LAYERS" --d_model "$BIG_D" --heads 16 --seq 1024 --batch 1 --compute_dtype bfloat16 \
+    --warmup 1 --steps 2
+done
+
+"$PY" - "$OUT" "$TMP" "$(( $(date +%s) - START ))" "${DRY_RUN:-0}" <<'EOF'
+import json, pathlib, sys
+out, tmp, seconds, dry = sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+records = [json.loads(p.read_text()) for p in sorted(tmp.glob("*.json"))]
+report = {"dry_run": dry, "seconds": seconds, "records": records}
+pathlib.Path(out).write_text(json.dumps(report, indent=1) + "\n")
+print(f"{'configuration':<58} {'status':<14} {'tokens/s':>10} {'peak MiB':>10}")
+for r in records:
+    tps = f"{r['tokens_per_sec']:,.0f}" if "tokens_per_sec" in r else "-"
+    peak = f"{r['peak_device_bytes'] / 2**20:,.0f}" if "peak_device_bytes" in r else "-"
+    print(f"{r['name']:<58} {r['status']:<14} {tps:>10} {peak:>10}")
+    if "state_bytes" in r and "device_bytes_limit" in r and r["name"].startswith("state"):
+        print(f"{'':<58} weights + Adam {r['state_bytes'] / 2**30:.1f} GiB = "
+              f"{r['state_bytes'] / r['device_bytes_limit']:.1f}x the device limit")
+print(f"wrote {out} ({seconds} s)")
+EOF
