@@ -320,7 +320,7 @@ def test_a_signal_during_sampling_stops_at_once_saying_nothing_was_written(tmp_p
 
 def test_a_signal_during_check_stops_at_once_saying_how_far_it_got(four_checkpoints, byte_lm_data_dir):
     workdir, _ = four_checkpoints
-    code, out, err = _signalled("revtrain.check._Checker.reversible", "", ["check", "--workdir", workdir],
+    code, out, err = _signalled("revtrain.check._Checker.backprop", "", ["check", "--workdir", workdir],
                                 byte_lm_data_dir)
     assert code == 128 + signal.SIGTERM, err
     assert err[-1] == "revtrain: received SIGTERM: stopped at once, check got as far as float32 forward: 3 of 3 " \
@@ -345,11 +345,13 @@ def _check_deep_passes(result, depth: int) -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     out, err = result.stdout.splitlines(), result.stderr.splitlines()
     n = depth + 2
-    assert out[0].endswith(f"{n} layers, one batch of 4 on 1 device(s); reference: backprop one layer at a time")
+    assert out[0].endswith(f"{n} layers, one batch of 4 on 1 device(s); reference: backprop one layer at a time; "
+                           "ReversibleTrainer.rebuild = 'exact'")
     rows = [l.split() for l in out if l.startswith(("embedding", "block_", "head"))]
     assert len(rows) == n
     for row in rows:  # layer-at-a-time backprop: the reversible trainer equals it bit for bit, both dtypes
-        assert [v for v in row[2:] if v != "-"] == ["0.0e+00"] * (4 if row[1] == "reversible" else 2), row
+        # and (the last two columns) the other rebuild mode
+        assert [v for v in row[2:] if v != "-"] == ["0.0e+00"] * (6 if row[1] == "reversible" else 3), row
     assert out[-1].startswith("PASS: compute dtype float32") and "every layer bit-identical" in out[-1]
     for dtype in ("float32", "bfloat16"):  # progress on stderr, every few layers of each pass
         for what in ("forward", "reversible backward", "backprop"):
