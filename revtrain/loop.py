@@ -24,6 +24,7 @@ from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
 from revtrain.memory import MemoryMeter
+from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
 from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState
@@ -189,8 +190,10 @@ def build(cfg: TrainConfig | None = None) -> Run:
         task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
     try:
         model = cfg.model(seed=cfg.seed, **task.model_kwargs())
+        if hasattr(task, "input_spec"):  # the composition contract, on shapes only (nothing compiles)
+            contract.check_shapes(model, task.input_spec(mesh.size), mesh)
     except ValueError as e:
-        raise ConfigError(str(e)) from e
+        raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     try:
         tx, schedule = build_optimizer(cfg)
     except (ValueError, TypeError) as e:

@@ -294,6 +294,12 @@ class FashionMNISTTask:
     def model_kwargs(self) -> dict:
         return {"num_classes": self.num_classes}
 
+    def input_spec(self, batch_size: int) -> dict:
+        """Shapes of a batch: ``image`` float32 ``[batch_size, 28, 28, 1]``, ``targets`` int32 ``[batch_size]``."""
+        import jax
+        return {"image": jax.ShapeDtypeStruct((batch_size, 28, 28, 1), np.float32),
+                "targets": jax.ShapeDtypeStruct((batch_size,), np.int32)}
+
     def train_iterator(self, batch_size: int, seed: int, shard_index: int, shard_count: int):
         """Endless shuffled batches of this process's share: a checkpointable Grain iterator.
 

@@ -40,6 +40,13 @@ class ByteLMTask:
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length}
 
+    def input_spec(self, batch_size: int) -> dict:
+        """Shapes of a batch of ``batch_size`` examples: ``{'inputs', 'targets'}`` int32 ``[batch_size, T]``."""
+        import jax
+        import numpy as np
+        shape = jax.ShapeDtypeStruct((batch_size, self.sequence_length), np.int32)
+        return {"inputs": shape, "targets": shape}
+
     def check_batch_size(self, batch_size: int) -> None:
         """Raises ``byte_lm.DataError`` when the train split holds fewer sequences than one global batch of
         ``batch_size`` (every batch would repeat sequences; at long lengths a corpus has few of them: the

@@ -32,7 +32,14 @@ from flax import nnx
 from revtrain.layers.attention import blockwise_causal_attention
 from revtrain.layers.base import (PositionWise, ReversibleCoupling, cross_entropy_sums, dropout,  # noqa: F401 (ReversibleCoupling re-exported)
                                   snap_to_grid)
-from revtrain.layers.chunked import map_chunks, sum_chunks
+from revtrain.layers.chunked import check_chunk, map_chunks, sum_chunks
+
+
+def depth_scaled_init(num_layers: int | None):
+    """Initialiser of the output projections of F and G: normal with std ``0.02 / sqrt(2 * num_layers)``
+    (GPT-2, Radford et al. 2019, section 2.3), so each of ``num_layers`` blocks starts near the identity,
+    which keeps deep stacks stable and the inverse well conditioned; std 0.02 when ``num_layers`` is None."""
+    return nnx.initializers.normal(0.02 / (2 * num_layers) ** 0.5 if num_layers else 0.02)
 
 
 class ByteEmbedding(nnx.Module):
@@ -42,8 +49,8 @@ class ByteEmbedding(nnx.Module):
     the ``2**-grid_bits`` grid of the reversible couplings (``grid_bits=None``: not rounded).
     """
 
-    def __init__(self, vocab_size: int, d_model: int, max_len: int, dropout_rate: float, *, rngs: nnx.Rngs,
-                 grid_bits: int | None = None):
+    def __init__(self, vocab_size: int, d_model: int, max_len: int, dropout_rate: float = 0.0, *,
+                 rngs: nnx.Rngs, grid_bits: int | None = None):
         # Unit-scale token embeddings keep the residual streams O(1): the couplings' 2**-grid_bits grid is
         # then ~1e-6 of the streams' scale, and F and G outputs (~0.03 at initialisation) are small next to
         # the streams, so even a plain float rebuild loses little to cancellation. (Measured: 0.02-scale
@@ -82,12 +89,17 @@ class CausalSelfAttention(nnx.Module):
 
     ``[B, T, D] -> [B, T, D]``. ``attention_block`` None: dense attention (``jax.nn.dot_product_attention``,
     ``[B, H, T, T]`` scores); an integer: exact blockwise attention in tiles of that many positions, memory
-    linear in T (``revtrain.layers.attention.blockwise_causal_attention``). Raises ValueError at
-    construction when D is not divisible by the heads.
+    linear in T (``revtrain.layers.attention.blockwise_causal_attention``). ``out_init``: the output
+    projection's initialiser (default `depth_scaled_init` of ``num_layers``, the model's number of blocks).
+    Raises ValueError at construction when D is not divisible by the heads or ``attention_block`` is not a
+    positive integer or None.
     """
 
-    def __init__(self, d_model: int, num_heads: int, dropout_rate: float, compute_dtype, out_init, *,
-                 rngs: nnx.Rngs, attention_block: int | None = None):
+    def __init__(self, d_model: int, num_heads: int = 4, dropout_rate: float = 0.0, compute_dtype=jnp.float32,
+                 out_init=None, *, rngs: nnx.Rngs, attention_block: int | None = None,
+                 num_layers: int | None = None):
+        check_chunk("CausalSelfAttention.attention_block", attention_block)
+        out_init = out_init or depth_scaled_init(num_layers)
         if d_model % num_heads:
             raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
@@ -152,10 +164,14 @@ class FeedForward(PositionWise, nnx.Module):
     ``chunk``: compute the position-wise part ``chunk`` positions at a time, rematerialised in the backward
     (``revtrain.layers.chunked.map_chunks``), so ``[B, T, d_ff]`` never exists whole; None: all at once.
     Dropout is drawn for the whole ``[B, T, D]`` output, so its masks do not depend on ``chunk``.
+    ``d_ff`` defaults to ``4 * d_model``; ``out_init`` to `depth_scaled_init` of ``num_layers``.
     """
 
-    def __init__(self, d_model: int, d_ff: int, dropout_rate: float, compute_dtype, out_init, *, rngs: nnx.Rngs,
-                 chunk: int | None = None):
+    def __init__(self, d_model: int, d_ff: int | None = None, dropout_rate: float = 0.0, compute_dtype=jnp.float32,
+                 out_init=None, *, rngs: nnx.Rngs, chunk: int | None = None, num_layers: int | None = None):
+        check_chunk("FeedForward.chunk", chunk)
+        d_ff = d_ff or 4 * d_model
+        out_init = out_init or depth_scaled_init(num_layers)
         self.norm = nnx.LayerNorm(d_model, dtype=compute_dtype, rngs=rngs)
         self.up = nnx.Linear(d_model, d_ff, dtype=compute_dtype, rngs=rngs)
         self.down = nnx.Linear(d_ff, d_model, kernel_init=out_init, dtype=compute_dtype, rngs=rngs)
@@ -179,7 +195,8 @@ class LanguageModelHead(PositionWise, nnx.Module):
     gradient never exist whole; None: all at once.
     """
 
-    def __init__(self, d_model: int, vocab_size: int, *, rngs: nnx.Rngs, chunk: int | None = None):
+    def __init__(self, d_model: int, vocab_size: int = 256, *, rngs: nnx.Rngs, chunk: int | None = None):
+        check_chunk("LanguageModelHead.chunk", chunk)
         self.norm = nnx.LayerNorm(2 * d_model, rngs=rngs)
         self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
         self.chunk = chunk

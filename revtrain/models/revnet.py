@@ -1,16 +1,16 @@
-"""The RevNet image classifier: reversible stages joined by standard downsampling layers."""
+"""The RevNet image classifier: reversible stages joined by standard downsampling layers, as a composition
+of parts (`revtrain.models.compose`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import gin
-import jax
-from flax import nnx
 
-from revtrain.layers.base import HeadLayer, Layer, ReversibleLayer
-from revtrain.layers.revnet import ClassifierHead, Downsample, ResidualFn, RevNetCoupling, Stem
+from revtrain.layers.revnet import ClassifierHead, Downsample, ResidualFn, Stem
 from revtrain.models.base import Model
+from revtrain.models.compose import Coupling, Head, Repeat, Standard, compose
 
 
 @gin.configurable
@@ -58,21 +58,13 @@ def RevNet(num_classes: int = 10, *, seed: int = 0, image_channels: int = 1,
         raise ValueError(f"RevNet.momentum must be in [0, 1), got {momentum}")
     if grid_bits is not None and not (isinstance(grid_bits, int) and 1 <= grid_bits <= 23):
         raise ValueError(f"RevNet.grid_bits must be an integer in [1, 23] or None, got {grid_bits!r}")
-    base = jax.random.PRNGKey(seed)
-
-    def rngs():
-        return nnx.Rngs(params=jax.random.fold_in(base, len(layers)))
-
-    layers: list[Layer] = []
-    layers.append(Layer(Stem(image_channels, widths[0], rngs=rngs(), grid_bits=grid_bits), "stem"))
+    specs: list = [Standard(functools.partial(Stem, image_channels, widths[0], grid_bits=grid_bits), name="stem")]
     for s, (width, count) in enumerate(zip(widths, blocks)):
         if s:
-            layers.append(Layer(Downsample(widths[s - 1], width, momentum, rngs=rngs(), grid_bits=grid_bits),
-                                f"downsample_{s}"))
-        for b in range(count):
-            r = rngs()
-            coupling = RevNetCoupling(ResidualFn(width // 2, depth, momentum, rngs=r),
-                                      ResidualFn(width // 2, depth, momentum, rngs=r), grid_bits=grid_bits)
-            layers.append(ReversibleLayer(coupling, f"stage_{s}_block_{b}"))
-    layers.append(HeadLayer(ClassifierHead(widths[-1], num_classes, momentum, rngs=rngs()), "head"))
-    return Model(layers, input_key="image", tokens_per_example=1, bits_per_byte=False)
+            specs.append(Standard(functools.partial(Downsample, widths[s - 1], width, momentum, grid_bits=grid_bits),
+                                  name=f"downsample_{s}"))
+        fn = functools.partial(ResidualFn, width // 2, depth, momentum)
+        specs.append(Repeat(Coupling(fn, fn, name=f"stage_{s}_block"), count))
+    specs.append(Head(functools.partial(ClassifierHead, widths[-1], num_classes, momentum), name="head"))
+    return compose(specs, seed=seed, grid_bits=grid_bits, input_key="image", tokens_per_example=1,
+                   bits_per_byte=False)
