@@ -305,8 +305,9 @@ def _gin_error_line(e: Exception) -> str:
     return f"bad gin configuration: {msg}"
 
 
-def _parse_gin(configs: list[str], bindings: list[str]) -> None:
-    """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings.
+def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = None) -> None:
+    """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings; with
+    ``workdir``, the Python modules its run imported are looked up where the run found them first.
 
     Raises:
       UsageError: a missing file or include, or a bad binding or value (one line).
@@ -317,7 +318,8 @@ def _parse_gin(configs: list[str], bindings: list[str]) -> None:
     from revtrain import registry  # noqa: F401  (registers the configurables)
     gin.clear_config()  # a fresh configuration per command (main() may run several times in one process)
     try:
-        with ginconfig.include_search_path():
+        remembered = ginconfig.remembered_modules(workdir) if workdir else None
+        with ginconfig.include_search_path(remembered):
             gin.parse_config_files_and_bindings([ginconfig.find_config(c) for c in configs], bindings,
                                                 finalize_config=False)
     except ginconfig.IncludeNotFound as e:
@@ -338,7 +340,7 @@ def _run(args) -> int:
         config = os.path.join(args.workdir, "config.gin")
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
-        _parse_gin([config] + args.config, args.gin)
+        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
         kind = "eval"
         if args.split:  # scores of another split than the run's own go to metrics/eval_<split>.jsonl
             try:
@@ -359,7 +361,7 @@ def _run(args) -> int:
         config = os.path.join(args.workdir, "config.gin")
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
-        _parse_gin([config] + args.config, args.gin)
+        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
         sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
         return 0
     if args.command == "check":
@@ -375,7 +377,7 @@ def _run(args) -> int:
             raise UsageError("check needs --config FILE (a model to check) or --workdir DIR (a run's checkpoint)")
         elif args.step is not None:
             raise UsageError("--step needs --workdir")
-        _parse_gin(configs, args.gin)
+        _parse_gin(configs, args.gin, workdir=args.workdir)
         if args.workdir is None:
             return check.run_check()
         with workdir_lib.locked(args.workdir, "check"):

@@ -12,13 +12,21 @@
   library's message alone.
 * `config_differences`: the operative values (macros resolved) that differ between two operative configs,
   e.g. a run's saved ``config.gin`` and the configuration resuming it.
+* The user's own Python modules: ``import my_blocks`` in a gin file is looked up next to the including
+  file first, then in the current directory (as includes are), then on the Python path; a module found in
+  none is one `ModuleNotFound` naming the directories searched. A run records where its modules came from
+  (`run_config`: ``modules.json`` beside ``config.gin``), so ``revtrain eval`` / ``sample`` / ``check`` on
+  its workdir find them again without ``PYTHONPATH`` (`remembered_modules`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
 import os
 import re
+import sys
 from typing import Any
 
 import gin
@@ -29,6 +37,62 @@ PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 class IncludeNotFound(OSError):
     """A gin file (``--config`` or ``include``) found in none of the directories searched."""
+
+
+class ModuleNotFound(IncludeNotFound):
+    """A Python module a gin file imports, found in none of the directories searched nor on the path."""
+
+
+MODULES_FILE = "modules.json"  # beside a run's config.gin: {"module": "directory it was imported from"}
+
+
+def _module_dir(name: str, dirs: list[str]) -> str | None:
+    top = name.split(".")[0]
+    for d in dirs:
+        if os.path.isfile(os.path.join(d, top + ".py")) or os.path.isfile(os.path.join(d, top, "__init__.py")):
+            return d
+    return None
+
+
+def resolve_import(module: str, including_file: str | None, remembered: dict[str, str] | None = None) -> None:
+    """Makes ``import module`` of a gin file find the user's module: its top-level name is looked up in the
+    directory a run remembered for it (``remembered``), next to ``including_file``, then in the current
+    directory; the first directory holding ``name.py`` or ``name/__init__.py`` goes to the front of
+    ``sys.path``. A module in none of them is left to the Python path.
+
+    Raises:
+      ModuleNotFound: the module is in none of those directories and not importable (the message names
+        the gin file and every directory searched).
+    """
+    top = module.split(".")[0]
+    remembered = remembered or {}
+    dirs = [remembered[top]] if top in remembered else []
+    if including_file:
+        dirs.append(os.path.dirname(os.path.abspath(including_file)))
+    dirs.append(os.getcwd())
+    dirs = list(dict.fromkeys(dirs))
+    found = _module_dir(top, dirs)
+    if found is not None:
+        if found not in sys.path:
+            sys.path.insert(0, found)
+        importlib.invalidate_caches()
+        return
+    if top in sys.modules or importlib.util.find_spec(top) is not None:
+        return
+    where = f"the gin file {including_file}" if including_file else "a gin binding"
+    gone = (f"; the run imported it from {remembered[top]}, which no longer holds it" if top in remembered else "")
+    raise ModuleNotFound(f"{where} imports {module}: found neither {top}.py nor {top}/ in {', '.join(dirs)}, nor on "
+                         f"the Python path{gone}")
+
+
+def remembered_modules(workdir: str) -> dict[str, str]:
+    """``{module: directory}`` a run recorded in ``workdir/modules.json`` (empty when there is none)."""
+    try:
+        with open(os.path.join(workdir, MODULES_FILE)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
 def search_dirs(including_file: str | None) -> list[str]:
@@ -63,8 +127,9 @@ def find_config(path: str, including_file: str | None = None) -> str:
 
 
 @contextlib.contextmanager
-def include_search_path():
-    """Within this context, gin resolves config files and their includes with `find_config`.
+def include_search_path(remembered: dict[str, str] | None = None):
+    """Within this context, gin resolves config files and their includes with `find_config`, and the
+    Python modules they import with `resolve_import` (``remembered``: a run's `remembered_modules`).
 
     gin 0.5 looks a relative ``include`` up only in its global search path (the current directory by
     default; ``gin.add_config_file_search_path`` appends more), whatever file includes it, and then tries a
@@ -89,13 +154,23 @@ def include_search_path():
         finally:
             stack.pop()
 
+    context_class = gin_config.ParseContext
+    process_import = context_class.process_import
+
+    def resolving_import(context, statement):
+        if not statement.module.startswith("__gin__"):
+            resolve_import(statement.module, stack[-1] if stack else None, remembered)
+        return process_import(context, statement)
+
     prefixes, readers = gin_config._LOCATION_PREFIXES, gin_config._FILE_READERS  # noqa: SLF001 (see above)
     saved = list(prefixes), list(readers)
     prefixes[:], readers[:] = [""], [(reader, exists)]
+    context_class.process_import = resolving_import
     try:
         yield
     finally:
         prefixes[:], readers[:] = saved
+        context_class.process_import = process_import
 
 
 def value_error_line(e: SyntaxError) -> str | None:
@@ -213,3 +288,97 @@ def config_differences(old: str, new: str) -> list[str]:
         if a != b:
             changes.append(f"{name} {a} -> {b}")
     return changes
+
+
+_LIBRARIES = {"revtrain", "gin", "optax", "jax", "jaxlib", "flax", "numpy", "builtins", "functools"}
+
+
+def _configurable(obj):
+    try:
+        return gin.config._inverse_lookup(obj)  # noqa: SLF001 (gin has no public reverse lookup)
+    except TypeError:  # unhashable values
+        return None
+
+
+def _reference(obj) -> str | None:
+    """``@name`` of a gin configurable (its shortest unambiguous selector), else None."""
+    configurable = _configurable(obj)
+    if configurable is None:
+        return None
+    return "@" + gin.config._REGISTRY.minimal_selector(configurable.selector)  # noqa: SLF001
+
+
+def _render_value(value) -> str | None:
+    """Gin text for a Python value: literals as themselves, configurables as ``@name``; None when gin
+    cannot say it (an object built in Python)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        items = [_render_value(v) for v in value]
+        if any(i is None for i in items):
+            return None
+        inner = ", ".join(items)
+        return f"[{inner}]" if isinstance(value, list) else (f"({inner},)" if len(items) == 1 else f"({inner})")
+    return _reference(value)
+
+
+def _module_of(reference: str) -> str | None:
+    name = reference.lstrip("@").removesuffix("()").rsplit("/", 1)[-1]
+    try:
+        configurable = gin.config._REGISTRY.get_match(name)  # noqa: SLF001
+    except (KeyError, ValueError):
+        return None
+    if configurable is None:
+        return None
+    module = getattr(configurable.wrapped, "__module__", None)
+    return None if not module or module.split(".")[0] in _LIBRARIES else module
+
+
+def run_config(values: dict[str, Any]) -> tuple[str, dict[str, str], list[str]]:
+    """The ``config.gin`` of a run, its ``modules.json`` and the values gin cannot name.
+
+    The text is gin's operative config plus a binding for each entry of ``values``
+    (``{'train.model': object}``: the settings a run started from Python was given directly) that the
+    operative config lacks, plus an ``import`` line for every user module (outside revtrain and its
+    libraries) whose configurables it references, so that the CLI can rebuild the run from it alone.
+
+    Returns:
+      ``(text, modules, unnamed)``: ``modules`` maps each imported user module's top-level name to the
+      directory it was imported from; ``unnamed`` lists the entries of ``values`` that are neither literals
+      nor gin configurables (the CLI will use their gin defaults).
+    """
+    text = gin.operative_config_str()
+    present = operative_values(text)
+    extra, unnamed = [], []
+    for name, value in values.items():
+        if name in present:
+            continue
+        rendered = _render_value(value)
+        if rendered is None:
+            unnamed.append(name)
+        else:
+            extra.append(f"{name} = {rendered}")
+    if extra:
+        text = text.rstrip("\n") + "\n\n# Set from Python (loop.train's TrainConfig):\n" + "\n".join(extra) + "\n"
+    imported = set(re.findall(r"^import ([\w.]+)", text, re.M))
+    needed = []
+    for ref in dict.fromkeys(re.findall(r"@[\w./]+", text)):
+        module = _module_of(ref)
+        if module and module not in imported and module != "__main__":
+            needed.append(module)
+            imported.add(module)
+    if needed:
+        text = "".join(f"import {m}\n" for m in needed) + ("\n" if not text.startswith("import") else "") + text
+    modules = {}
+    for module in sorted(imported):
+        top = module.split(".")[0]
+        if top in _LIBRARIES or top == "__gin__":
+            continue
+        path = getattr(sys.modules.get(top), "__file__", None)
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(path) == "__init__.py":
+            folder = os.path.dirname(folder)
+        modules[top] = folder
+    return text, modules, unnamed

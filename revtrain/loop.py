@@ -7,6 +7,7 @@ batches, logs, evaluates and checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal as signal_lib
@@ -23,16 +24,13 @@ from revtrain import ginconfig, interrupts, oom
 from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask
+from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
 from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState
 from revtrain.trainers.reversible import ReversibleTrainer
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run (reported as one line, exit status 2)."""
 
 
 class TrainingStopped(FloatingPointError):
@@ -285,16 +283,25 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
         knobs.append("train.trainer = @ReversibleTrainer")
     if getattr(run.cfg.model, "__name__", "") == "ReversibleTransformerLM":
         knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
+    elif getattr(run.cfg.model, "__name__", "") == "ComposedModel" and any(
+            "CausalSelfAttention" in type(getattr(layer.merge(layer.init_params, layer.init_state), "f", None)).__name__
+            for layer in run.model.layers if layer.reversible):
+        knobs.append("attention blocking (CausalSelfAttention.attention_block)")
     return knobs
 
 
-def _config_changes(workdir: str) -> str | None:
+def _run_config(cfg: TrainConfig):
+    """`ginconfig.run_config` of the run: the operative config plus every ``train.*`` value it was given."""
+    return ginconfig.run_config({f"train.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+
+
+def _config_changes(workdir: str, cfg: TrainConfig) -> str | None:
     """One line listing the operative gin values that differ from the saved ``config.gin`` of the run being
     resumed (None when nothing differs or there is nothing to compare)."""
     try:
         with open(os.path.join(workdir, "config.gin")) as f:
             saved = f.read()
-        changes = ginconfig.config_differences(saved, gin.operative_config_str())
+        changes = ginconfig.config_differences(saved, _run_config(cfg)[0])
     except (OSError, SyntaxError, ValueError):
         return None
     if not changes:
@@ -322,7 +329,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
         run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
         if run.cfg.sample_every:
-            from revtrain import sample as sample_lib
+            from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
         created = _writable(workdir)
         lock = workdir_lib.acquire(workdir, "train")
@@ -344,7 +351,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
 def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
     cfg, trainer = run.cfg, run.trainer
     if cfg.sample_every:
-        from revtrain import sample as sample_lib
+        from revtrain import generate as sample_lib
     primary = jax.process_index() == 0
     pc, pi = jax.process_count(), jax.process_index()
     data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
@@ -375,12 +382,20 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         for e in damaged:  # a resumed run saves these steps again: their damaged copies go out of the way
             where = checkpointer.set_aside(e.step)
             metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
-        changes = _config_changes(workdir) if resumed is not None and primary else None
+        changes = _config_changes(workdir, cfg) if resumed is not None and primary else None
         writer = metrics_lib.MetricWriter(workdir, enabled=primary)
         writer.restart_at(resumed or 0)  # each step once: records after the resumed step are redone
         if primary:
+            text, modules, unnamed = _run_config(run.cfg)
             with open(os.path.join(workdir, "config.gin"), "w") as f:
-                f.write(gin.operative_config_str())
+                f.write(text)
+            if modules:  # where the user's modules came from: eval / sample / check find them again
+                with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
+                    json.dump(modules, f, indent=1)
+            if unnamed:
+                metrics_lib.log(f"config.gin cannot name {', '.join(unnamed)} (set from Python, and neither a "
+                                "literal nor a gin configurable): revtrain eval / sample / check on this workdir "
+                                "will use the gin default; make it a @gin.configurable to have it recorded")
         metrics_lib.log(
             (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "

@@ -1,4 +1,4 @@
-"""The memory meter: peak device bytes of a training step (DESIGN.md section 3).
+"""The memory meter: peak device bytes of a training step (docs/design.md section 3).
 
 Two methods, and every reading says which one it used:
 
@@ -15,7 +15,7 @@ Two methods, and every reading says which one it used:
   Arrays in the ``pinned_host`` memory kind are not counted: on an accelerator they are in host RAM.
 
 The live bytes are a running total, not a walk over every live array at each call (that walk made a
-logged step cost O(layers^2): DESIGN.md section 8). ``start()`` walks the live arrays once; after that the
+logged step cost O(layers^2): docs/design.md section 8). ``start()`` walks the live arrays once; after that the
 meter counts each array it is shown (the arguments of ``observe``, the outputs of ``record``) once, and
 takes its bytes off the total when it is freed (a weak reference) or donated to a call (``record`` looks at
 that call's arguments). Each call then costs O(its own arguments and outputs) whatever the number of live

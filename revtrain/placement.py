@@ -1,6 +1,6 @@
 """Where arrays live: the data-parallel mesh, replicated and batch shardings, host/device memory kinds.
 
-One 1-D mesh over all global devices with axis ``"data"`` (DESIGN.md section 4). Layer weights and
+One 1-D mesh over all global devices with axis ``"data"`` (docs/design.md section 4). Layer weights and
 optimizer state are replicated (``P()``); batches are split over the axis (``P("data")``). With offload,
 weights and optimizer state live in the ``pinned_host`` memory kind between uses, with the same
 replicated sharding.

@@ -1,4 +1,4 @@
-"""The reversible trainer computes what ordinary backprop computes (DESIGN.md sections 2 and 7).
+"""The reversible trainer computes what ordinary backprop computes (docs/design.md sections 2 and 7).
 
 Float32 with ``jax_default_matmul_precision="highest"``, real text, dropout on, Adam. Parameters are compared
 leaf by leaf: max |difference| / max |value| of the leaf.

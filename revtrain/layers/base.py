@@ -1,6 +1,6 @@
 """The layer protocol: Flax NNX modules seen as pure functions of (params, state).
 
-A model is a list of layers (DESIGN.md section 2). Every layer wraps one Flax NNX module and exposes it as
+A model is a list of layers (docs/design.md section 2). Every layer wraps one Flax NNX module and exposes it as
 pure functions of plain-dict pytrees, which is what the trainers need to place, donate, checkpoint and
 update each layer on its own:
 

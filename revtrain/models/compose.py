@@ -34,6 +34,7 @@ references to classes, as in t5x / flaxformer configs.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,7 +46,7 @@ from flax import nnx
 
 from revtrain.layers.base import HeadLayer, Layer, ReversibleCoupling, ReversibleLayer
 from revtrain.models.base import Model
-from revtrain.models.contract import ContractError, check_part, check_coupling
+from revtrain.models.contract import ContractError, check_coupling, check_part
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -62,6 +63,8 @@ def _scope_name() -> str | None:
 
 
 def _part_name(part) -> str:
+    while isinstance(part, functools.partial):
+        part = part.func
     return getattr(part, "__name__", None) or type(part).__name__
 
 
@@ -233,8 +236,13 @@ def construct(part: Callable, rngs: nnx.Rngs, context: dict, where: str) -> nnx.
     kwargs = {k: v for k, v in context.items() if k in params and v is not None}
     try:
         module = part(rngs=rngs, **kwargs)
-    except (TypeError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # noqa: BLE001 (a user's constructor may raise anything: one line naming it)
+        first = (str(e).strip().strip('"').splitlines() or [type(e).__name__])[0]
+        if isinstance(e, KeyError) and "RngStream" in first:  # nnx.Dropout(rngs=...) or rngs.dropout()
+            raise ContractError(f"{name} ({where}) asks its rngs for a random stream of its own ({first}): the rngs "
+                                "revtrain passes has only a 'params' stream, for initial weights; draw dropout from "
+                                "the keys the layer is called with (revtrain.layers.base.dropout(x, rate, keys, "
+                                "train))") from e
         raise CompositionError(f"cannot construct {name} ({where}): {first}") from e
     if not isinstance(module, nnx.Module):
         raise CompositionError(f"{name} ({where}) returned {type(module).__name__}, not a Flax NNX module")

@@ -22,8 +22,9 @@ See ``docs/models.md`` for the contract itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 
@@ -32,6 +33,8 @@ class ContractError(ValueError):
 
 
 def _name(part) -> str:
+    while isinstance(part, functools.partial):
+        part = part.func
     return getattr(part, "__name__", None) or type(part).__name__
 
 
@@ -106,7 +109,12 @@ def check_shapes(model, batch_spec: dict, mesh) -> None:
     from revtrain.placement import DATA_AXIS
 
     x = batch_spec[model.input_key]
+    seen: dict = {}  # structurally equal layers on equal input shapes are traced once (deep stacks)
     for layer in model.layers[:-1]:
+        key = (layer, str(_spec(x)))
+        if key in seen:
+            x = seen[key]
+            continue
         module = layer.merge(layer.init_params, layer.init_state)
         coupling = getattr(layer, "reversible", False) and isinstance(module, ReversibleCoupling)
 
@@ -143,4 +151,4 @@ def check_shapes(model, batch_spec: dict, mesh) -> None:
                 f"layer {layer.name} ({type(module).__name__}) changes the structure of its state in the forward "
                 "(a new variable, e.g. from sow, or one of another shape or dtype): declare every state variable "
                 "in __init__ with its final shape and dtype")
-        x = y
+        seen[key] = x = y

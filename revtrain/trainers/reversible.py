@@ -1,4 +1,4 @@
-"""The memory-efficient reversible trainer (DESIGN.md section 2).
+"""The memory-efficient reversible trainer (docs/design.md section 2).
 
 Forward: layer by layer, keeping only the current activation; a standard layer's input is saved (it cannot
 be rebuilt), a reversible layer's output replaces its input. Head: one fused call computes the loss, its
@@ -22,7 +22,7 @@ host wait per layer to bound residency; on a CPU those waits and the Python copi
 no-offload speed at d_model 64, where XLA:CPU compiles the in-program moves to nothing, host and device
 memory being one.)
 
-Two executors (DESIGN.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
+Two executors (docs/design.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
 (``scan_layers=True``): each maximal run of consecutive, structurally identical reversible layers is held
 stacked (weights, optimizer state and layer state with a leading layer axis, `stacking.Stacked`) and each
 pass over it is one compiled program: the forward a ``lax.scan``, the backward a reverse ``lax.scan`` whose

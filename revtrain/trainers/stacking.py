@@ -1,6 +1,6 @@
 """Runs of identical layers held stacked (a leading layer axis), and conversions to and from one layer each.
 
-A scanned executor (``ReversibleTrainer.scan_layers``, ``StandardTrainer.scan_layers``; DESIGN.md section 9)
+A scanned executor (``ReversibleTrainer.scan_layers``, ``StandardTrainer.scan_layers``; docs/design.md section 9)
 runs each maximal run of consecutive, structurally identical layers as one ``lax.scan``. For that the
 reversible trainer keeps those layers' weights, optimizer states and layer states stacked: one array per
 leaf with a leading axis over the layers of the run, ``[count, ...]``. A model is then a sequence of

@@ -33,7 +33,7 @@ class StandardTrainer(TrainerBase):
         program does not finish compiling in 15 minutes of CPU). The state keeps one entry per layer; the
         weights are stacked and the gradients unstacked inside the program.
       remat_layers: with ``scan_layers``, wrap the scan body in ``jax.checkpoint`` (keep only each layer's
-        input; recompute the rest in the backward pass). XLA:CPU does not honour it for memory (DESIGN.md
+        input; recompute the rest in the backward pass). XLA:CPU does not honour it for memory (docs/design.md
         section 8).
     """
 
