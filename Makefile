@@ -96,3 +96,16 @@ train-revnet: venv
 	fi
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
+
+# The reversible ViT (RevViT) on the same Fashion-MNIST data (configs/revvit_fashion_mnist.gin; docs/modern.md):
+#   make train-revvit [FASHION_MNIST_DIR=/dir/with/the/four/idx/files] [GIN="--gin 'NUM_LAYERS = 12'"]
+.PHONY: train-revvit
+train-revvit: WORKDIR = runs/revvit_fashion_mnist
+train-revvit: CONFIG = configs/revvit_fashion_mnist.gin
+train-revvit: FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
+train-revvit: venv
+	@if [ ! -d "$(FASHION_MNIST_DIR)" ]; then \
+	  echo "Fashion-MNIST is missing in $(FASHION_MNIST_DIR): run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make train-revnet'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
+	fi
+	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
+	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)

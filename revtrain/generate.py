@@ -13,10 +13,17 @@ How a sample is made (context ``T`` = the model's sequence length, window ``W = 
 2. Each new byte is drawn from the head's logits at the last position (`next_tokens`: greedy at temperature
    0, else temperature, top-k and nucleus top-p filtering, then a categorical draw with the sample's own key
    ``fold_in(fold_in(PRNGKey(seed), sample index), byte index)``) and fed at the next position.
-3. The model learned absolute positions ``0 .. T - 1`` only. When the cache is full (``T`` positions), the
-   last ``W`` bytes are re-encoded at positions ``0 .. W - 1`` into a fresh cache and generation goes on
-   from position ``W``: every byte is predicted from at least the ``W`` bytes before it, at positions the
-   model was trained on, and the re-encoding costs ``W`` positions once every ``T - W`` bytes.
+3. A model with learned absolute positions knows positions ``0 .. T - 1`` only. When the cache is full
+   (``T`` positions), the last ``W`` bytes are re-encoded at positions ``0 .. W - 1`` into a fresh cache and
+   generation goes on from position ``W``: every byte is predicted from at least the ``W`` bytes before it,
+   at positions the model was trained on, and the re-encoding costs ``W`` positions once every ``T - W``
+   bytes.
+4. A model whose every layer is free of absolute positions (`slides`: rotary or no positions, e.g.
+   `revtrain.layers.modern.GroupedQueryAttention`; position-wise layers) instead slides the cache window:
+   each attention cache is a ring of ``T`` slots, generation goes on at positions ``T, T + 1, ..`` and each
+   byte attends to the last ``T`` positions, with no re-encoding (every step costs the same). With two or
+   more attention layers this computes a forward with banded attention over the whole text, not a forward
+   over its last ``T`` bytes (see `revtrain.layers.modern` and ``docs/modern.md``).
 
 Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
 samples); the sampling settings are runtime values. With ``ReversibleTrainer.offload``, weights stay in host
@@ -107,6 +114,25 @@ def check_decodable(model) -> None:
 
 
 # -- choosing the next byte ------------------------------------------------------------------------
+def slides(model) -> bool:
+    """Whether sampling from ``model`` may slide the cache window past the context (schedule, item 4).
+
+    True when every layer's module (F and G of a coupling) either acts on each position on its own (a
+    `revtrain.layers.base.PositionWise`) or declares ``sliding_cache = True`` (its ``decode`` keeps a ring
+    cache and takes any position, e.g. rotary attention). Learned absolute positions (``ByteEmbedding``)
+    and the dense cache of ``CausalSelfAttention`` do not.
+    """
+    from revtrain.layers.base import PositionWise
+
+    def ok(module) -> bool:
+        if isinstance(module, PositionWise) or getattr(module, "sliding_cache", False):
+            return True
+        f, g = getattr(module, "f", None), getattr(module, "g", None)
+        return f is not None and g is not None and ok(f) and ok(g)
+
+    return all(layer.can_decode and ok(layer.merge(layer.init_params, layer.init_state)) for layer in model.layers)
+
+
 def next_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:
     """Draws one token per row of ``logits``.
 
@@ -188,9 +214,10 @@ def _choose(logits, keys, settings, text, n, prompt_len):
 
 
 @functools.lru_cache(maxsize=32)
-def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: int):
+def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: int, sliding: bool = False):
     """One jitted ``shard_map`` program: ``(params, states, prompt [B, P], keys [B, 2], settings) -> bytes
-    [B, length]``, ``settings`` = (temperature, top_k, top_p) scalars."""
+    [B, length]``, ``settings`` = (temperature, top_k, top_p) scalars. ``sliding``: one segment whose steps
+    go on past ``context`` (ring caches; `slides`)."""
     window = _window(context)
     total = prompt_len + length
 
@@ -206,8 +233,8 @@ def _fused_program(layers: tuple, mesh, context: int, prompt_len: int, length: i
             logits, caches = _run_layers(layers, params, states, chunk, fresh, 0)
             text = _choose(lax.dynamic_index_in_dim(logits, n - start - 1, axis=1, keepdims=False), keys,
                            settings, text, n, prompt_len)
-            pos = n - start  # positions in the cache; steps fill it up to ``context``
-            count = jnp.minimum(context - pos, total - 1 - n)
+            pos = n - start  # positions in the cache; steps fill it up to ``context`` (or slide on)
+            count = total - 1 - n if sliding else jnp.minimum(context - pos, total - 1 - n)
 
             def step(k, carry):  # feed byte n + k - 1 at position pos + k - 1, choose byte n + k
                 caches, text = carry
@@ -299,6 +326,7 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     layers, mesh = trainer.model.layers, trainer.mesh
     batch, prompt_len = prompt.shape
     window = _window(context)
+    sliding = slides(trainer.model)
     first = min(prompt_len, window)
 
     params = ts.params  # in host memory: each layer's program moves its own weights to the device
@@ -315,7 +343,7 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     choose = _choose_program(mesh)
     caches, pos = None, 0
     for n in range(first, prompt_len + opts.length):
-        if n == first or pos == context:
+        if n == first or (pos == context and not sliding):
             start = max(n - window, 0)
             fresh = [_empty_cache(layer, mesh, batch, context) for layer in layers]
             logits, caches = run(_slice_program(mesh, window)(text, np.int32(start)), fresh, 0)
@@ -394,7 +422,8 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
     else:
         params = [trainer.layer_params(ts, i) for i in range(len(trainer.model.layers))]
         states = [trainer.layer_state(ts, i) for i in range(len(trainer.model.layers))]
-        program = _fused_program(tuple(trainer.model.layers), mesh, context, len(prompt), opts.length)
+        program = _fused_program(tuple(trainer.model.layers), mesh, context, len(prompt), opts.length,
+                                 slides(trainer.model))
         args = (params, states, inputs["prompt"], inputs["keys"], _settings(opts))
         compiled, compile_seconds = _compiled(program, args)
         start = time.perf_counter()

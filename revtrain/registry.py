@@ -1,7 +1,8 @@
 """Registers every gin configurable revtrain offers, including optax optimizers and schedules.
 
 Importing this module is enough: ``ReversibleTrainer``, ``StandardTrainer``, ``ReversibleTransformerLM``,
-``ComposedModel`` with its specs and revtrain's parts (`revtrain.layers.parts`),
+``ComposedModel`` with its specs and revtrain's parts (`revtrain.layers.parts`, `revtrain.layers.modern`,
+`revtrain.layers.vision`),
 ``ByteLMTask``, ``train``, ``evaluate`` and ``optax.<name>`` for the names in ``OPTAX_NAMES``.
 """
 
@@ -12,6 +13,7 @@ from revtrain import loop  # noqa: F401  (train, evaluate)
 from revtrain.data import fashion_mnist  # noqa: F401  (FashionMNISTTask)
 from revtrain.data import tasks  # noqa: F401
 from revtrain.layers import parts  # noqa: F401  (ByteEmbedding, CausalSelfAttention, ... as parts)
+from revtrain.layers import modern, vision  # noqa: F401  (RMSNorm, GroupedQueryAttention, SwiGLU, ... RevViT parts)
 from revtrain.models import compose  # noqa: F401  (ComposedModel, Standard, Coupling, Repeat, Head)
 from revtrain.models import revnet  # noqa: F401  (RevNet)
 from revtrain.models import transformer_lm  # noqa: F401

@@ -16,7 +16,7 @@ from revtrain import interrupts
 from revtrain import loop
 from revtrain import metrics as metrics_lib
 from revtrain.generate import (Options, Result, SampleError, check_decodable, check_training_sample,  # noqa: F401
-                               generate, next_tokens, sample_keys, show, training_sample)
+                               generate, next_tokens, sample_keys, show, slides, training_sample)
 
 
 # -- revtrain sample ------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Sampling speed: cached incremental decoding against recomputing the prefix for every new byte.
+"""Sampling speed: cached incremental decoding against recomputing the prefix for every new byte, and the
+cost of generating past the context (learned positions re-encode, rotary positions slide the window).
 
   python scripts/bench_sample.py [--config configs/enwik_small.gin] [--length 512] [--num_samples 1]
-                                 [--rounds 3] [--out bench_sample.json]
+                                 [--rounds 3] [--modern_config configs/enwik_modern.gin] [--past 2000]
+                                 [--out bench_sample.json]
 
 Both generate ``--length`` bytes from the same prompt with the model of ``--config`` (the default run's
 model: 6 reversible blocks, d_model 128, context 128; random weights: speed does not depend on them):
@@ -14,7 +16,15 @@ model: 6 reversible blocks, d_model 128, context 128; random weights: speed does
 
 Each is compiled first, then timed in interleaved rounds (one run of each per round, so machine noise hits
 both alike); bytes/s is the median over rounds. Both are greedy, so their first ``context - prompt`` bytes
-must agree (checked: a sanity check that both compute the same model). Prints a table and writes JSON.
+must agree (checked: a sanity check that both compute the same model).
+
+**Past the context** (``--past``; 0 skips it): for the default model (learned positions: the cache is
+refilled by re-encoding the last half context every half context) and the model of ``--modern_config``
+(rotary positions: `revtrain.sample.slides`, the ring cache slides, nothing is re-encoded), greedy
+generation from a one-byte prompt of ``context - 1`` bytes (they fill the context) and of ``context - 1 +
+past`` bytes, timed in interleaved rounds (median). The cost per byte past the context is
+``(t_long - t_short) / past``; the ratio divides it by the cost per byte within the context,
+``t_short / (context - 1)``. Prints tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -40,9 +50,9 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from revtrain import loop  # noqa: E402
 from revtrain import registry  # noqa: E402,F401  (gin configurables)
 from revtrain import sample  # noqa: E402
-from revtrain.models import ReversibleTransformerLM  # noqa: E402
 from revtrain.placement import DATA_AXIS, global_batch, make_mesh  # noqa: E402
 from revtrain.trainers import ReversibleTrainer  # noqa: E402
 
@@ -72,18 +82,49 @@ def recompute_program(layers, mesh, context: int, prompt_len: int, length: int):
     return jax.jit(mapped)
 
 
+def _config_model(path: str):
+    """``(model, context)`` of a config file's ``train.model`` (random weights, seed 0)."""
+    from revtrain.ginconfig import include_search_path
+    gin.clear_config()
+    with include_search_path():
+        gin.parse_config_files_and_bindings([path], [], finalize_config=False)
+    context = gin.query_parameter("ByteLMTask.sequence_length")
+    return loop.TrainConfig().model(seed=0, sequence_length=context), context
+
+
+def past_context(path: str, past: int, rounds: int) -> dict:
+    """Per-byte cost of greedy generation past the context against within it (module docstring)."""
+    model, context = _config_model(path)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), make_mesh())
+    ts = trainer.init()
+    short, long = context - 1, context - 1 + past
+    times = {short: [], long: []}
+    for length in (short, long):  # compile both
+        sample.generate(trainer, ts, b"\n", context, sample.Options(length=length, temperature=0.0))
+    for _ in range(rounds):
+        for length in (short, long):
+            times[length].append(sample.generate(trainer, ts, b"\n", context,
+                                                 sample.Options(length=length, temperature=0.0)).seconds)
+    t_short, t_long = statistics.median(times[short]), statistics.median(times[long])
+    within, beyond = t_short / short, (t_long - t_short) / past
+    return {"config": os.path.relpath(path), "slides": sample.slides(model), "context": context,
+            "params": model.num_params(), "past": past, "seconds": {str(k): v for k, v in times.items()},
+            "us_per_byte_within": 1e6 * within, "us_per_byte_past": 1e6 * beyond, "ratio": beyond / within}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "enwik_small.gin"))
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modern_config", default=str(pathlib.Path(__file__).resolve().parent.parent / "configs" /
+                                                  "enwik_modern.gin"))
+    p.add_argument("--past", type=int, default=2000, help="bytes generated past the context (0: skip)")
     p.add_argument("--out", default="bench_sample.json")
     args = p.parse_args(argv)
 
-    gin.parse_config_files_and_bindings([args.config], [], finalize_config=False)
-    context = gin.query_parameter("ByteLMTask.sequence_length")
-    model = ReversibleTransformerLM(context)
+    model, context = _config_model(args.config)
     mesh = make_mesh()
     trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh)
     ts = trainer.init()
@@ -135,6 +176,15 @@ def main(argv=None) -> dict:
     print(f"cached / recompute: {record['speedup']:.1f}x ({args.length} bytes x {args.num_samples} sample(s), "
           f"context {context}, {mesh.size} {record['platform']} device(s)); greedy outputs agree on the first "
           f"{agree} bytes: {same_start}")
+    if args.past:
+        record["past_context"] = [past_context(path, args.past, args.rounds) for path in (args.config,
+                                                                                          args.modern_config)]
+        print(f"\n{'past the context':<24} {'slides':>7} {'us/byte within':>15} {'us/byte past':>13} {'ratio':>6}")
+        for r in record["past_context"]:
+            print(f"{r['config']:<24} {str(r['slides']):>7} {r['us_per_byte_within']:>15,.0f} "
+                  f"{r['us_per_byte_past']:>13,.0f} {r['ratio']:>6.2f}")
+        print(f"(greedy from a 1-byte prompt: {context - 1} bytes within the {context}-byte context, then "
+              f"{args.past} past it; random weights)")
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     if not same_start:

@@ -1,4 +1,4 @@
-"""Exact causal self-attention in blocks: memory linear in the sequence length.
+"""Exact (causal or bidirectional) self-attention in blocks: memory linear in the sequence length.
 
 Dense attention holds ``[B, H, T, T]`` scores and probabilities (and, under ``jax.vjp``, their gradients):
 quadratic in T. ``blockwise_causal_attention`` computes the same softmax attention one
@@ -13,11 +13,13 @@ Dao et al. 2022, "FlashAttention"):
   over query blocks ``j..nb-1`` recomputes each tile's probabilities from the saved log-sum-exp
   (``p = exp(s - lse)``) and accumulates ``dK_j``, ``dV_j`` and ``dQ_i``.
 
-No array of either pass is larger than O(B * H * T * d_head) or O(B * H * block^2), and tiles above the
-causal diagonal are never visited: ``nb (nb + 1) / 2`` tiles of ``nb^2`` (about half of the dense path's
+No array of either pass is larger than O(B * H * T * d_head) or O(B * H * block^2), and (causal attention)
+tiles above the diagonal are never visited: ``nb (nb + 1) / 2`` tiles of ``nb^2`` (about half of the dense path's
 score FLOPs at long T). The result equals dense attention up to float rounding (the softmax is the same
 function, summed in another order); it is pure JAX (``lax.scan`` / ``lax.fori_loop``), so it runs on every
-backend in float32 and bfloat16.
+backend in float32 and bfloat16. ``blockwise_attention(..., causal=False)`` is the bidirectional variant
+(an encoder's, e.g. a vision Transformer's): every query visits every key tile, and keys padded at the end
+(T not a multiple of the block) are masked out.
 
 The primal function and the custom VJP's forward are one code path (``_forward``), so a program that
 evaluates attention without differentiating it (the reversible trainer's forward and rebuild) computes
@@ -49,21 +51,29 @@ def _from_blocks(x: jax.Array) -> jax.Array:
     return x.transpose(1, 0, 3, 2, 4).reshape(b, nb * block, h, d)
 
 
-def _scores(a, b, i, j, scale, keys_first=False):
+def _scores(a, b, i, j, scale, keys_first=False, causal=True, length=None):
     """Scaled float32 scores of one tile: ``a . b`` over the last axis, ``[B, H, block, block]``.
 
     ``keys_first`` False: ``a`` is query block ``i``, ``b`` key block ``j``, scores ``[.., query, key]``;
-    True: ``a`` is key block ``j``, ``b`` query block ``i``, scores transposed ``[.., key, query]``. Scores
-    of keys after their query (only in the diagonal tile, ``i == j``) are ``-inf``.
+    True: ``a`` is key block ``j``, ``b`` query block ``i``, scores transposed ``[.., key, query]``.
+    ``causal``: scores of keys after their query (only in the diagonal tile, ``i == j``) are ``-inf``.
+    Otherwise, with ``length`` given, scores of keys at positions ``>= length`` (end padding) are ``-inf``.
     """
     s = jnp.einsum("bhxd,bhyd->bhxy", a, b, preferred_element_type=_F32) * jnp.asarray(scale, _F32)
     pos = jnp.arange(s.shape[-1])
     q_pos, k_pos = (pos[None, :], pos[:, None]) if keys_first else (pos[:, None], pos[None, :])
-    return jnp.where((i > j) | (q_pos >= k_pos), s, -jnp.inf)
+    if causal:
+        return jnp.where((i > j) | (q_pos >= k_pos), s, -jnp.inf)
+    if length is None:
+        return s
+    return jnp.where(j * s.shape[-1] + k_pos < length, s, -jnp.inf)
 
 
-def _forward(q, k, v, scale):
-    """Blocked inputs ``[nb, B, H, block, D]`` -> (output like ``q``, float32 log-sum-exp ``[nb, B, H, block]``)."""
+def _forward(q, k, v, scale, causal=True, length=None):
+    """Blocked inputs ``[nb, B, H, block, D]`` -> (output like ``q``, float32 log-sum-exp ``[nb, B, H, block]``).
+
+    Causal: query block ``i`` visits key blocks ``0..i``; bidirectional: all of them (``length``: the
+    number of real, unpadded positions)."""
     nb = q.shape[0]
 
     def query_block(_, inputs):
@@ -71,7 +81,7 @@ def _forward(q, k, v, scale):
 
         def key_block(j, carry):
             m, l, acc = carry
-            s = _scores(q_i, k[j], i, j, scale)
+            s = _scores(q_i, k[j], i, j, scale, causal=causal, length=length)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite: key 0 is visible to every query
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m - m_new)
@@ -82,15 +92,17 @@ def _forward(q, k, v, scale):
         # ``*_like`` keeps the inputs' sharding type (varying over the data axis inside ``shard_map``).
         init = (jnp.full_like(q_i[..., 0], -jnp.inf, _F32), jnp.zeros_like(q_i[..., 0], _F32),
                 jnp.zeros_like(q_i, _F32))
-        m, l, acc = lax.fori_loop(0, i + 1, key_block, init)
+        m, l, acc = lax.fori_loop(0, i + 1 if causal else nb, key_block, init)
         return None, ((acc / l[..., None]).astype(q.dtype), m + jnp.log(l))
 
     _, (out, lse) = lax.scan(query_block, None, (jnp.arange(nb), q))
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, scale):
+def _backward(q, k, v, out, lse, dout, scale, causal=True, length=None):
     """Blocked ``(dq, dk, dv)`` for blocked inputs, output, log-sum-exp and output cotangent.
+
+    Causal: key block ``j`` visits query blocks ``j..nb-1``; bidirectional: all of them.
 
     Tiles are computed transposed (``[.., key, query]``) and ``dq`` is accumulated transposed
     (``[.., D, query]``), so that every tile product contracts the last axis of its left operand: XLA:CPU
@@ -109,7 +121,8 @@ def _backward(q, k, v, out, lse, dout, scale):
         def query_block(i, carry):
             dq_t, dk_j, dv_j = carry
             q_i, do_i = q[i], dout[i]
-            p_t = jnp.exp(_scores(k_j, q_i, i, j, scale, keys_first=True) - lse[i][..., None, :])
+            p_t = jnp.exp(_scores(k_j, q_i, i, j, scale, keys_first=True, causal=causal, length=length)
+                          - lse[i][..., None, :])
             dv_j = dv_j + jnp.einsum("bhkq,bhqd->bhkd", p_t.astype(dout.dtype), do_i, preferred_element_type=_F32)
             dp_t = jnp.einsum("bhkd,bhqd->bhkq", v_j, do_i, preferred_element_type=_F32)
             ds_t = p_t * (dp_t - delta[i][..., None, :]) * scale32  # the gradient of the unscaled scores
@@ -118,29 +131,30 @@ def _backward(q, k, v, out, lse, dout, scale):
             return dq_t.at[i].add(dq_t_i), dk_j, dv_j
 
         zeros = jnp.zeros_like(k_j, _F32)
-        dq_t, dk_j, dv_j = lax.fori_loop(j, nb, query_block, (dq_t, zeros, zeros))
+        dq_t, dk_j, dv_j = lax.fori_loop(j if causal else 0, nb, query_block, (dq_t, zeros, zeros))
         return dq_t, (dk_j.astype(k.dtype), dv_j.astype(v.dtype))
 
     dq_t, (dk, dv) = lax.scan(key_block, jnp.zeros_like(k_t, _F32), (jnp.arange(nb), k, v, k_t))
     return jnp.swapaxes(dq_t, -1, -2).astype(q.dtype), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, block):
-    return _attention_fwd(q, k, v, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, block, causal=True, length=None):
+    return _attention_fwd(q, k, v, block, causal, length)[0]
 
 
-def _attention_fwd(q, k, v, block):
+def _attention_fwd(q, k, v, block, causal=True, length=None):
     scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _forward(_to_blocks(q, block), _to_blocks(k, block), _to_blocks(v, block), scale)
+    out, lse = _forward(_to_blocks(q, block), _to_blocks(k, block), _to_blocks(v, block), scale, causal, length)
     out = _from_blocks(out)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(block, residuals, dout):
+def _attention_bwd(block, causal, length, residuals, dout):
     q, k, v, out, lse = residuals
     scale = 1.0 / math.sqrt(q.shape[-1])
-    grads = _backward(*(_to_blocks(x, block) for x in (q, k, v, out)), lse, _to_blocks(dout, block), scale)
+    grads = _backward(*(_to_blocks(x, block) for x in (q, k, v, out)), lse, _to_blocks(dout, block), scale,
+                      causal, length)
     return tuple(_from_blocks(g) for g in grads)
 
 
@@ -179,6 +193,42 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
     block = min(block, t)
     padded = -(-t // block) * block
     if padded == t:
-        return _attention(q, k, v, block)
+        return _attention(q, k, v, block, True, None)
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block)[:, :t]
+    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block, True, None)[:, :t]
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, causal: bool = True) -> jax.Array:
+    """Exact softmax attention, causal or bidirectional, ``block`` x ``block`` positions at a time.
+
+    ``causal=True`` is `blockwise_causal_attention`. ``causal=False`` equals
+    ``jax.nn.dot_product_attention(q, k, v)`` (every query attends to every key) up to float rounding, with
+    the same O(B * H * (T * D + block^2)) memory in the forward and the gradient; every query block visits
+    every key block, and when T is not a multiple of ``block`` the padded keys are masked out.
+
+    Args:
+      q, k, v: ``[B, T, H, D]`` arrays of one float dtype (grouped-query attention: repeat the key/value
+        heads first, e.g. ``jnp.repeat(k, groups, axis=2)``).
+      block: positive tile size along T (``block >= T``: one tile).
+      causal: mask keys after their query.
+
+    Returns:
+      ``[B, T, H, D]`` in the dtype of ``q``.
+
+    Raises:
+      ValueError: as `blockwise_causal_attention`.
+    """
+    if causal:
+        return blockwise_causal_attention(q, k, v, block)
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"attention block must be a positive integer, got {block!r}")
+    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape or not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must be [B, T, H, D] of one shape and dtype, got "
+                         f"{q.shape} {q.dtype}, {k.shape} {k.dtype}, {v.shape} {v.dtype}")
+    t = q.shape[1]
+    block = min(block, t)
+    padded = -(-t // block) * block
+    if padded == t:
+        return _attention(q, k, v, block, False, None)
+    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
+    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block, False, t)[:, :t]
