@@ -338,12 +338,57 @@ def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = No
         raise UsageError(_gin_error_line(e)) from e
 
 
+def _macro_defined(binding: str) -> str | None:
+    """The macro a command-line binding defines (``'STEPS = 5'`` -> ``'STEPS'``), else None."""
+    m = re.match(r"\s*([A-Za-z_]\w*)\s*=", binding)
+    return m.group(1) if m and not binding.lstrip().startswith(m.group(1) + "==") else None
+
+
+def _check_macros_used(bindings: list[str]) -> None:
+    """Refuses a ``--gin 'NAME = VALUE'`` macro that no binding uses (``%NAME``): gin takes any name as a
+    macro, so a misspelled one (``STEP = 5`` for ``STEPS``) would otherwise be ignored without a word.
+
+    Raises:
+      UsageError: one line naming the macro and the nearest macro that is used.
+    """
+    import gin
+
+    defined = [m for m in (_macro_defined(b) for b in bindings) if m]
+    if not defined:
+        return
+    used: set[str] = set()
+
+    def walk(value) -> None:
+        if isinstance(value, gin.config.ConfigurableReference):
+            if value.selector == "gin.macro":
+                used.add(value.scoped_selector.rsplit("/", 1)[0])
+            return
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple, set)):
+            for v in value:
+                walk(v)
+
+    for params in gin.config._CONFIG.values():  # noqa: SLF001 (gin has no public listing of bindings)
+        walk(params)
+    for name in defined:
+        if name not in used:
+            close = difflib.get_close_matches(name, sorted(used), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UsageError(f"bad gin configuration: macro {name} is set but no binding uses %{name}{hint}")
+
+
 def _run(args) -> int:
     import gin
 
     from revtrain import loop
     if args.command == "train":
+        if not args.config:
+            raise UsageError("train needs --config FILE (the experiment's gin file; a run's own config is "
+                             "DIR/config.gin)")
         _parse_gin(args.config, args.gin)
+        _check_macros_used(args.gin)
         loop.train(args.workdir)
         return 0
     if args.command == "eval":

@@ -79,6 +79,9 @@ def test_eval_scores_latest_checkpoint(trained):
       "--gin", "optax.clip_by_global_norm.max_norm = 1.0", "--gin", "optax.adam.learning_rate = 1e-3",
       "--workdir", "w"], "couples parameters across layers"),
     (["train", "--workdir", "w", "--bogus"], "unrecognized argument"),
+    (["train", "--config", CONFIG, "--gin", "STEP = 5", "--workdir", "w"],
+     "macro STEP is set but no binding uses %STEP (did you mean 'STEPS'?)"),
+    (["train", "--workdir", "w"], "train needs --config FILE"),
     (["eval", "--workdir", "nowhere"], "no config.gin in nowhere"),
     ([], "expected a command"),
 ])

@@ -192,6 +192,9 @@ class ReversibleTrainer(TrainerBase):
                         split_bytes += nbytes
         names = ", ".join(sorted(small)[:6]) + (", ..." if len(small) > 6 else "")
         n = self.num_devices
+        if n == 1:
+            return (f"shard_state: one device, nothing to split ({total / 2**20:.1f} MiB of weights and optimizer "
+                    "state held whole)")
         return (f"shard_state: {split} leaves of weights and optimizer state split over {n} devices "
                 f"({100 * split_bytes / max(total, 1):.1f}% of {total / 2**20:.1f} MiB), {kept} replicated "
                 f"(too small or no axis divisible by {n}{': ' + names if names else ''})")
