@@ -184,18 +184,7 @@ def blockwise_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: 
     Raises:
       ValueError: ``block`` is not a positive integer, or the shapes or dtypes of q, k, v differ.
     """
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"attention block must be a positive integer, got {block!r}")
-    if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape or not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must be [B, T, H, D] of one shape and dtype, got "
-                         f"{q.shape} {q.dtype}, {k.shape} {k.dtype}, {v.shape} {v.dtype}")
-    t = q.shape[1]
-    block = min(block, t)
-    padded = -(-t // block) * block
-    if padded == t:
-        return _attention(q, k, v, block, True, None)
-    pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block, True, None)[:, :t]
+    return _checked_and_padded(q, k, v, block, True)
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, causal: bool = True) -> jax.Array:
@@ -218,8 +207,13 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, ca
     Raises:
       ValueError: as `blockwise_causal_attention`.
     """
-    if causal:
-        return blockwise_causal_attention(q, k, v, block)
+    return _checked_and_padded(q, k, v, block, causal)
+
+
+def _checked_and_padded(q, k, v, block, causal: bool) -> jax.Array:
+    """Checks the arguments of the blockwise entry points, pads T up to a multiple of ``block`` and runs
+    `_attention` (bidirectional attention masks the padded keys; causal attention needs no mask: a padded
+    key comes after every real query)."""
     if not isinstance(block, int) or isinstance(block, bool) or block < 1:
         raise ValueError(f"attention block must be a positive integer, got {block!r}")
     if q.ndim != 4 or q.shape != k.shape or q.shape != v.shape or not q.dtype == k.dtype == v.dtype:
@@ -229,6 +223,6 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, ca
     block = min(block, t)
     padded = -(-t // block) * block
     if padded == t:
-        return _attention(q, k, v, block, False, None)
+        return _attention(q, k, v, block, causal, None)
     pad = ((0, 0), (0, padded - t), (0, 0), (0, 0))
-    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block, False, t)[:, :t]
+    return _attention(*(jnp.pad(x, pad) for x in (q, k, v)), block, causal, None if causal else t)[:, :t]
