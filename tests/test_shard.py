@@ -20,6 +20,9 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NUM_DEVICES = 4
+# DEPTH 3: the scanned executor stacks a run of two blocks (the third runs in the head's program), so with 2
+# examples per device a stacked (2, 128, 32) weight has the shape of a local activation: the offloaded
+# programs must not alias them (`TrainerBase._compiled`, the memory-kind mismatch this once hit).
 DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
 
 

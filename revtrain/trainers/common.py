@@ -430,15 +430,23 @@ class TrainerBase:
     # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer
     # index when they build their plan, never per call.
     def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=(), out_shardings=None, key=None,
-                  moved=()):
+                  moved=(), in_shardings=None):
         """The compiled ``fn`` of ``layer`` (cached under ``key``); ``moved``: positions of the arguments the
-        program moves from host to device memory itself (for the memory meter, see ``MemoryMeter.observe``)."""
+        program moves from host to device memory itself (for the memory meter, see ``MemoryMeter.observe``).
+
+        A program with results in host memory (``out_shardings``) should also give ``in_shardings``: JAX
+        pairs donated arguments with results by shape and dtype alone unless the memory kinds of every
+        argument and result are known, and would otherwise alias a result on the device with a donated
+        argument in host memory of the same shape (``FAILED_PRECONDITION: Memory kind mismatch``; e.g. a
+        stack of two layers' (2, d, d) weights and a (2, T, d) activation of 2 examples per device)."""
         key = (kind, layer) if key is None else key
         if key not in self._cache:
             mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
                                    out_specs=out_specs)
-            jitted = jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS,
-                             **({} if out_shardings is None else {"out_shardings": out_shardings}))
+            shardings = {} if out_shardings is None else {"out_shardings": out_shardings}
+            if in_shardings is not None:
+                shardings["in_shardings"] = in_shardings
+            jitted = jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS, **shardings)
             self._cache[key] = _Dispatch(jitted, self, moved)
         return self._cache[key]
 
