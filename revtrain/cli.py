@@ -289,8 +289,10 @@ def _gin_names() -> list[str]:
 
     import gin
     names = []
-    for _, configurable in gin.config._REGISTRY.items():  # noqa: SLF001 (gin has no public listing)
+    for selector, configurable in gin.config._REGISTRY.items():  # noqa: SLF001 (gin has no public listing)
         names.append(configurable.name)
+        if isinstance(selector, str) and selector != configurable.name:
+            names.append(selector)  # module.Name
         try:
             params = inspect.signature(configurable.wrapped).parameters
         except (TypeError, ValueError):
@@ -305,7 +307,7 @@ def _gin_error_line(e: Exception) -> str:
     if line:
         return line
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    m = re.search(r"No configurable matching '([^']+)'", msg) or re.search(
+    m = re.search(r"No configurable matching (?:reference )?'@?([^']+)'", msg) or re.search(
         r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", msg)
     if m:
         wanted = m.group(1) if m.lastindex == 1 else f"{m.group(1)}.{m.group(2)}"

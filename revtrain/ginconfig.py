@@ -234,7 +234,15 @@ def call_error_line(e: Exception) -> str:
                 pass
         bindings.append(f"{selector.rsplit('.', 1)[-1]} = {value}")
     where = f"{name}: {', '.join(bindings)}" if bindings else name
-    return f"{first} (in {where})"
+    hint = next((h for pattern, h in _CALL_HINTS if pattern in first), "")
+    return f"{first} (in {where}){hint}"
+
+
+# Fixes for the errors of common misconfigurations gin calls hit (substring of the error, hint).
+_CALL_HINTS = [
+    ("requires positive decay_steps", "; the schedule's decay_steps must exceed its warmup_steps: raise STEPS "
+                                      "or lower WARMUP (e.g. --gin 'WARMUP = 1')"),
+]
 
 
 def operative_values(text: str) -> dict[str, str]:

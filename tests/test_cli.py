@@ -82,6 +82,10 @@ def test_eval_scores_latest_checkpoint(trained):
     (["train", "--config", CONFIG, "--gin", "STEP = 5", "--workdir", "w"],
      "macro STEP is set but no binding uses %STEP (did you mean 'STEPS'?)"),
     (["train", "--workdir", "w"], "train needs --config FILE"),
+    (["train", "--config", CONFIG, "--gin", "STEPS = 5", "--workdir", "w"], "raise STEPS or lower WARMUP"),
+    (["train", "--config", CONFIG, "--gin", "train.model = @ComposedModel",
+      "--gin", "ComposedModel.layers = [@CausalSelfAtention]", "--workdir", "w"],
+     "No configurable matching reference '@CausalSelfAtention'. (did you mean 'CausalSelfAttention'?)"),
     (["eval", "--workdir", "nowhere"], "no config.gin in nowhere"),
     ([], "expected a command"),
 ])

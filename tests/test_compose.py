@@ -106,6 +106,7 @@ def test_checkpoint_written_by_the_previous_release_loads(tmp_path, byte_lm_data
 # -- the user's own modules ----------------------------------------------------------------------------
 GOOD_G = '''
 import gin
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from revtrain.layers.base import PositionWise, dropout
@@ -144,6 +145,8 @@ def one_error_line(capsys):
 
 @pytest.mark.parametrize("extra_init, extra_call, ret, says", [
     ("self.drop = nnx.Dropout(0.1, rngs=rngs)", "pass", "", "asks its rngs for a random stream of its own"),
+    ("self.noise = nnx.Param(jax.random.normal(rngs.noise(), (2,)))", "pass", "", "draw initial weights with "
+                                                                                   "rngs.params()"),
     ("self.drop = nnx.Dropout(0.1)", "pass", "", "uses nnx.Dropout at 'drop'"),
     ("self.rngs = rngs", "pass", "", "keeps its own random stream at 'rngs"),
     ("pass", "pass", ".repeat(2, axis=-1)", "must return their input's shape and dtype"),

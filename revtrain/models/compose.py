@@ -238,11 +238,11 @@ def construct(part: Callable, rngs: nnx.Rngs, context: dict, where: str) -> nnx.
         module = part(rngs=rngs, **kwargs)
     except Exception as e:  # noqa: BLE001 (a user's constructor may raise anything: one line naming it)
         first = (str(e).strip().strip('"').splitlines() or [type(e).__name__])[0]
-        if isinstance(e, KeyError) and "RngStream" in first:  # nnx.Dropout(rngs=...) or rngs.dropout()
+        if "RngStream" in first:  # nnx.Dropout(rngs=...), rngs.dropout(), rngs.noise() (KeyError, AttributeError)
             raise ContractError(f"{name} ({where}) asks its rngs for a random stream of its own ({first}): the rngs "
-                                "revtrain passes has only a 'params' stream, for initial weights; draw dropout from "
-                                "the keys the layer is called with (revtrain.layers.base.dropout(x, rate, keys, "
-                                "train))") from e
+                                "revtrain passes has only a 'params' stream: draw initial weights with "
+                                "rngs.params() (or rngs()), and training randomness such as dropout from the keys "
+                                "the layer is called with (revtrain.layers.base.dropout(x, rate, keys, train))") from e
         raise CompositionError(f"cannot construct {name} ({where}): {first}") from e
     if not isinstance(module, nnx.Module):
         raise CompositionError(f"{name} ({where}) returned {type(module).__name__}, not a Flax NNX module")

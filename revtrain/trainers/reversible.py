@@ -496,6 +496,7 @@ class ReversibleTrainer(TrainerBase):
         top_specs, head_specs = self.layer_specs(top), self.layer_specs(head)
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
+        # x is not donated: it is the output the layer below rebuilds its input from.
         inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
         layers = (top, head)
         if not self.offload:
