@@ -5,6 +5,7 @@
 #   make bench-depth
 #   make bench-long
 #   make sample [WORKDIR=...] [PROMPT='[[Category:']   make bench-sample   make check-sample
+#   make train-revnet   make train-revvit   (Fashion-MNIST: a RevNet, a reversible ViT)
 
 PYTHON ?= python3
 VENV ?= .venv
