@@ -5,10 +5,10 @@ be rebuilt), a reversible layer's output replaces its input. Head: one fused cal
 ``vjp`` with respect to (head params, head input), the gradient sum over devices and the head's optimizer
 update; when the layer under the head is reversible (``fuse_top``) that call starts from that layer's
 input instead and takes the vjp through both layers (backprop for the top layer: no forward of its own,
-no rebuild), updating both. Backward, in reverse order, one fused call per layer ("reverse and update"): rebuild the inputs
-from the outputs with the same per-example dropout keys as the forward, ``vjp`` of the forward at the
-rebuilt inputs with the old weights, sum the parameter gradients over devices, apply this layer's optax
-update, and hand the input cotangent to the layer below. A standard layer is recomputed from its saved
+no rebuild), updating both. Backward, in reverse order, one fused call per layer ("reverse and update"):
+rebuild the inputs from the outputs with the same per-example dropout keys as the forward, ``vjp`` of the
+forward at the rebuilt inputs with the old weights, sum the parameter gradients over devices, apply this
+layer's optax update, and hand the input cotangent to the layer below. A standard layer is recomputed from its saved
 input (rematerialisation) and the walk continues from that saved input, which also resets reconstruction
 drift at every block boundary. At most one layer's gradients exist at a time.
 
@@ -92,10 +92,11 @@ class ReversibleTrainer(TrainerBase):
       fuse_top: when the layer under the head is reversible, run it inside the head's program: one ``vjp``
         of the head's loss through that layer from the layer's input, both layers' optimizer updates in
         the same call (see ``top_head_grads``). That layer is then neither run forward on its own nor
-        rebuilt: its forward is the vjp's, its gradient backprop's (1.0 + 2.75 forwards of a Transformer
-        block instead of 1.0 + 3.75 with the exact rebuild, 1.0 + 3.0 fused), its saved input the only
-        extra activation, held while the head runs. Same numbers as ``fuse_top=False`` wherever the rebuild
-        is exact (the default's rebuild is); ``False`` is the earlier layout, kept for comparison.
+        rebuilt: its forward is the vjp's, its gradient backprop's (2.75 forwards of a Transformer block
+        per step instead of 1.0 + 3.75 with the exact rebuild, 1.0 + 3.0 fused), its input the only extra
+        activation, held while the head runs (with that block's vjp residuals). Same numbers as
+        ``fuse_top=False`` wherever the rebuild is exact (the default's rebuild is); ``False`` is the
+        earlier layout, kept for comparison (docs/rebuild.md).
       rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
         `ReversibleLayer.reverse_vjp`): ``"exact"`` (default), the inverse behind an optimization barrier,
         then the vjp of the whole layer: F and G run twice, the rebuild's compiled like the forward's, so
