@@ -100,8 +100,7 @@ def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs
     meter.start()
     ts, metrics = trainer.train_step(ts, batches[1])
     peak = meter.stop()
-    # scan: embedding, run of 2, top block + head (fuse_top), run, embedding; per layer: each block alone
-    calls = 5 if kwargs["scan_layers"] else 7
+    calls = 5 if kwargs["scan_layers"] else 9  # scan: embedding, run, head, run, embedding
     assert len(meter.pairs) == calls
     assert all(walked == total > 0 for walked, total in meter.pairs), meter.pairs
     assert peak > max(total for _, total in meter.pairs)  # plus the calls' temporaries
@@ -121,8 +120,7 @@ def test_revnet_batch_norm_state_scanned_matches_per_layer():
                 "targets": rng.integers(0, 10, 8).astype(np.int32)} for _ in range(2)]
     out = {}
     for scan in (False, True):
-        # stem, 3 blocks (a run of 2, then the top block in the head's program: fuse_top), head
-        model = RevNet(10, seed=0, widths=(4,), blocks=(3,), momentum=0.8)
+        model = RevNet(10, seed=0, widths=(4,), blocks=(2,), momentum=0.8)  # stem, 2 blocks, head
         trainer = ReversibleTrainer(model, optax.adam(1e-2), mesh, seed=0, scan_layers=scan)
         ts = trainer.init()
         assert (ts.stacked is not None) == scan
@@ -220,8 +218,7 @@ def test_checkpoints_resume_across_the_executor_switch(text_batches, tmp_path):
     batches = [global_batch({k: v[:4, :32] for k, v in b.items()}, mesh) for b in text_batches(4, 4)]
 
     def trainer(scan):
-        # 3 blocks: a run of 2 and the top block (in the head's program)
-        model = ReversibleTransformerLM(32, num_layers=3, d_model=16, num_heads=2, dropout_rate=0.1)
+        model = ReversibleTransformerLM(32, num_layers=2, d_model=16, num_heads=2, dropout_rate=0.1)
         return ReversibleTrainer(model, optax.adamw(1e-3), mesh, seed=0, scan_layers=scan)
 
     scanned, per_layer = trainer(True), trainer(False)

@@ -73,8 +73,7 @@ def depth12(text_batches):
     trainer with both executors (``reversible``: the 12 blocks in one scan per pass; ``per_layer``: one
     call per block and pass, which also records every block's forward input and rebuilt input) with the
     ``exact`` rebuild, and both executors with the ``fused`` one (``fused``, ``fused_per_layer``: recorded
-    too); ``top_apart``: the top block run and rebuilt on its own (``fuse_top=False``). With ``fuse_top`` (the
-    default) the top block runs inside the head's program, so 11 blocks are rebuilt."""
+    too); ``top_fused``: the top block inside the head's program (``fuse_top=True``)."""
     batches = text_batches(BATCH, STEPS)
     mesh = _mesh()
     out = {}
@@ -83,7 +82,7 @@ def depth12(text_batches):
             "per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "exact"}),
             "fused": (ReversibleTrainer, {"scan_layers": True, "rebuild": "fused"}),
             "fused_per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "fused"}),
-            "top_apart": (ReversibleTrainer, {"scan_layers": True, "rebuild": "exact", "fuse_top": False})}
+            "top_fused": (ReversibleTrainer, {"scan_layers": True, "rebuild": "exact", "fuse_top": True})}
     with jax.default_matmul_precision("highest"):
         for name, (cls, kwargs) in runs.items():
             model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
@@ -112,7 +111,7 @@ def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
-@pytest.mark.parametrize("executor", ["reversible", "per_layer", "fused", "fused_per_layer", "top_apart"])
+@pytest.mark.parametrize("executor", ["reversible", "per_layer", "fused", "fused_per_layer", "top_fused"])
 def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
     (coupling grid), the per-layer programs compute the same float operations in the same order as the
@@ -121,8 +120,7 @@ def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     the same bits. The fused rebuild too, here (near initialisation): the primal outputs of its per-half
     vjps round like the forward's F and G (on trained weights they may not: docs/rebuild.md), and each
     half's pullback accumulates its source stream's cotangent in the whole layer's order
-    (`ReversibleLayer.reverse_vjp`). The top block inside the head's program (``fuse_top``) or on its own
-    (``top_apart``): the same bits."""
+    (`ReversibleLayer.reverse_vjp`). The top block inside the head's program (``top_fused``): the same bits."""
     std, rev = depth12["standard"], depth12[executor]
     assert rev["losses"] == std["losses"]
     for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(rev["params"])):
@@ -144,7 +142,7 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
     rebuilds = depth12["per_layer"]["rebuilds"]
     assert len(rebuilds) == STEPS
     for step, (forward, rebuilt) in enumerate(rebuilds):
-        assert len(forward) == len(rebuilt) == 11  # the top block: in the head's program
+        assert len(forward) == len(rebuilt) == 12
         for i, (x, r) in enumerate(zip(forward, rebuilt)):
             for s in range(2):
                 rel = np.abs(x[s] - r[s]).max() / np.abs(x[s]).max()
@@ -176,7 +174,7 @@ def test_fused_rebuild_rebuilds_every_block_input_exactly(depth12):
     rebuilds = depth12["fused_per_layer"]["rebuilds"]
     assert len(rebuilds) == STEPS
     for step, (forward, rebuilt) in enumerate(rebuilds):
-        assert len(forward) == len(rebuilt) == 11  # the top block: in the head's program
+        assert len(forward) == len(rebuilt) == 12
         for i, (x, r) in enumerate(zip(forward, rebuilt)):
             for s in range(2):
                 assert np.array_equal(x[s], r[s]), (f"step {step}, block {i}, stream {s}: "
@@ -269,28 +267,14 @@ def test_offload_keeps_at_most_two_layers_on_device(text_batches):
                 return compiled(*args)
             return call
 
-        top_head_fn = trainer._top_head_fn
-
-        def tracked_top_head_fn(top, head, offload=offload, calls=calls):
-            compiled = top_head_fn(top, head)
-
-            def call(*args):
-                kinds = {x.sharding.memory_kind for i in ReversibleTrainer.TOP_HEAD_MOVED
-                         for x in jax.tree.leaves(args[i])}
-                assert kinds == {HOST_MEMORY if offload else DEVICE_MEMORY}, ("top_head", kinds)
-                calls.append("top_head")
-                return compiled(*args)
-            return call
-
-        trainer._fn, trainer._top_head_fn = tracked_fn, tracked_top_head_fn
+        trainer._fn = tracked_fn
         ts, _ = trainer.train_step(ts, batches[0])
         trainer.meter = MemoryMeter()
         trainer.meter.start()
         ts, _ = trainer.train_step(ts, batches[1])
         peaks[offload] = trainer.meter.stop()
         ts, _ = trainer.train_step(ts, batches[2])
-        # each layer's forward and backward; the top block and the head: one call
-        assert len(calls) == 3 * (2 * len(layers) - 3), calls
+        assert len(calls) == 3 * (2 * len(layers) - 1), calls  # each layer's forward and backward (the head: one)
         want = HOST_MEMORY if offload else DEVICE_MEMORY
         assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {want}
     largest = sorted(layers, reverse=True)
@@ -308,11 +292,11 @@ def test_scanned_offload_keeps_at_most_two_layers_on_device():
     mesh = _mesh()
     trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, offload=True, scan_layers=True)
     grouped = trainer.init().stacked
-    run = grouped.groups.index((1, 5))  # the 6th block runs inside the head's program (fuse_top)
+    run = grouped.groups.index((1, 6))
     params, opt, states = grouped.params[run], grouped.opt_state[run], grouped.layer_state[run]
     assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves((params, opt)))
-    layer_params = sum(x.nbytes for x in jax.tree.leaves(params)) // 5
-    layer = sum(x.nbytes for x in jax.tree.leaves((params, opt))) // 5
+    layer_params = sum(x.nbytes for x in jax.tree.leaves(params)) // 6
+    layer = sum(x.nbytes for x in jax.tree.leaves((params, opt))) // 6
     plan = trainer._plan(grouped.groups)
     y = global_batch({"a": np.zeros((4, 8, 128), np.float32), "b": np.zeros((4, 8, 128), np.float32)}, mesh)
     y = (y["a"], y["b"])

@@ -20,9 +20,6 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NUM_DEVICES = 4
-# DEPTH 3: the scanned executor stacks a run of two blocks (the third runs in the head's program), so with 2
-# examples per device a stacked (2, 128, 32) weight has the shape of a local activation: the offloaded
-# programs must not alias them (`TrainerBase._compiled`, the memory-kind mismatch this once hit).
 DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
 
 
@@ -81,6 +78,14 @@ def _worker(out_path: str) -> None:
         leaves = [np.asarray(x) for x in jax.tree.leaves((ts.params, ts.opt_state))]
         return [float(x) for x in losses], leaves, float(evaluated["loss_sum"])
 
+    # A stacked run of exactly two blocks, 2 examples per device: a stacked (2, 128, 32) weight has a local
+    # activation's shape, and the offloaded programs must not alias the two (`TrainerBase._compiled`: this
+    # once failed with "Memory kind mismatch").
+    model = ReversibleTransformerLM(128, num_layers=2, d_model=D_MODEL, dropout_rate=0.1)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, offload=True)
+    ts, metrics = trainer.train_step(trainer.init(), global_batch(batches[0], mesh))
+    out["two_block_run"] = {"groups": [list(g) for g in trainer.groups], "loss": float(metrics["loss"])}
+
     reference = train()
     out["runs"] = {}
     for name, kwargs in {"scan": {}, "per_layer": {"scan_layers": False}}.items():
@@ -113,6 +118,13 @@ def results(byte_lm_data_dir, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 # The tests.
 # ------------------------------------------------------------------------------------------------
+def test_offloaded_run_of_two_blocks_on_four_devices(results):
+    """The scanned executor with offload on a run of exactly two blocks, 4 devices: trains (finite loss)."""
+    run = results["two_block_run"]
+    assert run["groups"] == [[0, 1], [1, 2], [3, 1]], run
+    assert 5.0 < run["loss"] < 6.0, run  # about ln(256) = 5.55 at the start
+
+
 def test_host_state_bytes_four_devices(results):
     """Default model, offload, 4 devices: each device holds at most 0.3x the replicated bytes."""
     ratio = results["bytes_sharded"] / results["bytes_replicated"]

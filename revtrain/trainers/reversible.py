@@ -94,9 +94,9 @@ class ReversibleTrainer(TrainerBase):
         the same call (see ``top_head_grads``). That layer is then neither run forward on its own nor
         rebuilt: its forward is the vjp's, its gradient backprop's (2.75 forwards of a Transformer block
         per step instead of 1.0 + 3.75 with the exact rebuild, 1.0 + 3.0 fused), its input the only extra
-        activation, held while the head runs (with that block's vjp residuals). Same numbers as
-        ``fuse_top=False`` wherever the rebuild is exact (the default's rebuild is); ``False`` is the
-        earlier layout, kept for comparison (docs/rebuild.md).
+        activation, held while the head runs (with that block's vjp residuals). The same bits as
+        ``fuse_top=False``. Off by default: on XLA:CPU it measured 0.97-1.00x the step speed with a higher
+        peak (the head's program then holds a block's residuals too; docs/rebuild.md).
       rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
         `ReversibleLayer.reverse_vjp`): ``"exact"`` (default), the inverse behind an optimization barrier,
         then the vjp of the whole layer: F and G run twice, the rebuild's compiled like the forward's, so
@@ -122,7 +122,7 @@ class ReversibleTrainer(TrainerBase):
     REBUILD_MODES = ("exact", "fused")
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
-                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = True):
+                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False):
         check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers, shard_state=shard_state,
                     fuse_top=fuse_top)
         if rebuild not in self.REBUILD_MODES:
