@@ -294,10 +294,12 @@ def _gin_names() -> list[str]:
         if isinstance(selector, str) and selector != configurable.name:
             names.append(selector)  # module.Name
         try:
-            params = inspect.signature(configurable.wrapped).parameters
+            wrapped = configurable.wrapped  # a class: its __init__ (NNX modules' own signature is *args)
+            params = inspect.signature(wrapped.__init__ if isinstance(wrapped, type) else wrapped).parameters
         except (TypeError, ValueError):
             continue
-        names.extend(f"{configurable.name}.{p}" for p in params if p not in ("self", "args", "kwargs"))
+        for prefix in {configurable.name, selector if isinstance(selector, str) else configurable.name}:
+            names.extend(f"{prefix}.{p}" for p in params if p not in ("self", "args", "kwargs"))
     return names
 
 

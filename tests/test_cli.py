@@ -83,6 +83,8 @@ def test_eval_scores_latest_checkpoint(trained):
      "macro STEP is set but no binding uses %STEP (did you mean 'STEPS'?)"),
     (["train", "--workdir", "w"], "train needs --config FILE"),
     (["train", "--config", CONFIG, "--gin", "STEPS = 5", "--workdir", "w"], "raise STEPS or lower WARMUP"),
+    (["train", "--config", str(REPO / "configs" / "enwik_composed.gin"), "--gin", "CausalSelfAttention.num_headz = 2",
+      "--workdir", "w"], "did you mean 'CausalSelfAttention.num_heads'?"),
     (["train", "--config", CONFIG, "--gin", "train.model = @ComposedModel",
       "--gin", "ComposedModel.layers = [@CausalSelfAtention]", "--workdir", "w"],
      "No configurable matching reference '@CausalSelfAtention'. (did you mean 'CausalSelfAttention'?)"),

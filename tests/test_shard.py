@@ -122,7 +122,7 @@ def test_offloaded_run_of_two_blocks_on_four_devices(results):
     """The scanned executor with offload on a run of exactly two blocks, 4 devices: trains (finite loss)."""
     run = results["two_block_run"]
     assert run["groups"] == [[0, 1], [1, 2], [3, 1]], run
-    assert 5.0 < run["loss"] < 6.0, run  # about ln(256) = 5.55 at the start
+    assert 5.0 < run["loss"] < 6.5, run  # near ln(256) = 5.55 at the start
 
 
 def test_host_state_bytes_four_devices(results):

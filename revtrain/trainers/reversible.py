@@ -94,9 +94,11 @@ class ReversibleTrainer(TrainerBase):
         the same call (see ``top_head_grads``). That layer is then neither run forward on its own nor
         rebuilt: its forward is the vjp's, its gradient backprop's (2.75 forwards of a Transformer block
         per step instead of 1.0 + 3.75 with the exact rebuild, 1.0 + 3.0 fused), its input the only extra
-        activation, held while the head runs (with that block's vjp residuals). The same bits as
-        ``fuse_top=False``. Off by default: on XLA:CPU it measured 0.97-1.00x the step speed with a higher
-        peak (the head's program then holds a block's residuals too; docs/rebuild.md).
+        activation, held while the head runs (with that block's vjp residuals). Its forward is compiled
+        inside the vjp, so losses may differ from ``fuse_top=False`` in the last bits. Off by default: at
+        the default model's size on XLA:CPU it measured 0.97-0.98x the step speed with a higher peak (the
+        head's program then holds a block's residuals too); 1.04x with the fused rebuild at d_model 256
+        (docs/rebuild.md).
       rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
         `ReversibleLayer.reverse_vjp`): ``"exact"`` (default), the inverse behind an optimization barrier,
         then the vjp of the whole layer: F and G run twice, the rebuild's compiled like the forward's, so
