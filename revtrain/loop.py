@@ -192,6 +192,12 @@ def build(cfg: TrainConfig | None = None) -> Run:
             contract.check_shapes(model, task.input_spec(mesh.size), mesh)
     except ValueError as e:
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
+    except TypeError as e:  # a call gin made for a binding, e.g. a part written as @Name() (called without args)
+        if "In call to configurable" not in str(e):
+            raise
+        hint = ("; a part of a composed model is written without parentheses (@Name, not @Name()): revtrain "
+                "constructs it" if "required" in str(e) and "argument" in str(e) else "")
+        raise ConfigError(ginconfig.call_error_line(e) + hint) from e
     try:
         tx, schedule = build_optimizer(cfg)
     except (ValueError, TypeError) as e:

@@ -85,6 +85,8 @@ def test_eval_scores_latest_checkpoint(trained):
     (["train", "--config", CONFIG, "--gin", "STEPS = 5", "--workdir", "w"], "raise STEPS or lower WARMUP"),
     (["train", "--config", str(REPO / "configs" / "enwik_composed.gin"), "--gin", "CausalSelfAttention.num_headz = 2",
       "--workdir", "w"], "did you mean 'CausalSelfAttention.num_heads'?"),
+    (["train", "--config", str(REPO / "configs" / "enwik_composed.gin"), "--gin", "Coupling.g = @FeedForward()",
+      "--workdir", "w"], "written without parentheses (@Name, not @Name())"),
     (["train", "--config", CONFIG, "--gin", "train.model = @ComposedModel",
       "--gin", "ComposedModel.layers = [@CausalSelfAtention]", "--workdir", "w"],
      "No configurable matching reference '@CausalSelfAtention'. (did you mean 'CausalSelfAttention'?)"),
