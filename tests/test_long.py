@@ -149,6 +149,7 @@ def test_check_passes_with_blockwise_attention(capsys):
     ("ReversibleTrainer.scan_layers = 'no'", "ReversibleTrainer.scan_layers must be True or False, got 'no'"),
     ("train.trainer = @StandardTrainer\nStandardTrainer.remat_layers = 1", "StandardTrainer.remat_layers must be True or False"),
     ("ReversibleTrainer.shard_state = 'yes'", "ReversibleTrainer.shard_state must be True or False, got 'yes'"),
+    ("ReversibleTrainer.fuse_top = 'yes'", "ReversibleTrainer.fuse_top must be True or False, got 'yes'"),
     ("ReversibleTrainer.rebuild = 'inverse'", "ReversibleTrainer.rebuild must be one of 'exact', 'fused', got 'inverse'"),
     ("train.sample_every = -1", "train.sample_every"),
     ("train.sample_length = 0", "train.sample_length must be a positive integer"),
