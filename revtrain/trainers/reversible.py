@@ -484,6 +484,11 @@ class ReversibleTrainer(TrainerBase):
         state_specs = self.layer_specs(layer)
         in_specs = self._with_specs(in_specs, inputs, state_specs)
         out_specs = self._with_specs(out_specs, outputs, state_specs)
+        return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate, inputs, outputs)
+
+    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate, inputs, outputs):
+        """``fn`` compiled; with offload it moves its arguments at ``inputs`` to the device and its results at
+        ``outputs`` back to host memory (`_moved`), with both sides' shardings given."""
         if not self.offload:
             return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate)
         return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
@@ -501,12 +506,8 @@ class ReversibleTrainer(TrainerBase):
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
         inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
-        layers = (top, head)
-        if not self.offload:
-            return self._compiled("top_head", layers, self._top_head, in_specs, out_specs, donate=donate)
-        return self._compiled("top_head", layers, self._moved(self._top_head, inputs, outputs), in_specs, out_specs,
-                              donate=donate, out_shardings=self._offload_shardings(out_specs, outputs), moved=inputs,
-                              in_shardings=self._offload_shardings(in_specs, inputs))
+        return self._per_layer_compiled("top_head", (top, head), self._top_head, in_specs, out_specs, donate, inputs,
+                                        outputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
