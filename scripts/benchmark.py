@@ -4,7 +4,7 @@ with and without offload) against depth, or of blockwise vs dense attention agai
 
   python scripts/benchmark.py [--depths 2,4,8,16,32] [--d_model 256] [--seq 512] [--batch 8]
                               [--steps 3] [--configs 'remat;reversible fused'] [--long_depth 32]
-                              [--long_seq 4096] [--long_steps 1] [--out bench.json] [--plot bench.png]
+                              [--long_seq 4096] [--long_batch 1] [--long_steps 1] [--out bench.json] [--plot bench.png]
   python scripts/benchmark.py --sweep point --point 'reversible fused + offload' --depth 4 [--d_model ...]
                               [--compute_dtype bfloat16] [--bench_attention_block 1024]
   python scripts/benchmark.py --sweep depth [--out bench_depth.json] [--plot bench_depth.png]
@@ -235,18 +235,18 @@ def point(args) -> dict:
 
 
 def run(args) -> list[dict]:
-    """The depth points (``--depths`` at ``--seq``), then the activation-dominated point (``--long_depth``
-    blocks at ``--long_seq`` positions, blockwise attention, ``--long_steps`` timed steps; skipped when
-    ``--long_seq`` is 0)."""
+    """The depth points (``--depths`` at ``--seq``; none for an empty ``--depths``), then the
+    activation-dominated point (``--long_depth`` blocks at ``--long_seq`` positions, batch ``--long_batch``,
+    blockwise attention, ``--long_steps`` timed steps; skipped when ``--long_seq`` is 0)."""
     mesh = make_mesh()
     labels = [label for label, _, _ in CONFIGS if not args.configs or label in args.configs]
     records = []
     for depth in args.depths:
         records += _point(args, mesh, depth, args.seq, args.warmup, args.steps, labels)
     if args.long_seq:
-        args.bench_attention_block = args.long_attention_block
+        batch, args.batch, args.bench_attention_block = args.batch, args.long_batch, args.long_attention_block
         records += _point(args, mesh, args.long_depth, args.long_seq, 1, args.long_steps, labels)
-        args.bench_attention_block = None
+        args.batch, args.bench_attention_block = batch, None
     return records
 
 
@@ -781,7 +781,7 @@ def main():
                    help="trainers: the three trainers' memory and speed against depth (make bench); depth: "
                         "tiny blocks at depths 8..256 (make bench-depth); seq: attention against length "
                         "(make bench-long); shard: replicated vs sharded state on --shard_devices devices")
-    p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",") if x])
     p.add_argument("--d_model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
@@ -800,6 +800,8 @@ def main():
     p.add_argument("--long_seq", type=int, default=4096,
                    help="make bench: T of the activation-dominated point (0: skip it)")
     p.add_argument("--long_attention_block", type=int, default=512)
+    p.add_argument("--long_batch", type=int, default=1,
+                   help="make bench: batch of the activation-dominated point (1 x 4,096: the depth points' tokens)")
     p.add_argument("--long_steps", type=int, default=1, help="timed steps of the activation-dominated point")
     p.add_argument("--compute_dtype", default=None, help="the model's compute dtype (default: the model's)")
     p.add_argument("--point", default=None, help="--sweep point: the CONFIGS label to run (one JSON line out)")
