@@ -1,4 +1,4 @@
-"""The modern parts' two benchmarks: step time of configs/enwik_modern.gin against the default run, and the
+"""The modern parts' two benchmarks: step time of configs/enwik_modern.gin against configs/enwik_small.gin, and the
 RevViT's peak device memory against depth.
 
   python scripts/bench_modern.py --steptime [--steps 30] [--rounds 3]      (both byte LMs, side by side)

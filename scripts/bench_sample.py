@@ -5,8 +5,9 @@ cost of generating past the context (learned positions re-encode, rotary positio
                                  [--rounds 3] [--modern_config configs/enwik_modern.gin] [--past 2000]
                                  [--out bench_sample.json]
 
-Both generate ``--length`` bytes from the same prompt with the model of ``--config`` (the default run's
-model: 6 reversible blocks, d_model 128, context 128; random weights: speed does not depend on them):
+Both generate ``--length`` bytes from the same prompt with the model of ``--config`` (by default that of
+configs/enwik_small.gin: 6 reversible blocks, d_model 128, context 128; random weights: speed does not depend
+on them):
 
 * **cached**: `revtrain.sample.generate`, the per-layer key/value caches (one position per layer and byte;
   the last half window re-encoded when the context is full);

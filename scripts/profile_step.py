@@ -2,7 +2,7 @@
 
   python scripts/profile_step.py [--config configs/enwik_small.gin] [--gin 'NAME = VALUE' ...] [--steps 20]
 
-Builds the run of a gin config as ``revtrain train`` does (default: the default run), takes warm-up steps
+Builds the run of a gin config as ``revtrain train`` does (default: configs/enwik_small.gin), takes warm-up steps
 (compilation), then measures two phases of ``--steps`` steps each on real batches:
 
 * **as in training**: the time to fetch and place a batch (``next(data)`` + ``global_batch``), and the
