@@ -83,7 +83,8 @@ clean:
 
 # The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
 # package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the
-# four IDX files: make train-revnet FASHION_MNIST_DIR=/path/to/dir
+# four IDX files: make train-revnet FASHION_MNIST_DIR=/path/to/dir. The run's own final evaluation is on the
+# test split (evaluate.split = 'test'), as for train-revvit.
 .PHONY: train-revnet
 train-revnet: WORKDIR = runs/revnet_fashion_mnist
 train-revnet: CONFIG = configs/revnet_fashion_mnist.gin
@@ -99,7 +100,6 @@ train-revnet: venv
 	  fi; \
 	fi
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
-	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
 
 # The reversible ViT (RevViT) on the same Fashion-MNIST data (configs/revvit_fashion_mnist.gin; docs/modern.md):
 #   make train-revvit [FASHION_MNIST_DIR=/dir/with/the/four/idx/files] [GIN="--gin 'NUM_LAYERS = 12'"]
@@ -112,4 +112,3 @@ train-revvit: venv
 	  echo "Fashion-MNIST is missing in $(FASHION_MNIST_DIR): run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make train-revnet'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
 	fi
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
-	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)

@@ -532,7 +532,8 @@ def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) 
     result = _evaluate_or_oom(run, ts, f"evaluation at step {ts.step}")
     writer.write("eval", ts.step, result)
     writer.flush()
-    metrics_lib.log(f"eval at step {ts.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    metrics_lib.log(f"eval at step {ts.step} ({run.ecfg.split}): "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
     return result
 
 
