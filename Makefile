@@ -43,7 +43,7 @@ test: data
 test-all: data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
-# Standard, remat (scan + jax.checkpoint), reversible (fused and inverse rebuild, each +offload) at depths 8
+# Standard, remat (scan + jax.checkpoint), reversible (exact and fused rebuild, each +offload) at depths 8
 # and 32, then an activation-dominated point (depth 32, T 4,096, blockwise attention; one step each).
 bench: data
 	$(PY) scripts/benchmark.py --depths 8,32
@@ -109,6 +109,10 @@ train-revvit: CONFIG = configs/revvit_fashion_mnist.gin
 train-revvit: FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
 train-revvit: venv
 	@if [ ! -d "$(FASHION_MNIST_DIR)" ]; then \
-	  echo "Fashion-MNIST is missing in $(FASHION_MNIST_DIR): run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make train-revnet'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
+	  if [ "$(FASHION_MNIST_DIR)" != /usr/share/datasets/fashion-mnist ]; then \
+	    echo "$(FASHION_MNIST_DIR) does not exist: put the four Fashion-MNIST *-idx*-ubyte.gz files there" >&2; \
+	  else \
+	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; \
+	  fi; exit 1; \
 	fi
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
