@@ -81,38 +81,26 @@ clean:
 	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
 	  bench_sample.json gpu_report.json
 
-# The RevNet image classifier on Fashion-MNIST (configs/revnet_fashion_mnist.gin). The data is the Debian
-# package dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the
-# four IDX files: make train-revnet FASHION_MNIST_DIR=/path/to/dir. The run's own final evaluation is on the
-# test split (evaluate.split = 'test'), as for train-revvit.
-.PHONY: train-revnet
+# Fashion-MNIST image classifiers: the RevNet (configs/revnet_fashion_mnist.gin) and the reversible ViT
+# (RevViT, configs/revvit_fashion_mnist.gin; docs/modern.md). The data is the Debian package
+# dataset-fashion-mnist, installed here when missing and run as root; or any directory holding the four IDX
+# files. Each run's own final evaluation is on the test split (evaluate.split = 'test').
+#   make train-revnet [FASHION_MNIST_DIR=/dir/with/the/four/idx/files]
+#   make train-revvit [FASHION_MNIST_DIR=...] [GIN="--gin 'NUM_LAYERS = 12'"]
+.PHONY: train-revnet train-revvit
 train-revnet: WORKDIR = runs/revnet_fashion_mnist
 train-revnet: CONFIG = configs/revnet_fashion_mnist.gin
-train-revnet: FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
-train-revnet: venv
+train-revvit: WORKDIR = runs/revvit_fashion_mnist
+train-revvit: CONFIG = configs/revvit_fashion_mnist.gin
+FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
+train-revnet train-revvit: venv
 	@if [ ! -d "$(FASHION_MNIST_DIR)" ]; then \
 	  if [ "$(FASHION_MNIST_DIR)" != /usr/share/datasets/fashion-mnist ]; then \
 	    echo "$(FASHION_MNIST_DIR) does not exist: put the four Fashion-MNIST *-idx*-ubyte.gz files there" >&2; exit 1; \
 	  elif [ "$$(id -u)" = 0 ]; then \
 	    apt-get update && apt-get install -y dataset-fashion-mnist; \
 	  else \
-	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make train-revnet'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
+	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist' (or 'sudo make $@'), or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; exit 1; \
 	  fi; \
-	fi
-	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
-
-# The reversible ViT (RevViT) on the same Fashion-MNIST data (configs/revvit_fashion_mnist.gin; docs/modern.md):
-#   make train-revvit [FASHION_MNIST_DIR=/dir/with/the/four/idx/files] [GIN="--gin 'NUM_LAYERS = 12'"]
-.PHONY: train-revvit
-train-revvit: WORKDIR = runs/revvit_fashion_mnist
-train-revvit: CONFIG = configs/revvit_fashion_mnist.gin
-train-revvit: FASHION_MNIST_DIR ?= /usr/share/datasets/fashion-mnist
-train-revvit: venv
-	@if [ ! -d "$(FASHION_MNIST_DIR)" ]; then \
-	  if [ "$(FASHION_MNIST_DIR)" != /usr/share/datasets/fashion-mnist ]; then \
-	    echo "$(FASHION_MNIST_DIR) does not exist: put the four Fashion-MNIST *-idx*-ubyte.gz files there" >&2; \
-	  else \
-	    echo "Fashion-MNIST is missing: run 'sudo apt-get install dataset-fashion-mnist', or pass FASHION_MNIST_DIR=/dir/with/the/four/idx/files" >&2; \
-	  fi; exit 1; \
 	fi
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) --gin "FashionMNISTTask.source = '$(FASHION_MNIST_DIR)'" $(GIN)
