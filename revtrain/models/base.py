@@ -7,6 +7,55 @@ import dataclasses
 from revtrain.layers.base import HeadLayer, Layer
 
 
+@dataclasses.dataclass(frozen=True)
+class Tie:
+    """One parameter used by two layers (e.g. a tied input embedding and output projection).
+
+    Layer ``user``'s parameter at ``user_path`` *is* layer ``owner``'s parameter at ``owner_path``: the same
+    array (same shape and dtype), held once (in the owner's params, with one optimizer state), its gradient
+    the sum of both uses. ``Model.init`` leaves the leaf out of the user's params; the trainers put the
+    owner's value back in (`Model.merge_tied`) whenever the user layer runs.
+
+    Attributes:
+      owner, user: layer indices (``owner < user``).
+      owner_path, user_path: key paths into the layers' plain-dict params, e.g. ``("embedding",)``.
+    """
+
+    owner: int
+    owner_path: tuple
+    user: int
+    user_path: tuple
+
+
+def _get(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _without(tree: dict, path: tuple) -> dict:
+    """A copy of the nested dict ``tree`` without the leaf at ``path`` (empty dicts on the way removed)."""
+    head, rest = path[0], path[1:]
+    out = dict(tree)
+    if rest:
+        sub = _without(tree[head], rest)
+        if sub:
+            out[head] = sub
+        else:
+            del out[head]
+    else:
+        del out[head]
+    return out
+
+
+def _with(tree: dict, path: tuple, value) -> dict:
+    """A copy of the nested dict ``tree`` with ``value`` at ``path``."""
+    head, rest = path[0], path[1:]
+    out = dict(tree)
+    out[head] = _with(tree.get(head, {}), rest, value) if rest else value
+    return out
+
+
 @dataclasses.dataclass
 class Model:
     """An ordered list of layers whose last one is a `HeadLayer` (it computes the loss).
@@ -17,6 +66,7 @@ class Model:
       tokens_per_example: units counted by ``tokens_per_sec`` for one example (sequence length for a
         language model, 1 for an image classifier).
       bits_per_byte: True for a byte-level language model (evaluation then reports bits per byte).
+      ties: parameters shared between layers (`Tie`), each held once, by its owner.
 
     Raises:
       ValueError: when the list is empty, the last layer is not a head, or a head appears earlier.
@@ -26,6 +76,7 @@ class Model:
     input_key: str = "inputs"
     tokens_per_example: int = 1
     bits_per_byte: bool = False
+    ties: tuple = ()
 
     def __post_init__(self):
         if not self.layers or not self.layers[-1].is_head:
@@ -38,10 +89,25 @@ class Model:
         return self.layers[-1]
 
     def init(self):
-        """Returns ``(params, state)``: two lists with one plain-dict pytree per layer."""
-        return [l.init_params for l in self.layers], [l.init_state for l in self.layers]
+        """Returns ``(params, state)``: two lists with one plain-dict pytree per layer (a tied leaf only in
+        its owner's, see `Tie`)."""
+        params = [l.init_params for l in self.layers]
+        for t in self.ties:
+            params[t.user] = _without(params[t.user], t.user_path)
+        return params, [l.init_state for l in self.layers]
+
+    def ties_of(self, user: int) -> tuple:
+        """The ties whose user is layer ``user``."""
+        return tuple(t for t in self.ties if t.user == user)
+
+    def merge_tied(self, user: int, params: dict, owners: dict) -> dict:
+        """Layer ``user``'s params with its tied leaves put back from ``owners`` (layer index -> that layer's
+        params): the tree the layer's module expects."""
+        for t in self.ties_of(user):
+            params = _with(params, t.user_path, _get(owners[t.owner], t.owner_path))
+        return params
 
     def num_params(self) -> int:
         """Total number of trainable scalars."""
         import jax
-        return sum(x.size for l in self.layers for x in jax.tree.leaves(l.init_params))
+        return sum(x.size for p in self.init()[0] for x in jax.tree.leaves(p))
