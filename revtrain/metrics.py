@@ -210,6 +210,8 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}"]
     if "bits_per_byte" in values:
         parts.append(f"bpb {values['bits_per_byte']:.3f}")
+    if "grad_norm" in values:
+        parts.append(f"grad norm {values['grad_norm']:.3g}")
     lr = values.get("learning_rate")
     if lr is not None and math.isfinite(lr):
         parts.append(f"lr {lr:.3g}")
