@@ -93,6 +93,37 @@ class DeferredUpdates:
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, acc, new_state, sums, tie_acc
 
+    def _top_head_acc(self, layers, top_params, top_acc, top_state, head_params, head_acc, head_state, x, batch,
+                      ctx, top_index, head_index):
+        """`_head_acc` through the reversible layer under the head (``fuse_top``): one vjp from that layer's
+        input, both gradients added to their buffers. Returns ``(dx, top_acc, new top state, head_acc, new
+        head state, sums)``."""
+        top, head = layers
+        n = batch_size_of(x)
+        normalize = self.microbatches == 1
+
+        def objective(tp, hp, x):
+            y, new_top_state = top.apply(tp, top_state, x, example_keys(ctx, top_index, n), True)
+            loss_sum, stats, new_head_state = head.loss(hp, head_state, y, batch, example_keys(ctx, head_index, n), True)
+            total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
+            return (loss_sum / total if normalize else loss_sum), (stats, new_top_state, new_head_state, total)
+
+        obj, vjp_fn, (stats, new_top_state, new_head_state, total) = jax.vjp(
+            objective, per_device(self._whole(top, top_params)), per_device(self._whole(head, head_params)), x,
+            has_aux=True)
+        top_grads, head_grads, dx = vjp_fn(jnp.ones_like(obj))
+        top_acc = _add(top_acc, reduce_grads(top_grads, self._grad_specs(top)))
+        head_acc = _add(head_acc, reduce_grads(head_grads, self._grad_specs(head)))
+        sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
+        return dx, top_acc, new_top_state, head_acc, new_head_state, sums
+
+    def _top_head_acc_fn(self, top, head):
+        tspec, hspec = self.layer_specs(top)[0], self.layer_specs(head)[0]
+        in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
+        out_specs = (_D, tspec, _R, hspec, _R, _R)
+        return self._per_layer_compiled("top_head_acc", (top, head), self._top_head_acc, in_specs, out_specs,
+                                        (1, 4), (0, 1, 3, 4), (1, 3))
+
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(y))
         x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
@@ -291,15 +322,22 @@ class DeferredUpdates:
             mb = batch if m_count == 1 else self._microbatch(batch, m)
             ctx = skey if m_count == 1 else (skey, self._where(m, local))
             x, saved, new_states = mb[self.model.input_key], {}, list(current)
-            for g in range(last):
+            for g in range(last - 1 if kinds[last - 1] == "top" else last):
                 if kinds[g] == "std":
                     saved[g] = self._act_to_host(x)
                 x, new_states[g] = plan.forward[g](params[g], current[g], x, ctx, index[g])
-            dy, acc[last], new_states[last], s, tie_acc = plan.head(params[last], acc[last], current[last], x, mb, ctx,
-                                                                    index[last], borrowed, tie_acc)
+            top = kinds[last - 1] == "top" if last else False
+            if top:  # fuse_top: the reversible layer under the head runs inside the head's program
+                t = last - 1
+                dy, acc[t], new_states[t], acc[last], new_states[last], s = plan.head(
+                    params[t], acc[t], current[t], params[last], acc[last], current[last], x, mb, ctx, index[t],
+                    index[last])
+            else:
+                dy, acc[last], new_states[last], s, tie_acc = plan.head(params[last], acc[last], current[last], x,
+                                                                        mb, ctx, index[last], borrowed, tie_acc)
             sums = s if sums is None else self._add_sums(sums, s)
             y = x
-            for g in range(last - 1, -1, -1):
+            for g in range(last - 2 if top else last - 1, -1, -1):
                 if kinds[g] == "std":
                     xs = self._act_to_device(saved.pop(g))
                     dy, acc[g] = plan.backward[g](params[g], acc[g], current[g], xs, dy, ctx, index[g])

@@ -170,10 +170,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # any run it ends.
         num_layers = len(model.layers)
         self.fuse_top = fuse_top and num_layers >= 2 and model.layers[-2].reversible
-        if self.fuse_top and self.deferred:
-            raise TrainerError("ReversibleTrainer.fuse_top cannot be combined with deferred updates (microbatches > 1, "
-                               "an optimizer that combines layers such as clip_by_global_norm, tied parameters) yet; "
-                               "set ReversibleTrainer.fuse_top = False")
         runs = find_runs(model.layers) if scan_layers else []
         if self.fuse_top:
             runs = [(start, count - (start + count == num_layers - 1)) for start, count in runs]
@@ -606,7 +602,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                 kinds.append("top")
                 forward.append(None)
                 backward.append(None)
-                head = self._top_head_fn(layers[-2], layers[-1])
+                head = (self._top_head_acc_fn if acc else self._top_head_fn)(layers[-2], layers[-1])
             else:
                 head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
             kinds.append("head")
