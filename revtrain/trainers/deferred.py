@@ -139,19 +139,20 @@ class DeferredUpdates:
     def _reverse_run_acc(self, layer, params, acc, states, y, dy, ctx, start):
         """``_reverse_acc`` of every layer of a stacked run, last first: one reverse ``lax.scan`` that reads
         each slice of the weights (moved to the device with offload) and adds to the gradient stack in
-        place."""
+        place. As in ``_reverse_run``, the gradient slice a step adds to is read (and carried) only after
+        the previous step's write, so XLA keeps one copy of the stack."""
         count = jax.tree.leaves(params)[0].shape[0]
 
         def body(carry, slices):
-            accs, y, dy = carry
+            accs, y, dy, a = carry
             s, j = slices
-            p, a = self._slice_to_device((params, accs), j)
-            x, dx, a = self._reverse_acc(layer, p, a, s, y, dy, ctx, start + j)
+            x, dx, a = self._reverse_acc(layer, self._slice_to_device(params, j), a, s, y, dy, ctx, start + j)
             accs = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), accs,
                                 self._inside_to_host(a))
-            return (accs, x, dx), None
+            return (accs, x, dx, self._slice_to_device(accs, jnp.maximum(j - 1, 0))), None
 
-        (acc, x, dx), _ = lax.scan(body, (acc, y, dy), (states, jnp.arange(count, dtype=jnp.int32)), reverse=True)
+        carry = (acc, y, dy, self._slice_to_device(acc, count - 1))
+        (acc, x, dx, _), _ = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)), reverse=True)
         return x, dx, acc
 
     # Per-layer programs of the accumulating backward: (function, in_specs, out_specs, donated arguments,
@@ -234,9 +235,18 @@ class DeferredUpdates:
         return keep(new_params, params), keep(new_opt, opt), zeros, jax.tree.map(jnp.zeros_like, tie_in)
 
     def _pass_fn(self, what: str, g: int, groups, k: int = 0):
-        """The compiled statistics (``what="stats"``, round ``k``) or update program of group ``g``."""
+        """The compiled statistics (``what="stats"``, round ``k``) or update program of group ``g``, looked
+        up by position (the layer's hash walks its module graph: done once per layout)."""
+        fast = (what, g, groups, k)
+        if fast not in self._cache:
+            self._cache[fast] = self._build_pass_fn(what, g, groups, k)
+        return self._cache[fast]
+
+    def _build_pass_fn(self, what: str, g: int, groups, k: int):
         start, count = groups[g]
         layer = self.model.layers[start]
+        # Layers with equal update programs share one (a coupled update's layer programs differ by the
+        # exports and globals they read: `LayerwiseUpdate.signature`).
         key = (what, layer, count, k, start if self.model.ties else None, self.layerwise.signature(start)
                if not self.layerwise.separable else None)
         if key in self._cache:
@@ -257,7 +267,6 @@ class DeferredUpdates:
                         return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_)
                     return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
             jitted = jax.jit(fn)
-            moved = (0, 1, 2, 3)
         else:
             def one(params, opt, acc, tie_in, scale, globals_, ok):
                 out = self._layer_update(start, *dev((params, opt, acc, tie_in)), scale, globals_, ok)
@@ -267,21 +276,25 @@ class DeferredUpdates:
                 fn = one
             else:
                 def fn(params, opt, acc, tie_in, scale, globals_, ok):
-                    def body(stacks, j):
-                        p, o, a = self._slice_to_device(stacks, j)
+                    # Each slice is read (and carried) after the previous slice's write: one copy of the stacks.
+                    def body(carry, j):
+                        stacks, (p, o, a) = carry
                         new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok)[:3]
                         stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks,
                                               host(new))
-                        return stacks, None
-                    stacks, _ = lax.scan(body, (params, opt, acc), jnp.arange(count, dtype=jnp.int32))
+                        return (stacks, self._slice_to_device(stacks, jnp.minimum(j + 1, count - 1))), None
+                    stacks = (params, opt, acc)
+                    (stacks, _), _ = lax.scan(body, (stacks, self._slice_to_device(stacks, 0)),
+                                              jnp.arange(count, dtype=jnp.int32))
                     return (*stacks, tie_in)
             pshard, oshard = self._shardings(layer, count)
             kind = HOST_MEMORY if self.offload else None
             tie = NamedSharding(self.mesh, _R, memory_kind=kind)
             shardings = (pshard, oshard, pshard, tie)
             jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
-            moved = (0, 1, 2, 3)
-        self._cache[key] = _Dispatch(jitted, self, moved)
+        # The memory meter counts the moved arguments as device bytes while the program runs: one layer's
+        # (a stacked run moves one slice at a time, which its temporary bytes show).
+        self._cache[key] = _Dispatch(jitted, self, (0, 1, 2, 3) if count == 1 and self.offload else ())
         return self._cache[key]
 
     def _combine_fn(self, k: int, groups):

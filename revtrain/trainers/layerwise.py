@@ -194,6 +194,7 @@ class LayerwiseUpdate:
                                key=lambda v: tags[v].round)
         self._names = {v: k for k, v in enumerate(tags)}
         self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
+        self._signatures: dict = {}
 
     @property
     def separable(self) -> bool:
@@ -310,6 +311,11 @@ class LayerwiseUpdate:
     def signature(self, i: int) -> tuple:
         """What layer ``i``'s programs compute (equations, shapes, exports): layers with equal signatures
         run one compiled program (a scanned run of identical layers uses its first layer's)."""
+        if i not in self._signatures:
+            self._signatures[i] = self._signature(i)
+        return self._signatures[i]
+
+    def _signature(self, i: int) -> tuple:
         idx = {}
 
         def name(v):
