@@ -82,7 +82,7 @@ def test_side_bits_are_one_thirty_second_of_a_stream_per_block():
     model = _model("exact")
     params, states = model.init()
     a, b, bits = model.layers[0].apply(params[0], states[0], jnp.zeros((2, 16), jnp.int32), None, True)[0]
-    assert bits.dtype == jnp.uint8 and bits.shape == (4, 2, 16, 4)
+    assert bits.dtype == jnp.uint8 and bits.shape == (2, 4, 16, 4)
     assert bits.nbytes == 4 * a.nbytes // 32
 
 

@@ -23,7 +23,7 @@ the difference the forward added), ``x_{k-1} = 2 m u + s u``. Nothing is approxi
 depth rebuilds bit for bit.
 
 Layout: the layer maps the activation triple ``(x_{k-1}, x_k, bits) -> (x_k, x_{k+1}, bits')``, where
-``bits`` is a uint8 stack ``[num_blocks, B, T, ceil(D / 8)]`` (``jnp.packbits`` along the features) with
+``bits`` is a uint8 stack ``[B, num_blocks, T, ceil(D / 8)]`` (``jnp.packbits`` along the features) with
 one slot per block of the run, created empty by the embedding; block ``k`` writes slot ``k`` and its
 rebuild clears it again (so the rebuilt triple equals the forward's input bit for bit). The slot index is
 layer *state* (an int32 scalar), not a static attribute, so every block of a run has the same structure and
@@ -63,8 +63,9 @@ def bits_width(d_model: int) -> int:
 
 
 def empty_bits(num_blocks: int, batch: int, length: int, d_model: int) -> jax.Array:
-    """The empty side-bits stack: uint8 zeros ``[num_blocks, batch, length, ceil(d_model / 8)]``."""
-    return jnp.zeros((num_blocks, batch, length, bits_width(d_model)), jnp.uint8)
+    """The empty side-bits stack: uint8 zeros ``[batch, num_blocks, length, ceil(d_model / 8)]`` (the batch
+    first, like every activation the trainers split over devices)."""
+    return jnp.zeros((batch, num_blocks, length, bits_width(d_model)), jnp.uint8)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -117,7 +118,7 @@ class ExactResidual(nnx.Module):
     its own float order, ``[B, T, D] -> [B, T, D]``) and ``increment(x, *, keys, train)`` (``h(x)``).
 
     Input / output: the triple ``(x_{k-1}, x_k, bits)``: float32 ``[B, T, D]`` twice and the uint8 side-bits
-    stack ``[num_blocks, B, T, ceil(D / 8)]``. Training: ``(x_k, x_{k+1}, bits with slot k written)``.
+    stack ``[B, num_blocks, T, ceil(D / 8)]``. Training: ``(x_k, x_{k+1}, bits with slot k written)``.
     Evaluation (``train`` False: ``g = 0``): ``(x_k, block(x_k), bits)``, the standard block's own output,
     unrounded, so evaluation and sampling equal the standard model bit for bit.
 
@@ -152,17 +153,17 @@ class ExactResidual(nnx.Module):
         sign = gamma_signs(keys, b.shape[0])
         half, s = split_low_bit(a, self.grid_bits)
         c = sign * half + self._rest(b, sign, keys)
-        bits = jax.lax.dynamic_update_index_in_dim(bits, pack(s), self.slot[...], 0)
+        bits = jax.lax.dynamic_update_index_in_dim(bits, pack(s), self.slot[...], 1)
         return (b, c, bits)
 
     def inverse(self, y, *, keys):
         b, c, bits = y
         sign = gamma_signs(keys, b.shape[0])
         half = sign * (c - self._rest(b, sign, keys))  # exactly m u
-        s = unpack(jax.lax.dynamic_index_in_dim(bits, self.slot[...], 0, keepdims=False), b.shape[-1])
+        s = unpack(jax.lax.dynamic_index_in_dim(bits, self.slot[...], 1, keepdims=False), b.shape[-1])
         a = 2.0 * half + jnp.where(s, 2.0 ** -self.grid_bits, 0.0).astype(b.dtype)
         cleared = jax.lax.dynamic_update_index_in_dim(
-            bits, jnp.zeros(bits.shape[1:], bits.dtype), self.slot[...], 0)
+            bits, jnp.zeros(bits[:, 0].shape, bits.dtype), self.slot[...], 1)
         return (a, b, cleared)
 
     # -- incremental decoding: the standard block (g = 0) on the second stream --

@@ -273,7 +273,7 @@ class LlamaEmbedding(PositionWise, nnx.Module):
     Input int32 ``[B, T]`` ids in ``[0, vocab_size)``. Output: the float32 stream ``[B, T, D]``; with
     ``exact_blocks = n > 0`` (the exact form) the triple ``(x, x, bits)`` that `ExactResidual` blocks take:
     two copies of the stream (rounded to the ``2**-grid_bits`` grid in training, unrounded in evaluation)
-    and the empty side-bits stack ``[n, B, T, ceil(D / 8)]`` uint8.
+    and the empty side-bits stack ``[B, n, T, ceil(D / 8)]`` uint8.
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, exact_blocks: int = 0,
