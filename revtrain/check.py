@@ -169,7 +169,9 @@ class _Checker:
                         x = layer.apply(ps[k], ss[k], x, self._keys(first + k, x), True)[0]
                     return x
 
-                float_x = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(x))
+                # Differentiate with respect to the input when it has float leaves (integer leaves, e.g. the
+                # side bits of `ExactResidual` blocks, get float0 cotangents); token ids alone have none.
+                float_x = any(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(x))
                 if float_x:
                     out, vjp_fn = jax.vjp(f, per_device(ps), x)
                 else:
