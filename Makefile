@@ -4,6 +4,7 @@
 #   make bench   make bench-gpu
 #   make bench-depth
 #   make bench-long
+#   make bench-recipe
 #   make sample [WORKDIR=...] [PROMPT='[[Category:']   make bench-sample   make check-sample
 #   make train-revnet   make train-revvit   (Fashion-MNIST: a RevNet, a reversible ViT)
 
@@ -14,7 +15,7 @@ WORKDIR ?= runs/enwik_modern
 CONFIG ?= configs/enwik_modern.gin
 GIN ?=
 
-.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long clean sample bench-sample check-sample
+.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long bench-recipe clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,11 @@ test-all: data
 bench: data
 	$(PY) scripts/benchmark.py --depths 8,32
 
+# The recipe (docs/recipe.md): clip_by_global_norm + AdamW and 4 microbatches against the fused update, time
+# (interleaved rounds) and peak device bytes, at the default run's model size.
+bench-recipe: data
+	$(PY) scripts/bench_recipe.py --out bench_recipe.json
+
 # On a machine with one GPU: every GPU figure, each configuration in its own process, JSON out (<= 8 min).
 # DRY_RUN=1 make bench-gpu runs every configuration at tiny sizes on the CPU.
 bench-gpu: venv
@@ -79,7 +85,7 @@ check-sample: data
 
 clean:
 	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
-	  bench_sample.json gpu_report.json
+	  bench_sample.json bench_recipe.json gpu_report.json
 
 # Fashion-MNIST image classifiers: the RevNet (configs/revnet_fashion_mnist.gin) and the reversible ViT
 # (RevViT, configs/revvit_fashion_mnist.gin; docs/modern.md). The data is the Debian package
