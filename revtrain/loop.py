@@ -412,11 +412,14 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                 "processes": pc}
 
         ts = trainer.init()
-        resumed, damaged = None, []
+        resumed, damaged, saved_on = None, [], {}
+
+        def accept(step, saved):
+            _check_resumable(saved.get("signature", {}), signature, step, workdir)
+            saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
+
         if checkpointer.steps():
-            ts, resumed = checkpointer.restore_newest(
-                ts, data_iterator=data, on_skip=damaged.append,
-                accept=lambda step, saved: _check_resumable(saved.get("signature", {}), signature, step, workdir))
+            ts, resumed = checkpointer.restore_newest(ts, data_iterator=data, on_skip=damaged.append, accept=accept)
         if resumed is not None and ts.step >= cfg.steps:
             where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
             metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
@@ -448,6 +451,11 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
         if changes:
             metrics_lib.log(changes)
+        if resumed is not None and saved_on.get("devices") is not None and (
+                (saved_on["devices"], saved_on.get("processes")) != (run.mesh.size, pc)):
+            metrics_lib.log(f"devices changed since the checkpoint at step {resumed}: {saved_on['devices']} device(s) in "
+                            f"{saved_on.get('processes')} process(es) -> {run.mesh.size} device(s) in {pc} process(es) "
+                            "(the global batch and the data order are the same)")
 
         tokens_per_step = cfg.batch_size * run.model.tokens_per_example
         meter = trainer.meter = MemoryMeter()
