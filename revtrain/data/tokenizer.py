@@ -22,8 +22,10 @@ one id is appended after the tokenizer's vocabulary (``vocab_size`` counts it).
 
 Bytes per token. Bits per byte (`revtrain.loop.evaluate`) divides the nats of the scored tokens by the
 UTF-8 bytes of the text they stand for: ``token_bytes[id]`` is that byte count per id. It is exact for
-bytes and for byte-level BPE (each id maps to a fixed byte string); for SentencePiece it is the piece's
-UTF-8 length with the word-boundary mark counted as one space (byte-fallback pieces: 1); special tokens
+bytes and for byte-level BPE (each id maps to a fixed byte string); for SentencePiece (and Hugging Face
+files of SentencePiece pieces) it is the piece's UTF-8 length with the word-boundary mark counted as one
+space (byte-fallback pieces: 1), for other Hugging Face tokenizers the UTF-8 length of the id decoded
+alone (a WordPiece continuation counts without its ``##``); special tokens
 count 0 bytes (the end-of-text token stands for no text, so predicting it costs nats and adds no bytes).
 
 Decoding. ``decode`` returns bytes: byte-level tokenizers join the ids' byte strings (a sample cut inside
@@ -73,6 +75,18 @@ def _byte_unicode() -> dict[str, int]:
     return chars
 
 
+def _piece_bytes(backend, i: int) -> int:
+    """UTF-8 bytes of id ``i`` of a Hugging Face tokenizer that is not byte-level: a byte-fallback piece
+    (``<0xNN>``) is 1, a piece with the SentencePiece word-boundary mark counts the mark as one space, any
+    other its decoded text."""
+    piece = backend.id_to_token(i) or ""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return 1
+    if "\u2581" in piece:
+        return len(piece.replace("\u2581", " ").encode("utf-8"))
+    return len(backend.decode([i]).encode("utf-8"))
+
+
 class Tokenizer:
     """One tokenizer: ids for text and bytes for ids.
 
@@ -114,7 +128,7 @@ class Tokenizer:
                 self._byte_strings = strings
                 lengths = [len(s) for s in strings]
             else:
-                lengths = [0 if (i >= base or i in specials) else len(backend.decode([i]).encode("utf-8"))
+                lengths = [0 if (i >= base or i in specials) else _piece_bytes(backend, i)
                            for i in range(self.vocab_size)]
             self.token_bytes = np.asarray(lengths, np.int32)
         elif kind == "sentencepiece":
@@ -145,7 +159,9 @@ class Tokenizer:
         if self.kind == BYTES:
             return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int64) for t in texts]
         if self.kind == "huggingface":
-            return [np.asarray(e.ids, np.int64) for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+            # (the fast variant keeps no character offsets: less memory per token)
+            return [np.asarray(e.ids, np.int64)
+                    for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [np.asarray(ids, np.int64) for ids in self._backend.encode(texts)]
 
     def encode(self, text: str) -> np.ndarray:
