@@ -350,7 +350,8 @@ def _chunks(pieces):
 # -- preparation ---------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Plan:
-    """What the passes over a corpus read: ``streams()`` -> {split: iterator of ``(split, text, ends)``}."""
+    """What the first pass learned about a corpus (its own splits, bytes per split); `pieces` reads it again
+    as ``(split, text, document_ends)`` in split order (train, validation, test)."""
 
     source: str
     text_field: str
@@ -417,7 +418,16 @@ def _remove(path: str) -> None:
 
 def bpe_tokenizer(source: str, text_field: str, vocab_size: int, root: str, corpus: str,
                   plan_fn) -> tokenizer_lib.Tokenizer:
-    """The byte-level BPE of ``vocab_size`` ids trained on the train split of ``source`` (cached)."""
+    """The byte-level BPE of ``vocab_size`` ids trained on the train split of ``source``, cached under
+    ``<root>/bpe/<key of corpus, field and vocab_size>/tokenizer.json``.
+
+    Args:
+      corpus: the corpus fingerprint (`fingerprint`).
+      plan_fn: returns the corpus's `Plan` (its first pass), called only when the BPE must be trained.
+
+    Raises:
+      DataError: ``vocab_size`` below 258, or a bad corpus (from the first pass, before anything is written).
+    """
     if not isinstance(vocab_size, int) or vocab_size < 258:
         raise DataError(f"TokenLMTask.vocab_size must be an integer >= 258 for a BPE (257 ids are the "
                         f"end-of-text token and the 256 bytes), got {vocab_size!r}")
@@ -455,6 +465,7 @@ class Prepared:
     tokenizer: tokenizer_lib.Tokenizer
 
     def split_file(self, split: str) -> str:
+        """The file of a split's ids (``dtype`` of ``meta``, in stream order)."""
         return os.path.join(self.directory, f"{split}.bin")
 
 
