@@ -103,6 +103,7 @@ def test_eval_of_missing_step_exits_2(trained):
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")
 
 
+@pytest.mark.slow  # one more training process (after the module's run)
 def test_resuming_on_another_device_count_says_so(trained, tmp_path):
     """A run saved on 1 device and resumed on 2 prints the device change beside the changed bindings."""
     workdir, _ = trained

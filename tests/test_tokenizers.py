@@ -169,6 +169,7 @@ def revtrain(*args, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow  # three revtrain processes each (train, eval, sample): about a minute on a quiet machine
 @pytest.mark.parametrize("which", ["json", "sentencepiece"])
 def test_a_brought_tokenizer_trains_evaluates_and_samples(corpora, user_tokenizer, sentencepiece_model, tmp_path,
                                                          which):
