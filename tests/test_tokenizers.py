@@ -17,7 +17,6 @@ import pytest
 from revtrain import cli
 from revtrain.data import token_lm
 from revtrain.data import tokenizer as tokenizer_lib
-from revtrain.data.byte_lm import DataError
 from revtrain.data.tasks import TokenLMTask
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
