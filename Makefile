@@ -87,6 +87,13 @@ clean:
 # files. Each run's own final evaluation is on the test split (evaluate.split = 'test').
 #   make train-revnet [FASHION_MNIST_DIR=/dir/with/the/four/idx/files]
 #   make train-revvit [FASHION_MNIST_DIR=...] [GIN="--gin 'NUM_LAYERS = 12'"]
+# Pretrain a small Llama-style byte LM on enwik, export it, fine-tune it on Python source three ways
+# (docs/finetune_python.md).
+.PHONY: finetune-python
+finetune-python: WORKDIR = runs/finetune_python
+finetune-python: data
+	bash scripts/finetune_python.sh $(WORKDIR)
+
 .PHONY: train-revnet train-revvit
 train-revnet: WORKDIR = runs/revnet_fashion_mnist
 train-revnet: CONFIG = configs/revnet_fashion_mnist.gin

@@ -169,7 +169,9 @@ class _Checker:
                         x = layer.apply(ps[k], ss[k], x, self._keys(first + k, x), True)[0]
                     return x
 
-                float_x = all(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(x))
+                # Differentiate with respect to the input when it has float leaves (integer leaves, e.g. the
+                # side bits of `ExactResidual` blocks, get float0 cotangents); token ids alone have none.
+                float_x = any(jnp.issubdtype(a.dtype, jnp.inexact) for a in jax.tree.leaves(x))
                 if float_x:
                     out, vjp_fn = jax.vjp(f, per_device(ps), x)
                 else:
@@ -248,6 +250,9 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     else:
         params, states = run.model.init()
         where = "initial parameters"
+    # Each layer with its whole params (a tied leaf in both its users'): the check compares per-layer
+    # gradients of each use, which the trainers then add up.
+    params = [run.model.merge_tied(i, p, params) for i, p in enumerate(params)]
     params, states = put_replicated(params, mesh), put_replicated(states, mesh)
     n = len(run.model.layers)
     if layers_per_chunk is None and n > WHOLE_MODEL_MAX_LAYERS:
@@ -293,7 +298,8 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
                  "backprop one layer at a time" if layers_per_chunk == 1 else
                  f"backprop {layers_per_chunk} layers at a time")
     print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
-          f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'", file=out)
+          f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'; "
+          f"update: {_update_mode(run.trainer)}", file=out)
     note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
             or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
     return _report(results, base_dtype, out, note=note, alternative=alternative)
@@ -308,6 +314,23 @@ def _fused_hint(mode: str, rows, alternative) -> str | None:
         return None
     return ("note: the fused rebuild's F and G (computed inside their vjp) round differently from the "
             "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
+
+
+def _update_mode(trainer) -> str:
+    """How the configured trainer applies the optimizer (the check's gradients are the step's either way:
+    M microbatches sum to the whole batch's gradient, and the update reads that sum)."""
+    if not isinstance(trainer, ReversibleTrainer):
+        return "whole model"
+    if not trainer.deferred:
+        return "fused per layer"
+    why = [f"{trainer.microbatches} microbatches"] if trainer.microbatches > 1 else []
+    if not trainer.layerwise.separable:
+        why.append(f"the optimizer combines layers ({trainer.layerwise.rounds} global round(s))")
+    if trainer.model.ties:
+        why.append(f"{len(trainer.model.ties)} tied parameter(s)")
+    if trainer.shard_state and not why:
+        why.append("whole-leaf optimizer with shard_state")
+    return "deferred (" + ", ".join(why) + ")"
 
 
 def _rebuild_mode(trainer) -> str:

@@ -8,6 +8,8 @@
                   [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
   revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
+  revtrain export --workdir DIR [--step N] --to OUT [--dtype {float32,bfloat16}]   (a Llama run as a Hugging
+                  Face checkpoint directory: config.json + model.safetensors)
 
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
 stderr; other failures exit 1 with one line. ``--verbose`` shows tracebacks and library logs.
@@ -38,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    for name in ("train", "eval", "check", "sample"):
+    for name in ("train", "eval", "check", "sample", "export"):
         s = sub.add_parser(name)
         s.add_argument("--workdir", required=name != "check", help="run directory")
         s.add_argument("--config", action="append", default=[], help="gin file (repeatable; later files win)")
@@ -58,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
             _sample_arguments(s)
         if name == "check":
             s.add_argument("--step", type=int, help="with --workdir: check this checkpoint step (default: newest)")
+        if name == "export":
+            s.add_argument("--step", type=int, help="export this checkpoint step (default: newest)")
+            s.add_argument("--to", required=True, help="the Hugging Face checkpoint directory to write")
+            s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                           help="dtype of the written tensors (default float32)")
     return p
 
 
@@ -83,7 +90,7 @@ def parse_args(argv: list[str]):
     """
     args, rest = _parser().parse_known_args(argv)
     if args.command is None:
-        raise UsageError("expected a command: train, eval, check or sample")
+        raise UsageError("expected a command: train, eval, check, sample or export")
     for item in rest:
         m = re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", item, re.S)
         if not m:
@@ -447,6 +454,16 @@ def _run_command(args) -> int:
             return check.run_check()
         with workdir_lib.locked(args.workdir, "check"):
             return check.run_check(workdir=args.workdir, step=args.step)
+    if args.command == "export":
+        from revtrain import export
+        config = os.path.join(args.workdir, "config.gin")
+        if not os.path.isfile(config):
+            raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+        step = export.export_workdir(args.workdir, args.to, step=args.step, dtype=args.dtype)
+        from revtrain import metrics as metrics_lib
+        metrics_lib.log(f"exported step {step} of {os.path.abspath(args.workdir)} to {os.path.abspath(args.to)}")
+        return 0
     del gin
     raise UsageError(f"unknown command {args.command}")
 
@@ -482,13 +499,16 @@ def main(argv: list[str] | None = None) -> int:
 def _classify(e: Exception) -> tuple[int, str]:
     from revtrain.checkpoint import CheckpointError, CheckpointWriteError
     from revtrain.data.byte_lm import DataError
+    from revtrain.export import ExportError
     from revtrain.loop import ConfigError, WriteFailed
+    from revtrain.models.llama import LlamaFormatError
     from revtrain.metrics import MetricsWriteError
     from revtrain.oom import OutOfMemory, describe, is_out_of_memory
     from revtrain.trainers.common import TrainerError
     from revtrain.workdir import WorkdirBusy
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError, WorkdirBusy)):
+    if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError, WorkdirBusy, ExportError,
+                      LlamaFormatError)):
         return EXIT_USAGE, first
     if isinstance(e, PermissionError):
         return EXIT_USAGE, f"cannot write: {first}"

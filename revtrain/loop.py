@@ -29,7 +29,7 @@ from revtrain.memory import MemoryMeter, host_state_bytes
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
-from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState
+from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState, microbatch_error
 from revtrain.trainers.reversible import ReversibleTrainer
 
 
@@ -60,9 +60,17 @@ class TrainConfig:
       model: model builder (``@ReversibleTransformerLM``).
       task: task class (``@ByteLMTask``).
       optimizer: an optax optimizer factory taking ``learning_rate`` (``@optax.adamw``), or a ready
-        ``GradientTransformation`` (``@optax.adamw()``).
-      learning_rate: a float or an optax schedule (``@optax.warmup_cosine_decay_schedule()``); used when
-        ``optimizer`` is a factory.
+        ``GradientTransformation`` (``@optax.adamw()``, ``@optax.chain()``), which then brings its own
+        learning rate.
+      learning_rate: a float or an optax schedule (``@optax.warmup_cosine_decay_schedule()``) for a factory
+        ``optimizer``; with a ready one it must be None (bound to anything else it is refused: it would be
+        unused).
+      clip_global_norm: clip the gradient to this global norm before the optimizer
+        (``optax.chain(optax.clip_by_global_norm(c), optimizer)``, as MaxText's gradient_clipping_threshold);
+        None or 0: off. Exact in both trainers (docs/recipe.md).
+      microbatches: gradient accumulation: each step runs the global batch as this many microbatches, one
+        after another, and applies the optimizer once to their summed gradient (each device's share is
+        split; activation memory is one microbatch's).
       skip_nonfinite_steps: a step whose loss or gradient is not finite stops the run (the newest good
         checkpoint is kept); with N > 0 up to N such steps are skipped instead (their updates are not
         applied, each one logged) before the run stops.
@@ -86,6 +94,8 @@ class TrainConfig:
     task: Callable = ByteLMTask
     optimizer: Any = optax.adamw
     learning_rate: Any = 1e-3
+    clip_global_norm: float | None = None
+    microbatches: int = 1
     skip_nonfinite_steps: int = 0
     sample_every: int = 0
     sample_prompt: str = "[[Category:"
@@ -144,15 +154,47 @@ def _divisible(batch_size: int, mesh, what: str) -> None:
         raise ConfigError(f"{what} {batch_size} is not divisible by the {mesh.size} devices")
 
 
+def _bound(name: str) -> bool:
+    """Whether gin has a binding for ``name`` (in a config file, an include or on the command line)."""
+    try:
+        gin.query_parameter(name)
+    except ValueError:
+        return False
+    return True
+
+
 def build_optimizer(cfg: TrainConfig):
-    """Returns ``(tx, schedule)``: the optax transformation and a step -> learning-rate function (or None)."""
+    """Returns ``(tx, schedule)``: the optax transformation (behind global-norm clipping with
+    ``clip_global_norm``) and a step -> learning-rate function (or None for a ready optimizer).
+
+    Raises:
+      ConfigError: ``optimizer`` is neither a factory nor a ready optimizer, a learning rate is bound beside
+        a ready optimizer (it would be unused), or ``clip_global_norm`` is not a non-negative number.
+    """
+    clip = cfg.clip_global_norm
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0
+                             or not math.isfinite(clip)):
+        raise ConfigError(f"train.clip_global_norm must be a positive number (None or 0: off), got {clip!r}")
     if isinstance(cfg.optimizer, optax.GradientTransformation):
-        return cfg.optimizer, None
-    if not callable(cfg.optimizer):
+        if cfg.learning_rate is not None and _bound("train.learning_rate"):
+            raise ConfigError(
+                "train.learning_rate is bound but train.optimizer is a ready optimizer (written with "
+                "parentheses) that brings its own learning rate, so it would be unused: bind the factory "
+                "(train.optimizer = @optax.adamw, no parentheses) to use train.learning_rate, or set "
+                "train.learning_rate = None")
+        tx, schedule = cfg.optimizer, None
+    elif callable(cfg.optimizer):
+        lr = cfg.learning_rate
+        if lr is None:
+            raise ConfigError("train.learning_rate is None but train.optimizer is a factory that needs one (bind a "
+                              "number or a schedule, or a ready optimizer such as @optax.adamw())")
+        schedule = lr if callable(lr) else (lambda step: lr)
+        tx = cfg.optimizer(learning_rate=lr)
+    else:
         raise ConfigError(f"train.optimizer must be an optax optimizer, got {cfg.optimizer!r}")
-    lr = cfg.learning_rate
-    schedule = lr if callable(lr) else (lambda step: lr)
-    return cfg.optimizer(learning_rate=lr), schedule
+    if clip:
+        tx = optax.chain(optax.clip_by_global_norm(float(clip)), tx)
+    return tx, schedule
 
 
 @dataclasses.dataclass
@@ -202,7 +244,12 @@ def build(cfg: TrainConfig | None = None) -> Run:
         tx, schedule = build_optimizer(cfg)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"cannot build the optimizer: {ginconfig.call_error_line(e)}") from e
-    trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed)
+    m = cfg.microbatches
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ConfigError(f"train.microbatches must be a positive integer, got {m!r}")
+    if (cfg.batch_size // mesh.size) % m:
+        raise ConfigError(microbatch_error(cfg.batch_size, mesh.size, m))
+    trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed, microbatches=m)
     try:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
@@ -245,7 +292,7 @@ def run_signature(run: Run) -> dict:
     def shapes(tree):
         return [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
                 for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    template = jax.eval_shape(lambda: [run.trainer.tx.init(l.init_params) for l in run.model.layers])
+    template = jax.eval_shape(lambda: [run.trainer.tx.init(p) for p in run.model.init()[0]])
     return {
         "trainer": run.trainer.name,
         "layers": [[layer.name, type(layer).__name__, shapes(layer.init_params), shapes(layer.init_state)]

@@ -212,6 +212,8 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
     if "bits_per_byte" in values:
         parts.append(f"bpb {values['bits_per_byte']:.3f}"
                      + (f" (at {values['bytes_per_token']:.2f} bytes/token)" if tokens else ""))
+    if "grad_norm" in values:
+        parts.append(f"grad norm {values['grad_norm']:.3g}")
     lr = values.get("learning_rate")
     if lr is not None and math.isfinite(lr):
         parts.append(f"lr {lr:.3g}")

@@ -15,6 +15,7 @@ from revtrain.data import tasks  # noqa: F401
 from revtrain.layers import parts  # noqa: F401  (ByteEmbedding, CausalSelfAttention, ... as parts)
 from revtrain.layers import modern, vision  # noqa: F401  (RMSNorm, GroupedQueryAttention, SwiGLU, ... RevViT parts)
 from revtrain.models import compose  # noqa: F401  (ComposedModel, Standard, Coupling, Repeat, Head)
+from revtrain.models import llama  # noqa: F401  (LlamaModel)
 from revtrain.models import revnet  # noqa: F401  (RevNet)
 from revtrain.models import transformer_lm  # noqa: F401
 from revtrain.trainers import reversible, standard  # noqa: F401

@@ -22,7 +22,7 @@ from revtrain.layers.base import split_keys
 from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DEVICE_MEMORY, HOST_MEMORY, global_batch, make_mesh
-from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError, check_per_layer_optimizer
+from revtrain.trainers import LayerwiseUpdate, ReversibleTrainer, StandardTrainer
 
 SEQ, BATCH, STEPS = 128, 8, 5
 
@@ -309,15 +309,16 @@ def test_scanned_offload_keeps_at_most_two_layers_on_device():
     assert backward.output_size_in_bytes - backward.alias_size_in_bytes < layer_params
 
 
-def test_coupled_optimizer_is_refused():
+def test_coupled_optimizer_runs_deferred():
+    """clip_by_global_norm couples layers: the trainer accepts it and applies it after the backward
+    (tests/test_recipe.py checks it against backprop)."""
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    with pytest.raises(TrainerError, match="couples parameters across layers"):
-        check_per_layer_optimizer(tx)
-    with pytest.raises(TrainerError, match="clip_by_global_norm"):
-        ReversibleTrainer(_small_model(), tx, _mesh())
+    trainer = ReversibleTrainer(_small_model(), tx, _mesh())
+    assert trainer.deferred and trainer.layerwise.rounds == 1
 
 
 @pytest.mark.parametrize("make", [optax.adam, optax.adamw, optax.sgd, optax.adafactor, optax.lamb])
-def test_per_leaf_optimizers_are_accepted(make):
+def test_per_leaf_optimizers_keep_the_fused_update(make):
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=2, decay_steps=10)
-    check_per_layer_optimizer(make(schedule))
+    assert LayerwiseUpdate(make(schedule), _small_model().init()[0]).separable
+    assert not ReversibleTrainer(_small_model(), make(schedule), _mesh()).deferred

@@ -434,17 +434,46 @@ class RMSNormLanguageModelHead(PositionWise, nnx.Module):
     ``loss(x, batch)`` the sum of weighted token losses in nats and the stats sums (``batch['targets']``
     int32 ``[B, T]``, optional ``batch['weights']``). ``chunk``: logits and loss ``chunk`` positions at a
     time (`revtrain.layers.chunked.sum_chunks`), so ``[B, T, vocab_size]`` never exists whole.
+
+    ``tie_embedding``: the output projection is the input embedding itself (weight tying, Press and Wolf
+    2017; Inan et al. 2017), the ``[vocab_size, d_model]`` table of the model's first layer (a
+    `TokenEmbedding` or any module with an ``nnx.Embed`` named ``tokens``): logits are ``(h1 + h2) @ E.T /
+    sqrt(2 D) + bias`` for the normalised streams ``h1, h2``. The model holds ``E`` once (`revtrain.models.Tie`); both
+    uses add to its gradient.
+
+    Raises:
+      ValueError: non-positive sizes, a bad chunk, or ``tie_embedding`` without a first layer that has
+        ``tokens`` of the same size.
     """
 
-    def __init__(self, d_model: int, *, rngs: nnx.Rngs, vocab_size: int = 256, chunk: int | None = None):
+    def __init__(self, d_model: int, *, rngs: nnx.Rngs, vocab_size: int = 256, chunk: int | None = None,
+                 tie_embedding: bool = False, embedding: nnx.Module | None = None):
         check_positive("RMSNormLanguageModelHead", d_model=d_model, vocab_size=vocab_size)
         check_chunk("RMSNormLanguageModelHead.chunk", chunk)
+        if not isinstance(tie_embedding, bool):
+            raise ValueError(f"RMSNormLanguageModelHead.tie_embedding must be True or False, got {tie_embedding!r}")
         self.norm = RMSNorm(2 * d_model, rngs=rngs)
-        self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
         self.chunk = chunk
+        if tie_embedding:
+            table = getattr(getattr(embedding, "tokens", None), "embedding", None)
+            if not isinstance(table, nnx.Param) or table.value.shape != (vocab_size, d_model):
+                raise ValueError("RMSNormLanguageModelHead.tie_embedding needs a first layer with a token embedding "
+                                 f"'tokens' of [{vocab_size}, {d_model}] (TokenEmbedding)")
+            self.embedding = table  # the same nnx.Param: one parameter of the model (compose.find_ties)
+            self.bias = nnx.Param(jnp.zeros((vocab_size,), jnp.float32))
+            self.logits = None
+        else:
+            self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
 
     def __call__(self, x, *, keys, train):
-        return self.logits(self.norm(jnp.concatenate(x, axis=-1))).astype(jnp.float32)
+        h = self.norm(jnp.concatenate(x, axis=-1))
+        if self.logits is None:
+            d = h.shape[-1] // 2
+            # Scaled by (2 D)**-0.5 so that unit-scale embeddings give unit-scale logits (T5 scales its tied
+            # projection the same way).
+            scaled = (h[..., :d] + h[..., d:]) * (2 * d) ** -0.5
+            return (scaled @ self.embedding.value.T + self.bias.value).astype(jnp.float32)
+        return self.logits(h).astype(jnp.float32)
 
     def loss(self, x, batch, *, keys, train):
         targets = batch["targets"]

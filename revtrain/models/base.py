@@ -100,12 +100,37 @@ class Model:
         """The ties whose user is layer ``user``."""
         return tuple(t for t in self.ties if t.user == user)
 
-    def merge_tied(self, user: int, params: dict, owners: dict) -> dict:
+    def merge_tied(self, user: int, params: dict, owners) -> dict:
         """Layer ``user``'s params with its tied leaves put back from ``owners`` (layer index -> that layer's
-        params): the tree the layer's module expects."""
-        for t in self.ties_of(user):
-            params = _with(params, t.user_path, _get(owners[t.owner], t.owner_path))
+        params, a dict or a list): the tree the layer's module expects."""
+        return self.merge_tied_leaves(user, params, self.tied_leaves(user, owners))
+
+    def tied_leaves(self, user: int, owners) -> tuple:
+        """The values of layer ``user``'s tied leaves (one per tie of ``ties_of(user)``) from their owners'
+        params."""
+        return tuple(_get(owners[t.owner], t.owner_path) for t in self.ties_of(user))
+
+    def merge_tied_leaves(self, user: int, params: dict, leaves: tuple) -> dict:
+        """Layer ``user``'s params with ``leaves`` (as `tied_leaves` gives them) at its tied paths."""
+        for t, value in zip(self.ties_of(user), leaves):
+            params = _with(params, t.user_path, value)
         return params
+
+    def split_tied(self, user: int, grads: dict) -> tuple:
+        """A gradient of layer ``user``'s merged params, split: ``(its own leaves, the tied leaves' tuple)``."""
+        ties = self.ties_of(user)
+        tied = tuple(_get(grads, t.user_path) for t in ties)
+        for t in ties:
+            grads = _without(grads, t.user_path)
+        return grads, tied
+
+    def add_tied(self, owner: int, grads: dict, tied: tuple) -> dict:
+        """Layer ``owner``'s gradient plus the gradients of its leaves' other uses (``tied``: the tuple of
+        the last layer's tied leaves, as `split_tied` gives it, or of ``user``'s)."""
+        for t, g in zip(self.ties_of(len(self.layers) - 1), tied):
+            if t.owner == owner:
+                grads = _with(grads, t.owner_path, _get(grads, t.owner_path) + g)
+        return grads
 
     def num_params(self) -> int:
         """Total number of trainable scalars."""

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from revtrain.layers.base import HeadLayer, Layer, ReversibleCoupling, ReversibleLayer
-from revtrain.models.base import Model
+from revtrain.models.base import Model, Tie
 from revtrain.models.contract import ContractError, check_coupling, check_part
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -263,9 +263,13 @@ def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None,
       grid_bits: the couplings' ``snap_to_grid`` resolution (None: no rounding).
       input_key, tokens_per_example, bits_per_byte: as in `Model`.
 
+    A part may share a weight with an earlier layer's (a tied output projection holding the embedding's
+    ``nnx.Param`` itself; the first layer's module is in ``context`` as ``embedding`` for parts that ask for
+    it): the model then holds it once (`Model.ties`, found by `find_ties`).
+
     Raises:
       CompositionError: bad specs or parts; ContractError: a part breaks the contract (its own random
-        stream, F and G sharing a variable).
+        stream, F and G sharing a variable, a variable shared across layers that cannot be one parameter).
     """
     flat = flatten(specs)
     if not flat or flat[-1][0].kind != "head":
@@ -278,29 +282,69 @@ def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None,
         context.setdefault("grid_bits", grid_bits)
     base = jax.random.PRNGKey(seed)
     layers: list[Layer] = []
+    modules: list[nnx.Module] = []
     for i, (spec, name) in enumerate(flat):
         rngs = nnx.Rngs(params=jax.random.fold_in(base, i))
         with gin.config_scope(list(getattr(spec, "scope", []))):  # the spec's gin scope applies to its parts
-            layers.append(_build_layer(spec, name, rngs, context, grid_bits))
-    return Model(layers, input_key=input_key, tokens_per_example=tokens_per_example, bits_per_byte=bits_per_byte)
+            layer, module = _build_layer(spec, name, rngs, context, grid_bits)
+        layers.append(layer)
+        modules.append(module)
+        if i == 0:
+            context["embedding"] = module  # for a part that ties a weight to the embedding's
+    return Model(layers, input_key=input_key, tokens_per_example=tokens_per_example, bits_per_byte=bits_per_byte,
+                 ties=find_ties(modules, layers))
 
 
-def _build_layer(spec, name: str, rngs: nnx.Rngs, context: dict, grid_bits: int | None) -> Layer:
+def find_ties(modules: list, layers: list) -> tuple:
+    """The parameters shared between layers: every ``nnx.Param`` object that two layers' modules hold (a
+    tied embedding and output projection), as `Tie` s whose owner is the first layer holding it.
+
+    Raises:
+      ContractError: a shared variable that is not a parameter (layer state written by two layers), or a
+        parameter held by more than two layers.
+    """
+    seen: dict[int, tuple] = {}
+    ties = []
+    for i, module in enumerate(modules):
+        for path, node in nnx.iter_graph(module):
+            if not isinstance(node, nnx.Variable):
+                continue
+            if id(node) not in seen:
+                seen[id(node)] = (i, tuple(path))
+                continue
+            owner, owner_path = seen[id(node)]
+            if owner == i:
+                continue
+            where = (f"layers {layers[owner].name} ('{'.'.join(map(str, owner_path))}') and {layers[i].name} "
+                     f"('{'.'.join(map(str, path))}')")
+            if not isinstance(node, nnx.Param):
+                raise ContractError(f"{where} share the variable {type(node).__name__}: layer state written by two "
+                                    "layers cannot be replayed by the rebuild; give each layer its own")
+            if any(t.owner_path == owner_path and t.owner == owner for t in ties):
+                raise ContractError(f"{where} share a parameter that a third layer uses too: a parameter may be "
+                                    "shared by two layers")
+            ties.append(Tie(owner, owner_path, i, tuple(path)))
+    return tuple(ties)
+
+
+def _build_layer(spec, name: str, rngs: nnx.Rngs, context: dict, grid_bits: int | None):
+    """``(layer, its module)``."""
     if spec.kind == "coupling":
         f = construct(spec.f, rngs, context, f"layer {name}, F")
         g = construct(spec.g, rngs, context, f"layer {name}, G")
         check_part(f, spec.f, f"layer {name}, F")
         check_part(g, spec.g, f"layer {name}, G")
         check_coupling(f, g, spec.f, spec.g, name)
-        return ReversibleLayer(ReversibleCoupling(f, g, grid_bits=grid_bits), name)
+        module = ReversibleCoupling(f, g, grid_bits=grid_bits)
+        return ReversibleLayer(module, name), module
     module = construct(spec.module, rngs, context, f"layer {name}")
     check_part(module, spec.module, f"layer {name}")
     if spec.kind == "head":
         if not callable(getattr(module, "loss", None)):
             raise CompositionError(f"{_part_name(spec.module)} (layer {name}) cannot be a head: it has no "
                                    "loss(x, batch, *, keys, train) method")
-        return HeadLayer(module, name)
-    return Layer(module, name)
+        return HeadLayer(module, name), module
+    return Layer(module, name), module
 
 
 @gin.configurable

@@ -141,14 +141,59 @@ def step_key(seed: int, step: int) -> jax.Array:
     return jax.random.fold_in(jax.random.PRNGKey(seed), step)
 
 
-def example_keys(skey: jax.Array, layer_index, local_batch_size: int) -> jax.Array:
+def example_keys(skey, layer_index, local_batch_size: int) -> jax.Array:
     """Per-example keys ``[B_local, 2]`` for one layer, inside ``shard_map`` over ``"data"``.
 
     Example ``e`` (global index over the whole batch) gets ``fold_in(fold_in(skey, layer_index), e)``.
+
+    Args:
+      skey: the step key (uint32 ``[2]``), or ``(step key, where)`` for a microbatch (`microbatch_where`):
+        ``where`` is int32 ``[2]``, (the microbatch's first row in each device's share, that share's
+        size), so that an example gets the keys of its row in the whole batch and M microbatches draw the
+        masks one step on the whole batch draws.
+      layer_index: the layer's index (int or int32 scalar).
+      local_batch_size: rows of this device's (micro)batch.
     """
+    if isinstance(skey, tuple):
+        skey, where = skey
+        first = lax.axis_index(DATA_AXIS) * where[1] + where[0]
+    else:
+        first = lax.axis_index(DATA_AXIS) * local_batch_size
     layer_key = jax.random.fold_in(skey, layer_index)
-    ids = lax.axis_index(DATA_AXIS) * local_batch_size + jnp.arange(local_batch_size)
+    ids = first + jnp.arange(local_batch_size)
     return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(layer_key, ids)
+
+
+def microbatch_where(m: int, microbatches: int, local_batch_size: int) -> np.ndarray:
+    """int32 ``[2]``: microbatch ``m``'s first row in each device's share of ``local_batch_size`` rows, and
+    that share's size (the ``where`` of `example_keys`)."""
+    return np.array([m * (local_batch_size // microbatches), local_batch_size], np.int32)
+
+
+def take_microbatch(batch: dict, m, microbatches: int) -> dict:
+    """Inside ``shard_map``: rows ``m * b / M .. (m + 1) * b / M - 1`` of this device's share of every leaf
+    (``m`` may be traced). Each device's share is split into the M microbatches, so no row moves between
+    devices."""
+    def take(x):
+        size = x.shape[0] // microbatches
+        return lax.dynamic_slice_in_dim(x, m * size, size, axis=0)
+    return jax.tree.map(take, batch)
+
+
+def leaf_squares(grads) -> jax.Array:
+    """float32 ``[leaves]``: each floating leaf's sum of squares, in tree order (the pieces of
+    ``optax.global_norm``; `grad_norm` adds them up)."""
+    sq = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)
+          if jnp.issubdtype(g.dtype, jnp.inexact)]
+    return jnp.stack(sq) if sq else jnp.zeros((0,), jnp.float32)
+
+
+@jax.jit
+def grad_norm(pieces: list) -> jax.Array:
+    """The global gradient norm (float32 scalar) from per-layer `leaf_squares` (any leading axes: a stacked
+    run's ``[count, leaves]``), in layer order."""
+    flat = [p.reshape(-1) for p in pieces]
+    return jnp.sqrt(jnp.sum(jnp.concatenate(flat))) if flat else jnp.float32(0.0)
 
 
 def batch_size_of(tree) -> int:
@@ -207,11 +252,20 @@ def reduce_grads(grads, specs=None):
     return jax.tree.map(reduce, grads, specs)
 
 
-def check_batch(batch: dict, num_devices: int) -> None:
-    """Raises TrainerError when the global batch cannot be split evenly over ``num_devices``."""
-    message = batch_divisibility_error(batch_size_of(batch), num_devices)
+def check_batch(batch: dict, num_devices: int, microbatches: int = 1) -> None:
+    """Raises TrainerError when the global batch cannot be split evenly over ``num_devices``, and each
+    device's share into ``microbatches`` equal microbatches."""
+    size = batch_size_of(batch)
+    message = batch_divisibility_error(size, num_devices)
     if message:
         raise TrainerError(message)
+    if (size // num_devices) % microbatches:
+        raise TrainerError(microbatch_error(size, num_devices, microbatches))
+
+
+def microbatch_error(batch_size: int, num_devices: int, microbatches: int) -> str:
+    return (f"train.batch_size {batch_size} on {num_devices} device(s) is {batch_size / num_devices:g} per device, "
+            f"which does not split into train.microbatches = {microbatches} equal microbatches")
 
 
 def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
@@ -293,58 +347,18 @@ def all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
-def check_per_layer_optimizer(tx: optax.GradientTransformation, steps: int = 4) -> None:
-    """Refuses an optimizer whose per-layer application differs from whole-tree application.
+def is_elementwise(tx: optax.GradientTransformation, pieces: int = 2, steps: int = 2) -> bool:
+    """Whether ``tx``'s update of a piece of a leaf equals the whole leaf's update there.
 
-    The reversible trainer applies the optimizer to one layer's parameters at a time. That equals
-    ordinary whole-model training only when the update of a leaf does not depend on other leaves (adam,
-    adamw, sgd, lamb, adafactor, schedules are fine; ``optax.clip_by_global_norm`` is not). The test runs
-    ``tx`` for a few steps on a two-leaf tree, and on each leaf alone, with gradients of very different
-    scales (one step is not enough: Adam's first step is scale-free), and compares the updates.
-
-    Raises:
-      TrainerError: the optimizer couples leaves; the message names per-leaf alternatives.
-    """
-    rng = np.random.default_rng(0)
-    params = {"a": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(5,)), jnp.float32)}
-    grads = [{"a": jnp.asarray(rng.normal(size=(3, 4)) * 1e3, jnp.float32),
-              "b": jnp.asarray(rng.normal(size=(5,)) * 1e-3, jnp.float32)} for _ in range(steps)]
-    try:
-        whole = tx.init(params)
-        parts = {k: tx.init({k: params[k]}) for k in params}
-        p_whole, p_parts = dict(params), dict(params)
-        for g in grads:
-            u, whole = tx.update(g, whole, p_whole)
-            p_whole = optax.apply_updates(p_whole, u)
-            for k in params:
-                uk, parts[k] = tx.update({k: g[k]}, parts[k], {k: p_parts[k]})
-                p_parts[k] = optax.apply_updates({k: p_parts[k]}, uk)[k]
-    except Exception as e:  # an optimizer that cannot even run per leaf
-        raise TrainerError(f"the optimizer cannot be applied one layer at a time ({type(e).__name__}: {e})") from e
-    for k in params:
-        a, b = np.asarray(p_whole[k]), np.asarray(p_parts[k])
-        if not np.allclose(a, b, rtol=1e-5, atol=1e-7):
-            raise TrainerError(
-                "the optimizer couples parameters across layers (e.g. optax.clip_by_global_norm), so the "
-                "reversible trainer's per-layer updates would change its meaning; use a per-leaf alternative "
-                "such as optax.clip(max_delta), optax.clip_by_block_rms(threshold) or "
-                "optax.adaptive_grad_clip(clipping), or train with StandardTrainer")
-
-
-def check_sharded_optimizer(tx: optax.GradientTransformation, pieces: int = 2, steps: int = 2) -> None:
-    """Refuses an optimizer whose update of a leaf needs the whole leaf, for sharded state.
-
-    With ``ReversibleTrainer.shard_state`` each device updates only its piece of a leaf, so the update
-    must be elementwise: the same on a piece as on the whole. Adam, AdamW, SGD (with momentum), Lion,
-    RMSProp, ``optax.clip`` are; adafactor (factored second moments: row and column means of the whole
-    leaf), lamb (the trust ratio: norms of the whole leaf) and ``optax.clip_by_block_rms`` (the leaf's RMS)
-    are not. The test runs ``tx`` for a few steps on a 256 x 256 leaf (large enough for adafactor to factor
-    it, and each piece too) and on its ``pieces`` row blocks and column blocks separately, with gradients of
-    very different scales in different blocks, and compares the updates.
-
-    Raises:
-      TrainerError: the update of a piece differs from the whole leaf's; the message names elementwise
-        alternatives.
+    With ``ReversibleTrainer.shard_state`` each device holds a piece of every large leaf. An elementwise
+    update (Adam, AdamW, SGD with momentum, Lion, RMSProp, ``optax.clip``) runs on the pieces inside the
+    fused per-layer update; one that needs the whole leaf (adafactor's factored second moments: row and
+    column means; lamb's trust ratio: norms of the whole leaf; ``optax.clip_by_block_rms``: the leaf's RMS)
+    runs in the deferred update pass instead, on whole leaves assembled across devices. The test runs
+    ``tx`` for a few steps on a 256 x 256 leaf (large enough for adafactor to factor it, and each piece
+    too) and on its ``pieces`` row blocks and column blocks separately, with gradients of very different
+    scales in different blocks, and compares the updates. An optimizer that cannot run on a piece at all
+    is not elementwise.
     """
     rng = np.random.default_rng(1)
     shape = (256, 256)
@@ -371,16 +385,10 @@ def check_sharded_optimizer(tx: optax.GradientTransformation, pieces: int = 2, s
             parts = [run(pp, [np.array_split(g, pieces, axis)[k] for g in grads])
                      for k, pp in enumerate(np.array_split(param, pieces, axis))]
             if not np.allclose(np.concatenate(parts, axis), whole, rtol=1e-5, atol=1e-7):
-                raise TrainerError(
-                    "ReversibleTrainer.shard_state needs an elementwise optimizer (each device updates its piece "
-                    "of a leaf), and this one's update of a leaf needs the whole leaf (e.g. optax.adafactor's "
-                    "factored moments, optax.lamb's trust ratio, optax.clip_by_block_rms); use optax.adam, "
-                    "optax.adamw, optax.sgd, optax.lion or optax.clip(max_delta), or shard_state = False")
-    except TrainerError:
-        raise
-    except Exception as e:  # an optimizer that cannot run on a piece at all
-        raise TrainerError(f"the optimizer cannot update a piece of a leaf for ReversibleTrainer.shard_state "
-                           f"({type(e).__name__}: {e})") from e
+                return False
+    except Exception:  # an optimizer that cannot run on a piece at all
+        return False
+    return True
 
 
 class _Dispatch:
@@ -415,13 +423,23 @@ class TrainerBase:
       optimizer: an optax ``GradientTransformation``.
       mesh: the 1-D data mesh (``placement.make_mesh()``).
       seed: the seed of the dropout keys.
+      microbatches: M: each step runs the global batch as M microbatches one after another (each device's
+        share split into M), sums their gradients with the weighting of one step on the whole batch and
+        applies the optimizer once (gradient accumulation). Activation memory is one microbatch's.
+
+    Raises:
+      TrainerError: ``microbatches`` is not a positive integer.
     """
 
-    def __init__(self, model: Model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0):
+    def __init__(self, model: Model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0,
+                 microbatches: int = 1):
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise TrainerError(f"train.microbatches must be a positive integer, got {microbatches!r}")
         self.model = model
         self.tx = optimizer
         self.mesh = mesh
         self.seed = seed
+        self.microbatches = microbatches
         self._cache: dict = {}
         self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
         self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
@@ -504,8 +522,18 @@ class TrainerBase:
         return tree
 
     def layer_params(self, ts: TrainState, i: int):
-        """Layer ``i``'s params as device arrays."""
-        return self._fetch(ts.params[i])
+        """Layer ``i``'s params as device arrays (tied leaves included, `Model.merge_tied`)."""
+        params = ts.params
+        return self._fetch(self.model.merge_tied(i, params[i], params) if self.model.ties_of(i) else params[i])
+
+    def tied_params(self, grouped: Stacked, g: int):
+        """Group ``g``'s params with the tied leaves of its (single) layer put back from their owners' groups
+        (a tie's owner is always a group of its own)."""
+        start, count = grouped.groups[g]
+        if count > 1 or not self.model.ties_of(start):
+            return grouped.params[g]
+        owners = {s: grouped.params[k] for k, (s, c) in enumerate(grouped.groups) if c == 1}
+        return self.model.merge_tied(start, grouped.params[g], owners)
 
     def layer_state(self, ts: TrainState, i: int):
         return ts.layer_state[i]
@@ -545,6 +573,7 @@ class TrainerBase:
         x = batch[self.model.input_key]
         for g, fn in enumerate(self._eval_fns(grouped.groups)):  # with offload each program moves its weights
             x = fn(grouped.params[g], grouped.layer_state[g], x)
-        head = self._compiled("eval_head", self.model.layers[-1], self._eval_head,
-                              (self._param_specs(self.model.layers[-1]), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
-        return head(grouped.params[-1], grouped.layer_state[-1], x, batch)
+        last = self.model.layers[-1]
+        head = self._compiled("eval_head", last, self._eval_head,
+                              (self._param_specs(last), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+        return head(self.tied_params(grouped, len(grouped.groups) - 1), grouped.layer_state[-1], x, batch)

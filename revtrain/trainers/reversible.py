@@ -43,8 +43,14 @@ devices hold one copy between them instead of N. Each program takes the local pi
 device with offload), all-gathers the weights over ``"data"`` (`common.gather_params`: whole and the same
 on every device during the forward, rebuild and vjp, pmap semantics), reduce-scatters the gradients
 (``lax.psum_scatter``, `common.reduce_grads`) instead of summing them everywhere, and runs the optax
-update on the local piece; the updated piece goes back where it lives. The update must then be
-elementwise (`common.check_sharded_optimizer`).
+update on the local piece; the updated piece goes back where it lives. An update that needs the whole leaf
+(`common.is_elementwise` says no: LAMB, Adafactor) runs in the deferred update pass instead.
+
+Deferred updates (`revtrain.trainers.deferred`): with microbatches (gradient accumulation), an optimizer
+whose whole-model update combines layers (``optax.clip_by_global_norm``: `layerwise.LayerwiseUpdate`) or
+tied parameters, the backward accumulates each layer's gradient where its weights live and streamed passes
+after the backward apply the optimizer exactly as on the whole model. Every step also reports the global
+gradient norm (``grad_norm``) from per-layer sums of squares.
 
 Reference: Trax ``ReversibleSerialTrainer`` (trax/optimizers/trainer.py); Gomez et al., "The Reversible
 Residual Network", NeurIPS 2017; Kitaev et al., "Reformer", ICLR 2020.
@@ -66,8 +72,10 @@ from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
                                 put_replicated, put_sharded, replicated, shard_spec, spec_axis)
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
-                                      check_flags, check_per_layer_optimizer, check_sharded_optimizer, example_keys,
-                                      gather_params, guarded_update, per_device, reduce_grads, step_key)
+                                      check_flags, example_keys, gather_params, grad_norm, guarded_update,
+                                      is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
+from revtrain.trainers.deferred import DeferredUpdates, split_leaf_squares
+from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
@@ -78,7 +86,7 @@ def _is_float_tree(tree) -> bool:
 
 
 @gin.configurable
-class ReversibleTrainer(TrainerBase):
+class ReversibleTrainer(DeferredUpdates, TrainerBase):
     """Reversible backprop with fused per-layer optimizer updates and optional per-layer host offload.
 
     Args:
@@ -110,10 +118,21 @@ class ReversibleTrainer(TrainerBase):
         0 at initialisation and early in training). Layers without ``half_residuals`` use the exact recipe
         in both modes. See docs/rebuild.md.
 
+      microbatches: gradient accumulation (``TrainerBase``): M forward/backward passes per step, then the
+        deferred update (`revtrain.trainers.deferred`).
+
+    Any optax optimizer: a separable one (each layer's update needs only that layer: Adam, AdamW, Lion,
+    SGD, LAMB, Adafactor) keeps the fused per-layer update; one whose whole-model update combines layers
+    (``optax.clip_by_global_norm`` in a chain, ``optax.apply_if_finite``) runs deferred, exactly as on the
+    whole model (`layerwise.LayerwiseUpdate`). So do microbatches, tied parameters (`Model.ties`) and, with
+    ``shard_state``, an update that needs whole leaves.
+
     Raises:
-      TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or needs whole leaves
-        with ``shard_state`` (``check_sharded_optimizer``), offload was asked for on a backend without a
-        ``pinned_host`` memory space, or ``rebuild`` is not a known mode.
+      TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer
+        at a time), offload was asked for on a backend without a ``pinned_host`` memory space, ``rebuild``
+        is not a known mode, ``microbatches`` is not a positive integer, or tied parameters that cannot be
+        shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
+        or ``fuse_top``).
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
@@ -124,18 +143,24 @@ class ReversibleTrainer(TrainerBase):
     REBUILD_MODES = ("exact", "fused")
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
-                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False):
+                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1):
         check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers, shard_state=shard_state,
                     fuse_top=fuse_top)
         if rebuild not in self.REBUILD_MODES:
             raise TrainerError(f"ReversibleTrainer.rebuild must be one of {', '.join(map(repr, self.REBUILD_MODES))}, "
                                f"got {rebuild!r}")
         self.rebuild = rebuild
-        super().__init__(model, optimizer, mesh, seed)
-        check_per_layer_optimizer(optimizer)
-        if shard_state:
-            check_sharded_optimizer(optimizer)
+        super().__init__(model, optimizer, mesh, seed, microbatches)
+        try:
+            self.layerwise = LayerwiseUpdate(optimizer, model.init()[0])
+        except CoupledUpdateError as e:
+            raise TrainerError(str(e)) from None
         self.shard_state = shard_state
+        self._check_ties(model, shard_state, fuse_top)
+        # The fused per-layer update when it is exact; else the deferred one (`revtrain.trainers.deferred`).
+        self.deferred = (not self.layerwise.separable or microbatches > 1 or bool(model.ties)
+                         or (shard_state and not is_elementwise(optimizer)))
+        self._acc_key, self._acc_clean = None, False
         self._specs: dict = {}  # id(layer) -> (params specs, optimizer state specs), per layer
         if offload and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
@@ -149,10 +174,37 @@ class ReversibleTrainer(TrainerBase):
         if self.fuse_top:
             runs = [(start, count - (start + count == num_layers - 1)) for start, count in runs]
             runs = [(start, count) for start, count in runs if count >= 2]
+        if self.deferred and not self.layerwise.separable:  # a run's layers must share one update program
+            runs = [(start, count) for start, count in runs
+                    if len({self.layerwise.signature(start + j) for j in range(count)}) == 1]
         self.groups = groups_of(num_layers, runs)  # this trainer's working layout
         self._plans: dict = {}
         if shard_state:
             metrics_lib.log(self.shard_summary())
+
+    @staticmethod
+    def _check_ties(model, shard_state: bool, fuse_top: bool) -> None:
+        """Raises `TrainerError` for tied parameters this trainer cannot share exactly."""
+        last = len(model.layers) - 1
+        for t in model.ties:
+            where = f"layers {model.layers[t.owner].name} and {model.layers[t.user].name}"
+            if t.user != last:
+                raise TrainerError(f"a parameter shared by {where}: the reversible trainer shares a parameter "
+                                   "only between a standard layer and the head (a tied embedding and output "
+                                   "projection)")
+            if model.layers[t.owner].reversible:
+                raise TrainerError(f"a parameter shared by {where}: its owner must be a standard layer, not a "
+                                   "reversible one")
+            if shard_state or fuse_top:
+                raise TrainerError(f"a parameter shared by {where} cannot be combined with "
+                                   f"ReversibleTrainer.{'shard_state' if shard_state else 'fuse_top'} yet; set it "
+                                   "to False")
+
+    def _sq(self, layer, grads):
+        """Each leaf's sum of squares of a layer's summed gradient (the pieces of ``grad_norm``)."""
+        if self.shard_state:
+            return split_leaf_squares(self.layer_specs(layer)[0], grads)
+        return leaf_squares(grads)
 
     # -- sharded state: one PartitionSpec per leaf (placement.shard_spec), per layer -------------------
     def layer_specs(self, layer):
@@ -353,7 +405,7 @@ class ReversibleTrainer(TrainerBase):
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, ok=jnp.isfinite(loss),
                                                      across=self._across)
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
-        return dx, new_params, new_opt, new_state, metrics, finite
+        return dx, new_params, new_opt, new_state, metrics, finite, self._sq(layer, grads)
 
     def _top_head(self, layers, top_params, top_opt, top_state, head_params, head_opt, head_state, x, batch, skey,
                   top_index, head_index):
@@ -371,21 +423,21 @@ class ReversibleTrainer(TrainerBase):
                                                           across=self._across)
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
         return (dx, new_top, new_top_opt, new_top_state, new_head, new_head_opt, new_head_state, metrics,
-                top_finite, head_finite)
+                top_finite, head_finite, self._sq(top, top_grads), self._sq(head, head_grads))
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
         x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
                                           self._grad_specs(layer), self.rebuild)
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
-        return x, dx, new_params, new_opt, finite
+        return x, dx, new_params, new_opt, finite, self._sq(layer, grads)
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
         dx, grads = self.recompute_grads(layer, self._whole(layer, params), state, x, dy, keys,
                                          self._grad_specs(layer))
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
-        return dx, new_params, new_opt, finite
+        return dx, new_params, new_opt, finite, self._sq(layer, grads)
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
     def _forward_run(self, layer, params, states, x, skey, start):
@@ -427,16 +479,16 @@ class ReversibleTrainer(TrainerBase):
         def body(carry, slices):
             stacks, y, dy, (p, o) = carry
             s, j = slices
-            x, dx, p, o, finite = self._reverse_and_update(layer, p, o, s, y, dy, skey, start + j)
+            x, dx, p, o, finite, sq = self._reverse_and_update(layer, p, o, s, y, dy, skey, start + j)
             stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks,
                                   self._inside_to_host((p, o)))
-            return (stacks, x, dx, self._slice_to_device(stacks, jnp.maximum(j - 1, 0))), finite
+            return (stacks, x, dx, self._slice_to_device(stacks, jnp.maximum(j - 1, 0))), (finite, sq)
 
         stacks = (params, opt_state)
         carry = (stacks, y, dy, self._slice_to_device(stacks, count - 1))
-        (stacks, x, dx, _), finite = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)),
-                                              reverse=True)
-        return x, dx, stacks[0], stacks[1], finite
+        (stacks, x, dx, _), (finite, sq) = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)),
+                                                    reverse=True)
+        return x, dx, stacks[0], stacks[1], finite, sq
 
     def _moved(self, fn, inputs: tuple, outputs: tuple):
         """``fn`` (a per-layer function) moving its arguments at positions ``inputs`` (weights, optimizer
@@ -454,10 +506,10 @@ class ReversibleTrainer(TrainerBase):
     _PER_LAYER = {
         "forward_rev": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (2,), (0,), ()),
         "forward_std": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (), (0,), ()),
-        "head": ("_head", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R, _R), (0, 1), (0, 1), (1, 2)),
-        "reverse": ("_reverse_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _D, _R, _R, _R), (0, 1, 3, 4), (0, 1),
-                    (2, 3)),
-        "recompute": ("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R), (0, 1, 4), (0, 1),
+        "head": ("_head", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R, _R, _R), (0, 1), (0, 1), (1, 2)),
+        "reverse": ("_reverse_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _D, _R, _R, _R, _R), (0, 1, 3, 4),
+                    (0, 1), (2, 3)),
+        "recompute": ("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R), (0, 1, 4), (0, 1),
                       (1, 2)),
     }
 
@@ -500,7 +552,7 @@ class ReversibleTrainer(TrainerBase):
     def _top_head_fn(self, top, head):
         """The compiled `_top_head` of ``top`` (the reversible layer under the head) and ``head``."""
         in_specs = (_R, _R, _R, _R, _R, _R, _D, _D, _R, _R, _R)
-        out_specs = (_D, _R, _R, _R, _R, _R, _R, _R, _R, _R)
+        out_specs = (_D, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R)
         top_specs, head_specs = self.layer_specs(top), self.layer_specs(head)
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
@@ -517,7 +569,7 @@ class ReversibleTrainer(TrainerBase):
             return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
                                   key=key)
         if kind == "reverse_run":
-            in_specs, out_specs, shardings = (pspec, ospec, _R, _D, _D, _R, _R), (_D, _D, pspec, ospec, _R), {}
+            in_specs, out_specs, shardings = (pspec, ospec, _R, _D, _D, _R, _R), (_D, _D, pspec, ospec, _R, _R), {}
             if self.offload:  # the stacks stay in host memory
                 shardings = {"out_shardings": self._offload_shardings(out_specs, (2, 3)),
                              "in_shardings": self._offload_shardings(in_specs, (0, 1))}
@@ -531,27 +583,28 @@ class ReversibleTrainer(TrainerBase):
         if plan is None:
             layers, kinds, forward, backward = self.model.layers, [], [], []
             top = self.fuse_top and groups[-2] == (len(layers) - 2, 1)
+            acc = self.deferred  # the accumulating backward programs (revtrain.trainers.deferred)
             for start, count in groups[:-2] if top else groups[:-1]:
                 layer = layers[start]
                 if count > 1:
                     kinds.append("run")
                     forward.append(self._run_fn("forward_run", layer, count))
-                    backward.append(self._run_fn("reverse_run", layer, count))
+                    backward.append(self._acc_run_fn(layer, count) if acc else self._run_fn("reverse_run", layer, count))
                 elif layer.reversible:
                     kinds.append("rev")
                     forward.append(self._fn("forward_rev", layer))
-                    backward.append(self._fn("reverse", layer))
+                    backward.append(self._acc_fn("reverse_acc", layer) if acc else self._fn("reverse", layer))
                 else:
                     kinds.append("std")
                     forward.append(self._fn("forward_std", layer))
-                    backward.append(self._fn("recompute", layer))
+                    backward.append(self._acc_fn("recompute_acc", layer) if acc else self._fn("recompute", layer))
             if top:
                 kinds.append("top")
                 forward.append(None)
                 backward.append(None)
-                head = self._top_head_fn(layers[-2], layers[-1])
+                head = (self._top_head_acc_fn if acc else self._top_head_fn)(layers[-2], layers[-1])
             else:
-                head = self._fn("head", layers[-1])
+                head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
             kinds.append("head")
             plan = self._plans[groups] = _Plan(kinds, forward, backward, head,
                                                [np.int32(start) for start, _ in groups])
@@ -571,10 +624,14 @@ class ReversibleTrainer(TrainerBase):
           batch, nats) and ``accuracy``.
 
         Raises:
-          TrainerError: the batch size is not divisible by the number of devices.
-          NonFiniteError: a non-finite loss or gradient (its ``state`` skips the non-finite updates).
+          TrainerError: the batch size is not divisible by the number of devices (and each device's share by
+            the number of microbatches).
+          NonFiniteError: a non-finite loss or gradient (its ``state`` skips the non-finite updates; with
+            deferred updates no layer is updated).
         """
-        check_batch(batch, self.num_devices)
+        check_batch(batch, self.num_devices, self.microbatches)
+        if self.deferred:
+            return self._deferred_step(ts, batch)
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
         kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
@@ -600,14 +657,15 @@ class ReversibleTrainer(TrainerBase):
             x, new_states[g] = plan.forward[g](params[g], states[g], x, skey, index[g])
 
         # Head: loss, vjp and update in one call (through the reversible layer under it with fuse_top).
-        finite = [None] * (last + 1)
+        finite, sq = [None] * (last + 1), [None] * (last + 1)
         if top:
             t = last - 1
             (dy, params[t], opt_state[t], new_states[t], params[last], opt_state[last], new_states[last], metrics,
-             finite[t], finite[last]) = plan.head(params[t], opt_state[t], states[t], params[last], opt_state[last],
-                                                  states[last], x, batch, skey, index[t], index[last])
+             finite[t], finite[last], sq[t], sq[last]) = plan.head(
+                params[t], opt_state[t], states[t], params[last], opt_state[last], states[last], x, batch, skey,
+                index[t], index[last])
         else:
-            dy, params[last], opt_state[last], new_states[last], metrics, finite[last] = plan.head(
+            dy, params[last], opt_state[last], new_states[last], metrics, finite[last], sq[last] = plan.head(
                 params[last], opt_state[last], states[last], x, batch, skey, index[last])
 
         # Backward: reverse-and-update each layer (each run in one scan), newest first.
@@ -615,12 +673,13 @@ class ReversibleTrainer(TrainerBase):
         for g in range(last - 2 if top else last - 1, -1, -1):
             if kinds[g] == "std":
                 xs = self._act_to_device(saved.pop(g))
-                dy, params[g], opt_state[g], finite[g] = plan.backward[g](
+                dy, params[g], opt_state[g], finite[g], sq[g] = plan.backward[g](
                     params[g], opt_state[g], states[g], xs, dy, skey, index[g])
                 y = xs
             else:
-                y, dy, params[g], opt_state[g], finite[g] = plan.backward[g](
+                y, dy, params[g], opt_state[g], finite[g], sq[g] = plan.backward[g](
                     params[g], opt_state[g], states[g], y, dy, skey, index[g])
+        metrics = dict(metrics, grad_norm=grad_norm(sq))
         groups = grouped.groups
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,

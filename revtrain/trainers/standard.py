@@ -5,13 +5,14 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of,
                                       check_batch, check_finite, check_flags, example_keys, guarded_update, per_device,
-                                      step_key)
+                                      step_key, take_microbatch)
 from revtrain.trainers.stacking import find_runs, groups_of
 
 
@@ -35,14 +36,21 @@ class StandardTrainer(TrainerBase):
       remat_layers: with ``scan_layers``, wrap the scan body in ``jax.checkpoint`` (keep only each layer's
         input; recompute the rest in the backward pass). XLA:CPU does not honour it for memory (docs/design.md
         section 8).
+      microbatches: see ``TrainerBase``: a ``lax.scan`` over the M microbatches inside the step's program
+        sums their gradients (of the summed loss, divided by the whole batch's weight at the end), then one
+        optax update of the whole model.
+
+    Tied parameters (``Model.ties``) are one leaf, held by the owner layer and put into the user layer's
+    params inside the program, so backprop sums both uses' gradients. The metrics add ``grad_norm``, the
+    global norm of the gradient (before any clipping the optimizer does).
     """
 
     name = "standard"
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, scan_layers: bool = False,
-                 remat_layers: bool = False):
+                 remat_layers: bool = False, microbatches: int = 1):
         check_flags("StandardTrainer", scan_layers=scan_layers, remat_layers=remat_layers)
-        super().__init__(model, optimizer, mesh, seed)
+        super().__init__(model, optimizer, mesh, seed, microbatches)
         self.scan_layers, self.remat_layers = scan_layers, remat_layers
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)
@@ -53,10 +61,11 @@ class StandardTrainer(TrainerBase):
         params = self.replicate(params)
         return TrainState(0, params, [self.replicate(self.tx.init(params))], self.replicate(state))
 
-    def grads(self, params, states, batch, skey):
+    def grads(self, params, states, batch, skey, normalize: bool = True):
         """Whole-model backprop inside ``shard_map``: ``(mean loss, grads summed over devices, stats,
-        new layer states, total weight)``. Shared with `revtrain check`."""
-        layers = self.model.layers
+        new layer states, total weight)``. Shared with `revtrain check`. ``normalize=False``: the loss and
+        gradient of the summed loss (not divided by the total weight; a microbatch's part)."""
+        layers, model = self.model.layers, self.model
         b = batch_size_of(batch)
 
         def run(start, count, params, states, x):
@@ -74,6 +83,7 @@ class StandardTrainer(TrainerBase):
             return x, [jax.tree.map(lambda v, k=k: v[k], new) for k in range(count)]
 
         def objective(params):
+            params = [model.merge_tied(i, p, params) if model.ties_of(i) else p for i, p in enumerate(params)]
             x = batch[self.model.input_key]
             new_states = []
             for start, count in self.groups[:-1]:
@@ -87,19 +97,45 @@ class StandardTrainer(TrainerBase):
                                                   example_keys(skey, len(layers) - 1, b), True)
             new_states.append(ns)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
-            return loss_sum / total, (stats, new_states, total)
+            return (loss_sum / total if normalize else loss_sum), (stats, new_states, total)
 
         (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(per_device(params))
         return obj, lax.psum(grads, DATA_AXIS), stats, new_states, total
 
+    def _accumulated(self, params, states, batch, skey):
+        """``grads`` of M microbatches (`take_microbatch`), one ``lax.scan``: the summed loss's gradient and
+        statistics of each, the layer states carried from one to the next, all divided by the whole
+        batch's weight at the end."""
+        m_count, b = self.microbatches, batch_size_of(batch)
+
+        def body(carry, m):
+            states, acc = carry
+            where = jnp.stack([m * (b // m_count), b]).astype(jnp.int32)
+            obj, grads, stats, new_states, total = self.grads(params, states, take_microbatch(batch, m, m_count),
+                                                              (skey, where), normalize=False)
+            sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
+            acc = jax.tree.map(jnp.add, acc, (grads, sums)) if acc is not None else (grads, sums)
+            return (new_states, acc), None
+
+        # The first microbatch outside the scan gives the accumulator its structure (and no zeros are added).
+        (states, acc), _ = body((states, None), jnp.int32(0))
+        (states, (grads, (loss_sum, correct, total))), _ = lax.scan(body, (states, acc),
+                                                                    jnp.arange(1, m_count, dtype=jnp.int32))
+        grads = jax.tree.map(lambda g: g / total, grads)
+        return loss_sum / total, grads, {"correct": correct}, states, total
+
     def _step(self, params, opt_state, states, batch, skey):
-        obj, grads, stats, new_states, total = self.grads(params, states, batch, skey)
-        loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
+        if self.microbatches == 1:
+            obj, grads, stats, new_states, total = self.grads(params, states, batch, skey)
+            loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
+            correct = lax.psum(stats["correct"], DATA_AXIS)
+        else:
+            loss, grads, stats, new_states, total = self._accumulated(params, states, batch, skey)
+            correct = stats["correct"]
         finite = jnp.stack([all_finite(g) for g in grads])
         new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
                                                 ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)), branch=True)
-        metrics = {"loss": loss,
-                   "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
+        metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": optax.global_norm(grads)}
         return new_params, new_opt, new_states, metrics, finite
 
     def train_step(self, ts: TrainState, batch: dict):
@@ -108,7 +144,7 @@ class StandardTrainer(TrainerBase):
         Raises:
           TrainerError: the batch size is not divisible by the number of devices.
         """
-        check_batch(batch, self.num_devices)
+        check_batch(batch, self.num_devices, self.microbatches)
         if "step" not in self._cache:
             mapped = jax.shard_map(self._step, mesh=self.mesh,
                                    in_specs=(P(), P(), P(), P(DATA_AXIS), P()),

@@ -1,0 +1,107 @@
+"""``revtrain export``: a run's checkpoint written as a Hugging Face checkpoint directory.
+
+Design: the run's gin config (``DIR/config.gin``) rebuilds the model, the chosen checkpoint step is restored
+as `revtrain sample` restores it, and the model's per-layer parameters are mapped back to the tensor names of
+`revtrain.models.llama` (the inverse of the import, ``[out, in]`` projections) and written with the
+``safetensors`` package as ``OUT/model.safetensors`` beside ``OUT/config.json`` (``LlamaForCausalLM``), so
+that ``transformers`` (``LlamaForCausalLM.from_pretrained(OUT)``) loads it and generates, and `LlamaModel`
+imports it again. Either form of a run exports the same standard model (the exact form's ``g = 0`` model).
+
+The directory is written beside its final name and renamed into place, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+DTYPES = ("float32", "bfloat16")
+
+
+class ExportError(ValueError):
+    """Export cannot proceed (a run of another model, an output that exists); one line, exit status 2."""
+
+
+def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32") -> None:
+    """Writes ``out/config.json`` and ``out/model.safetensors``.
+
+    Args:
+      out: the directory to create (must not exist, or be empty).
+      spec: the model's `revtrain.models.llama.LlamaSpec`.
+      tensors: ``{name: float32 numpy array}`` (`revtrain.models.llama.model_tensors`).
+      dtype: "float32" or "bfloat16", the dtype written (``torch_dtype`` in the config).
+
+    Raises:
+      ExportError: a bad dtype, or ``out`` exists and is not an empty directory.
+    """
+    import dataclasses
+
+    import jax.numpy as jnp
+    from safetensors.flax import save_file
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ExportError(f"--to {out} exists and is not an empty directory")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise ExportError(f"--to {out}: the directory {parent} does not exist")
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        config = dataclasses.replace(spec, torch_dtype=dtype).hf_config()
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+                  for k, v in tensors.items()}
+        save_file(arrays, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.isdir(out):
+            os.rmdir(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str = "float32") -> int:
+    """Exports a checkpoint of the run in ``workdir`` (its gin config already parsed) to ``out``.
+
+    Returns:
+      The exported step.
+
+    Raises:
+      ExportError: the run's model is not a `LlamaModel`, a bad dtype, or ``out`` exists.
+      revtrain.checkpoint.CheckpointError: no checkpoints, or no such step.
+      revtrain.loop.ConfigError: the run's config cannot be built.
+    """
+    from revtrain import checkpoint as ckpt_lib
+    from revtrain import loop
+    from revtrain.models.llama import model_tensors
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ExportError(f"--to {out} exists and is not an empty directory")
+    workdir = os.path.abspath(workdir)
+    try:
+        cfg = loop.TrainConfig()
+    except (ValueError, TypeError) as e:
+        raise loop.ConfigError(str(e).splitlines()[0]) from e
+    if getattr(cfg.model, "__name__", "") != "LlamaModel":
+        raise ExportError(f"the run in {workdir} trains {getattr(cfg.model, '__name__', cfg.model)}; export writes "
+                          "Llama checkpoints (train.model = @LlamaModel)")
+    checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+    try:
+        checkpointer.chosen_step(step)
+        run = loop.build(cfg)
+        ts, chosen = checkpointer.restore_newest(run.trainer.init(), step)
+    finally:
+        checkpointer.close()
+    import jax
+    import numpy as np
+    params = [jax.tree.map(np.asarray, p) for p in ts.params]
+    write_checkpoint(out, run.model.llama_spec, model_tensors(run.model, params), dtype)
+    return chosen

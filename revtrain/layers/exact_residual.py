@@ -1,0 +1,179 @@
+"""Standard residual blocks trained exactly reversibly: the BDIA update on revtrain's fixed-point grid.
+
+Design (derivation and numbers: ``docs/exact_residual.md``). A standard pre-norm block is an Euler step
+``x_{k+1} = x_k + h_k(x_k)``. Its input cannot be rebuilt from its output, so the reversible trainer has to
+save it. The BDIA idea (Zhang, Lewis & Kleijn, "On Exact Bit-level Reversible Transformers Without Changing
+Architectures", ICML 2025) trains the same blocks with a two-step update instead::
+
+    x_{k+1} = g_k x_{k-1} + (1 - g_k) x_k + (1 + g_k) h_k(x_k),     g_k in {+1/2, -1/2}
+
+drawn per example and block; its mean over ``g_k`` is the Euler step, and ``g_k = 0`` (evaluation,
+sampling) *is* the standard block. Everything but ``g_k x_{k-1}`` is a function of ``x_k`` alone. On a grid
+of unit ``u = 2**-grid_bits``, with both streams multiples of ``u``:
+
+* ``R_k(x_k) = snap((1 - g_k) x_k + (1 + g_k) h_k(x_k))`` is one rounded term, recomputed bit for bit in
+  the rebuild (same inputs, same keys, same program text);
+* ``x_{k-1} = (2 m + s) u`` with ``m = floor(x_{k-1} / 2u)`` and ``s`` in {0, 1} its lowest bit; the halved
+  term is ``sign(g_k) m u``, exact, and the lost bit ``s`` is stored (1 bit per element per block);
+* ``x_{k+1} = sign(g_k) m u + R_k(x_k)``: a sum of two grid values, exact while the stream stays below
+  ``2**(24 - grid_bits)`` in float32.
+
+The rebuild reads ``(x_k, x_{k+1})`` and the bits: ``m u = sign(g_k) (x_{k+1} - R_k(x_k))`` (exact: it is
+the difference the forward added), ``x_{k-1} = 2 m u + s u``. Nothing is approximate, so a run of any
+depth rebuilds bit for bit.
+
+Layout: the layer maps the activation triple ``(x_{k-1}, x_k, bits) -> (x_k, x_{k+1}, bits')``, where
+``bits`` is a uint8 stack ``[B, num_blocks, T, ceil(D / 8)]`` (``jnp.packbits`` along the features) with
+one slot per block of the run, created empty by the embedding; block ``k`` writes slot ``k`` and its
+rebuild clears it again (so the rebuilt triple equals the forward's input bit for bit). The slot index is
+layer *state* (an int32 scalar), not a static attribute, so every block of a run has the same structure and
+the trainers compile one program for all of them (and stack them in the scanned executor). The bits ride in
+the activation pytree: no trainer change is needed; they are 1/32 of a float32 stream per block.
+
+The ``g_k`` draws come from the per-example keys the trainer derives from ``(seed, step, layer index,
+example)`` (``split_keys(keys, 2)``): the forward, the rebuild and ``revtrain check`` replay them. The
+derivative of the halving is the exact ``1/2`` (straight-through for the rounding, like `snap_to_grid`), so
+backprop of this layer is the gradient of the BDIA update at the rounded points.
+
+The first block of a run sees ``x_{-1} = x_0`` (the embedding duplicates its output), so it computes
+``x_1 = x_0 + (1 + g_0) h_0(x_0)``: the Euler step in expectation, rebuilt exactly like every other block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from revtrain.layers.base import snap_to_grid, split_keys
+
+# Name of the layer-state variable holding a block's slot in the bits stack.
+SLOT = "slot"
+
+
+class Slot(nnx.Variable):
+    """An int32 scalar naming the block's slot in the side-bits stack (layer state, never trained)."""
+
+
+def bits_width(d_model: int) -> int:
+    """Bytes of packed side bits per position: ``ceil(d_model / 8)``."""
+    return -(-d_model // 8)
+
+
+def empty_bits(num_blocks: int, batch: int, length: int, d_model: int) -> jax.Array:
+    """The empty side-bits stack: uint8 zeros ``[batch, num_blocks, length, ceil(d_model / 8)]`` (the batch
+    first, like every activation the trainers split over devices)."""
+    return jnp.zeros((batch, num_blocks, length, bits_width(d_model)), jnp.uint8)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _halve(x: jax.Array, unit: float) -> jax.Array:
+    return jnp.floor(x / (2.0 * unit)) * unit  # powers of two: exact
+
+
+@_halve.defjvp
+def _halve_jvp(unit, primals, tangents):
+    return _halve(primals[0], unit), tangents[0] * 0.5
+
+
+def split_low_bit(x: jax.Array, grid_bits: int):
+    """``x = 2 m u + s u`` on the grid of unit ``u = 2**-grid_bits``.
+
+    Args:
+      x: float32 array of multiples of ``u``.
+      grid_bits: the grid's resolution.
+
+    Returns:
+      ``(half, s)``: ``half = m u`` (float32 like ``x``, exactly ``(x - s u) / 2``; its derivative is the
+      exact ``1/2``) and ``s`` (bool like ``x``, the lowest grid bit of ``x``).
+    """
+    unit = 2.0 ** -grid_bits
+    half = _halve(x, unit)
+    s = (x - 2.0 * half) != 0  # exactly 0 or u
+    return half, s
+
+
+def pack(s: jax.Array) -> jax.Array:
+    """Bool ``[..., D]`` -> uint8 ``[..., ceil(D / 8)]`` (``jnp.packbits`` along the last axis)."""
+    return jnp.packbits(s, axis=-1)
+
+
+def unpack(packed: jax.Array, d_model: int) -> jax.Array:
+    """uint8 ``[..., ceil(D / 8)]`` -> bool ``[..., D]`` (the inverse of `pack`)."""
+    return jnp.unpackbits(packed, axis=-1, count=d_model).astype(bool)
+
+
+def gamma_signs(keys: jax.Array, batch: int) -> jax.Array:
+    """``sign(g)`` per example, float32 ``[B, 1, 1]`` of +1 / -1, drawn from ``split_keys(keys, 2)``."""
+    draw = jax.vmap(lambda k: jax.random.bernoulli(k))(split_keys(keys, 2))
+    return jnp.where(draw, 1.0, -1.0).astype(jnp.float32).reshape(batch, 1, 1)
+
+
+class ExactResidual(nnx.Module):
+    """One standard residual block run as the exactly reversible BDIA update (module docstring).
+
+    Wraps ``block``: an NNX module with ``__call__(x, *, keys, train)`` (the standard block, ``x + h(x)`` in
+    its own float order, ``[B, T, D] -> [B, T, D]``) and ``increment(x, *, keys, train)`` (``h(x)``).
+
+    Input / output: the triple ``(x_{k-1}, x_k, bits)``: float32 ``[B, T, D]`` twice and the uint8 side-bits
+    stack ``[B, num_blocks, T, ceil(D / 8)]``. Training: ``(x_k, x_{k+1}, bits with slot k written)``.
+    Evaluation (``train`` False: ``g = 0``): ``(x_k, block(x_k), bits)``, the standard block's own output,
+    unrounded, so evaluation and sampling equal the standard model bit for bit.
+
+    Args:
+      block: the wrapped standard block.
+      slot: this block's slot in the bits stack (0 .. num_blocks - 1).
+      grid_bits: the grid ``2**-grid_bits`` of the training streams.
+
+    Raises:
+      ValueError: a bad ``grid_bits`` or ``slot``.
+    """
+
+    def __init__(self, block: nnx.Module, slot: int, grid_bits: int = 18):
+        if not (isinstance(grid_bits, int) and 1 <= grid_bits <= 60):
+            raise ValueError(f"ExactResidual.grid_bits must be an integer in [1, 60], got {grid_bits!r}")
+        if not isinstance(slot, int) or slot < 0:
+            raise ValueError(f"ExactResidual slot must be a non-negative integer, got {slot!r}")
+        self.block = block
+        self.slot = Slot(jnp.int32(slot))
+        self.grid_bits = grid_bits
+
+    def _rest(self, b, sign, keys):
+        """``R(x_k) = snap((1 - g) x_k + (1 + g) h(x_k))`` with ``g = sign / 2``: the one rounded term."""
+        h = self.block.increment(b, keys=split_keys(keys, 0), train=True).astype(jnp.float32)
+        g = 0.5 * sign
+        return snap_to_grid((1.0 - g) * b + (1.0 + g) * h, self.grid_bits)
+
+    def __call__(self, x, *, keys, train):
+        a, b, bits = x
+        if not train:
+            return (b, self.block(b, keys=None, train=False), bits)
+        sign = gamma_signs(keys, b.shape[0])
+        half, s = split_low_bit(a, self.grid_bits)
+        c = sign * half + self._rest(b, sign, keys)
+        bits = jax.lax.dynamic_update_index_in_dim(bits, pack(s), self.slot[...], 1)
+        return (b, c, bits)
+
+    def inverse(self, y, *, keys):
+        b, c, bits = y
+        sign = gamma_signs(keys, b.shape[0])
+        half = sign * (c - self._rest(b, sign, keys))  # exactly m u
+        s = unpack(jax.lax.dynamic_index_in_dim(bits, self.slot[...], 1, keepdims=False), b.shape[-1])
+        a = 2.0 * half + jnp.where(s, 2.0 ** -self.grid_bits, 0.0).astype(b.dtype)
+        cleared = jax.lax.dynamic_update_index_in_dim(
+            bits, jnp.zeros(bits[:, 0].shape, bits.dtype), self.slot[...], 1)
+        return (a, b, cleared)
+
+    # -- incremental decoding: the standard block (g = 0) on the second stream --
+    def init_cache(self, batch_size: int, max_len: int):
+        """The wrapped block's cache."""
+        return self.block.init_cache(batch_size, max_len)
+
+    def decode(self, x, cache, pos):
+        """``((x_k, block(x_k)), new_cache)`` at positions ``pos ..``: the standard block, incrementally."""
+        a, b, bits = x
+        del a
+        y, cache = self.block.decode(b, cache, pos)
+        return (b, y, bits), cache

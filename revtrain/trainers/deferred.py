@@ -1,0 +1,437 @@
+"""The reversible trainer's deferred update: gradient accumulation, a whole-model optimizer, tied parameters.
+
+The fused per-layer update (`reversible`) applies layer i's optimizer step inside layer i's backward
+program, before layer i-1's gradient exists. That is free, and exact for an optimizer whose update of one
+layer needs nothing from the others. Three things need the whole step's gradient first:
+
+* **Microbatches** (``microbatches = M > 1``, gradient accumulation): the step's gradient is the sum over
+  M forward/backward passes of one microbatch each.
+* **A coupled optimizer**: ``optax.clip_by_global_norm`` (the global norm), ``optax.apply_if_finite``, any
+  optax chain whose whole-model program combines layers (`layerwise.LayerwiseUpdate`); and, with
+  ``shard_state``, one whose update of a leaf needs the whole leaf (LAMB's trust ratio, Adafactor's
+  factored moments).
+* **Tied parameters** (`Model.ties`): a leaf used by two layers gets its gradient from both, and the user
+  (the head) runs its backward long before the owner (the embedding).
+
+Then the backward programs *accumulate* each layer's gradient (summed over devices, or reduce-scattered
+to the local piece with ``shard_state``) into a buffer that lives where that layer's weights live: host
+memory with offload, a 1/N piece with ``shard_state``, the device otherwise (the one figure that grows with
+depth there: the gradients of every layer). The gradient of a tied leaf's other use waits beside its
+owner's. When the last microbatch is done, two streamed passes run over the layers (per layer, or one
+``lax.scan`` per stacked run, moving each layer's weights, optimizer state and gradient to the device and
+back as the backward does):
+
+1. **statistics** (``rounds`` passes; at least one): each layer's exports for the optimizer's global
+   reductions (the per-leaf sums of squares for global-norm clipping), its per-leaf sums of squares (the
+   logged ``grad_norm``) and whether it is finite; a tiny global program per round combines the exports;
+2. **update**: each layer's optimizer step from its own gradient, weights, optimizer state and the globals
+   (``tx.update`` on the layer for a separable optimizer; the layer's slice of the whole-model program
+   otherwise), skipped everywhere when any gradient or the loss is not finite; the gradient buffer is
+   zeroed for the next step in the same program.
+
+Both passes are plain ``jax.jit`` programs on the global arrays (no ``shard_map``): with ``shard_state``,
+XLA's SPMD partitioner assembles whatever an update needs of the whole leaf across devices and keeps the
+results split as the inputs were; with replicated state every device computes the same update (pmap
+semantics). The loss is normalised as one step on the whole batch: with M > 1 the head pulls back the
+summed loss and the accumulated gradient is divided by the whole batch's weight (``stats["weight"]``, the
+target count) before the statistics. Dropout keys follow each example's row in the whole batch, so M
+microbatches draw the masks one step on the whole batch draws.
+
+Of the options (a streamed pass after the backward; applying layer i's update when the next step's forward
+brings layer i in; computing the update where the state lives) this is the first: it keeps each step
+self-contained (a checkpoint, an evaluation or a sample never sees a pending update; resume stays
+bit-exact), and its cost is one extra read of the weights and optimizer state per layer (measured in
+docs/recipe.md). Checkpoints hold whole steps only: accumulation happens inside one ``train_step``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from revtrain.placement import DATA_AXIS, HOST_MEMORY, put_replicated, put_sharded, spec_axis
+from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
+                                      leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
+                                      take_microbatch)
+from revtrain.trainers.stacking import Stacked
+
+_R, _D = P(), P(DATA_AXIS)
+
+
+def _add(acc, grads):
+    return jax.tree.map(jnp.add, acc, grads)
+
+
+class DeferredUpdates:
+    """Mixin of `ReversibleTrainer`: the accumulating backward programs and the update passes (see the
+    module note). Uses the trainer's placement helpers (``_whole``, ``_grad_specs``, ``_inside_to_device``,
+    ...)."""
+
+    # -- the accumulating backward programs (inside shard_map over "data") --------------------------
+    def _head_acc(self, layer, params, acc, state, x, batch, ctx, index, borrowed, tie_acc):
+        """The head's loss and vjp, its gradient added to ``acc`` (and its tied leaves' to ``tie_acc``).
+        Returns ``(dx, acc, new_state, (loss sum, correct, weight) over all devices, tie_acc)``; with one
+        microbatch the loss is the mean (its gradient already normalised)."""
+        keys = example_keys(ctx, index, batch_size_of(x))
+        user, normalize = len(self.model.layers) - 1, self.microbatches == 1
+
+        def objective(p, tied, x):
+            full = self.model.merge_tied_leaves(user, p, tied) if tied else p
+            loss_sum, stats, new_state = layer.loss(full, state, x, batch, keys, True)
+            total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
+            return (loss_sum / total if normalize else loss_sum), (stats, new_state, total)
+
+        obj, vjp_fn, (stats, new_state, total) = jax.vjp(
+            objective, per_device(self._whole(layer, params)), per_device(borrowed), x, has_aux=True)
+        grads, tied, dx = vjp_fn(jnp.ones_like(obj))
+        acc = _add(acc, reduce_grads(grads, self._grad_specs(layer)))
+        tie_acc = _add(tie_acc, lax.psum(tied, DATA_AXIS))
+        sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
+        return dx, acc, new_state, sums, tie_acc
+
+    def _top_head_acc(self, layers, top_params, top_acc, top_state, head_params, head_acc, head_state, x, batch,
+                      ctx, top_index, head_index):
+        """`_head_acc` through the reversible layer under the head (``fuse_top``): one vjp from that layer's
+        input, both gradients added to their buffers. Returns ``(dx, top_acc, new top state, head_acc, new
+        head state, sums)``."""
+        top, head = layers
+        n = batch_size_of(x)
+        normalize = self.microbatches == 1
+
+        def objective(tp, hp, x):
+            y, new_top_state = top.apply(tp, top_state, x, example_keys(ctx, top_index, n), True)
+            loss_sum, stats, new_head_state = head.loss(hp, head_state, y, batch, example_keys(ctx, head_index, n), True)
+            total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
+            return (loss_sum / total if normalize else loss_sum), (stats, new_top_state, new_head_state, total)
+
+        obj, vjp_fn, (stats, new_top_state, new_head_state, total) = jax.vjp(
+            objective, per_device(self._whole(top, top_params)), per_device(self._whole(head, head_params)), x,
+            has_aux=True)
+        top_grads, head_grads, dx = vjp_fn(jnp.ones_like(obj))
+        top_acc = _add(top_acc, reduce_grads(top_grads, self._grad_specs(top)))
+        head_acc = _add(head_acc, reduce_grads(head_grads, self._grad_specs(head)))
+        sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
+        return dx, top_acc, new_top_state, head_acc, new_head_state, sums
+
+    def _top_head_acc_fn(self, top, head):
+        tspec, hspec = self.layer_specs(top)[0], self.layer_specs(head)[0]
+        in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
+        out_specs = (_D, tspec, _R, hspec, _R, _R)
+        return self._per_layer_compiled("top_head_acc", (top, head), self._top_head_acc, in_specs, out_specs,
+                                        (1, 4), (0, 1, 3, 4), (1, 3))
+
+    def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
+        keys = example_keys(ctx, index, batch_size_of(y))
+        x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
+                                          self._grad_specs(layer), self.rebuild)
+        return x, dx, _add(acc, grads)
+
+    def _recompute_acc(self, layer, params, acc, state, x, dy, ctx, index):
+        keys = example_keys(ctx, index, batch_size_of(x))
+        dx, grads = self.recompute_grads(layer, self._whole(layer, params), state, x, dy, keys,
+                                         self._grad_specs(layer))
+        return dx, _add(acc, grads)
+
+    def _reverse_run_acc(self, layer, params, acc, states, y, dy, ctx, start):
+        """``_reverse_acc`` of every layer of a stacked run, last first: one reverse ``lax.scan`` that reads
+        each slice of the weights (moved to the device with offload) and adds to the gradient stack in
+        place. As in ``_reverse_run``, the gradient slice a step adds to is read (and carried) only after
+        the previous step's write, so XLA keeps one copy of the stack."""
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def body(carry, slices):
+            accs, y, dy, a = carry
+            s, j = slices
+            x, dx, a = self._reverse_acc(layer, self._slice_to_device(params, j), a, s, y, dy, ctx, start + j)
+            accs = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), accs,
+                                self._inside_to_host(a))
+            return (accs, x, dx, self._slice_to_device(accs, jnp.maximum(j - 1, 0))), None
+
+        carry = (acc, y, dy, self._slice_to_device(acc, count - 1))
+        (acc, x, dx, _), _ = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)), reverse=True)
+        return x, dx, acc
+
+    # Per-layer programs of the accumulating backward: (function, in_specs, out_specs, donated arguments,
+    # arguments moved to the device and results moved back to host memory with offload). "A" marks the
+    # layer's params/gradient specs (the gradient buffer is split like the params with shard_state).
+    _ACC = {
+        "head_acc": ("_head_acc", ("A", "A", _R, _D, _D, _R, _R, _R, _R), (_D, "A", _R, _R, _R), (1, 8),
+                     (0, 1, 7, 8), (1, 4)),
+        "reverse_acc": ("_reverse_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, _D, "A"), (1, 3, 4), (0, 1), (2,)),
+        "recompute_acc": ("_recompute_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, "A"), (1, 4), (0, 1), (1,)),
+    }
+
+    def _acc_fn(self, kind, layer):
+        name, in_specs, out_specs, donate, inputs, outputs = self._ACC[kind]
+        pspec = self.layer_specs(layer)[0]
+        fill = lambda specs: tuple(pspec if s == "A" else s for s in specs)  # noqa: E731
+        return self._per_layer_compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate,
+                                        inputs, outputs)
+
+    def _acc_run_fn(self, layer, count):
+        pspec = self._group_specs(layer, count)[0]
+        in_specs, out_specs, shardings = (pspec, pspec, _R, _D, _D, _R, _R), (_D, _D, pspec), {}
+        if self.offload:  # the weights and gradient stacks stay in host memory
+            shardings = {"out_shardings": self._offload_shardings(out_specs, (2,)),
+                         "in_shardings": self._offload_shardings(in_specs, (0, 1))}
+        return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, in_specs, out_specs, donate=(1, 3, 4),
+                              key=("reverse_run_acc", layer, count), **shardings)
+
+    # -- the gradient buffers ------------------------------------------------------------------------
+    def _buffers(self, grouped: Stacked):
+        """The zeroed gradient buffers of every group (where its weights live) and of the tied leaves' other
+        uses (beside their owners), made once per layout and zeroed again by each update pass."""
+        key = grouped.groups
+        if getattr(self, "_acc_key", None) != key or not self._acc_clean:
+            kind = HOST_MEMORY if self.offload else None
+            acc = []
+            for g, (start, count) in enumerate(grouped.groups):
+                zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grouped.params[g])
+                if self.shard_state:
+                    acc.append(put_sharded(zeros, self.mesh, self._group_specs(self.model.layers[start], count)[0], kind))
+                else:
+                    acc.append(put_replicated(zeros, self.mesh, kind))
+            user = len(self.model.layers) - 1
+            owners = {s: grouped.params[k] for k, (s, c) in enumerate(grouped.groups) if c == 1}
+            tied = self.model.tied_leaves(user, owners)
+            self._acc = acc
+            self._tie_acc = put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, kind)
+            self._acc_key, self._acc_clean = key, True
+        return self._acc, self._tie_acc
+
+    # -- the update passes (plain jit over the global arrays) --------------------------------------
+    def _shardings(self, layer, count: int):
+        """(params, optimizer state) shardings of a group, where they live."""
+        kind = HOST_MEMORY if self.offload else None
+        return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=kind), s)
+                     for s in self._group_specs(layer, count))
+
+    def _grads_of(self, index: int, acc, tie_in, scale):
+        """A layer's step gradient from its buffer: plus its tied leaves' other uses, over the whole
+        batch's weight with microbatches."""
+        g = self.model.add_tied(index, acc, tie_in) if tie_in else acc
+        return g if scale is None else jax.tree.map(lambda v: v / scale, g)
+
+    def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_):
+        g = self._grads_of(index, acc, tie_in, scale)
+        exports = self.layerwise.exports(k, index, g, opt, params, globals_) if k < self.layerwise.rounds else ()
+        if k:
+            return exports
+        return exports, leaf_squares(g), all_finite(g)
+
+    def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok):
+        g = self._grads_of(index, acc, tie_in, scale)
+        if self.layerwise.separable:
+            updates, new_opt = self.tx.update(g, opt, params)
+        else:
+            updates, new_opt = self.layerwise.update(index, g, opt, params, globals_)
+        new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        zeros = jax.tree.map(jnp.zeros_like, acc)
+        return keep(new_params, params), keep(new_opt, opt), zeros, jax.tree.map(jnp.zeros_like, tie_in)
+
+    def _pass_fn(self, what: str, g: int, groups, k: int = 0):
+        """The compiled statistics (``what="stats"``, round ``k``) or update program of group ``g``, looked
+        up by position (the layer's hash walks its module graph: done once per layout)."""
+        fast = (what, g, groups, k)
+        if fast not in self._cache:
+            self._cache[fast] = self._build_pass_fn(what, g, groups, k)
+        return self._cache[fast]
+
+    def _build_pass_fn(self, what: str, g: int, groups, k: int):
+        start, count = groups[g]
+        layer = self.model.layers[start]
+        # Layers with equal update programs share one (a coupled update's layer programs differ by the
+        # exports and globals they read: `LayerwiseUpdate.signature`).
+        key = (what, layer, count, k, start if self.model.ties else None, self.layerwise.signature(start)
+               if not self.layerwise.separable else None)
+        if key in self._cache:
+            return self._cache[key]
+        dev = self._inside_to_device
+        host = self._inside_to_host
+
+        if what == "stats":
+            def one(params, opt, acc, tie_in, scale, globals_):
+                return self._layer_stats(k, start, *dev((params, opt, acc, tie_in)), scale, globals_)
+
+            if count == 1:
+                fn = one
+            else:
+                def fn(params, opt, acc, tie_in, scale, globals_):
+                    def body(_, j):
+                        slices = self._slice_to_device((params, opt, acc), j)
+                        return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_)
+                    return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
+            jitted = jax.jit(fn)
+        else:
+            def one(params, opt, acc, tie_in, scale, globals_, ok):
+                out = self._layer_update(start, *dev((params, opt, acc, tie_in)), scale, globals_, ok)
+                return host(out)
+
+            if count == 1:
+                fn = one
+            else:
+                def fn(params, opt, acc, tie_in, scale, globals_, ok):
+                    # Each slice is read (and carried) after the previous slice's write: one copy of the stacks.
+                    def body(carry, j):
+                        stacks, (p, o, a) = carry
+                        new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok)[:3]
+                        stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks,
+                                              host(new))
+                        return (stacks, self._slice_to_device(stacks, jnp.minimum(j + 1, count - 1))), None
+                    stacks = (params, opt, acc)
+                    (stacks, _), _ = lax.scan(body, (stacks, self._slice_to_device(stacks, 0)),
+                                              jnp.arange(count, dtype=jnp.int32))
+                    return (*stacks, tie_in)
+            pshard, oshard = self._shardings(layer, count)
+            kind = HOST_MEMORY if self.offload else None
+            tie = NamedSharding(self.mesh, _R, memory_kind=kind)
+            shardings = (pshard, oshard, pshard, tie)
+            jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
+        # The memory meter counts the moved arguments as device bytes while the program runs: one layer's
+        # (a stacked run moves one slice at a time, which its temporary bytes show).
+        self._cache[key] = _Dispatch(jitted, self, (0, 1, 2, 3) if count == 1 and self.offload else ())
+        return self._cache[key]
+
+    def _combine_fn(self, k: int, groups):
+        key = ("combine", k, groups)
+        if key not in self._cache:
+            def fn(exports, global_leaves, globals_):
+                per_layer = []  # exports[r][i] per layer: a stacked run's are unstacked here
+                for ex in exports:
+                    layers = []
+                    for (start, count), e in zip(groups, ex):
+                        layers.extend([e] if count == 1 else [tuple(v[j] for v in e) for j in range(count)])
+                    per_layer.append(layers)
+                leaves = self._inside_to_device(global_leaves)  # the first layer's (of a run: its first slice)
+                if groups[0][1] > 1:
+                    leaves = tuple(x[0] for x in leaves)
+                return self.layerwise.combine(k, per_layer, leaves, globals_)
+            self._cache[key] = _Dispatch(jax.jit(fn), self, (1,))
+        return self._cache[key]
+
+    # -- one step ------------------------------------------------------------------------------------
+    def _deferred_step(self, ts, batch: dict):
+        grouped = self._working(ts)
+        plan = self._plan(grouped.groups)
+        kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
+        groups = grouped.groups
+        skey = step_key(self.seed, ts.step)
+        params, opt_state = list(grouped.params), list(grouped.opt_state)
+        states = grouped.layer_state
+        acc, tie_acc = self._buffers(grouped)
+        acc = list(acc)
+        self._acc_clean = False  # until the update pass has zeroed them again
+        owners = {s: params[k] for k, (s, c) in enumerate(groups) if c == 1}
+        borrowed = self.model.tied_leaves(len(self.model.layers) - 1, owners)
+        m_count = self.microbatches
+        local = batch_size_of(batch) // self.num_devices
+        current, sums = list(states), None
+        for m in range(m_count):
+            mb = batch if m_count == 1 else self._microbatch(batch, m)
+            ctx = skey if m_count == 1 else (skey, self._where(m, local))
+            x, saved, new_states = mb[self.model.input_key], {}, list(current)
+            for g in range(last - 1 if kinds[last - 1] == "top" else last):
+                if kinds[g] == "std":
+                    saved[g] = self._act_to_host(x)
+                x, new_states[g] = plan.forward[g](params[g], current[g], x, ctx, index[g])
+            top = kinds[last - 1] == "top" if last else False
+            if top:  # fuse_top: the reversible layer under the head runs inside the head's program
+                t = last - 1
+                dy, acc[t], new_states[t], acc[last], new_states[last], s = plan.head(
+                    params[t], acc[t], current[t], params[last], acc[last], current[last], x, mb, ctx, index[t],
+                    index[last])
+            else:
+                dy, acc[last], new_states[last], s, tie_acc = plan.head(params[last], acc[last], current[last], x,
+                                                                        mb, ctx, index[last], borrowed, tie_acc)
+            sums = s if sums is None else self._add_sums(sums, s)
+            y = x
+            for g in range(last - 2 if top else last - 1, -1, -1):
+                if kinds[g] == "std":
+                    xs = self._act_to_device(saved.pop(g))
+                    dy, acc[g] = plan.backward[g](params[g], acc[g], current[g], xs, dy, ctx, index[g])
+                    y = xs
+                else:
+                    y, dy, acc[g] = plan.backward[g](params[g], acc[g], current[g], y, dy, ctx, index[g])
+            current = new_states
+        loss_sum, correct, total = sums
+        if m_count == 1:  # the head's loss is the mean already, its gradient normalised
+            loss, scale = loss_sum, None
+        else:
+            loss, scale = self._over(loss_sum, total), total
+        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
+
+        # The statistics passes (the first also gives each layer's squares and finite flag), the globals.
+        def tie_in(g):
+            start, count = groups[g]
+            return tie_acc if count == 1 and any(t.owner == start for t in self.model.ties) else ()
+
+        rounds = self.layerwise.rounds
+        exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
+        for k in range(max(rounds, 1)):
+            ex = []
+            for g in range(len(groups)):
+                out = self._pass_fn("stats", g, groups, k)(params[g], opt_state[g], acc[g], tie_in(g), scale, globals_)
+                if k == 0:
+                    out, sq[g], finite[g] = out
+                ex.append(out)
+            exports.append(ex)
+            if k < rounds:
+                globals_ = self._combine_fn(k, groups)(exports, self.layerwise.global_leaves(0, opt_state[0]), globals_)
+        ok = self._all_ok(finite, loss)
+        for g in range(len(groups)):
+            params[g], opt_state[g], acc[g], zeroed = self._pass_fn("update", g, groups)(
+                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
+            if tie_in(g):
+                tie_acc = zeroed
+        self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
+        metrics["grad_norm"] = grad_norm(sq)
+        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
+        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
+                     self.model.layers)
+        return new_ts, metrics
+
+    # -- small helpers of the step -----------------------------------------------------------------
+    def _microbatch(self, batch: dict, m: int) -> dict:
+        key = "microbatch"
+        if key not in self._cache:
+            mapped = jax.shard_map(lambda b, m: take_microbatch(b, m, self.microbatches), mesh=self.mesh,
+                                   in_specs=(_D, _R), out_specs=_D)
+            self._cache[key] = jax.jit(mapped)
+        return self._cache[key](batch, np.int32(m))
+
+    def _where(self, m: int, local: int):
+        key = ("where", m, local)
+        if key not in self._cache:
+            self._cache[key] = self.replicate(microbatch_where(m, self.microbatches, local))
+        return self._cache[key]
+
+    @staticmethod
+    @jax.jit
+    def _add_sums(a, b):
+        return jax.tree.map(jnp.add, a, b)
+
+    @staticmethod
+    @jax.jit
+    def _over(a, b):
+        return a / b
+
+    @staticmethod
+    @jax.jit
+    def _all_ok(finite, loss):
+        flags = [jnp.all(f) for f in finite] + [jnp.isfinite(loss)]
+        return jnp.all(jnp.stack(flags))
+
+
+def split_leaf_squares(layer_specs, grads):
+    """Inside ``shard_map`` with sharded state: each leaf's sum of squares over the whole leaf (a split
+    leaf's pieces summed over ``"data"``)."""
+    sq = []
+    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(layer_specs, is_leaf=lambda s: isinstance(s, P))):
+        s = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        sq.append(lax.psum(s, DATA_AXIS) if spec_axis(spec) is not None else s)
+    return jnp.stack(sq) if sq else jnp.zeros((0,), jnp.float32)

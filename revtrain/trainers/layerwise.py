@@ -1,0 +1,342 @@
+"""A whole-model optax update, evaluated one layer at a time: exact global-norm clipping under per-layer updates.
+
+The reversible trainer holds each layer's weights and optimizer state on their own (host memory with
+offload, a 1/N piece with sharded state) and never has the whole model on the device. An optax
+transformation, though, is defined on the whole parameter tree: ``optax.clip_by_global_norm`` scales every
+leaf by a factor that depends on every other leaf, ``optax.apply_if_finite`` skips the step on any
+non-finite leaf, and even Adam's step count is one scalar for the whole tree. Applying ``tx.update`` to one
+layer's tree at a time changes the meaning of the first two (Trax's ``ReversibleSerialTrainer`` clips each
+layer by its own norm; LOMO runs the backward twice to learn the norm; AdaLomo drops global clipping).
+
+This module makes the whole-model update itself run layer by layer, exactly. It traces ``tx.update`` once,
+abstractly, on the whole model (the list of every layer's params, the optimizer state ``tx.init`` gives that
+list) and labels every value of the resulting jaxpr by what it depends on:
+
+* **layer i**: computed from layer i's gradients, params and optimizer state (and from global values),
+  e.g. Adam's moments of layer i, or the sum of squares of one leaf;
+* **global**: combines small values of several layers (the sum of the per-leaf squared norms, the norm,
+  the clipping trigger), or depends on no layer at all (the step count, the bias corrections). Global
+  values are scalars or small; the ones that depend on no layer (round -1) are recomputed wherever needed.
+
+Each layer value gets a *round*: the number of global reductions it waits for. The update of
+``chain(clip_by_global_norm(c), adamw(...))`` has one: round 0 computes each leaf's sum of squares (an
+*export* of its layer), the global step sums them in the whole tree's leaf order and takes the norm, round
+1 clips and runs AdamW. So the trainer runs ``rounds`` passes over the layers that compute exports (the
+first one also yields the gradient norm and the finite flags), one tiny global program per round, and a
+final pass that produces each layer's update and new state from its own values and the globals. Every
+equation is the one optax would have run on the whole tree, in the same order, on the same inputs: the
+result equals ``tx.update`` on the whole model up to the rounding of the sums (each leaf's reduction is
+compiled in another program). An optimizer with no cross-layer equation (Adam, AdamW, Lion, SGD, LAMB,
+Adafactor: ``rounds == 0``) is *separable*: the trainer keeps its fused per-layer update, which needs no
+pass of its own. An update that combines large values of several layers (not reductions) cannot be split
+without holding several layers at once and is refused.
+
+Per-layer optimizer state: each layer keeps ``tx.init(layer params)``, as the fused update always did. A
+leaf of the whole state that belongs to no layer (the step count) exists in every layer's state, and every
+copy is updated alike; the whole state's leaves are matched to the layers' by path (the whole state's path
+has the layer's index where the layer's own state has none).
+
+Lineage: ZeRO-Offload / ZeRO-Infinity (Ren et al. 2021, Rajbhandari et al. 2021) compute the global norm
+from per-partition pieces before their streamed optimizer step; here the split is derived from optax's own
+program, so any chain the user writes keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.tree_util import SequenceKey
+
+# An export (a layer value read by a global equation) may hold at most this many elements: the global
+# program gathers every layer's exports at once, so they must be reductions, not tensors.
+MAX_EXPORT_SIZE = 4096
+
+_PRE = -1  # the round of a global value that depends on no layer (computed anywhere, e.g. the step count)
+
+
+class CoupledUpdateError(ValueError):
+    """The optimizer combines large values of several layers: it cannot be applied one layer at a time."""
+
+
+def _size(v) -> int:
+    return int(np.prod(v.aval.shape, dtype=np.int64)) if hasattr(v.aval, "shape") else 1
+
+
+def _bind(eqn, invals):
+    """One equation, as ``jax.core.eval_jaxpr`` runs it."""
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+@dataclasses.dataclass
+class _Tag:
+    layer: int | None  # None: global
+    round: int
+
+
+class LayerwiseUpdate:
+    """``tx.update`` of the whole model, split into per-layer programs and small global ones.
+
+    Args:
+      tx: any optax ``GradientTransformation``.
+      layer_params: one params tree per layer (arrays or ``jax.ShapeDtypeStruct``), as the trainer holds
+        them (a tied leaf only in its owner's).
+
+    Attributes:
+      rounds: global reductions the update waits for (0: separable, each layer's update is ``tx.update`` of
+        its own tree).
+      num_layers: the number of layers.
+
+    Raises:
+      CoupledUpdateError: the update combines large values of several layers, or the whole optimizer
+        state cannot be matched to the layers' states.
+    """
+
+    def __init__(self, tx, layer_params: list):
+        self.tx = tx
+        shapes = [_shapes(p) for p in layer_params]
+        n = self.num_layers = len(shapes)
+        self._layer_state = [jax.eval_shape(tx.init, p) for p in shapes]
+        whole_state = jax.eval_shape(tx.init, shapes)
+        self._state_def = [jax.tree.structure(s) for s in self._layer_state]
+        self._update_def = [jax.tree.structure(p) for p in shapes]
+        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes)
+        self._jaxpr, self._consts = closed.jaxpr, closed.consts
+
+        # Inputs: (grads, whole state, params), flattened. Map each to a layer leaf (kind, layer, index).
+        grad_leaves = [(i, q) for i in range(n) for q in range(len(jax.tree.leaves(shapes[i])))]
+        whole_paths = jax.tree_util.tree_flatten_with_path(whole_state)[0]
+        # whole state leaf -> (layer, index in its state), or (None, path) for a leaf every layer's state has
+        state_map = self._match_state(whole_paths)
+        invars = self._jaxpr.invars
+        ng, ns = len(grad_leaves), len(whole_paths)
+        if len(invars) != 2 * ng + ns:
+            raise CoupledUpdateError("the optimizer's update does not take one value per leaf")
+        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index) or ("s", None, path)
+        tags: dict = {}
+        for k, (i, q) in enumerate(grad_leaves):
+            self._inputs[invars[k]] = ("g", i, q)
+            self._inputs[invars[ng + ns + k]] = ("p", i, q)
+            tags[invars[k]] = tags[invars[ng + ns + k]] = _Tag(i, 0)
+        self._global_paths = [q for layer, q in state_map if layer is None]
+        for k, (layer, q) in enumerate(state_map):
+            self._inputs[invars[ng + k]] = ("s", layer, q)
+            tags[invars[ng + k]] = _Tag(layer, 0) if layer is not None else _Tag(None, _PRE)
+        for v in self._jaxpr.constvars:
+            tags[v] = _Tag(None, _PRE)
+
+        # Label every equation (see the module note).
+        self._eqn_tag: list[_Tag] = []
+        exports: list[dict] = [dict() for _ in range(n)]  # layer -> {var: round}
+        for eqn in self._jaxpr.eqns:
+            ins = [tags[v] for v in eqn.invars if isinstance(v, jcore.Var)]
+            layers = {t.layer for t in ins if t.layer is not None}
+            late = [t.round for t in ins if t.layer is None and t.round > _PRE]
+            layer_vars = [v for v in eqn.invars if isinstance(v, jcore.Var) and tags[v].layer is not None]
+            scalar_out = all(_size(o) <= 1 for o in eqn.outvars)
+            if not layers:
+                tag = _Tag(None, max(late, default=_PRE))
+            elif len(layers) == 1 and not late:
+                tag = _Tag(layers.pop(), max((t.round for t in ins if t.layer is not None), default=0))
+            elif (len(layers) > 1 or scalar_out) and all(_size(v) <= MAX_EXPORT_SIZE for v in layer_vars) and \
+                    all(_size(o) <= MAX_EXPORT_SIZE for o in eqn.outvars):
+                for v in layer_vars:
+                    exports[tags[v].layer][v] = tags[v].round
+                tag = _Tag(None, max([tags[v].round for v in layer_vars] + late))
+            elif len(layers) == 1:
+                tag = _Tag(layers.pop(), max(max((t.round for t in ins if t.layer is not None), default=0),
+                                             max(late) + 1))
+            else:
+                raise CoupledUpdateError(
+                    f"the optimizer combines whole tensors of several layers ({eqn.primitive.name} of "
+                    f"{', '.join(str(v.aval) for v in layer_vars[:3])}), so no layer's update can be computed "
+                    "without the others on the device; train it with StandardTrainer")
+            self._eqn_tag.append(tag)
+            for o in eqn.outvars:
+                tags[o] = tag
+        self._tags = tags
+
+        # Outputs: updates (per layer, like params), then the new whole state.
+        outs = self._jaxpr.outvars
+        self._out_updates = [[] for _ in range(n)]
+        for k, (i, q) in enumerate(grad_leaves):
+            self._out_updates[i].append(outs[k])
+        self._out_state = [[None] * len(jax.tree.leaves(s)) for s in self._layer_state]
+        for k, (layer, q) in enumerate(state_map):
+            for i in ([layer] if layer is not None else range(n)):
+                self._out_state[i][q if layer is not None else self._index[i][q]] = outs[ng + k]
+        for i in range(n):
+            if any(v is None for v in self._out_state[i]):
+                raise CoupledUpdateError(f"the optimizer state of layer {i} does not match the whole model's")
+
+        def need(v):  # the pass an output or export waits for
+            if not isinstance(v, jcore.Var):
+                return 0
+            t = tags[v]
+            return t.round if t.layer is not None else t.round + 1
+
+        final = [need(v) for vs in self._out_updates + self._out_state for v in vs]
+        self.rounds = max(final + [r + 1 for e in exports for r in e.values()], default=0)
+        # The exports of each pass, per layer, in a fixed order (the global program reads them by position).
+        self._exports = [[[v for v, r in e.items() if r == k] for e in exports] for k in range(self.rounds)]
+        # Global values in round order (stable: program order within a round), so that the globals of
+        # rounds < k are a prefix of this list.
+        self._globals = sorted((v for v, t in tags.items() if t.layer is None and t.round > _PRE),
+                               key=lambda v: tags[v].round)
+        self._names = {v: k for k, v in enumerate(tags)}
+        self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
+        self._signatures: dict = {}
+
+    @property
+    def separable(self) -> bool:
+        """True when no equation combines layers: each layer's update is ``tx.update`` of its own tree."""
+        return self.rounds == 0
+
+    # -- the whole optimizer state, matched to the layers' states ----------------------------------
+    def _match_state(self, whole_paths) -> list:
+        """For each leaf of the whole state: ``(layer, index in that layer's state)``, or ``(None, path)``
+        for a leaf every layer's state has (the step count; ``self._index[i][path]`` is its index in
+        layer ``i``'s state)."""
+        per_layer = [{tuple(p): q for q, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(s)[0])}
+                     for s in self._layer_state]
+        self._index = per_layer
+        out = []
+        for path, leaf in whole_paths:
+            path = tuple(path)
+            found = None
+            for pos, key in enumerate(path):
+                if isinstance(key, SequenceKey) and key.idx < self.num_layers:
+                    q = per_layer[key.idx].get(path[:pos] + path[pos + 1:])
+                    if q is not None and jax.tree.leaves(self._layer_state[key.idx])[q].shape == leaf.shape:
+                        found = (key.idx, q)
+                        break
+            if found is None and all(path in p for p in per_layer):
+                found = (None, path)
+            if found is None:
+                raise CoupledUpdateError(f"cannot match the optimizer state leaf {jax.tree_util.keystr(path)} "
+                                         "to a layer")
+            out.append(found)
+        return out
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple) -> dict:
+        g, s, p = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(params)
+        env = dict(zip(self._jaxpr.constvars, self._consts))
+        for v, (kind, layer, q) in self._inputs.items():
+            if kind == "s" and layer is None:
+                env[v] = s[self._index[i][q]]  # this layer's own copy of a global leaf
+            elif layer == i:
+                env[v] = {"g": g, "p": p, "s": s}[kind][q]
+        env.update(zip(self._globals[:len(globals_)], globals_))
+        return env
+
+    def _run(self, env: dict, wanted, layer: int | None, upto: int) -> None:
+        """Evaluates, in program order, the equations ``wanted`` needs: this layer's of round <= ``upto``
+        and the global ones of round -1 (a global of a later round must already be in ``env``)."""
+        needed, stack = set(), [v for v in wanted if isinstance(v, jcore.Var) and v not in env]
+        while stack:
+            v = stack.pop()
+            e = self._producer.get(v)
+            if e is None or id(e) in needed:
+                continue
+            needed.add(id(e))
+            stack.extend(x for x in e.invars if isinstance(x, jcore.Var) and x not in env)
+        for e, tag in zip(self._jaxpr.eqns, self._eqn_tag):
+            if id(e) not in needed or all(o in env for o in e.outvars):
+                continue
+            if tag.layer is None and tag.round > _PRE and layer is not None:
+                raise AssertionError("a global value was not provided")  # the passes are ordered so it is
+            vals = _bind(e, [env[x] if isinstance(x, jcore.Var) else x.val for x in e.invars])
+            env.update(zip(e.outvars, vals))
+
+    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple) -> tuple:
+        """Pass ``k`` (``k < rounds``) of layer ``i``: the layer's values the ``k``-th global program reads.
+
+        Args:
+          grads, opt_state, params: layer ``i``'s (its gradient summed over devices and microbatches).
+          globals_: the outputs of the global programs of rounds ``< k`` (``()`` for ``k == 0``).
+
+        Returns:
+          a tuple of small arrays (shapes fixed per layer).
+        """
+        env = self._layer_env(i, grads, opt_state, params, globals_)
+        wanted = self._exports[k][i]
+        self._run(env, wanted, i, k)
+        return tuple(env[v] for v in wanted)
+
+    def global_leaves(self, i: int, opt_state) -> tuple:
+        """The leaves of layer ``i``'s optimizer state that every layer has (the step count), for `combine`."""
+        s = jax.tree.leaves(opt_state)
+        return tuple(s[self._index[i][path]] for path in self._global_paths)
+
+    def combine(self, k: int, exports: list, global_leaves: tuple, globals_: tuple) -> tuple:
+        """The ``k``-th global program: every global value of round ``<= k`` (the previous ones passed
+        through), from each layer's exports of round ``k`` and earlier (``exports[r][i]``), the
+        `global_leaves` of any layer's optimizer state and ``globals_`` (rounds ``< k``)."""
+        env = dict(zip(self._jaxpr.constvars, self._consts))
+        for v, (kind, layer, q) in self._inputs.items():
+            if kind == "s" and layer is None:
+                env[v] = global_leaves[self._global_paths.index(q)]
+        env.update(zip(self._globals[:len(globals_)], globals_))
+        for r in range(k + 1):
+            for i in range(self.num_layers):
+                env.update(zip(self._exports[r][i], exports[r][i]))
+        wanted = [v for v in self._globals if self._tags[v].round <= k]
+        self._run(env, wanted, None, k)
+        return tuple(env[v] for v in wanted)
+
+    def update(self, i: int, grads, opt_state, params, globals_: tuple):
+        """The final pass of layer ``i``: ``(updates, new optimizer state)``, what ``tx.update`` on the
+        whole model gives for this layer (``optax.apply_updates`` adds the updates to the params)."""
+        env = self._layer_env(i, grads, opt_state, params, globals_)
+        wanted = self._out_updates[i] + self._out_state[i]
+        self._run(env, wanted, i, self.rounds)
+
+        def val(v):
+            return env[v] if isinstance(v, jcore.Var) else jnp.asarray(v.val)
+
+        updates = jax.tree.unflatten(self._update_def[i], [val(v) for v in self._out_updates[i]])
+        new_state = jax.tree.unflatten(self._state_def[i], [val(v) for v in self._out_state[i]])
+        return updates, new_state
+
+    def signature(self, i: int) -> tuple:
+        """What layer ``i``'s programs compute (equations, shapes, exports): layers with equal signatures
+        run one compiled program (a scanned run of identical layers uses its first layer's)."""
+        if i not in self._signatures:
+            self._signatures[i] = self._signature(i)
+        return self._signatures[i]
+
+    def _signature(self, i: int) -> tuple:
+        idx = {}
+
+        def name(v):
+            if not isinstance(v, jcore.Var):
+                return ("lit", str(v.val))
+            if v in self._inputs:
+                kind, layer, q = self._inputs[v]
+                return ("in", kind, q if layer is not None else str(q), str(v.aval))
+            if self._tags[v].layer == i:
+                return idx.setdefault(v, len(idx))
+            e = self._producer.get(v)
+            if self._tags[v].round == _PRE and e is not None:  # a constant of this layer's: by what it is
+                return ("pre", e.primitive.name, str(e.params), tuple(name(x) for x in e.invars),
+                        e.outvars.index(v))
+            return ("g", self._names[v])
+
+        sig = []
+        for e, tag in zip(self._jaxpr.eqns, self._eqn_tag):
+            if tag.layer == i:
+                sig.append((e.primitive.name, str(e.params), tuple(name(v) for v in e.invars),
+                            tuple(name(v) for v in e.outvars)))
+        outs = tuple(name(v) for v in self._out_updates[i] + self._out_state[i])
+        ex = tuple(tuple(name(v) for v in self._exports[k][i]) for k in range(self.rounds))
+        return tuple(sig), outs, ex

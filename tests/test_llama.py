@@ -1,0 +1,180 @@
+"""Llama checkpoints in and out (revtrain/models/llama.py, revtrain/export.py): import against `transformers`'
+own logits (skips without torch / transformers), refusals as one line, export round trips, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from revtrain.export import ExportError, write_checkpoint
+from revtrain.models.llama import LlamaFormatError, LlamaModel, forward_logits, model_tensors, read_spec
+
+SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=5000.0, max_position_embeddings=64)
+
+
+def _tokens(vocab, shape=(2, 24), seed=0):
+    return np.random.RandomState(seed).randint(0, vocab, shape).astype(np.int32)
+
+
+def _logits(model, tokens):
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(jax.jit(lambda p, s, t: forward_logits(model, p, s, t))(*model.init(), jnp.asarray(tokens)))
+
+
+def _revtrain_logits(path, tokens, **kwargs):
+    model = LlamaModel(path, sequence_length=tokens.shape[1], **kwargs)
+    return model, _logits(model, tokens)
+
+
+def _hf_model(tie, dtype="float32", seed=0, **overrides):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**SIZES, **overrides}, tie_word_embeddings=tie)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger than the default init (std 0.02), so the blocks change the stream visibly
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(5.0)
+    return model.to(getattr(torch, dtype))
+
+
+def _hf_logits(model, tokens):
+    import torch
+    with torch.no_grad():
+        return model.float()(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_import_matches_transformers(tmp_path, tie):
+    """A checkpoint written by transformers (GQA 4 query / 2 key-value heads, rope_theta 5000): revtrain's
+    logits within 1e-5 of transformers' own (float32), the tied head held once by the embedding."""
+    hf = _hf_model(tie)
+    hf.save_pretrained(tmp_path)
+    tokens = _tokens(300)
+    ref = _hf_logits(hf, tokens)
+    model, got = _revtrain_logits(str(tmp_path), tokens)
+    assert np.abs(got - ref).max() <= 1e-5, np.abs(got - ref).max()
+    assert np.abs(ref).max() > 1.0  # logits of a size where 1e-5 means something
+    assert len(model.ties) == int(tie)
+    assert ("lm_head" in model.init()[0][-1]) == (not tie)
+
+
+def test_import_sharded_and_bfloat16(tmp_path):
+    """Sharded (model.safetensors.index.json) bfloat16 checkpoint: the float32 logits of the same bfloat16
+    weights within 1e-5."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    hf = _hf_model(False)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())  # weights on the bfloat16 grid, the model still float32
+    tokens = _tokens(300)
+    ref = _hf_logits(hf, tokens)  # the bfloat16 weights, computed in float32
+    hf.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="40KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    assert read_spec(str(tmp_path)).torch_dtype == "bfloat16"
+    _, got = _revtrain_logits(str(tmp_path), tokens)
+    assert np.abs(got - ref).max() <= 1e-5, np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_export_round_trip_loads_in_transformers(tmp_path, tie):
+    """import -> export (write_checkpoint of the model's tensors) -> transformers: logits within 1e-5 of
+    revtrain's, and transformers generates from it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    hf = _hf_model(tie)
+    hf.save_pretrained(tmp_path / "in")
+    tokens = _tokens(300)
+    model, ours = _revtrain_logits(str(tmp_path / "in"), tokens)
+    write_checkpoint(str(tmp_path / "out"), model.llama_spec, model_tensors(model, model.init()[0]))
+    import transformers
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert np.abs(_hf_logits(back, tokens) - ours).max() <= 1e-5
+    with torch.no_grad():
+        out = back.generate(torch.tensor(tokens[:1, :5], dtype=torch.long), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 9)
+    with pytest.raises(ExportError, match="exists and is not an empty directory"):
+        write_checkpoint(str(tmp_path / "out"), model.llama_spec, {})
+
+
+def _write_small(path, tie=False, **config_changes):
+    """A from-scratch LlamaModel written as a checkpoint (no torch needed), its config then edited."""
+    model = LlamaModel(None, sequence_length=8, vocab_size=40, d_model=32, num_layers=2, num_heads=4,
+                       num_kv_heads=2, d_ff=48, tie_embeddings=tie)
+    write_checkpoint(str(path), model.llama_spec, model_tensors(model, model.init()[0]))
+    if config_changes:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config_changes)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+def test_revtrain_checkpoint_imports_to_the_same_model(tmp_path):
+    """A revtrain-written checkpoint (tied head) imports back to the same logits bit for bit."""
+    tokens = _tokens(40, (2, 8))
+    for tie in (True,):
+        model = _write_small(tmp_path / f"t{tie}", tie=tie)
+        want = _logits(model, tokens)
+        _, got = _revtrain_logits(str(tmp_path / f"t{tie}"), tokens)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling 'linear' is not implemented"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"head_dim": 16}, "head_dim 16"),
+    ({"intermediate_size": 64}, r"gate_proj.weight has shape \(48, 32\), expected \(64, 32\)"),
+    ({"tie_word_embeddings": False, "num_hidden_layers": 3}, "missing"),
+])
+def test_unrepresentable_checkpoints_are_refused(tmp_path, change, message):
+    """Another architecture, rope scaling, biases, another activation or head width, a shape mismatch or a
+    missing tensor: LlamaFormatError naming it."""
+    _write_small(tmp_path, **change)
+    with pytest.raises(LlamaFormatError, match=message):
+        LlamaModel(str(tmp_path), sequence_length=8)
+
+
+def test_missing_files_and_bad_settings(tmp_path):
+    """No directory, no config.json, no weights, a missing tensor; bad LlamaModel knob values."""
+    with pytest.raises(LlamaFormatError, match="is not a directory"):
+        LlamaModel(str(tmp_path / "nope"))
+    with pytest.raises(LlamaFormatError, match="no config.json"):
+        LlamaModel(str(tmp_path))
+    _write_small(tmp_path / "c")
+    os.remove(tmp_path / "c" / "model.safetensors")
+    with pytest.raises(LlamaFormatError, match="no model.safetensors"):
+        LlamaModel(str(tmp_path / "c"))
+    model = _write_small(tmp_path / "d")
+    tensors = model_tensors(model, model.init()[0])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    from safetensors.numpy import save_file
+    save_file(tensors, str(tmp_path / "d" / "model.safetensors"))
+    with pytest.raises(LlamaFormatError, match="model.layers.1.mlp.up_proj.weight is missing"):
+        LlamaModel(str(tmp_path / "d"))
+    for knob, value, message in (("form", "bdia", "LlamaModel.form"), ("compute_dtype", "float16", "compute_dtype"),
+                                 ("grid_bits", 0, "grid_bits"), ("num_layers", 0, "num_layers"),
+                                 ("d_model", 30, "not divisible"), ("num_kv_heads", 3, "not divisible"),
+                                 ("chunk", 0, "chunk"), ("path", 3, "LlamaModel.path")):
+        with pytest.raises(LlamaFormatError if knob != "chunk" else ValueError, match=message):
+            LlamaModel(**{knob: value, "sequence_length": 8})
+
+
+def test_cli_export_errors_are_one_line(tmp_path):
+    """`revtrain export` on a directory that is no workdir, and without --to: exit 2, one line."""
+    for args, message in ((["--workdir", str(tmp_path), "--to", str(tmp_path / "o")], "no config.gin"),
+                          (["--workdir", str(tmp_path)], "--to")):
+        r = subprocess.run([sys.executable, "-m", "revtrain", "export", *args], capture_output=True, text=True)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and message in r.stderr and r.stderr.startswith("revtrain: error:")
+    assert not os.path.exists(tmp_path / "o")
