@@ -73,7 +73,7 @@ def _sample_arguments(s: argparse.ArgumentParser) -> None:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (default: one newline)")
     g.add_argument("--prompt_file", help="file whose bytes are the prompt")
-    s.add_argument("--length", type=int, default=256, help="bytes to generate (default 256)")
+    s.add_argument("--length", type=int, default=256, help="bytes to generate; tokens for a run with a tokenizer (default 256)")
     s.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
     s.add_argument("--top_k", type=int, default=0, help="keep the K most likely bytes (default 0: off)")
     s.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
@@ -391,6 +391,12 @@ def _check_macros_used(bindings: list[str]) -> None:
 
 
 def _run(args) -> int:
+    from revtrain.data.tasks import run_workdir
+    with run_workdir(args.workdir if args.command != "train" else None):  # (train: `loop.train` does it)
+        return _run_command(args)
+
+
+def _run_command(args) -> int:
     import gin
 
     from revtrain import loop

@@ -23,7 +23,7 @@ from revtrain import checkpoint as ckpt_lib
 from revtrain import ginconfig, interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain import workdir as workdir_lib
-from revtrain.data.tasks import ByteLMTask
+from revtrain.data.tasks import ByteLMTask, run_workdir
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_state_bytes
 from revtrain.models import contract
@@ -75,10 +75,10 @@ class TrainConfig:
         checkpoint is kept); with N > 0 up to N such steps are skipped instead (their updates are not
         applied, each one logged) before the run stops.
       sample_every: every this many steps and at the last step, greedily continue ``sample_prompt`` by
-        ``sample_length`` bytes and write it to ``metrics/samples.jsonl`` and TensorBoard (0: off;
-        byte-level language models only; see ``revtrain.sample``).
+        ``sample_length`` bytes (tokens, for a `TokenLMTask`) and write it to ``metrics/samples.jsonl`` and
+        TensorBoard (0: off; language models whose layers decode; see ``revtrain.sample``).
       sample_prompt: the prompt of those samples (text, encoded as UTF-8).
-      sample_length: bytes generated per sample.
+      sample_length: bytes (tokens, for a `TokenLMTask`) generated per sample.
     """
 
     steps: int = 1000
@@ -229,7 +229,7 @@ def build(cfg: TrainConfig | None = None) -> Run:
     if hasattr(task, "check_batch_size"):
         task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
     try:
-        model = cfg.model(seed=cfg.seed, **task.model_kwargs())
+        model = cfg.model(seed=cfg.seed, **_model_kwargs(cfg, task))
         if hasattr(task, "input_spec"):  # the composition contract, on shapes only (nothing compiles)
             contract.check_shapes(model, task.input_spec(mesh.size), mesh)
     except ValueError as e:
@@ -255,6 +255,31 @@ def build(cfg: TrainConfig | None = None) -> Run:
     except (ValueError, TypeError) as e:
         raise ConfigError(ginconfig.call_error_line(e)) from e
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
+
+
+def _model_kwargs(cfg: TrainConfig, task) -> dict:
+    """The task's model arguments; a ``vocab_size`` bound in gin for the model wins over the tokenizer's, and
+    must hold every id of the tokenizer.
+
+    Raises:
+      ConfigError: the bound vocabulary is smaller than the tokenizer's.
+    """
+    kwargs = dict(task.model_kwargs())
+    if "vocab_size" not in kwargs:
+        return kwargs
+    name = getattr(cfg.model, "__name__", None)
+    try:
+        bound = gin.query_parameter(f"{name}.vocab_size") if name else None
+    except ValueError:  # not bound
+        bound = None
+    if bound is not None:
+        if not isinstance(bound, int) or bound < kwargs["vocab_size"]:
+            tok = getattr(getattr(task, "tokenizer", None), "describe", lambda: "the tokenizer")()
+            raise ConfigError(f"{name}.vocab_size = {bound!r} is smaller than the vocabulary of {tok} "
+                              f"({kwargs['vocab_size']} ids, end-of-text included); leave {name}.vocab_size "
+                              "unset (it follows the tokenizer) or raise it")
+        del kwargs["vocab_size"]
+    return kwargs
 
 
 def run_signature(run: Run) -> dict:
@@ -304,14 +329,25 @@ def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
     _divisible(ecfg.batch_size, run.mesh, "evaluate.batch_size")
     pc, pi = jax.process_count(), jax.process_index()
     totals = None
+    counts_bytes = hasattr(run.task, "target_bytes")  # tokens that are not bytes: count the bytes they stand for
+    scored_bytes = 0.0
     for batch in run.task.eval_batches(ecfg.split, ecfg.batch_size // pc, ecfg.max_batches, pi, pc):
+        if counts_bytes:
+            scored_bytes += run.task.target_bytes(batch)
         sums = run.trainer.eval_step(ts, global_batch(batch, run.mesh))
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
     totals = _sync_metrics(totals)
     weight = max(totals["weight"], 1.0)
     out = {"loss": totals["loss_sum"] / weight, "accuracy": totals["correct"] / weight}
     if getattr(run.model, "bits_per_byte", False):
-        out["bits_per_byte"] = out["loss"] / math.log(2)
+        if counts_bytes:
+            if pc > 1:
+                from jax.experimental import multihost_utils
+                scored_bytes = float(np.sum(multihost_utils.process_allgather(np.float64(scored_bytes))))
+            out["bits_per_byte"] = totals["loss_sum"] / max(scored_bytes, 1.0) / math.log(2)
+            out["bytes_per_token"] = scored_bytes / weight
+        else:
+            out["bits_per_byte"] = out["loss"] / math.log(2)
     return out
 
 
@@ -379,7 +415,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
       TrainingStopped, WriteFailed, oom.OutOfMemory: the run stopped (one line naming what is kept).
     """
     workdir = os.path.abspath(workdir)
-    with interrupts.Interrupts(log=metrics_lib.log) as guard:
+    with interrupts.Interrupts(log=metrics_lib.log) as guard, run_workdir(workdir):
         run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
@@ -423,11 +459,14 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                 "processes": pc}
 
         ts = trainer.init()
-        resumed, damaged = None, []
+        resumed, damaged, saved_on = None, [], {}
+
+        def accept(step, saved):
+            _check_resumable(saved.get("signature", {}), signature, step, workdir)
+            saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
+
         if checkpointer.steps():
-            ts, resumed = checkpointer.restore_newest(
-                ts, data_iterator=data, on_skip=damaged.append,
-                accept=lambda step, saved: _check_resumable(saved.get("signature", {}), signature, step, workdir))
+            ts, resumed = checkpointer.restore_newest(ts, data_iterator=data, on_skip=damaged.append, accept=accept)
         if resumed is not None and ts.step >= cfg.steps:
             where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
             metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
@@ -443,6 +482,8 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             text, modules, unnamed = _run_config(run.cfg)
             with open(os.path.join(workdir, "config.gin"), "w") as f:
                 f.write(text)
+            if hasattr(run.task, "save_tokenizer"):  # eval / sample / check (and a resume) use this copy
+                run.task.save_tokenizer(workdir)
             if modules:  # where the user's modules came from: eval / sample / check find them again
                 with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
                     json.dump(modules, f, indent=1)
@@ -457,6 +498,11 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
         if changes:
             metrics_lib.log(changes)
+        if resumed is not None and saved_on.get("devices") is not None and (
+                (saved_on["devices"], saved_on.get("processes")) != (run.mesh.size, pc)):
+            metrics_lib.log(f"devices changed since the checkpoint at step {resumed}: {saved_on['devices']} device(s) in "
+                            f"{saved_on.get('processes')} process(es) -> {run.mesh.size} device(s) in {pc} process(es) "
+                            "(the global batch and the data order are the same)")
 
         tokens_per_step = cfg.batch_size * run.model.tokens_per_example
         meter = trainer.meter = MemoryMeter()
@@ -503,7 +549,11 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     values["tokens_per_sec"] = sps * tokens_per_step
                     values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
                     if getattr(run.model, "bits_per_byte", False):
-                        values["bits_per_byte"] = values["loss"] / math.log(2)
+                        # Tokens: at the train split's mean bytes per token (an estimate for the batch).
+                        per_token = getattr(run.task, "bytes_per_token", 1.0)
+                        values["bits_per_byte"] = values["loss"] / math.log(2) / per_token
+                        if hasattr(run.task, "bytes_per_token"):
+                            values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
                     writer.write("train", step, values)
                     eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
@@ -579,8 +629,7 @@ def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) 
     result = _evaluate_or_oom(run, ts, f"evaluation at step {ts.step}")
     writer.write("eval", ts.step, result)
     writer.flush()
-    metrics_lib.log(f"eval at step {ts.step} ({run.ecfg.split}): "
-                    + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+    metrics_lib.log(f"eval at step {ts.step} ({run.ecfg.split}): " + metrics_lib.eval_text(result))
     return result
 
 
@@ -610,7 +659,8 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
       ckpt_lib.CheckpointError: no checkpoints, or a missing/damaged chosen step.
     """
     workdir = os.path.abspath(workdir)
-    with interrupts.command_interrupts("eval", at_once=False) as guard, workdir_lib.locked(workdir, "eval"):
+    with (interrupts.command_interrupts("eval", at_once=False) as guard, workdir_lib.locked(workdir, "eval"),
+          run_workdir(workdir)):
         return _eval_checkpoints(workdir, step, all_steps, kind, guard)
 
 
@@ -665,7 +715,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
             if s in left:
                 left.remove(s)
             guard.idle = True
-            metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + ", ".join(f"{k} {v:.4f}" for k, v in result.items()))
+            metrics_lib.log(f"eval at step {s} ({run.ecfg.split}): " + metrics_lib.eval_text(result))
             records.append({"step": s, **result})
             if _agree_to_stop(guard.signal is not None, pc) and left:
                 who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"

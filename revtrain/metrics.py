@@ -207,9 +207,11 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
     """One human-readable progress line (step/total, loss, bits per byte, lr, rates, ETA).
 
     ``unit`` names what ``tokens_per_sec`` counts ("tok" for language models, "ex" for examples)."""
-    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}"]
+    tokens = "bytes_per_token" in values  # a subword run: the loss is per token, bpb at the mean bytes/token
+    parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}" + (" nats/token" if tokens else "")]
     if "bits_per_byte" in values:
-        parts.append(f"bpb {values['bits_per_byte']:.3f}")
+        parts.append(f"bpb {values['bits_per_byte']:.3f}"
+                     + (f" (at {values['bytes_per_token']:.2f} bytes/token)" if tokens else ""))
     if "grad_norm" in values:
         parts.append(f"grad norm {values['grad_norm']:.3g}")
     lr = values.get("learning_rate")
@@ -223,6 +225,12 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
         parts.append(f"host state {values['host_state_bytes'] / 2**20:.1f} MiB/device")
     parts.append(f"ETA {_duration(eta_seconds)}")
     return " | ".join(parts)
+
+
+def eval_text(result: dict) -> str:
+    """An evaluation's scores as ``name value`` pairs; a subword run's loss is marked as nats per token."""
+    unit = {"loss": " (nats/token)"} if "bytes_per_token" in result else {}
+    return ", ".join(f"{k}{unit.get(k, '')} {v:.4f}" for k, v in result.items())
 
 
 def log(line: str, enabled: bool = True) -> None:

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -108,3 +109,18 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args, contains):
 def test_eval_of_missing_step_exits_2(trained):
     workdir, _ = trained
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")
+
+
+@pytest.mark.slow  # one more training process (after the module's run)
+def test_resuming_on_another_device_count_says_so(trained, tmp_path):
+    """A run saved on 1 device and resumed on 2 prints the device change beside the changed bindings."""
+    workdir, _ = trained
+    copy = tmp_path / "run"
+    shutil.copytree(workdir, copy)
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    result = subprocess.run([sys.executable, "-m", "revtrain", "train", "--config", CONFIG, *TINY, "--gin",
+                             "STEPS = 41", "--workdir", str(copy)], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert ("devices changed since the checkpoint at step 40: 1 device(s) in 1 process(es) -> 2 device(s) in 1 "
+            "process(es)") in result.stderr

@@ -30,8 +30,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _split_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    records = batch["bytes"].astype(np.int32)
+    records = (batch["tokens"] if "tokens" in batch else batch["bytes"]).astype(np.int32)
     return {"inputs": records[:, :-1], "targets": records[:, 1:]}
+
+
+def _source(data, split: str):
+    """A split's records: ``data.windows(split)`` of a token task (`revtrain.data.token_lm.TokenWindows`), or
+    the TFDS builder's ``as_data_source`` of the byte task."""
+    return data.windows(split) if hasattr(data, "windows") else data.as_data_source(split=split)
 
 
 def train_dataset(
@@ -53,7 +59,8 @@ def train_dataset(
     Batches may straddle an epoch boundary, so no record is dropped.
 
     Args:
-      builder: a prepared byte-LM builder (``load_byte_lm``).
+      builder: a prepared byte-LM builder (``load_byte_lm``), or a `revtrain.data.tasks.TokenLMTask`
+        (anything with ``windows(split)``).
       batch_size: per-process batch size B (the global batch divided by ``shard_count``).
       seed: shuffle seed, in [0, 2**32).
       shard_index: this process's index (``jax.process_index()``).
@@ -71,7 +78,7 @@ def train_dataset(
     _check_shard(shard_index, shard_count)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    ds = grain.MapDataset.source(builder.as_data_source(split="train"))
+    ds = grain.MapDataset.source(_source(builder, "train"))
     if len(ds) == 0:
         raise DataError("the train split has no records; use a larger corpus")
     # Local batch j of this process is local-sized batch j * shard_count + shard_index of the global
@@ -101,7 +108,7 @@ def eval_batches(
     of the data are zeros with weight 0.
 
     Args:
-      builder: a prepared byte-LM builder (``load_byte_lm``).
+      builder: a prepared byte-LM builder (``load_byte_lm``), or anything with ``windows(split)``.
       split: 'train', 'validation' or 'test'.
       batch_size: per-process batch size B.
       max_batches: stop after this many batches (None: the whole split).
@@ -120,10 +127,14 @@ def eval_batches(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 0:
         raise ValueError(f"max_batches must be >= 0, got {max_batches}")
-    if split not in builder.info.splits:
-        raise ValueError(f"unknown split {split!r}; have {sorted(builder.info.splits)}")
-    source = builder.as_data_source(split=split)
-    length = builder.info.features["bytes"].shape[0] - 1
+    if hasattr(builder, "windows"):
+        source = builder.windows(split)
+        length, key = source.sequence_length, "tokens"
+    else:
+        if split not in builder.info.splits:
+            raise ValueError(f"unknown split {split!r}; have {sorted(builder.info.splits)}")
+        source = builder.as_data_source(split=split)
+        length, key = builder.info.features["bytes"].shape[0] - 1, "bytes"
     global_batch = batch_size * shard_count
     num_batches = _ceil_div(len(source), global_batch)
     if max_batches is not None:
@@ -137,7 +148,7 @@ def eval_batches(
             weights = np.zeros((batch_size, length), np.float32)
             if len(rows):
                 records[: len(rows)] = np.stack(
-                    [r["bytes"] for r in source.__getitems__(list(rows))]
+                    [r[key] for r in source.__getitems__(list(rows))]
                 )
                 weights[: len(rows)] = 1.0
             yield {"inputs": records[:, :-1], "targets": records[:, 1:], "weights": weights}

@@ -1,0 +1,325 @@
+"""Tokenizers and document corpora of the token LM task (revtrain.data.tokenizer, revtrain.data.token_lm,
+TokenLMTask): the same tokens from every corpus format, user-brought tokenizers that train, evaluate and
+sample, bits per byte, and bad input (one line, exit 2, nothing left behind)."""
+
+import json
+import os
+import pathlib
+import shutil
+import string
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from revtrain import cli
+from revtrain.data import token_lm
+from revtrain.data import tokenizer as tokenizer_lib
+from revtrain.data.tasks import TokenLMTask
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = str(REPO / "configs" / "enwik_bpe.gin")
+TINY = ["--gin", "STEPS = 3", "--gin", "WARMUP = 1", "--gin", "NUM_LAYERS = 1", "--gin", "D_MODEL = 32",
+        "--gin", "NUM_HEADS = 2", "--gin", "NUM_KV_HEADS = 1", "--gin", "D_FF = 64", "--gin", "train.batch_size = 4",
+        "--gin", "evaluate.max_batches = 2", "--gin", "train.sample_every = 0", "--gin", "train.log_every = 1",
+        "--gin", "TokenLMTask.sequence_length = 16"]
+
+
+def _documents():
+    """About 60 KB of real text in 40 documents of different lengths (stdlib source files, cut up)."""
+    text = "".join(pathlib.Path(m.__file__).read_text() for m in (textwrap, string, json.decoder, json.encoder))
+    docs, start = [], 0
+    for i in range(40):
+        size = 800 + 97 * (i % 13)
+        docs.append(text[start:start + size] + "é∑ ok\n")  # some multi-byte characters in every document
+        start += size
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    """The same documents as a directory of text files, JSONL, Parquet and a saved dataset."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    root = tmp_path_factory.mktemp("corpora")
+    docs = _documents()
+    (root / "dir").mkdir()
+    for i, doc in enumerate(docs):
+        (root / "dir" / f"doc{i:03d}.txt").write_text(doc)
+    with open(root / "docs.jsonl", "w") as f:
+        for i, doc in enumerate(docs):
+            f.write(json.dumps({"id": i, "body": doc}) + "\n")
+    pq.write_table(pa.table({"id": list(range(len(docs))), "body": docs}), root / "docs.parquet", row_group_size=7)
+    datasets.Dataset.from_dict({"body": docs}).save_to_disk(str(root / "saved"))
+    return root, docs
+
+
+@pytest.fixture(scope="module")
+def user_tokenizer(tmp_path_factory, corpora):
+    """A tokenizer.json trained outside revtrain (the tokenizers library directly): byte-level BPE, 400 ids,
+    its own end-of-text token '</s>' at id 1."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    _, docs = corpora
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs[:30], trainer=trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory, corpora):
+    """A SentencePiece BPE model (600 pieces, byte fallback, no normalization) trained on the documents."""
+    import sentencepiece as spm
+    _, docs = corpora
+    folder = tmp_path_factory.mktemp("sp")
+    (folder / "input.txt").write_text("".join(docs[:30]))
+    spm.SentencePieceTrainer.train(input=str(folder / "input.txt"), model_prefix=str(folder / "sp"), vocab_size=600,
+                                   model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False, minloglevel=2)
+    return folder / "sp.model"
+
+
+def _split_ids(task, split):
+    meta = task.prepared.meta
+    return np.fromfile(task.prepared.split_file(split), np.dtype(meta["dtype"]))
+
+
+def test_every_corpus_format_gives_the_same_tokens(corpora, user_tokenizer, tmp_path):
+    root, docs = corpora
+    data_dir = str(tmp_path / "data")
+    tasks = {name: TokenLMTask(source=str(root / name), sequence_length=16, tokenizer=str(user_tokenizer),
+                               text_field="body", data_dir=data_dir)
+             for name in ("dir", "docs.jsonl", "docs.parquet", "saved")}
+    reference = tasks["dir"]
+    tok = reference.tokenizer
+    assert tok.eot_id == 1 and tok.vocab_size == 400
+    for name, task in tasks.items():
+        for split in token_lm.SPLITS:
+            assert np.array_equal(_split_ids(task, split), _split_ids(reference, split)), (name, split)
+    # The layout: the splits' ids decode to the documents in order, one end-of-text id after each document;
+    # the train split ends at 90% of the bytes (moved forward to a character boundary).
+    ids = {s: _split_ids(reference, s) for s in token_lm.SPLITS}
+    joined = b"".join(tok.decode(ids[s]) for s in token_lm.SPLITS)
+    assert joined == "".join(docs).encode()
+    assert sum(int(np.sum(ids[s] == tok.eot_id)) for s in token_lm.SPLITS) == len(docs)
+    total = len(joined)
+    assert 0 <= len(tok.decode(ids["train"])) - total * 9 // 10 < 4
+    meta = reference.prepared.meta["splits"]
+    assert [meta[s]["tokens"] for s in token_lm.SPLITS] == [len(ids[s]) for s in token_lm.SPLITS]
+    assert sum(meta[s]["bytes"] for s in token_lm.SPLITS) == total
+    # Windows of L + 1 ids with stride L, sharing one id.
+    windows = reference.windows("validation")
+    assert len(windows) == (len(ids["validation"]) - 1) // 16
+    assert np.array_equal(windows[1]["tokens"], ids["validation"][16:33])
+    # A cache hit the second time: the same directory, nothing prepared again.
+    again = TokenLMTask(source=str(root / "docs.jsonl"), sequence_length=16, tokenizer=str(user_tokenizer),
+                        text_field="body", data_dir=data_dir)
+    assert again.prepared.directory == tasks["docs.jsonl"].prepared.directory
+    assert not [p for p in os.listdir(os.path.join(data_dir, "token_lm")) if ".tmp" in p]
+
+
+def test_bpe_is_trained_on_the_train_split_and_cached(corpora, tmp_path):
+    root, docs = corpora
+    data_dir = str(tmp_path / "data")
+    task = TokenLMTask(source=str(root / "docs.jsonl"), sequence_length=16, tokenizer="bpe", vocab_size=300,
+                       text_field="body", data_dir=data_dir)
+    tok = task.tokenizer
+    assert tok.kind == "huggingface" and tok.vocab_size == 300 and tok.eot_id == 0
+    assert task.model_kwargs() == {"sequence_length": 16, "vocab_size": 300}
+    # Exact bytes per token for a byte-level BPE: the bytes of each split, through the table.
+    for split in token_lm.SPLITS:
+        ids = _split_ids(task, split)
+        assert int(tok.token_bytes[ids].sum()) == task.prepared.meta["splits"][split]["bytes"]
+    # Subwords: fewer ids than bytes.
+    assert 1.5 < task.bytes_per_token < 4
+    bpe_dirs = os.listdir(os.path.join(data_dir, "token_lm", "bpe"))
+    again = TokenLMTask(source=str(root / "docs.jsonl"), sequence_length=16, tokenizer="bpe", vocab_size=300,
+                        text_field="body", data_dir=data_dir)
+    assert again.tokenizer.sha256 == tok.sha256 and os.listdir(os.path.join(data_dir, "token_lm", "bpe")) == bpe_dirs
+
+
+@pytest.mark.parametrize("which", ["json", "sentencepiece"])
+def test_validation_documents_round_trip(corpora, user_tokenizer, sentencepiece_model, which):
+    _, docs = corpora
+    tok = tokenizer_lib.load(str(user_tokenizer if which == "json" else sentencepiece_model))
+    sizes = np.cumsum([len(d.encode()) for d in docs])
+    validation = [d for d, end in zip(docs, sizes) if end > sizes[-1] * 9 // 10]  # validation and test splits
+    assert len(validation) >= 3
+    for doc in validation:
+        assert tok.decode(tok.encode(doc)) == doc.encode()
+    if which == "sentencepiece":
+        assert tok.kind == "sentencepiece" and tok.vocab_size == 600 and tok.eot_id == 2
+        assert tok.token_bytes[tok.eot_id] == 0 and tok.token_bytes.max() > 1
+
+
+def revtrain(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+@pytest.mark.slow  # three revtrain processes each (train, eval, sample): about a minute on a quiet machine
+@pytest.mark.parametrize("which", ["json", "sentencepiece"])
+def test_a_brought_tokenizer_trains_evaluates_and_samples(corpora, user_tokenizer, sentencepiece_model, tmp_path,
+                                                         which):
+    root, _ = corpora
+    brought = tmp_path / ("tokenizer.json" if which == "json" else "sp.model")
+    shutil.copyfile(user_tokenizer if which == "json" else sentencepiece_model, brought)
+    workdir = tmp_path / "run"
+    data = ["--gin", f"TokenLMTask.source = '{root / 'docs.parquet'}'", "--gin", "TokenLMTask.text_field = 'body'",
+            "--gin", f"TokenLMTask.tokenizer = '{brought}'", "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'"]
+    result = revtrain("train", "--config", CONFIG, *TINY, *data, "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    assert "nats/token" in result.stderr and "bytes/token" in result.stderr
+    kept = workdir / ("tokenizer.json" if which == "json" else "tokenizer.model")
+    assert kept.read_bytes() == brought.read_bytes()
+    record = json.loads((workdir / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    # bits per byte = nats over the scored tokens' bytes / ln 2 = loss per token / ln 2 / bytes per token.
+    assert record["bits_per_byte"] == pytest.approx(record["loss"] / np.log(2) / record["bytes_per_token"], rel=1e-9)
+    assert 1.0 < record["bytes_per_token"] < 5.0
+    train = json.loads((workdir / "metrics" / "train.jsonl").read_text().splitlines()[-1])
+    assert train["bytes_per_token"] > 1.0
+    brought.unlink()  # the run's own copy serves eval and sample from now on
+    result = revtrain("eval", "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    again = json.loads((workdir / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    assert again["bits_per_byte"] == pytest.approx(record["bits_per_byte"], rel=1e-6)
+    out = tmp_path / "sample.txt"
+    result = revtrain("sample", "--workdir", str(workdir), "--prompt", "def wrap(", "--length", "12",
+                      "--temperature", "0", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "12 tokens" in result.stderr
+    text = out.read_bytes()
+    assert text.startswith(b"def wrap(") and len(text) > len(b"def wrap(")
+
+
+# -- bad input: one line, exit 2, nothing left behind -------------------------------------------------
+def _fails(capsys, tmp_path, bindings, contains, prepared=False):
+    workdir = tmp_path / "run"
+    data_dir = tmp_path / "data"
+    args = ["train", "--config", CONFIG, *TINY, "--gin", f"TokenLMTask.data_dir = '{data_dir}'"]
+    for b in bindings:
+        args += ["--gin", b]
+    capsys.readouterr()
+    code = cli.main(args + ["--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("revtrain: error: "), err
+    assert contains in err[0], err[0]
+    assert not workdir.exists()
+    left = [str(p.relative_to(data_dir)) for p in data_dir.rglob("*")] if data_dir.exists() else []
+    if not prepared:  # (a good corpus refused for another reason keeps its prepared tokens: a cache)
+        assert left in ([], ["token_lm"]), left
+    return err[0]
+
+
+def test_a_tokenizer_file_that_does_not_parse(capsys, tmp_path, corpora):
+    root, _ = corpora
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"version": "1.0", "model": 42}')
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{root / 'dir'}'", f"TokenLMTask.tokenizer = '{bad}'"],
+           f"tokenizer file {bad} does not parse")
+    sp = tmp_path / "broken.model"
+    sp.write_bytes(b"not a model")
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{root / 'dir'}'", f"TokenLMTask.tokenizer = '{sp}'"],
+           f"tokenizer file {sp} is not a SentencePiece model")
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{root / 'dir'}'", "TokenLMTask.tokenizer = 'nothere.json'"],
+           "nothere.json does not exist")
+
+
+def test_jsonl_lines_that_are_not_json_or_lack_the_field(capsys, tmp_path, corpora):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "cut\n')
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{bad}'"], f"{bad} line 2 is not JSON")
+    bad.write_text('{"text": "fine"}\n\n{"body": "other"}\n')
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{bad}'"], f"{bad} line 3 has no field 'text'")
+
+
+def test_parquet_without_the_column_and_a_saved_dataset_without_the_split(capsys, tmp_path, corpora):
+    import datasets
+    root, docs = corpora
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{root / 'docs.parquet'}'", "TokenLMTask.text_field = 'txt'"],
+           f"the Parquet file {root / 'docs.parquet'} has no column 'txt'")
+    saved = tmp_path / "dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs[:30]}),
+                          "test": datasets.Dataset.from_dict({"body": docs[30:]})}).save_to_disk(str(saved))
+    _fails(capsys, tmp_path, [f"TokenLMTask.source = '{saved}'", "TokenLMTask.text_field = 'body'"],
+           f"the saved dataset {saved} has no validation split")
+
+
+def test_a_vocabulary_larger_than_the_embedding(capsys, tmp_path, corpora, user_tokenizer):
+    root, _ = corpora
+    line = _fails(capsys, tmp_path, [f"TokenLMTask.source = '{root / 'dir'}'",
+                                     f"TokenLMTask.tokenizer = '{user_tokenizer}'", "ComposedModel.vocab_size = 256"],
+                  "ComposedModel.vocab_size = 256 is smaller than the vocabulary", prepared=True)
+    assert "400 ids" in line
+
+
+@pytest.mark.parametrize("binding, contains", [
+    ("TokenLMTask.vocab_size = 100", "TokenLMTask.vocab_size must be an integer >= 258"),
+    ("TokenLMTask.sequence_length = 0", "TokenLMTask.sequence_length must be a positive integer"),
+    ("TokenLMTask.text_field = ''", "TokenLMTask.text_field must be a non-empty string"),
+    ("TokenLMTask.tokenizer = ''", "TokenLMTask.tokenizer must be 'bpe', 'bytes' or a tokenizer file"),
+    ("TokenLMTask.sequence_length = 100000", "TokenLMTask.sequence_length 100000 is too large"),
+])
+def test_bad_knob_values(capsys, tmp_path, corpora, binding, contains):
+    root, _ = corpora
+    bindings = [f"TokenLMTask.source = '{root / 'dir'}'", "TokenLMTask.tokenizer = 'bytes'", binding]
+    if "vocab_size" in binding:
+        bindings[1] = "TokenLMTask.tokenizer = 'bpe'"
+    workdir = tmp_path / "run"
+    capsys.readouterr()
+    args = ["train", "--config", CONFIG, *TINY, "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'"]
+    for b in bindings:
+        args += ["--gin", b]
+    code = cli.main(args + ["--workdir", str(workdir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and contains in err[0], err
+    assert not workdir.exists()
+
+
+def test_bytes_through_the_token_task(corpora, tmp_path):
+    root, docs = corpora
+    task = TokenLMTask(source=str(root / "docs.jsonl"), sequence_length=16, tokenizer="bytes", text_field="body",
+                       data_dir=str(tmp_path / "data"))
+    ids = np.concatenate([_split_ids(task, s) for s in token_lm.SPLITS])
+    assert task.tokenizer.vocab_size == 257 and task.bytes_per_token == pytest.approx(
+        task.prepared.meta["splits"]["train"]["bytes"] / task.prepared.meta["splits"]["train"]["tokens"])
+    assert ids.tobytes() != b"" and bytes(ids[ids != 256].astype(np.uint8)) == "".join(docs).encode()
+    assert int(np.sum(ids == 256)) == len(docs)
+
+
+@pytest.mark.slow
+def test_preparing_a_large_corpus_stays_under_one_gib(tmp_path, user_tokenizer):
+    """A corpus of 200 MB (repeated real text) is prepared in a process whose peak resident memory stays
+    below 1 GiB: the corpus is streamed and written in pieces."""
+    if shutil.disk_usage(tmp_path).free < 1 << 30:
+        pytest.skip("needs 1 GiB of free disk")
+    text = "".join(pathlib.Path(m.__file__).read_text() for m in (textwrap, string, json.decoder, json.encoder))
+    corpus = tmp_path / "big.txt"
+    with open(corpus, "w") as f:
+        written, i = 0, 0
+        while written < 200_000_000:
+            block = f"== part {i} ==\n" + text
+            f.write(block)
+            written += len(block.encode())
+            i += 1
+    script = ("import sys, resource; from revtrain.data.tasks import TokenLMTask;"
+              f"t = TokenLMTask(source={str(corpus)!r}, sequence_length=64, tokenizer={str(user_tokenizer)!r},"
+              f" data_dir={str(tmp_path / 'data')!r});"
+              "print(t.prepared.meta['splits']['train']['tokens'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=3600,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    tokens, peak_kib = (int(x) for x in result.stdout.split())
+    assert tokens > 30_000_000
+    assert peak_kib * 1024 < 1 << 30, f"peak RSS {peak_kib / 1024:.0f} MiB"
