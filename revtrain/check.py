@@ -213,7 +213,7 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
     """Runs the check on the parsed gin config; prints a per-layer table and a verdict.
 
     Progress goes to stderr, a line every few layers of each pass. SIGINT / SIGTERM stop it at once
-    (`revtrain.interrupts`): exit 0 before the computation starts, 128 + the signal's number after, with one
+    (`revtrain.lifecycle.interrupts`): exit 0 before the computation starts, 128 + the signal's number after, with one
     line saying how far it got (there is no verdict then).
 
     Args:
@@ -232,7 +232,7 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
       loop.ConfigError, DataError: as for ``revtrain train``.
       CheckpointError: no checkpoint (or no such step) in ``workdir``, or it does not fit the model.
     """
-    from revtrain import interrupts
+    from revtrain.lifecycle import interrupts
     with interrupts.command_interrupts("check", at_once=True) as guard:
         return _run_check(layers_per_chunk, workdir, step, out or sys.stdout, progress, guard)
 

@@ -231,7 +231,7 @@ def _init_distributed(args) -> None:
       numbered by the local rank (``SLURM_LOCALID`` / ``OMPI_COMM_WORLD_LOCAL_RANK``) visible: one
       process per GPU.
 
-    A lost process is reported by `revtrain.lost_peer` (one line, exit 1); ``--heartbeat_timeout`` sets
+    A lost process is reported by `revtrain.lifecycle.lost_peer` (one line, exit 1); ``--heartbeat_timeout`` sets
     how long a silent process may go unnoticed (JAX's ``heartbeat_timeout_seconds``, default 100).
 
     On the CPU platform (no accelerator), cross-process collectives use gloo over TCP
@@ -270,7 +270,7 @@ def _init_distributed(args) -> None:
             kwargs = {k: v for k, v in (("num_processes", n), ("process_id", i)) if v is not None}
         where = f"{os.environ.get('JAX_COORDINATOR_ADDRESS') or 'the coordinator'} (from the {cluster} environment)"
 
-    from revtrain import lost_peer
+    from revtrain.lifecycle import lost_peer
     timeout = lost_peer.DEFAULT_HEARTBEAT_TIMEOUT if args.heartbeat_timeout is None else args.heartbeat_timeout
     if timeout < 1:
         raise UsageError(f"--heartbeat_timeout must be a positive number of seconds, got {timeout}")
@@ -438,7 +438,7 @@ def _run_command(args) -> int:
         return 0
     if args.command == "check":
         from revtrain import check  # noqa: F401  (registers check.*)
-        from revtrain import workdir as workdir_lib
+        from revtrain.lifecycle import workdir as workdir_lib
         configs = list(args.config)
         if args.workdir is not None:
             config = os.path.join(args.workdir, "config.gin")
@@ -477,14 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_libraries(verbose)
         _init_distributed(args)
         return _run(args)
-    except KeyboardInterrupt:  # Ctrl-C outside `train`'s own handling (see revtrain.interrupts)
+    except KeyboardInterrupt:  # Ctrl-C outside `train`'s own handling (see revtrain.lifecycle.interrupts)
         if verbose:
             raise
         print("revtrain: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # classify: usage/config errors -> 2, anything else -> 1
-        if "revtrain.lost_peer" in sys.modules:
-            sys.modules["revtrain.lost_peer"].exit_if_peer_lost(e)  # a lost process: one line, exit 1, now
+        if "revtrain.lifecycle.lost_peer" in sys.modules:
+            sys.modules["revtrain.lifecycle.lost_peer"].exit_if_peer_lost(e)  # a lost process: one line, exit 1, now
         if verbose:
             raise
         code, line = _classify(e)
@@ -503,9 +503,9 @@ def _classify(e: Exception) -> tuple[int, str]:
     from revtrain.loop import ConfigError, WriteFailed
     from revtrain.models.llama import LlamaFormatError
     from revtrain.metrics import MetricsWriteError
-    from revtrain.oom import OutOfMemory, describe, is_out_of_memory
+    from revtrain.lifecycle.oom import OutOfMemory, describe, is_out_of_memory
     from revtrain.trainers.common import TrainerError
-    from revtrain.workdir import WorkdirBusy
+    from revtrain.lifecycle.workdir import WorkdirBusy
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError, WorkdirBusy, ExportError,
                       LlamaFormatError)):

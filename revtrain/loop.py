@@ -20,9 +20,10 @@ import numpy as np
 import optax
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import ginconfig, interrupts, lost_peer, oom
+from revtrain import ginconfig
+from revtrain.lifecycle import interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
-from revtrain import workdir as workdir_lib
+from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data.tasks import ByteLMTask, run_workdir
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_state_bytes
@@ -405,7 +406,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     ``checkpoints/`` (process 0 writes files other than checkpoints). Resumes from the newest checkpoint
     that restores when ``checkpoints/`` has one (a damaged newer one is moved to ``damaged_checkpoints/``
     with one line saying why); a run already at ``train.steps`` does nothing. Holds the workdir's lock
-    (`revtrain.workdir`) throughout, and SIGINT / SIGTERM follow `revtrain.interrupts`. A run that fails
+    (`revtrain.lifecycle.workdir`) throughout, and SIGINT / SIGTERM follow `revtrain.lifecycle.interrupts`. A run that fails
     before writing any checkpoint or metrics record removes the workdir when it created it.
 
     Raises:

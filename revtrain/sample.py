@@ -12,7 +12,7 @@ import os
 import jax
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import interrupts
+from revtrain.lifecycle import interrupts
 from revtrain import loop
 from revtrain import metrics as metrics_lib
 from revtrain.generate import (Options, Result, SampleError, check_decodable, check_training_sample,  # noqa: F401

@@ -1,7 +1,7 @@
 """Runs a ``revtrain`` command that signals itself at a chosen moment: when a chosen function is first called.
 
 Used by tests/test_faults.py, as a separate process (a stop at once replaces the process, see
-`revtrain.interrupts`), so that a signal lands while the command's work is in progress, whatever the
+`revtrain.lifecycle.interrupts`), so that a signal lands while the command's work is in progress, whatever the
 machine's speed:
 
   python tests/_signal_inside.py MODULE.FUNCTION GAPS -- REVTRAIN_ARGS...

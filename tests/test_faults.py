@@ -192,7 +192,7 @@ def test_an_unusable_data_source_prints_only_the_error_and_leaves_no_cache(tmp_p
 def test_signals_within_the_burst_window_count_as_one(monkeypatch):
     """The policy itself (no process is stopped): a signal within BURST_WINDOW of the last one that counted
     is the same request; one after it asks again."""
-    from revtrain import interrupts
+    from revtrain.lifecycle import interrupts
     stops = []
     guard = interrupts.Interrupts(log=lambda line: stops.append(("log", line)))
     monkeypatch.setattr(guard, "stop_now", lambda signum, message, code: stops.append((code, message)))

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from revtrain import cli
-from revtrain import workdir as workdir_lib
+from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import byte_lm
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -290,7 +290,8 @@ def _signal_during_compile(proc, workdir):
 
 _TWO_HOSTS = """
 import sys
-from revtrain import cli, workdir
+from revtrain import cli
+from revtrain.lifecycle import workdir
 args = cli.parse_args(["eval", "--workdir", sys.argv[1], "--coordinator_address", sys.argv[2], "--num_processes",
                        "2", "--process_id", sys.argv[3]])
 cli._init_distributed(args)

@@ -25,11 +25,11 @@ Stopping at once must work while the main thread is inside XLA (compiling the fi
 can take many minutes, and Python runs signal handlers only between the main thread's bytecodes). The
 C-level handler writes each signal's number to a pipe (`signal.set_wakeup_fd`), which wakes a watcher
 thread (XLA releases the GIL while it compiles and runs). To stop, the watcher replaces the process with
-the stdlib-only script ``revtrain/_stopped.py`` (``os.execv``, same PID): exec ends every other thread at
+the stdlib-only script ``revtrain/lifecycle/_stopped.py`` (``os.execv``, same PID): exec ends every other thread at
 once, Orbax's checkpoint writers included, so the cleanup that follows cannot race with a write. The
 script deletes the unfinished ``*.orbax-checkpoint-tmp*`` directory, and the workdir this run created when
 it holds no checkpoint and no metrics record; then prints one line naming the newest checkpoint on disk and exits. The
-workdir's lock (`revtrain.workdir`) is handed over to it, so no other run starts in the workdir until the
+workdir's lock (`revtrain.lifecycle.workdir`) is handed over to it, so no other run starts in the workdir until the
 cleanup is done. No traceback, and no false "cannot write the checkpoint" error, whatever the main thread
 was doing.
 """
@@ -77,7 +77,7 @@ class Interrupts:
         the stop line ("before the first step finished: nothing new to save").
       checkpoint_dir: the run's ``checkpoints/`` (its unfinished saves are deleted on a stop), or None.
       workdir: the workdir, deleted on a stop when ``created`` and it holds no checkpoint and no metrics.
-      lock: the workdir's `revtrain.workdir.WorkdirLock` (handed to the cleanup), or None.
+      lock: the workdir's `revtrain.lifecycle.workdir.WorkdirLock` (handed to the cleanup), or None.
       primary: whether this process cleans up (process 0).
       log: prints one line (process 0's stderr).
       at_once: a signal while work is in progress stops at once (no step to finish: sample, check).

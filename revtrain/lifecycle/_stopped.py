@@ -1,4 +1,4 @@
-"""Finishes a ``revtrain train`` process stopped at once by a signal (see `revtrain.interrupts`).
+"""Finishes a ``revtrain train`` process stopped at once by a signal (see `revtrain.lifecycle.interrupts`).
 
 Run through ``os.execv`` in place of that process (same PID, every other thread already gone), with one
 argument: a JSON object ``{"message", "code", "checkpoints", "workdir", "primary", "report_checkpoints"}``. Deletes the
