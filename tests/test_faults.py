@@ -346,7 +346,7 @@ def _check_deep_passes(result, depth: int) -> None:
     out, err = result.stdout.splitlines(), result.stderr.splitlines()
     n = depth + 2
     assert out[0].endswith(f"{n} layers, one batch of 4 on 1 device(s); reference: backprop one layer at a time; "
-                           "ReversibleTrainer.rebuild = 'exact'")
+                           "ReversibleTrainer.rebuild = 'exact'; update: fused per layer")
     rows = [l.split() for l in out if l.startswith(("embedding", "block_", "head"))]
     assert len(rows) == n
     for row in rows:  # layer-at-a-time backprop: the reversible trainer equals it bit for bit, both dtypes
