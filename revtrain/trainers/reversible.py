@@ -288,7 +288,19 @@ class ReversibleTrainer(TrainerBase):
     # the update runs on the pieces.
     def _forward(self, layer, params, state, x, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
+        if self._fenced(layer):  # (y, new state, residuals): the program outputs the residuals
+            y, new_state, residuals = layer.apply_fenced(self._whole(layer, params), state, x, keys)
+            return y, new_state, per_device(residuals)  # each device's own (a scan carry's type)
         return layer.apply(self._whole(layer, params), state, x, keys, True)
+
+    def _fenced(self, layer) -> bool:
+        """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
+        programs output the residuals too, and the trainer drops them (`_dropping`)."""
+        return self.rebuild == "fused" and layer.reversible and layer.has_half_residuals
+
+    @staticmethod
+    def _dropping(program):
+        return _Dropping(program)
 
     # The gradient halves, shared with `revtrain check`: gradients are summed over devices ("data"), or
     # reduce-scattered to the pieces of ``specs`` (`reduce_grads`).
@@ -397,6 +409,8 @@ class ReversibleTrainer(TrainerBase):
         """
         count = jax.tree.leaves(params)[0].shape[0]
         steps = jnp.arange(count, dtype=jnp.int32)
+        if self._fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
+            return self._fenced_run(layer, params, states, x, skey, start, steps)
         if not self.offload:
             def body(x, slices):
                 p, s, j = slices
@@ -413,6 +427,33 @@ class ReversibleTrainer(TrainerBase):
 
         (x, _), new_states = lax.scan(prefetching, (x, self._slice_to_device(params, 0)), (states, steps))
         return x, new_states
+
+    def _fenced_run(self, layer, params, states, x, skey, start, steps):
+        """`_forward_run` with fenced forwards (`_fenced`): each iteration writes its layer's residuals into
+        the carry, and the last layer's are the program's third result, so XLA keeps their computation."""
+        count = steps.shape[0]
+        first = self._slice_to_device(params, 0)
+        shapes = jax.eval_shape(lambda p, s, x: self._forward(layer, p, s, x, skey, start)[2], first,
+                                jax.tree.map(lambda a: a[0], states), x)
+        res = per_device(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
+        if not self.offload:
+            def body(carry, slices):
+                p, s, j = slices
+                x, new_state, res = self._forward(layer, p, s, carry[0], skey, start + j)
+                return (x, res), new_state
+
+            (x, res), new_states = lax.scan(body, (x, res), (params, states, steps))
+            return x, new_states, res
+
+        def prefetching(carry, slices):
+            x, p, _ = carry
+            s, j = slices
+            nxt = self._slice_to_device(params, jnp.minimum(j + 1, count - 1))
+            x, new_state, res = self._forward(layer, p, s, x, skey, start + j)
+            return (x, nxt, res), new_state
+
+        (x, _, res), new_states = lax.scan(prefetching, (x, first, res), (states, steps))
+        return x, new_states, res
 
     def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
         """``_reverse_and_update`` of every layer of a stacked run, last first: one reverse ``lax.scan``.
@@ -484,6 +525,9 @@ class ReversibleTrainer(TrainerBase):
         state_specs = self.layer_specs(layer)
         in_specs = self._with_specs(in_specs, inputs, state_specs)
         out_specs = self._with_specs(out_specs, outputs, state_specs)
+        if kind == "forward_rev" and self._fenced(layer):
+            return self._dropping(self._per_layer_compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate,
+                                                           inputs, outputs))
         return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate, inputs, outputs)
 
     def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate, inputs, outputs):
@@ -514,6 +558,9 @@ class ReversibleTrainer(TrainerBase):
         key = (kind, layer, count)
         pspec, ospec = self._group_specs(layer, count)
         if kind == "forward_run":
+            if self._fenced(layer):
+                return self._dropping(self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R),
+                                                     (_D, _R, _D), donate=(2,), key=key))
             return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
                                   key=key)
         if kind == "reverse_run":
@@ -637,3 +684,17 @@ class _Plan:
     backward: list
     head: object
     index: list  # np.int32 first layer index per group (a host scalar: nothing per layer stays on the device)
+
+
+class _Dropping:
+    """A fenced forward program (`ReversibleTrainer._fenced`) called as an ordinary one: returns ``(y, new
+    state)`` and drops the residuals; other attributes (``lower``, ...) are the program's."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __call__(self, *args):
+        return self.program(*args)[:2]
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)
