@@ -97,9 +97,9 @@ class _Checker:
             self.progress(f"{what}: {done} of {total} layers")
 
     def _forward_program(self, layer, rebuild: str = "exact"):
-        """The trainer's forward of ``layer``: with the fused rebuild a reversible layer's is `apply_fenced`,
+        """The trainer's forward of ``layer``: with ``rebuild = 'fenced'`` a reversible layer's is `apply_fenced`,
         whose residuals the program outputs (and this drops) as the trainer's does."""
-        if layer.reversible and rebuild == "fused":
+        if layer.reversible and rebuild == "fenced":
             program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: layer.apply_fenced(
                 p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
             return lambda *args: program(*args)[0]

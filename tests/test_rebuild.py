@@ -141,14 +141,14 @@ def test_fused_hlo_runs_each_function_forward_once():
 
 def test_unknown_rebuild_mode_is_refused():
     model = ReversibleTransformerLM(T, num_layers=1, d_model=D, num_heads=2)
-    with pytest.raises(TrainerError, match="ReversibleTrainer.rebuild must be one of 'exact', 'fused'"):
+    with pytest.raises(TrainerError, match="ReversibleTrainer.rebuild must be one of 'exact', 'fused', 'fenced'"):
         ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), rebuild="inverse")
 
 
 
 
 def test_fenced_forward_is_the_forward_and_outputs_its_residuals():
-    """``apply_fenced`` (the trainer's forward with ``rebuild = 'fused'``) on a block of the default LM's
+    """``apply_fenced`` (the trainer's forward with ``rebuild = 'fenced'``) on a block of the default LM's
     width with its weight matrices x3 (F and G outputs of several units, as on trained weights): its output
     is ``apply``'s up to float rounding (1e-6 relative), it returns the steps' residuals flattened, and the
     fused rebuild gives its input back within 1e-6 relative. Bit-exactness is measured, not promised
@@ -167,7 +167,7 @@ def test_fenced_forward_is_the_forward_and_outputs_its_residuals():
     assert len(residuals) >= 4 and all(r.ndim == 1 for r in residuals)
     scale = max(float(jnp.abs(a).max()) for a in plain)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(fenced, plain)) <= 1e-6 * scale
-    rebuilt = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, state, y, dy, keys, fused=True)[0])(params, fenced, dy)
+    rebuilt = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, state, y, dy, keys, fenced=True)[0])(params, fenced, dy)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(rebuilt, x)) <= 1e-6 * scale
     exact = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, state, y, dy, keys, fused=False)[0])(params, plain, dy)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(exact, x))

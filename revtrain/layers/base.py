@@ -331,7 +331,7 @@ class ReversibleLayer(Layer):
         self.has_half_residuals = callable(getattr(module, "half_residuals", None))
 
     def reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None,
-                    fused: bool = True):
+                    fused: bool = True, fenced: bool = False):
         """Rebuilds the layer's input from its output and pulls the output cotangent back through it.
 
         Args:
@@ -352,6 +352,9 @@ class ReversibleLayer(Layer):
             rebuild, its gradients are the exact recipe's bit for bit, because each source stream's
             cotangent is accumulated in the whole layer's order (see below).
 
+          fenced: with ``fused``, each step computed as `apply_fenced` computes it (`_fenced_step`: the
+            vjp behind optimization barriers), for a forward that ran `apply_fenced`.
+
         Returns:
           ``(x, dx, grads)``: the rebuilt input, its cotangent, and the gradient with respect to ``params``
           (of this device's examples: the caller sums over devices).
@@ -367,7 +370,17 @@ class ReversibleLayer(Layer):
         steps = self.merge(params, state).half_residuals(keys=keys)
         for k in range(len(steps) - 1, -1, -1):
             target, source, _ = steps[k]
-            increment, vjp_fn, _, _ = self._fenced_step(params, state, keys, k, lax.stop_gradient(streams[source]))
+            if fenced:
+                increment, vjp_fn, _, _ = self._fenced_step(params, state, keys, k,
+                                                            lax.stop_gradient(streams[source]))
+            else:
+                # The step passes its source stream through as a second output, so the pullback starts the
+                # source's cotangent from that stream's own cotangent and adds fn's contributions to it one
+                # by one, in the order the vjp of the whole layer adds them (the same float sums, bit for bit).
+                def step(p, src, k=k):
+                    return self.merge(p, state).half_residuals(keys=keys)[k][2](src), src
+
+                (increment, _), vjp_fn = jax.vjp(step, params, lax.stop_gradient(streams[source]))
             streams[target] = streams[target] - increment  # this step's input
             g, cots[source] = vjp_fn((cots[target], cots[source]))
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)

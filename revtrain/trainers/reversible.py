@@ -105,13 +105,16 @@ class ReversibleTrainer(TrainerBase):
         rebuild's compiled like the forward's: bit-exact wherever the streams stay on the fixed-point
         grid). ``"fused"``: one ``vjp`` per half-residual of a coupling, whose primal output is the
         rebuild, so F and G each run forward once in the backward (3.0 forwards of a Transformer block
-        instead of 3.75); the forward computes each half-residual the same way
-        (`ReversibleLayer.apply_fenced`: the same vjp behind the same barriers, its residuals output by the
-        program). Measured: 0.0 rebuild error on a trained ``enwik_small`` checkpoint (float32 and
-        bfloat16, both executors) where the fused rebuild of the plain forward was off by 5.4e-6 and
-        1.5e-2; but not guaranteed (XLA:CPU removes the barriers before fusing, and a block with grown
-        random weights rebuilds inexactly), so it is not the default. Layers without ``half_residuals``
-        use the ``"exact"`` recipe in both modes. See docs/rebuild.md.
+        instead of 3.75); its F and G are compiled inside the vjp and may round differently from the
+        forward's (rebuild error 5.4e-6 in float32, 1.5e-2 in bfloat16 on a step-200 ``enwik_small``
+        checkpoint; bit-exact near initialisation). ``"fenced"``: the fused rebuild with a forward that
+        computes each half-residual the same way (`ReversibleLayer.apply_fenced`: the same vjp behind the
+        same barriers, its residuals output by the program): 0.0 rebuild error on that checkpoint (float32
+        and bfloat16, both executors, with and without offload), but not guaranteed (XLA:CPU removes the
+        barriers before fusing; a block with grown random weights rebuilds inexactly), and its forward no
+        longer rounds like backprop's (parameters 4.4e-7 relative apart from the standard trainer's after
+        5 steps at depth 12). Layers without ``half_residuals`` use the ``"exact"`` recipe in every mode.
+        See docs/rebuild.md.
 
     Raises:
       TrainerError: the optimizer couples leaves (see ``check_per_layer_optimizer``), or needs whole leaves
@@ -124,7 +127,7 @@ class ReversibleTrainer(TrainerBase):
     """
 
     name = "reversible"
-    REBUILD_MODES = ("exact", "fused")
+    REBUILD_MODES = ("exact", "fused", "fenced")
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False):
@@ -299,7 +302,7 @@ class ReversibleTrainer(TrainerBase):
     def _fenced(self, layer) -> bool:
         """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
         programs output the residuals too, and the trainer drops them (`_dropping`)."""
-        return self.rebuild == "fused" and layer.reversible and layer.has_half_residuals
+        return self.rebuild == "fenced" and layer.reversible and layer.has_half_residuals
 
     @staticmethod
     def _dropping(program):
@@ -345,7 +348,8 @@ class ReversibleTrainer(TrainerBase):
         devices (reduce-scattered to the local pieces with ``specs``, see ``reduce_grads``). ``rebuild``:
         ``"exact"`` (inverse, then the vjp of the whole layer) or ``"fused"`` (one vjp per half-residual, whose
         primal output rebuilds that half's input); see ``REBUILD_MODES``."""
-        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild == "fused")
+        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild != "exact",
+                                         fenced=rebuild == "fenced")
         return x, dx, reduce_grads(grads, specs)
 
     @staticmethod
