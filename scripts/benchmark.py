@@ -84,6 +84,7 @@ CONFIGS = [
     ("remat + offload", "standard", {"scan_layers": True, "remat_layers": True, "remat_offload": True}),
     ("reversible exact", "reversible", {"rebuild": "exact"}),
     ("reversible fused", "reversible", {"rebuild": "fused"}),
+    ("reversible fenced", "reversible", {"rebuild": "fenced"}),
     ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
     ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
     ("reversible fused, top fused", "reversible", {"rebuild": "fused", "fuse_top": True}),
