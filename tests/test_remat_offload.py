@@ -11,6 +11,7 @@ from revtrain.placement import global_batch, make_mesh
 from revtrain.trainers import StandardTrainer, TrainerError
 
 
+@pytest.mark.slow  # 189 s on the loaded 2-core machine (three trainers compiled); not timed idle
 def test_remat_offload_gives_the_standard_trainers_losses():
     """Depth 4, dropout 0.1, 3 Adam steps on random tokens: the same losses as the unrolled standard trainer
     and as remat without offload (1e-6 relative), and the same parameters (1e-5)."""
