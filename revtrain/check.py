@@ -96,7 +96,13 @@ class _Checker:
         if done % every == 0 or done == total:
             self.progress(f"{what}: {done} of {total} layers")
 
-    def _forward_program(self, layer):
+    def _forward_program(self, layer, rebuild: str = "exact"):
+        """The trainer's forward of ``layer``: with ``rebuild = 'fenced'`` a reversible layer's is `apply_fenced`,
+        whose residuals the program outputs (and this drops) as the trainer's does."""
+        if layer.reversible and rebuild == "fenced":
+            program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: layer.apply_fenced(
+                p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
+            return lambda *args: program(*args)[0]
         return self._sharded(("forward", layer), lambda p, s, x, i: layer.apply(p, s, x, self._keys(i, x), True)[0],
                              (_R, _R, _D, _R), _D)
 
@@ -114,21 +120,23 @@ class _Checker:
         return inputs
 
     def reversible(self, params, states, batch, rebuild: str = "exact"):
-        """Per-layer (rebuilt input or None, grads) of the reversible trainer's backward pass with the
-        given ``ReversibleTrainer.rebuild`` mode."""
+        """Per-layer (forward input, rebuilt input or None, grads) of the reversible trainer's passes with the
+        given ``ReversibleTrainer.rebuild`` mode (its forward is that mode's: `_forward_program`)."""
         layers, n = self.layers, len(self.layers)
         x = batch[self.model.input_key]
-        saved = {}
+        saved, seen = {}, []
         for i, layer in enumerate(layers[:-1]):
             if not layer.reversible:
                 saved[i] = x
-            x = self._forward_program(layer)(params[i], states[i], x, np.int32(i))
+            seen.append(jax.tree.map(np.asarray, x) if layer.reversible else None)
+            x = self._forward_program(layer, rebuild)(params[i], states[i], x, np.int32(i))
+        seen.append(None)
         head_layer = layers[-1]
         head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
             head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
         grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
         out = [None] * n
-        out[-1] = (None, grads)
+        out[-1] = (None, None, grads)
         y = x
         for i in range(n - 2, -1, -1):
             layer = layers[i]
@@ -136,14 +144,14 @@ class _Checker:
                 fn = self._sharded(("reverse", layer, rebuild), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
                     layer, p, s, y, dy, self._keys(i, y), rebuild=rebuild), (_R, _R, _D, _D, _R), (_D, _D, _R))
                 y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
-                out[i] = (jax.tree.map(np.asarray, y), grads)
+                out[i] = (seen[i], jax.tree.map(np.asarray, y), grads)
             else:
                 xs = saved.pop(i)
                 fn = self._sharded(("recompute", layer), lambda p, s, x, dy, i, layer=layer:
                                    ReversibleTrainer.recompute_grads(layer, p, s, x, dy, self._keys(i, x)),
                                    (_R, _R, _D, _D, _R), (_D, _R))
                 dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
-                out[i] = (None, jax.tree.map(np.asarray, grads))
+                out[i] = (None, None, jax.tree.map(np.asarray, grads))
                 y = xs
             self._tell("reversible backward", n - i, n)
         return out
@@ -284,8 +292,8 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         def rows_of(rev):
             rows = []
             for i, layer in enumerate(model.layers):
-                rebuilt, grads = rev[i]
-                rebuild = _rel(inputs[i], rebuilt) if rebuilt is not None else None
+                seen, rebuilt, grads = rev[i]
+                rebuild = _rel(seen, rebuilt) if rebuilt is not None else None
                 rows.append((layer.name, layer.reversible, rebuild, _rel(ref[i], grads)))
             return rows
 

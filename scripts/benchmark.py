@@ -73,15 +73,18 @@ from revtrain.trainers import ReversibleTrainer, StandardTrainer  # noqa: E402
 
 # The trainers of ``make bench``: (label, trainer kind, keyword arguments of the trainer). "remat" is what a
 # JAX user would pick for memory without a reversible model: the standard trainer scanning its identical
-# blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward).
+# blocks under ``jax.checkpoint`` (one saved input per block, the block recomputed in the backward);
+# "remat + offload" also moves each saved input to host memory (``StandardTrainer.remat_offload``).
 # "exact" is the reversible trainer's default rebuild (inverse, then the vjp of the block), "fused" the
 # rebuild from the vjp's own primal outputs (one forward of F and G less per block); "top fused" also runs
 # the block under the head inside the head's program (``ReversibleTrainer.fuse_top``).
 CONFIGS = [
     ("standard", "standard", {}),
     ("remat", "standard", {"scan_layers": True, "remat_layers": True}),
+    ("remat + offload", "standard", {"scan_layers": True, "remat_layers": True, "remat_offload": True}),
     ("reversible exact", "reversible", {"rebuild": "exact"}),
     ("reversible fused", "reversible", {"rebuild": "fused"}),
+    ("reversible fenced", "reversible", {"rebuild": "fenced"}),
     ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
     ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
     ("reversible fused, top fused", "reversible", {"rebuild": "fused", "fuse_top": True}),

@@ -6,7 +6,8 @@
 #   DRY_RUN=1 scripts/gpu_report.sh [OUT]     every configuration at tiny sizes on the CPU (checks the script)
 #
 # Configurations (scripts/benchmark.py --sweep point; see docs/rebuild.md):
-#   1. standard, remat (scan + jax.checkpoint), reversible (fused rebuild), reversible + offload, at depth 4 and
+#   1. standard, remat (scan + jax.checkpoint), remat + offload (saved inputs in host memory), reversible
+#      (fused rebuild), reversible + offload, at depth 4 and
 #      16, d_model 1024, T 1,024, batch 8, bfloat16 compute;
 #   2. T 65,536 with blockwise attention (chunked feed-forward and head), reversible + offload, depth 4, batch 1;
 #   3. a model whose weights + Adam state are at least 3x the device memory it may use
@@ -72,7 +73,7 @@ point() {  # point NAME [env assignments --] benchmark.py arguments...
 COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 --warmup 1 --steps 3)
 [ "${DRY_RUN:-0}" = 1 ] && COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 4 --compute_dtype bfloat16 --warmup 1 --steps 2)
 for depth in $DEPTHS; do
-  for cfg in "standard" "remat" "reversible fused" "reversible fused + offload"; do
+  for cfg in "standard" "remat" "remat + offload" "reversible fused" "reversible fused + offload"; do
     point "$cfg, depth $depth" -- --point "$cfg" --depth "$depth" "${COMMON[@]}"
   done
 done

@@ -331,7 +331,7 @@ class ReversibleLayer(Layer):
         self.has_half_residuals = callable(getattr(module, "half_residuals", None))
 
     def reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None,
-                    fused: bool = True):
+                    fused: bool = True, fenced: bool = False):
         """Rebuilds the layer's input from its output and pulls the output cotangent back through it.
 
         Args:
@@ -352,6 +352,9 @@ class ReversibleLayer(Layer):
             rebuild, its gradients are the exact recipe's bit for bit, because each source stream's
             cotangent is accumulated in the whole layer's order (see below).
 
+          fenced: with ``fused``, each step computed as `apply_fenced` computes it (`_fenced_step`: the
+            vjp behind optimization barriers), for a forward that ran `apply_fenced`.
+
         Returns:
           ``(x, dx, grads)``: the rebuilt input, its cotangent, and the gradient with respect to ``params``
           (of this device's examples: the caller sums over devices).
@@ -363,22 +366,81 @@ class ReversibleLayer(Layer):
             return x, dx, grads
         container = type(y)
         streams, cots = list(y), list(dy)
-        steps = self.merge(params, state).half_residuals(keys=keys)
         grads = None
+        steps = self.merge(params, state).half_residuals(keys=keys)
         for k in range(len(steps) - 1, -1, -1):
             target, source, _ = steps[k]
+            if fenced:
+                increment, vjp_fn, _, _ = self._fenced_step(params, state, keys, k,
+                                                            lax.stop_gradient(streams[source]))
+            else:
+                # The step passes its source stream through as a second output, so the pullback starts the
+                # source's cotangent from that stream's own cotangent and adds fn's contributions to it one
+                # by one, in the order the vjp of the whole layer adds them (the same float sums, bit for bit).
+                def step(p, src, k=k):
+                    return self.merge(p, state).half_residuals(keys=keys)[k][2](src), src
 
-            # The step passes its source stream through as a second output, so the pullback starts the
-            # source's cotangent from that stream's own cotangent and adds fn's contributions to it one by
-            # one, in the order the vjp of the whole layer adds them (the same float sums, bit for bit).
-            def step(p, src, k=k):
-                return self.merge(p, state).half_residuals(keys=keys)[k][2](src), src
-
-            (increment, _), vjp_fn = jax.vjp(step, params, lax.stop_gradient(streams[source]))
+                (increment, _), vjp_fn = jax.vjp(step, params, lax.stop_gradient(streams[source]))
             streams[target] = streams[target] - increment  # this step's input
             g, cots[source] = vjp_fn((cots[target], cots[source]))
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         return container(streams), container(cots), grads
+
+    def _fenced_step(self, params, state, keys, k, src):
+        """Half-residual step ``k`` at source stream ``src``, computed as the forward (`apply_fenced`) and
+        the fused rebuild (`reverse_vjp`) both compute it: ``src`` behind an ``optimization_barrier``, one
+        ``jax.vjp`` of the step, then its primal output, the module's new state and the vjp's residuals (the
+        leaves of the pullback) behind a second barrier. Returns ``(increment, pullback, new_state,
+        residuals)``; the pullback takes ``(cot[target], cot[source])``, ``residuals`` are its leaves.
+
+        The step passes its source stream through as a second output, so the pullback starts the source's
+        cotangent from that stream's own cotangent and adds fn's contributions to it one by one, in the
+        order the vjp of the whole layer adds them (the same float sums, bit for bit)."""
+        def step(p, src):
+            module = self.merge(p, state)
+            out = module.half_residuals(keys=keys)[k][2](src)
+            return (out, src), self._state_of(module)
+
+        src = lax.optimization_barrier(src)
+        (increment, _), vjp_fn, new_state = jax.vjp(step, params, src, has_aux=True)
+        leaves, treedef = jax.tree_util.tree_flatten(vjp_fn)
+        given = {id(a) for a in jax.tree.leaves((params, state, keys, src))}
+        computed = [isinstance(a, jax.core.Tracer) and id(a) not in given for a in leaves]
+        increment, new_state, leaves = lax.optimization_barrier((increment, new_state, leaves))
+        return (increment, jax.tree_util.tree_unflatten(treedef, leaves), new_state,
+                [a for a, c in zip(leaves, computed) if c])
+
+    def apply_fenced(self, params: dict, state: dict, x: PyTree, keys: jax.Array | None):
+        """The training forward computed step by step exactly as the fused rebuild computes it, so that the
+        rebuild gives back ``x`` bit for bit (`reverse_vjp`).
+
+        Each half-residual step is one ``jax.vjp`` whose primal output and residuals pass an
+        ``optimization_barrier`` (`_fenced_step`), and the residuals are returned: a program must output
+        them (the caller drops them), or XLA removes their computation and compiles F and G differently
+        from the rebuild's vjp, where the backward consumes them (measured: rebuild errors of 1e-7 to 1e-5
+        in float32 otherwise). The cost is writing one layer's residuals per forward (memory traffic, no
+        extra FLOPs).
+
+        Args:
+          params, state, keys: as for ``apply`` (training mode).
+          x: the layer's input (a tuple of streams for a coupling).
+
+        Returns:
+          ``(y, new_state, residuals)``: ``y`` and ``new_state`` as ``apply(..., train=True)`` computes them
+          (up to float rounding), ``residuals`` a tuple of 1-D arrays (each residual of each step's vjp that
+          is computed in the layer, flattened; ``()`` for a layer without ``half_residuals``, which runs
+          ``apply``).
+        """
+        if not self.has_half_residuals:
+            y, new_state = self.apply(params, state, x, keys, True)
+            return y, new_state, ()
+        container, streams, residuals = type(x), list(x), []
+        steps = self.merge(params, state).half_residuals(keys=keys)
+        for k, (target, source, _) in enumerate(steps):
+            increment, _, state, leaves = self._fenced_step(params, state, keys, k, streams[source])
+            residuals += [a.reshape(-1) for a in leaves]
+            streams[target] = streams[target] + increment
+        return container(streams), state, tuple(residuals)
 
     def inverse(self, params: dict, state: dict, y: PyTree, keys: jax.Array | None) -> PyTree:
         """Rebuilds the layer's input from its output ``y`` (training mode, same ``keys`` as forward).

@@ -108,15 +108,21 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         head's program then holds a block's residuals too); 1.04x with the fused rebuild at d_model 256
         (docs/rebuild.md).
       rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
-        `ReversibleLayer.reverse_vjp`): ``"exact"`` (default), the inverse behind an optimization barrier,
-        then the vjp of the whole layer: F and G run twice, the rebuild's compiled like the forward's, so
-        the rebuild is bit-exact wherever the streams stay on the fixed-point grid. ``"fused"``: one ``vjp``
-        per half-residual of a coupling whose primal output is the rebuild, so F and G each run forward
-        once in the backward (3.0 forwards of a Transformer block instead of 3.75); its primal outputs are
-        compiled inside the vjp and may round differently from the forward's (measured on the trained
-        default checkpoint: rebuild error up to 4.6e-6 relative in float32, 1.6e-2 in bfloat16 compute;
-        0 at initialisation and early in training). Layers without ``half_residuals`` use the exact recipe
-        in both modes. See docs/rebuild.md.
+        `ReversibleLayer.reverse_vjp`). ``"exact"`` (default): the forward is ``apply``, the backward the
+        inverse behind an optimization barrier, then the vjp of the whole layer (F and G run twice, the
+        rebuild's compiled like the forward's: bit-exact wherever the streams stay on the fixed-point
+        grid). ``"fused"``: one ``vjp`` per half-residual of a coupling, whose primal output is the
+        rebuild, so F and G each run forward once in the backward (3.0 forwards of a Transformer block
+        instead of 3.75); its F and G are compiled inside the vjp and may round differently from the
+        forward's (rebuild error 5.4e-6 in float32, 1.5e-2 in bfloat16 on a step-200 ``enwik_small``
+        checkpoint; bit-exact near initialisation). ``"fenced"``: the fused rebuild with a forward that
+        computes each half-residual the same way (`ReversibleLayer.apply_fenced`: the same vjp behind the
+        same barriers, its residuals output by the program): 0.0 rebuild error on that checkpoint (float32
+        and bfloat16, both executors, with and without offload), but not guaranteed (XLA:CPU removes the
+        barriers before fusing; a block with grown random weights rebuilds inexactly), and its forward no
+        longer rounds like backprop's (parameters 4.4e-7 relative apart from the standard trainer's after
+        5 steps at depth 12). Layers without ``half_residuals`` use the ``"exact"`` recipe in every mode.
+        See docs/rebuild.md.
 
       microbatches: gradient accumulation (``TrainerBase``): M forward/backward passes per step, then the
         deferred update (`revtrain.trainers.deferred`).
@@ -140,7 +146,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     """
 
     name = "reversible"
-    REBUILD_MODES = ("exact", "fused")
+    REBUILD_MODES = ("exact", "fused", "fenced")
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1):
@@ -340,7 +346,19 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     # the update runs on the pieces.
     def _forward(self, layer, params, state, x, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
+        if self._fenced(layer):  # (y, new state, residuals): the program outputs the residuals
+            y, new_state, residuals = layer.apply_fenced(self._whole(layer, params), state, x, keys)
+            return y, new_state, per_device(residuals)  # each device's own (a scan carry's type)
         return layer.apply(self._whole(layer, params), state, x, keys, True)
+
+    def _fenced(self, layer) -> bool:
+        """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
+        programs output the residuals too, and the trainer drops them (`_dropping`)."""
+        return self.rebuild == "fenced" and layer.reversible and layer.has_half_residuals
+
+    @staticmethod
+    def _dropping(program):
+        return _Dropping(program)
 
     # The gradient halves, shared with `revtrain check`: gradients are summed over devices ("data"), or
     # reduce-scattered to the pieces of ``specs`` (`reduce_grads`).
@@ -382,7 +400,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         devices (reduce-scattered to the local pieces with ``specs``, see ``reduce_grads``). ``rebuild``:
         ``"exact"`` (inverse, then the vjp of the whole layer) or ``"fused"`` (one vjp per half-residual, whose
         primal output rebuilds that half's input); see ``REBUILD_MODES``."""
-        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild == "fused")
+        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild != "exact",
+                                         fenced=rebuild == "fenced")
         return x, dx, reduce_grads(grads, specs)
 
     @staticmethod
@@ -449,6 +468,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         """
         count = jax.tree.leaves(params)[0].shape[0]
         steps = jnp.arange(count, dtype=jnp.int32)
+        if self._fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
+            return self._fenced_run(layer, params, states, x, skey, start, steps)
         if not self.offload:
             def body(x, slices):
                 p, s, j = slices
@@ -465,6 +486,33 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
         (x, _), new_states = lax.scan(prefetching, (x, self._slice_to_device(params, 0)), (states, steps))
         return x, new_states
+
+    def _fenced_run(self, layer, params, states, x, skey, start, steps):
+        """`_forward_run` with fenced forwards (`_fenced`): each iteration writes its layer's residuals into
+        the carry, and the last layer's are the program's third result, so XLA keeps their computation."""
+        count = steps.shape[0]
+        first = self._slice_to_device(params, 0)
+        shapes = jax.eval_shape(lambda p, s, x: self._forward(layer, p, s, x, skey, start)[2], first,
+                                jax.tree.map(lambda a: a[0], states), x)
+        res = per_device(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
+        if not self.offload:
+            def body(carry, slices):
+                p, s, j = slices
+                x, new_state, res = self._forward(layer, p, s, carry[0], skey, start + j)
+                return (x, res), new_state
+
+            (x, res), new_states = lax.scan(body, (x, res), (params, states, steps))
+            return x, new_states, res
+
+        def prefetching(carry, slices):
+            x, p, _ = carry
+            s, j = slices
+            nxt = self._slice_to_device(params, jnp.minimum(j + 1, count - 1))
+            x, new_state, res = self._forward(layer, p, s, x, skey, start + j)
+            return (x, nxt, res), new_state
+
+        (x, _, res), new_states = lax.scan(prefetching, (x, first, res), (states, steps))
+        return x, new_states, res
 
     def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
         """``_reverse_and_update`` of every layer of a stacked run, last first: one reverse ``lax.scan``.
@@ -536,6 +584,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         state_specs = self.layer_specs(layer)
         in_specs = self._with_specs(in_specs, inputs, state_specs)
         out_specs = self._with_specs(out_specs, outputs, state_specs)
+        if kind == "forward_rev" and self._fenced(layer):
+            return self._dropping(self._per_layer_compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate,
+                                                           inputs, outputs))
         return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate, inputs, outputs)
 
     def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate, inputs, outputs):
@@ -566,6 +617,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         key = (kind, layer, count)
         pspec, ospec = self._group_specs(layer, count)
         if kind == "forward_run":
+            if self._fenced(layer):
+                return self._dropping(self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R),
+                                                     (_D, _R, _D), donate=(2,), key=key))
             return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
                                   key=key)
         if kind == "reverse_run":
@@ -696,3 +750,17 @@ class _Plan:
     backward: list
     head: object
     index: list  # np.int32 first layer index per group (a host scalar: nothing per layer stays on the device)
+
+
+class _Dropping:
+    """A fenced forward program (`ReversibleTrainer._fenced`) called as an ordinary one: returns ``(y, new
+    state)`` and drops the residuals; other attributes (``lower``, ...) are the program's."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __call__(self, *args):
+        return self.program(*args)[:2]
+
+    def __getattr__(self, name):
+        return getattr(self.program, name)

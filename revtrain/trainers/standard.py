@@ -7,12 +7,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainState, _Dispatch, all_finite, batch_size_of,
-                                      check_batch, check_finite, check_flags, example_keys, guarded_update, per_device,
-                                      step_key, take_microbatch)
+from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported
+from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, all_finite,
+                                      batch_size_of, check_batch, check_finite, check_flags, example_keys,
+                                      guarded_update, per_device, step_key, take_microbatch)
 from revtrain.trainers.stacking import find_runs, groups_of
 
 
@@ -36,6 +37,12 @@ class StandardTrainer(TrainerBase):
       remat_layers: with ``scan_layers``, wrap the scan body in ``jax.checkpoint`` (keep only each layer's
         input; recompute the rest in the backward pass). XLA:CPU does not honour it for memory (docs/design.md
         section 8).
+      remat_offload: with ``remat_layers``, the saved input of each scanned layer goes to host memory
+        (memory kind ``pinned_host``) and comes back for the backward pass: the layer's input is named
+        (``checkpoint_name``, `REMAT_NAME`) and the checkpoint policy
+        ``save_and_offload_only_these_names`` offloads it (MaxText's ``offload`` remat policies), so the
+        device holds no saved activations at all between the passes (one activation per layer crosses
+        to the host and back instead). Needs a backend with a ``pinned_host`` memory space.
       microbatches: see ``TrainerBase``: a ``lax.scan`` over the M microbatches inside the step's program
         sums their gradients (of the summed loss, divided by the whole batch's weight at the end), then one
         optax update of the whole model.
@@ -43,15 +50,27 @@ class StandardTrainer(TrainerBase):
     Tied parameters (``Model.ties``) are one leaf, held by the owner layer and put into the user layer's
     params inside the program, so backprop sums both uses' gradients. The metrics add ``grad_norm``, the
     global norm of the gradient (before any clipping the optimizer does).
+
+    Raises:
+      TrainerError: ``remat_offload`` without ``remat_layers`` and ``scan_layers``, or on a backend
+        without a ``pinned_host`` memory space.
     """
+
+    # The name of a scanned layer's input under ``remat_offload`` (the value the checkpoint policy offloads).
+    REMAT_NAME = "layer_input"
 
     name = "standard"
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, scan_layers: bool = False,
-                 remat_layers: bool = False, microbatches: int = 1):
-        check_flags("StandardTrainer", scan_layers=scan_layers, remat_layers=remat_layers)
+                 remat_layers: bool = False, remat_offload: bool = False, microbatches: int = 1):
+        check_flags("StandardTrainer", scan_layers=scan_layers, remat_layers=remat_layers,
+                    remat_offload=remat_offload)
+        if remat_offload and not (scan_layers and remat_layers):
+            raise TrainerError("StandardTrainer.remat_offload needs scan_layers = True and remat_layers = True")
+        if remat_offload and not host_memory_supported(mesh):
+            raise TrainerError("StandardTrainer.remat_offload needs a backend with a pinned_host memory space")
         super().__init__(model, optimizer, mesh, seed, microbatches)
-        self.scan_layers, self.remat_layers = scan_layers, remat_layers
+        self.scan_layers, self.remat_layers, self.remat_offload = scan_layers, remat_layers, remat_offload
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)
 
@@ -74,9 +93,15 @@ class StandardTrainer(TrainerBase):
 
             def body(x, slices):
                 p, s, j = slices
+                if self.remat_offload:  # every use of the input goes through the offloaded name
+                    x = checkpoint_name(x, self.REMAT_NAME)
                 return layer.apply(p, s, x, example_keys(skey, start + j, b), True)
 
-            if self.remat_layers:
+            if self.remat_offload:
+                body = jax.checkpoint(body, policy=jax.checkpoint_policies.save_and_offload_only_these_names(
+                    names_which_can_be_saved=[], names_which_can_be_offloaded=[self.REMAT_NAME],
+                    offload_src=DEVICE_MEMORY, offload_dst=HOST_MEMORY))
+            elif self.remat_layers:
                 body = jax.checkpoint(body)
             stacked = [jax.tree.map(lambda *v: jnp.stack(v), *trees) for trees in (params, states)]
             x, new = lax.scan(body, x, (*stacked, jnp.arange(count, dtype=jnp.int32)))
