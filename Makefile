@@ -44,10 +44,12 @@ test: data
 test-all: data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
-# Standard, remat (scan + jax.checkpoint), reversible (exact and fused rebuild, each +offload) at depths 8
-# and 32, then an activation-dominated point (depth 32, T 4,096, blockwise attention; one step each).
+# Standard, remat (scan + jax.checkpoint, also with offloaded inputs), reversible (exact, fused and fenced
+# rebuild, each +offload) at depths 8 and 32, then an activation-dominated point (depth 32, T 4,096,
+# blockwise attention; one step each); then the recipe rows (clip_by_global_norm, 4 microbatches).
 bench: data
 	$(PY) scripts/benchmark.py --depths 8,32
+	$(PY) scripts/bench_recipe.py --out bench_recipe.json
 
 # The recipe (docs/recipe.md): clip_by_global_norm + AdamW and 4 microbatches against the fused update, time
 # (interleaved rounds) and peak device bytes, at the default run's model size.
