@@ -140,18 +140,24 @@ def _read_gensim(download_dir: pathlib.Path) -> bytes:
     return data
 
 
+def zip_text_member(zf: zipfile.ZipFile, path) -> zipfile.ZipInfo:
+    """The member of a ``.zip`` source that holds its text: ``enwik8``, or its only file.
+
+    Raises:
+      DataError: neither (the message names the file and the member count).
+    """
+    members = [m for m in zf.infolist() if not m.is_dir()]
+    named = [m for m in members if pathlib.PurePosixPath(m.filename).name == "enwik8"]
+    if len(named) != 1 and len(members) != 1:
+        raise DataError(f"{path} must contain a member `enwik8` or exactly one file; found {len(members)} files")
+    return (named or members)[0]
+
+
 def _read_file(path: pathlib.Path) -> bytes:
     try:
         if path.suffix == ".zip":
             with zipfile.ZipFile(path) as zf:
-                members = [m for m in zf.infolist() if not m.is_dir()]
-                named = [m for m in members if pathlib.PurePosixPath(m.filename).name == "enwik8"]
-                if len(named) != 1 and len(members) != 1:
-                    raise DataError(
-                        f"{path} must contain a member `enwik8` or exactly one file; "
-                        f"found {len(members)} files"
-                    )
-                return zf.read((named or members)[0])
+                return zf.read(zip_text_member(zf, path))
         data = path.read_bytes()
     except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise DataError(f"cannot read {path}: corrupt or truncated ({e})") from None

@@ -108,12 +108,7 @@ def _file_blocks(path: pathlib.Path):
     try:
         if path.suffix == ".zip":
             with zipfile.ZipFile(path) as zf:
-                members = [m for m in zf.infolist() if not m.is_dir()]
-                named = [m for m in members if pathlib.PurePosixPath(m.filename).name == "enwik8"]
-                if len(named) != 1 and len(members) != 1:
-                    raise DataError(f"{path} must contain a member `enwik8` or exactly one file; "
-                                    f"found {len(members)} files")
-                with zf.open((named or members)[0]) as f:
+                with zf.open(byte_lm.zip_text_member(zf, path)) as f:
                     yield from iter(lambda: f.read(BLOCK), b"")
             return
         opener = bz2.open if path.suffix == ".bz2" else open
