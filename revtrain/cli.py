@@ -75,7 +75,7 @@ def _sample_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt_file", help="file whose bytes are the prompt")
     s.add_argument("--length", type=int, default=256, help="bytes to generate; tokens for a run with a tokenizer (default 256)")
     s.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1.0)")
-    s.add_argument("--top_k", type=int, default=0, help="keep the K most likely bytes (default 0: off)")
+    s.add_argument("--top_k", type=int, default=0, help="keep the K most likely tokens (bytes for a byte-level run; default 0: off)")
     s.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     s.add_argument("--num_samples", type=int, default=1, help="samples (default 1)")
     s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -57,6 +57,13 @@ def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32") -> N
         arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
                   for k, v in tensors.items()}
         save_file(arrays, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        # The permissions of an ordinary directory and files (mkdtemp made the directory 0700; the umask
+        # applies), so a shared upload or another user can read the checkpoint.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
         if os.path.isdir(out):
             os.rmdir(out)
         os.replace(tmp, out)

@@ -469,8 +469,9 @@ class RMSNormLanguageModelHead(PositionWise, nnx.Module):
         h = self.norm(jnp.concatenate(x, axis=-1))
         if self.logits is None:
             d = h.shape[-1] // 2
-            # Scaled by (2 D)**-0.5 so that unit-scale embeddings give unit-scale logits (T5 scales its tied
-            # projection the same way).
+            # Scaled by (2 D)**-0.5, as T5 scales its tied projection. The streams carry the input's own
+            # unit-scale embedding, so the current byte starts with a logit of about sqrt(2 D) (first loss
+            # 15 nats at D = 128); 1 / (2 D) starts at ln(vocab) but learned slower (docs/recipe.md).
             scaled = (h[..., :d] + h[..., d:]) * (2 * d) ** -0.5
             return (scaled @ self.embedding.value.T + self.bias.value).astype(jnp.float32)
         return self.logits(h).astype(jnp.float32)
