@@ -150,6 +150,7 @@ def test_global_clipping_equals_backprop(one_device, executor):
     assert std[0][-1] < std[0][0] - 0.5  # it trains
 
 
+@pytest.mark.slow  # three trainers x 10 steps; make test keeps the CLI run with 2 microbatches
 def test_microbatches_equal_one_batch(text_batches):
     """M = 4 at batch 16 against M = 1 at batch 16 (10 steps, both trainers): the same losses within 1e-6,
     the same dropout masks (dropout 0.1); the reversible trainer's M = 4 run against StandardTrainer's
