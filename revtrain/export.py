@@ -6,6 +6,10 @@ as `revtrain sample` restores it, and the model's per-layer parameters are mappe
 ``safetensors`` package as ``OUT/model.safetensors`` beside ``OUT/config.json`` (``LlamaForCausalLM``), so
 that ``transformers`` (``LlamaForCausalLM.from_pretrained(OUT)``) loads it and generates, and `LlamaModel`
 imports it again. Either form of a run exports the same standard model (the exact form's ``g = 0`` model).
+A run that tokenizes (`revtrain.data.tasks.TokenLMTask` with a tokenizer file) gets its tokenizer written
+beside the weights: ``tokenizer.json`` with a ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast``
+(so ``AutoTokenizer`` encodes exactly as the file does, with no tokens added), or a SentencePiece
+``tokenizer.model``; a byte-level run writes none (its ids are byte values).
 
 The directory is written beside its final name and renamed into place, so a failure leaves nothing behind.
 """
@@ -24,14 +28,28 @@ class ExportError(ValueError):
     """Export cannot proceed (a run of another model, an output that exists); one line, exit status 2."""
 
 
-def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32") -> None:
-    """Writes ``out/config.json`` and ``out/model.safetensors``.
+def _write_tokenizer(directory: str, tokenizer) -> None:
+    """Copies ``tokenizer`` (a `revtrain.data.tokenizer.Tokenizer`) into ``directory`` with its
+    ``tokenizer_config.json`` (Hugging Face files); nothing for bytes."""
+    if tokenizer is None or tokenizer.save(directory) is None or tokenizer.kind != "huggingface":
+        return
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    eot = tokenizer._backend.id_to_token(tokenizer.eot_id) if tokenizer.eot_id is not None else None
+    if eot is not None:
+        config["eos_token"] = eot
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", tokenizer=None) -> None:
+    """Writes ``out/config.json`` and ``out/model.safetensors`` (and the tokenizer's files, when given).
 
     Args:
       out: the directory to create (must not exist, or be empty).
       spec: the model's `revtrain.models.llama.LlamaSpec`.
       tensors: ``{name: float32 numpy array}`` (`revtrain.models.llama.model_tensors`).
       dtype: "float32" or "bfloat16", the dtype written (``torch_dtype`` in the config).
+      tokenizer: the run's `revtrain.data.tokenizer.Tokenizer`, or None (a byte-level model).
 
     Raises:
       ExportError: a bad dtype, or ``out`` exists and is not an empty directory.
@@ -57,6 +75,7 @@ def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32") -> N
         arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
                   for k, v in tensors.items()}
         save_file(arrays, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _write_tokenizer(tmp, tokenizer)
         # The permissions of an ordinary directory and files (mkdtemp made the directory 0700; the umask
         # applies), so a shared upload or another user can read the checkpoint.
         umask = os.umask(0)
@@ -110,5 +129,6 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     import jax
     import numpy as np
     params = [jax.tree.map(np.asarray, p) for p in ts.params]
-    write_checkpoint(out, run.model.llama_spec, model_tensors(run.model, params), dtype)
+    write_checkpoint(out, run.model.llama_spec, model_tensors(run.model, params), dtype,
+                     tokenizer=getattr(run.task, "tokenizer", None))
     return chosen

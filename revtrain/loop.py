@@ -226,7 +226,7 @@ def build(cfg: TrainConfig | None = None) -> Run:
     _check_positive(cfg)
     mesh = make_mesh()
     _divisible(cfg.batch_size, mesh, "train.batch_size")
-    task = cfg.task()
+    task = cfg.task(**_checkpoint_tokenizer(cfg))
     if hasattr(task, "check_batch_size"):
         task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
     try:
@@ -256,6 +256,31 @@ def build(cfg: TrainConfig | None = None) -> Run:
     except (ValueError, TypeError) as e:
         raise ConfigError(ginconfig.call_error_line(e)) from e
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
+
+
+def _checkpoint_tokenizer(cfg: TrainConfig) -> dict:
+    """``{"tokenizer": file}`` for a token task whose tokenizer is unbound beside an imported checkpoint
+    (``LlamaModel.path``) that has one (`revtrain.models.llama.tokenizer_of`), so a pretrained model reads
+    the ids it was trained on; otherwise ``{}``. The byte task beside such a checkpoint gets a note (it
+    feeds byte values as ids, which is a choice, not the checkpoint's vocabulary)."""
+    if getattr(cfg.model, "__name__", None) != "LlamaModel" or not _bound("LlamaModel.path"):
+        return {}
+    path = gin.query_parameter("LlamaModel.path")
+    if isinstance(path, gin.config.ConfigurableReference):  # a macro (CHECKPOINT = '...')
+        path = path.scoped_configurable_fn()
+    if not isinstance(path, str) or not os.path.isdir(os.path.expanduser(path)):
+        return {}  # the model's own check says what is wrong with it
+    from revtrain.models import llama
+    file = llama.tokenizer_of(path)
+    task = getattr(cfg.task, "__name__", None)
+    if file is None:
+        return {}
+    if task == "TokenLMTask" and not _bound("TokenLMTask.tokenizer"):
+        return {"tokenizer": file}
+    if task == "ByteLMTask":
+        metrics_lib.log(f"note: {path} has its own tokenizer ({os.path.basename(file)}), and ByteLMTask feeds "
+                        "byte values as ids; train.task = @TokenLMTask tokenizes with it")
+    return {}
 
 
 def _model_kwargs(cfg: TrainConfig, task) -> dict:

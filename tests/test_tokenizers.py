@@ -323,3 +323,74 @@ def test_preparing_a_large_corpus_stays_under_one_gib(tmp_path, user_tokenizer):
     tokens, peak_kib = (int(x) for x in result.stdout.split())
     assert tokens > 30_000_000
     assert peak_kib * 1024 < 1 << 30, f"peak RSS {peak_kib / 1024:.0f} MiB"
+
+
+# -- an imported checkpoint's own tokenizer (revtrain.models.llama, revtrain.export) --------------------
+def _pretrained(path, tok, vocab_size=None):
+    """A from-scratch Llama model (tied head) written as a Hugging Face checkpoint with ``tok`` beside it."""
+    from revtrain.export import write_checkpoint
+    from revtrain.models.llama import LlamaModel, model_tensors
+    model = LlamaModel(None, sequence_length=16, vocab_size=vocab_size or tok.vocab_size, d_model=32, num_layers=1,
+                       num_heads=2, num_kv_heads=1, d_ff=64, tie_embeddings=True)
+    write_checkpoint(str(path), model.llama_spec, model_tensors(model, model.init()[0]), tokenizer=tok)
+    return path
+
+
+def _llama_config(tmp_path):
+    config = tmp_path / "finetune.gin"
+    config.write_text(f"include '{REPO / 'configs' / 'enwik_small.gin'}'\n" + "\n".join([
+        "train.model = @LlamaModel", "train.task = @TokenLMTask", "TokenLMTask.sequence_length = 16",
+        "STEPS = 2", "WARMUP = 1", "train.batch_size = 4", "train.log_every = 1", "train.sample_every = 0",
+        "train.checkpoint_every = 2", "evaluate.max_batches = 1"]) + "\n")
+    return str(config)
+
+
+def test_an_imported_checkpoint_tokenizes_with_its_own_tokenizer_and_exports_it(capsys, tmp_path, corpora,
+                                                                                user_tokenizer):
+    """LlamaModel.path at a checkpoint holding a tokenizer.json, TokenLMTask.tokenizer unset: the run
+    tokenizes with the checkpoint's tokenizer (kept in the workdir), and `revtrain export` writes it back
+    beside the weights with a tokenizer_config.json naming its end-of-text token."""
+    root, _ = corpora
+    tok = tokenizer_lib.load(str(user_tokenizer))
+    pretrained = _pretrained(tmp_path / "pretrained", tok)
+    assert (pretrained / "tokenizer.json").read_bytes() == user_tokenizer.read_bytes()
+    assert tokenizer_lib.load(str(pretrained)).sha256 == tok.sha256  # a directory stands for its tokenizer
+    workdir, out = tmp_path / "run", tmp_path / "exported"
+    data = ["--gin", f"TokenLMTask.source = '{root / 'dir'}'", "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'",
+            "--gin", f"LlamaModel.path = '{pretrained}'"]
+    assert cli.main(["train", "--config", _llama_config(tmp_path), *data, "--workdir", str(workdir)]) == 0
+    assert (workdir / "tokenizer.json").read_bytes() == user_tokenizer.read_bytes()
+    record = json.loads((workdir / "metrics" / "train.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and 1.0 < record["bytes_per_token"] < 5.0  # BPE ids, not bytes (1.0 per token)
+    assert cli.main(["export", "--workdir", str(workdir), "--to", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == user_tokenizer.read_bytes()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["eos_token"] == "</s>"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 400
+
+
+def test_a_checkpoint_smaller_than_the_tokenizer_is_refused(capsys, tmp_path, corpora, user_tokenizer):
+    """A checkpoint of 300 ids fed a tokenizer of 400: one line, exit 2, no workdir (ids past the table)."""
+    root, _ = corpora
+    pretrained = _pretrained(tmp_path / "pretrained", None, vocab_size=300)
+    capsys.readouterr()
+    code = cli.main(["train", "--config", _llama_config(tmp_path), "--gin", f"TokenLMTask.source = '{root / 'dir'}'",
+                     "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'", "--gin", f"LlamaModel.path = '{pretrained}'",
+                     "--gin", f"TokenLMTask.tokenizer = '{user_tokenizer}'", "--workdir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("revtrain: error: "), err
+    assert "vocabulary (400 ids) is larger than the checkpoint's" in err[0] and "(300)" in err[0], err[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_exported_tokenizer_loads_in_transformers(tmp_path, user_tokenizer, corpora):
+    """transformers' AutoTokenizer on an exported directory encodes and decodes as the tokenizer file does
+    (no tokens added). Skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    tok = tokenizer_lib.load(str(user_tokenizer))
+    out = _pretrained(tmp_path / "out", tok)
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = corpora[1][35]
+    assert hf.encode(text) == tok.encode(text).tolist()
+    assert hf.eos_token_id == tok.eot_id
+    assert hf.decode(hf.encode(text)).encode("utf-8") == tok.decode(tok.encode(text))

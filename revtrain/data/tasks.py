@@ -93,11 +93,7 @@ def run_workdir(workdir: str | None):
 
 def _kept_tokenizer() -> str | None:
     workdir = _RUN_WORKDIR[-1] if _RUN_WORKDIR else ""
-    for name in (tokenizer_lib.HF_FILE, tokenizer_lib.SP_FILE):
-        path = os.path.join(workdir, name) if workdir else ""
-        if path and os.path.isfile(path):
-            return path
-    return None
+    return tokenizer_lib.file_in(workdir) if workdir else None
 
 
 @gin.configurable
@@ -112,8 +108,10 @@ class TokenLMTask:
         directory (of text files, or a dataset saved with ``datasets``' ``save_to_disk``).
       sequence_length: tokens per example, T.
       tokenizer: ``"bpe"`` (a byte-level BPE trained on the training split; the default), ``"bytes"`` (UTF-8
-        bytes and an end-of-text id: vocabulary 257), or the path of a ``tokenizer.json`` (Hugging Face
-        ``tokenizers``) or a SentencePiece ``.model``. A run keeps a copy in its workdir and uses that copy
+        bytes and an end-of-text id: vocabulary 257), the path of a ``tokenizer.json`` (Hugging Face
+        ``tokenizers``) or a SentencePiece ``.model``, or a checkpoint directory holding one. Left unbound
+        beside an imported checkpoint (``LlamaModel.path``) that has a tokenizer, the checkpoint's is used
+        (`revtrain.loop.build`). A run keeps a copy in its workdir and uses that copy
         from then on.
       vocab_size: ids of the BPE trained by ``"bpe"`` (>= 258; the end-of-text id included); unused otherwise.
       text_field: the JSONL field / Parquet column / dataset column holding each document's text.

@@ -193,14 +193,30 @@ class Tokenizer:
         return target
 
 
+def file_in(directory: str) -> str | None:
+    """The tokenizer file of a checkpoint directory (Hugging Face layout): its ``tokenizer.json``, else its
+    SentencePiece ``tokenizer.model``, else None."""
+    for name in (HF_FILE, SP_FILE):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def load(path: str) -> Tokenizer:
     """Loads a tokenizer file: a SentencePiece model (``*.model``) or a Hugging Face ``tokenizer.json``
-    (any other name).
+    (any other name); a directory (a checkpoint in the Hugging Face layout) stands for its `file_in`.
 
     Raises:
-      DataError: the file is missing, or does not parse as a tokenizer (one line naming it).
+      DataError: the file is missing (or the directory holds neither file), or does not parse as a tokenizer
+        (one line naming it).
     """
     path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        found = file_in(path)
+        if found is None:
+            raise DataError(f"the directory {path} holds no tokenizer ({HF_FILE} or {SP_FILE})")
+        path = found
     if not os.path.isfile(path):
         raise DataError(f"tokenizer file {path} does not exist; pass a tokenizer.json, a SentencePiece .model, "
                         "'bpe' (trained on the training split) or 'bytes'")

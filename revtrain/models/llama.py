@@ -36,9 +36,12 @@ Anything revtrain does not compute (another ``model_type``, rope scaling, attent
 activation, a ``head_dim`` other than ``D / heads``, missing tensors or wrong shapes) is refused with
 `LlamaFormatError`: one line naming it (exit status 2).
 
-Vocabulary: token ids. Until revtrain reads tokenizers, the byte tasks feed byte values (0..255) as ids, so
-an imported model runs (and fine-tunes) on bytes; `tokenizer_of` is the one place a ``tokenizer.json`` will
-be picked up.
+Vocabulary: token ids. A checkpoint's own tokenizer (``tokenizer.json``, or a SentencePiece
+``tokenizer.model``; `tokenizer_of`) is what `revtrain.data.tasks.TokenLMTask` tokenizes with when its
+``tokenizer`` is left unbound (`revtrain.loop.build` passes it), and `revtrain export` writes the run's
+tokenizer back beside the weights. The byte task (`revtrain.data.tasks.ByteLMTask`) feeds byte values
+(0..255) as ids, so a byte-level model imports, fine-tunes and exports without a tokenizer file. A task whose
+vocabulary does not fit the checkpoint's embedding rows is refused (ids past the table would read nothing).
 """
 
 from __future__ import annotations
@@ -186,11 +189,11 @@ def read_spec(path: str) -> LlamaSpec:
     return spec
 
 
-def tokenizer_of(path: str):
-    """The checkpoint's tokenizer, the one hook for it: None (byte values are the token ids) until revtrain
-    reads tokenizers; a ``tokenizer.json`` beside the weights is then the place to look."""
-    del path
-    return None
+def tokenizer_of(path: str) -> str | None:
+    """The tokenizer file of the checkpoint directory ``path``: its ``tokenizer.json``, else its SentencePiece
+    ``tokenizer.model``, else None (a byte-level checkpoint: byte values are the token ids)."""
+    from revtrain.data import tokenizer as tokenizer_lib
+    return tokenizer_lib.file_in(os.path.expanduser(path))
 
 
 def expected_shapes(spec: LlamaSpec) -> dict:
@@ -443,7 +446,7 @@ def _check_int(name, value, minimum=1):
 @gin.configurable
 def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int | None = None,
                form: str = "standard", compute_dtype: str = "float32", grid_bits: int = 18,
-               chunk: int | None = None, vocab_size: int = 256, d_model: int = 128, num_layers: int = 4,
+               chunk: int | None = None, vocab_size: int | None = None, d_model: int = 128, num_layers: int = 4,
                num_heads: int = 4, num_kv_heads: int = 2, d_ff: int | None = None, rms_norm_eps: float = 1e-5,
                rope_theta: float = 10000.0, tie_embeddings: bool = False) -> Model:
     """A Llama-architecture language model of standard blocks (``train.model = @LlamaModel``).
@@ -461,8 +464,10 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
       grid_bits: the exact form's fixed-point grid ``2**-grid_bits`` (streams exact below
         ``2**(24 - grid_bits)`` in float32).
       chunk: the head's logits and loss this many positions at a time (None: all).
-      vocab_size, d_model, num_layers, num_heads, num_kv_heads, d_ff (default ``swiglu`` width 8D/3 rounded
-        to 8), rms_norm_eps, rope_theta, tie_embeddings: the sizes of a new model.
+      vocab_size: the task's vocabulary (passed by the loop): a new model's (default 256, bytes); with a
+        checkpoint, it must not exceed the checkpoint's ``vocab_size``.
+      d_model, num_layers, num_heads, num_kv_heads, d_ff (default ``swiglu`` width 8D/3 rounded to 8),
+        rms_norm_eps, rope_theta, tie_embeddings: the sizes of a new model.
 
     Returns:
       A `Model` (``bits_per_byte`` True: the byte tasks feed byte ids). ``model.llama_spec`` and
@@ -481,9 +486,14 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
         if not isinstance(path, str):
             raise LlamaFormatError(f"LlamaModel.path must be a directory name, got {path!r}")
         spec = read_spec(os.path.expanduser(path))
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size > spec.vocab_size):
+            raise LlamaFormatError(
+                f"the task's vocabulary ({vocab_size!r} ids) is larger than the checkpoint's in {path} "
+                f"({spec.vocab_size}): ids past its embedding table have no row; tokenize with the checkpoint's "
+                "own tokenizer (TokenLMTask.tokenizer left unset uses it) or one of at most that many ids")
         weights = read_weights(os.path.expanduser(path), spec)
-        tokenizer_of(path)
     else:
+        vocab_size = 256 if vocab_size is None else vocab_size
         for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("num_layers", num_layers),
                             ("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
             _check_int(name, value)
