@@ -95,10 +95,13 @@ def measure_memory(label, depth, args, seq=None) -> tuple[int, str]:
 
 
 def _memory_in_subprocess(label, depth, args, seq=None) -> tuple[int, str]:
-    """``measure_memory`` in a fresh process (this script with ``--memory_only``)."""
+    """``measure_memory`` in a fresh process (this script with ``--memory_only``), on the same model: every
+    option ``_trainer`` reads is passed on."""
+    dtype = ["--compute_dtype", args.compute_dtype] if args.compute_dtype is not None else []
     return common.peak_in_subprocess(__file__, [
         "--memory_only", f"{label},{depth},{seq or args.seq}", "--d_model", str(args.d_model), "--batch",
-        str(args.batch), "--heads", str(args.heads), "--bench_attention_block", str(args.bench_attention_block or 0)])
+        str(args.batch), "--heads", str(args.heads), "--bench_attention_block", str(args.bench_attention_block or 0),
+        "--ff_chunk", str(args.ff_chunk), "--head_chunk", str(args.head_chunk), *dtype])
 
 
 def _point(args, mesh, depth, seq, warmup, steps, labels) -> list[dict]:
