@@ -48,7 +48,7 @@ test-all: data
 # rebuild, each +offload) at depths 8 and 32, then an activation-dominated point (depth 32, T 4,096,
 # blockwise attention; one step each); then the recipe rows (clip_by_global_norm, 4 microbatches).
 bench: data
-	$(PY) scripts/benchmark.py --depths 8,32
+	$(PY) scripts/bench_trainers.py --depths 8,32
 	$(PY) scripts/bench_recipe.py --out bench_recipe.json
 
 # The recipe (docs/recipe.md): clip_by_global_norm + AdamW and 4 microbatches against the fused update, time
@@ -63,12 +63,12 @@ bench-gpu: venv
 
 # Steps/s and start-up time against depth (8..256 tiny blocks) for both executors of both trainers.
 bench-depth: data
-	$(PY) scripts/benchmark.py --sweep depth
+	$(PY) scripts/bench_depth.py
 
 # Blockwise vs dense attention against the sequence length (T = 512 ... 65,536; the longest points are one
 # step each, and T = 65,536 takes a while on a CPU): bench_long.json, bench_long.png and a table.
 bench-long: data
-	$(PY) scripts/benchmark.py --sweep seq
+	$(PY) scripts/bench_seq.py
 
 PROMPT ?= [[Category:
 sample: venv

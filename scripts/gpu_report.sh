@@ -5,7 +5,7 @@
 #   scripts/gpu_report.sh [OUT.json]          on a machine with one GPU (default out: gpu_report.json)
 #   DRY_RUN=1 scripts/gpu_report.sh [OUT]     every configuration at tiny sizes on the CPU (checks the script)
 #
-# Configurations (scripts/benchmark.py --sweep point; see docs/rebuild.md):
+# Configurations (scripts/bench_trainers.py --point LABEL; see docs/rebuild.md):
 #   1. standard, remat (scan + jax.checkpoint), remat + offload (saved inputs in host memory), reversible
 #      (fused rebuild), reversible + offload, at depth 4 and
 #      16, d_model 1024, T 1,024, batch 8, bfloat16 compute;
@@ -38,7 +38,7 @@ else
 fi
 
 n=0
-point() {  # point NAME [env assignments --] benchmark.py arguments...
+point() {  # point NAME [env assignments --] bench_trainers.py arguments...
   local name=$1; shift
   n=$((n + 1))
   local file="$TMP/$(printf %02d $n).json"
@@ -54,7 +54,7 @@ point() {  # point NAME [env assignments --] benchmark.py arguments...
   local limit=$POINT_LIMIT_S left=$((BUDGET_S - now))
   [ "$left" -lt "$limit" ] && limit=$left
   echo "gpu_report: $name" >&2
-  env "${envs[@]}" timeout -k 5 "$limit" "$PY" scripts/benchmark.py --sweep point "$@" > "$TMP/out" 2> "$TMP/err"
+  env "${envs[@]}" timeout -k 5 "$limit" "$PY" scripts/bench_trainers.py "$@" > "$TMP/out" 2> "$TMP/err"
   local rc=$?
   local line
   line=$(grep '^{' "$TMP/out" | tail -1)
