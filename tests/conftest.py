@@ -1,7 +1,34 @@
-"""Shared fixtures: the prepared byte-level dataset used by the trainer tests."""
+"""Shared fixtures: the prepared byte-level dataset used by the trainer tests; one JAX compilation cache
+for the whole test session."""
+
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+_CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config):
+    """The tests compile the same programs many times over (the same tiny models, in this process, in the
+    other xdist worker and in the revtrain subprocesses the CLI tests start): JAX's persistent compilation
+    cache in a fresh directory for the session makes each compile once. The controller makes the directory;
+    its workers and every subprocess inherit it through the environment (set before anything imports JAX).
+    A cache hit runs the same executable, so no result changes; tests that need a cold compile (a signal
+    during the first compile) set their own directory. ``REVTRAIN_TEST_COMPILE_CACHE=0`` turns it off."""
+    if os.environ.get("REVTRAIN_TEST_COMPILE_CACHE", "1") == "0" or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    directory = tempfile.mkdtemp(prefix="revtrain-test-xla-cache-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=directory, **_CACHE_SETTINGS)
+    config._revtrain_compile_cache = directory
+
+
+def pytest_unconfigure(config):
+    directory = getattr(config, "_revtrain_compile_cache", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
 
 SEQUENCE_LENGTH = 128
 

@@ -105,8 +105,20 @@ def test_eval_scores_latest_checkpoint(trained):
     (["eval", "--workdir", "nowhere"], "no config.gin in nowhere"),
     ([], "expected a command"),
 ])
-def test_usage_errors_exit_2_with_one_line(tmp_path, args, contains):
-    assert_one_line_error(revtrain(*args, cwd=tmp_path), 2, contains)
+def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, contains):
+    """Config errors in this process (`cli.main`, as the console script calls it; a revtrain process per
+    case would add its start-up to each); argument errors, a missing file and no command in a real process."""
+    if args[:1] == ["train"] and "--config" in args and "missing.gin" not in args and "--bogus" not in args:
+        from revtrain import cli
+        monkeypatch.chdir(tmp_path)
+        capsys.readouterr()
+        code = cli.main(list(args))
+        err = capsys.readouterr().err
+        result = subprocess.CompletedProcess(args, code, "", err)
+    else:
+        result = revtrain(*args, cwd=tmp_path)
+    assert_one_line_error(result, 2, contains)
+    assert not (tmp_path / "w").exists()
 
 
 def test_eval_of_missing_step_exits_2(trained):

@@ -106,6 +106,7 @@ def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs
     assert peak > max(total for _, total in meter.pairs)  # plus the calls' temporaries
 
 
+@pytest.mark.slow  # RevNet batch-norm state through both executors (test_revnet checks the state against backprop)
 def test_revnet_batch_norm_state_scanned_matches_per_layer():
     """A stacked run with layer state (batch-norm statistics, updated by the forward scan) follows the
     per-layer executor: parameters, optimizer state and statistics within 1e-5, evaluation within 1e-6.
@@ -140,6 +141,7 @@ def test_revnet_batch_norm_state_scanned_matches_per_layer():
     assert stats and any(np.abs(x).sum() > 0 for x in stats)
 
 
+@pytest.mark.slow  # two whole-model backprop compiles
 def test_standard_trainer_scan_matches_unrolled(text_batches):
     """StandardTrainer with its identical blocks in one scan (under remat) follows the unrolled program: losses within 1e-6, parameters within 1e-5 after 3 Adam steps (a scan is a different
     program, so XLA rounds a few elements differently; measured 2.5e-6 in the worst leaf, Adam magnifying
@@ -163,6 +165,7 @@ def test_standard_trainer_scan_matches_unrolled(text_batches):
             assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), key
 
 
+@pytest.mark.slow  # compiles whole-model backprop at two depths
 def test_standard_program_grows_linearly_with_depth():
     """Whole-model backprop's compiled step grows linearly with depth, not with its square: 4x the blocks
     give at most 4x the optimised HLO (measured 3.0x). The non-finite guard once fused the AND of every
@@ -209,6 +212,7 @@ def test_guarded_update_skips_non_finite_gradients():
     assert _leaves_equal(out[False], out[True])
 
 
+@pytest.mark.slow  # three training runs
 def test_checkpoints_resume_across_the_executor_switch(text_batches, tmp_path):
     """A checkpoint holds the per-layer layout whichever executor wrote it: a scanned run's checkpoint
     resumes with the per-layer executor and back, and both continue the uninterrupted run bit for bit."""

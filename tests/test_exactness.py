@@ -67,38 +67,50 @@ class _RebuildProbe:
         return fn
 
 
-@pytest.fixture(scope="module")
-def depth12(text_batches):
-    """Both trainers at depth 12, dropout 0.1, Adam, 5 steps of real text, one device; the reversible
-    trainer with both executors (``reversible``: the 12 blocks in one scan per pass; ``per_layer``: one
-    call per block and pass, which also records every block's forward input and rebuilt input) with the
-    ``exact`` rebuild, and both executors with the ``fused`` one (``fused``, ``fused_per_layer``: recorded
-    too); ``top_fused``: the top block inside the head's program (``fuse_top=True``)."""
-    batches = text_batches(BATCH, STEPS)
-    mesh = _mesh()
-    out = {}
-    runs = {"standard": (StandardTrainer, {}),
+class _Depth12Runs(dict):
+    """Runs of `depth12`, each trained the first time a test asks for it (the fused and fuse_top runs only
+    in the slow tier)."""
+
+    RUNS = {"standard": (StandardTrainer, {}),
             "reversible": (ReversibleTrainer, {"scan_layers": True, "rebuild": "exact"}),
             "per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "exact"}),
             "fused": (ReversibleTrainer, {"scan_layers": True, "rebuild": "fused"}),
             "fused_per_layer": (ReversibleTrainer, {"scan_layers": False, "rebuild": "fused"}),
             "top_fused": (ReversibleTrainer, {"scan_layers": True, "rebuild": "exact", "fuse_top": True})}
-    with jax.default_matmul_precision("highest"):
-        for name, (cls, kwargs) in runs.items():
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __missing__(self, name):
+        cls, kwargs = self.RUNS[name]
+        mesh = _mesh()
+        with jax.default_matmul_precision("highest"):
             model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
             trainer = cls(model, optax.adam(1e-3), mesh, seed=0, **kwargs)
             probe = _RebuildProbe(trainer) if name in ("per_layer", "fused_per_layer") else None
             ts, losses, rebuilds = trainer.init(), [], []
-            for batch in batches:
+            for batch in self.batches:
                 ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
                 losses.append(float(metrics["loss"]))
                 if probe:
                     rebuilds.append((probe.forward[:], probe.rebuilt[:]))
                     probe.forward.clear(), probe.rebuilt.clear()
             ts = ts.per_layer()
-            out[name] = {"params": jax.tree.map(np.asarray, ts.params), "losses": losses, "rebuilds": rebuilds,
-                         "opt_state": jax.tree.map(np.asarray, ts.opt_state)}
-    return out
+        self[name] = {"params": jax.tree.map(np.asarray, ts.params), "losses": losses, "rebuilds": rebuilds,
+                      "opt_state": jax.tree.map(np.asarray, ts.opt_state)}
+        return self[name]
+
+
+@pytest.fixture(scope="module")
+def depth12(text_batches):
+    """Both trainers at depth 12, dropout 0.1, Adam, 5 steps of real text, one device; the reversible
+    trainer with both executors (``reversible``: the 12 blocks in one scan per pass; ``per_layer``: one
+    call per block and pass, which also records every block's forward input and rebuilt input) with the
+    ``exact`` rebuild, and both executors with the ``fused`` one (``fused``, ``fused_per_layer``: recorded
+    too); ``top_fused``: the top block inside the head's program (``fuse_top=True``). Each run is trained
+    when a test first asks for it."""
+    return _Depth12Runs(text_batches(BATCH, STEPS))
 
 
 @pytest.mark.parametrize("executor", ["reversible", "per_layer"])
@@ -111,7 +123,8 @@ def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
-@pytest.mark.parametrize("executor", ["reversible", "per_layer", "fused", "fused_per_layer", "top_fused"])
+@pytest.mark.parametrize("executor", ["reversible", "per_layer", *(pytest.param(e, marks=pytest.mark.slow) for e in
+                                                                   ("fused", "fused_per_layer", "top_fused"))])
 def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
     (coupling grid), the per-layer programs compute the same float operations in the same order as the
@@ -150,6 +163,7 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
                 assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
 
 
+@pytest.mark.slow  # the opt-in fused rebuild (make test keeps the default exact one)
 @pytest.mark.parametrize("executor", ["fused", "fused_per_layer"])
 def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
     """The fused rebuild (one vjp per half-residual): losses within 1e-7 relative of backprop over 5 Adam
@@ -160,6 +174,7 @@ def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
     assert rel <= 1e-5, f"leaf {leaf}: fused reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
+@pytest.mark.slow  # the opt-in fused rebuild (make test keeps the default exact one)
 def test_fused_scan_and_per_layer_executors_are_bitwise_identical(depth12):
     """The fused rebuild: parameters and Adam state of the two executors, identical bits."""
     a, b = depth12["fused"], depth12["fused_per_layer"]
@@ -168,6 +183,7 @@ def test_fused_scan_and_per_layer_executors_are_bitwise_identical(depth12):
         assert np.array_equal(x, y), keystr(path)
 
 
+@pytest.mark.slow  # the opt-in fused rebuild (make test keeps the default exact one)
 def test_fused_rebuild_rebuilds_every_block_input_exactly(depth12):
     """Near initialisation the fused rebuild's primal outputs F(x2), G(y1) equal the forward's to the bit,
     so every rebuilt block input equals the forward's input (12 blocks, dropout 0.1, 5 steps of training)."""
@@ -240,6 +256,7 @@ def test_offload_and_executors_are_bitwise_identical(text_batches):
             assert np.array_equal(x, y), key
 
 
+@pytest.mark.slow  # make test keeps the scanned executor's check below
 def test_offload_keeps_at_most_two_layers_on_device(text_batches):
     """The per-layer executor with offload: every program gets its layer's weights and optimizer state in
     host memory and returns the updated ones there (it moves them to the device itself, so nothing in the

@@ -119,6 +119,7 @@ def _survivor_reported(r: dict, lost: int) -> int:
     return steps[-1]
 
 
+@pytest.mark.slow  # two training processes and a heartbeat timeout
 def test_a_lost_process_stops_the_other_with_one_line_within_the_heartbeat_timeout(tmp_path, byte_lm_data_dir):
     """Both directions at once (two two-process runs side by side): kill -9 of process 1 in one, of process
     0 (the coordinator) in the other; each survivor prints one line naming the lost process and the newest
@@ -359,6 +360,7 @@ def _check_deep_passes(result, depth: int) -> None:
             assert len(seen) >= 4 and seen[-1] == f"check {dtype} {what}: {n} of {n} layers", err
 
 
+@pytest.mark.slow  # check of a deep model (test_check covers check in make test)
 def test_check_of_a_deep_model_uses_layer_at_a_time_backprop_and_reports_progress(byte_lm_data_dir):
     """Above 16 layers check's reference is backprop one layer at a time: each pass's programs compile once
     per distinct layer (the whole-model backprop program of a deep model takes XLA minutes to compile)."""

@@ -117,6 +117,7 @@ def _reverse_temp_bytes(seq: int, **kw) -> int:
     return fn.lower(layer.init_params, layer.init_state, y, y, keys).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # compiles the backward at several lengths
 def test_reverse_temp_memory_is_linear_in_length():
     """4x the length: at most 4.5x the temporaries (measured 3.8x; dense attention's [T, T] scores and
     their gradients grow them 13.7x), and at least 2x (the measure sees the length)."""
@@ -133,6 +134,7 @@ def LongTinyLM(sequence_length, *, seed=0):
                                    dropout_rate=0.1, **LONG)
 
 
+@pytest.mark.slow  # check compiles its reference and rebuild programs (the trainer test above checks exactness)
 def test_check_passes_with_blockwise_attention(capsys):
     assert cli.main(["check", "--config", CONFIG, *TINY, "--gin", "train.model = @LongTinyLM"]) == 0
     out = capsys.readouterr().out
@@ -150,7 +152,7 @@ def test_check_passes_with_blockwise_attention(capsys):
     ("train.trainer = @StandardTrainer\nStandardTrainer.remat_layers = 1", "StandardTrainer.remat_layers must be True or False"),
     ("ReversibleTrainer.shard_state = 'yes'", "ReversibleTrainer.shard_state must be True or False, got 'yes'"),
     ("ReversibleTrainer.fuse_top = 'yes'", "ReversibleTrainer.fuse_top must be True or False, got 'yes'"),
-    ("ReversibleTrainer.rebuild = 'inverse'", "ReversibleTrainer.rebuild must be one of 'exact', 'fused', got 'inverse'"),
+    ("ReversibleTrainer.rebuild = 'inverse'", "ReversibleTrainer.rebuild must be one of 'exact', 'fused', 'fenced', got 'inverse'"),
     ("train.sample_every = -1", "train.sample_every"),
     ("train.sample_length = 0", "train.sample_length must be a positive integer"),
 ])

@@ -361,8 +361,8 @@ def vit_backprop():
         return batches, _train(_vit_model, batches, StandardTrainer)
 
 
-@pytest.mark.parametrize("kwargs", [{"scan_layers": True}, pytest.param({"offload": True}, marks=pytest.mark.slow)],
-                         ids=["scanned", "offload"])
+@pytest.mark.slow  # a RevViT trained by both trainers (test_revnet keeps Fashion-MNIST in make test)
+@pytest.mark.parametrize("kwargs", [{"scan_layers": True}, {"offload": True}], ids=["scanned", "offload"])
 def test_revvit_reversible_equals_backprop_on_fashion_mnist(vit_backprop, kwargs):
     """Tiny RevViT (patch 7: 16 tokens, 2 couplings, dropout 0.1, blockwise bidirectional attention in
     tiles of 8), 6 Adam steps on real Fashion-MNIST images: reversible equals backprop to 1e-5 per leaf
@@ -376,6 +376,7 @@ def test_revvit_reversible_equals_backprop_on_fashion_mnist(vit_backprop, kwargs
     assert std_losses[-1] < std_losses[0]
 
 
+@pytest.mark.slow  # a RevViT block (test_revnet keeps the RevNet's in make test)
 def test_revvit_block_inverse_is_exact_and_does_not_decode():
     """A RevViT coupling in training mode (dropout 0.1) rebuilds its inputs bit for bit from its outputs
     with the same keys; a bidirectional model offers no incremental decoding."""

@@ -29,7 +29,9 @@ DEPTH, D_MODEL, BATCH, STEPS = 4, 64, 8, 5
 # ------------------------------------------------------------------------------------------------
 # The worker (runs in a fresh interpreter with 4 CPU devices).
 # ------------------------------------------------------------------------------------------------
-def _worker(out_path: str) -> None:
+def _worker(out_path: str, part: str) -> None:
+    """``part`` "sgd": SGD with momentum, both trainers on 1 and 4 devices, and the indivisible batch (make
+    test); "adam": Adam, both trainers on 1 and 4 devices, and the reversible trainer's executors (slow)."""
     import jax
     import optax
     from jax.tree_util import keystr, tree_flatten_with_path
@@ -72,7 +74,7 @@ def _worker(out_path: str) -> None:
 
     out = {"runs": {}, "compare": {}, "executors_bitwise": {}}
     params = {}
-    for opt in optimizers:
+    for opt in ["sgd_momentum"] if part == "sgd" else ["adam"]:
         for name, cls in trainers.items():
             for ndev in (1, NUM_DEVICES):
                 run = train(cls, opt, ndev)
@@ -87,14 +89,18 @@ def _worker(out_path: str) -> None:
             a, b = params[opt, "standard", ndev], params[opt, "reversible", ndev]
             out["compare"][f"{opt}/standard~reversible/{ndev}"] = worst_leaf(a, b)
 
-    # The reversible trainer's executors on 4 devices, Adam, dropout: scanned (the default), per layer, and
-    # scanned with offload give the same bits (parameters and optimizer state).
-    runs = {name: train(ReversibleTrainer, "adam", NUM_DEVICES, **kwargs) for name, kwargs in
-            {"per_layer": {"scan_layers": False}, "scan_offload": {"scan_layers": True, "offload": True}}.items()}
-    for name in ("per_layer", "scan_offload"):
-        a, b = scanned, runs[name]
-        out["executors_bitwise"][name] = a[1] == b[1] and b[2] and all(
-            np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])))
+    if part == "adam":
+        # The reversible trainer's executors on 4 devices, Adam, dropout: scanned (the default), per layer,
+        # and scanned with offload give the same bits (parameters and optimizer state).
+        runs = {name: train(ReversibleTrainer, "adam", NUM_DEVICES, **kwargs) for name, kwargs in
+                {"per_layer": {"scan_layers": False}, "scan_offload": {"scan_layers": True, "offload": True}}.items()}
+        for name in ("per_layer", "scan_offload"):
+            a, b = scanned, runs[name]
+            out["executors_bitwise"][name] = a[1] == b[1] and b[2] and all(
+                np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a[0]), jax.tree.leaves(b[0])))
+        with open(out_path, "w") as f:
+            json.dump(out, f, indent=1)
+        return
 
     # A global batch that cannot be split evenly over the devices.
     mesh = make_mesh(jax.devices())
@@ -118,18 +124,28 @@ def _worker(out_path: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # The tests.
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def results(byte_lm_data_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("parallel") / "results.json"
+def _run(part, data_dir, out):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=byte_lm_data_dir)
+               JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), part], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
     with open(out) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def results(byte_lm_data_dir, tmp_path_factory):
+    """SGD with momentum on 1 and 4 devices (both trainers), the indivisible batch."""
+    return _run("sgd", byte_lm_data_dir, tmp_path_factory.mktemp("parallel") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def adam_results(byte_lm_data_dir, tmp_path_factory):
+    """Adam on 1 and 4 devices (both trainers), the reversible trainer's executors on 4 devices."""
+    return _run("adam", byte_lm_data_dir, tmp_path_factory.mktemp("parallel") / "adam.json")
 
 
 @pytest.mark.parametrize("trainer", ["standard", "reversible"])
@@ -142,23 +158,34 @@ def test_four_devices_equal_one_device(results, trainer):
     np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+ADAM = pytest.param("adam", marks=pytest.mark.slow)  # a second 4-device process (make test-all)
+
+
+@pytest.fixture
+def by_optimizer(request):
+    """The results holding ``opt``'s runs (Adam's in the slow tier's own process)."""
+    return lambda opt: request.getfixturevalue("adam_results" if opt == "adam" else "results")
+
+
 @pytest.mark.parametrize("trainer", ["standard", "reversible"])
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-def test_replicas_bit_identical(results, trainer, opt):
-    assert results["runs"][f"{opt}/{trainer}/{NUM_DEVICES}"]["replicas_identical"]
+@pytest.mark.parametrize("opt", ["sgd_momentum", ADAM])
+def test_replicas_bit_identical(by_optimizer, trainer, opt):
+    assert by_optimizer(opt)["runs"][f"{opt}/{trainer}/{NUM_DEVICES}"]["replicas_identical"]
 
 
-@pytest.mark.parametrize("opt", ["sgd_momentum", "adam"])
-def test_reversible_equals_backprop_on_four_devices(results, opt):
+@pytest.mark.parametrize("opt", ["sgd_momentum", ADAM])
+def test_reversible_equals_backprop_on_four_devices(by_optimizer, opt):
     """On the same devices, the reversible trainer equals ordinary backprop within 1e-5 (bit for bit at
     depth 12 in test_exactness; here the two compilations may differ in the last bits)."""
     for ndev in (1, NUM_DEVICES):
-        rel, leaf = results["compare"][f"{opt}/standard~reversible/{ndev}"]
+        rel, leaf = by_optimizer(opt)["compare"][f"{opt}/standard~reversible/{ndev}"]
         assert rel <= 1e-5, f"{ndev} devices: leaf {leaf} differs by {rel:.2e}"
 
 
-def test_adam_four_devices_within_backprop_noise_floor(results):
+@pytest.mark.slow
+def test_adam_four_devices_within_backprop_noise_floor(adam_results):
     """Under Adam, 1 vs 4 devices differ by no more than ordinary backprop does (see the module note)."""
+    results = adam_results
     rel_std, _ = results["compare"][f"adam/standard/1~{NUM_DEVICES}"]
     rel_rev, leaf = results["compare"][f"adam/reversible/1~{NUM_DEVICES}"]
     assert rel_std <= 5e-3 and rel_rev <= 5e-3, (rel_std, rel_rev, leaf)
@@ -168,11 +195,12 @@ def test_adam_four_devices_within_backprop_noise_floor(results):
     np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("executor", ["per_layer", "scan_offload"])
-def test_executors_bitwise_on_four_devices(results, executor):
+def test_executors_bitwise_on_four_devices(adam_results, executor):
     """Adam with dropout on 4 devices: the per-layer executor and the scanned one with offload give the
     scanned executor's losses, parameters and optimizer state bit for bit, replicas identical."""
-    assert results["executors_bitwise"][executor]
+    assert adam_results["executors_bitwise"][executor]
 
 
 def test_indivisible_batch_is_a_clear_error(results):
@@ -182,4 +210,4 @@ def test_indivisible_batch_is_a_clear_error(results):
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

@@ -120,6 +120,7 @@ def test_layer_without_half_residuals_falls_back_to_inverse_then_vjp():
     _close(grads, want_grads)
 
 
+@pytest.mark.slow  # the opt-in fused rebuild
 def test_fused_hlo_runs_each_function_forward_once():
     """The fused reverse program of a Transformer block computes F and G forward once, the exact one twice
     (XLA's FLOP count of the optimised programs). The saving is a little under one forward: the exact

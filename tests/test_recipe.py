@@ -10,6 +10,7 @@ tests/test_recipe.py OUT.json``).
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -121,25 +122,31 @@ def test_an_update_that_combines_whole_layers_is_refused():
 @pytest.fixture(scope="module")
 def one_device(text_batches):
     """20 steps of clip_by_global_norm + AdamW (depth 2, dropout 0.1, batch 8) for StandardTrainer and the
-    reversible trainer's two executors and ``fuse_top`` (deferred update)."""
+    reversible trainer's two executors and ``fuse_top`` (deferred update); each run trained when a test
+    first asks for it."""
     import jax
 
     from revtrain.placement import make_mesh
     from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
-    mesh, batches, out = make_mesh(jax.devices()[:1]), text_batches(8, 20), {}
-    with jax.default_matmul_precision("highest"):
-        for name, cls, kwargs in [("standard", StandardTrainer, {}), ("scan", ReversibleTrainer, {}),
-                                  ("per_layer", ReversibleTrainer, {"scan_layers": False}),
-                                  ("fuse_top", ReversibleTrainer, {"fuse_top": True})]:
-            trainer = cls(_model(depth=2), _clip_adamw(), mesh, seed=0, **kwargs)
-            if cls is ReversibleTrainer:
-                assert trainer.deferred and trainer.layerwise.rounds == 1
-            out[name] = _train(trainer, batches, mesh)
-    return out
+    mesh, batches = make_mesh(jax.devices()[:1]), text_batches(8, 20)
+    runs = {"standard": (StandardTrainer, {}), "scan": (ReversibleTrainer, {}),
+            "per_layer": (ReversibleTrainer, {"scan_layers": False}), "fuse_top": (ReversibleTrainer, {"fuse_top": True})}
+
+    class Runs(dict):
+        def __missing__(self, name):
+            cls, kwargs = runs[name]
+            with jax.default_matmul_precision("highest"):
+                trainer = cls(_model(depth=2), _clip_adamw(), mesh, seed=0, **kwargs)
+                if cls is ReversibleTrainer:
+                    assert trainer.deferred and trainer.layerwise.rounds == 1
+                self[name] = _train(trainer, batches, mesh)
+            return self[name]
+
+    return Runs()
 
 
-@pytest.mark.parametrize("executor", ["scan", "per_layer", "fuse_top"])
+@pytest.mark.parametrize("executor", ["scan", "per_layer", pytest.param("fuse_top", marks=pytest.mark.slow)])
 def test_global_clipping_equals_backprop(one_device, executor):
     """Clipping active on most steps; losses, grad norms and every parameter leaf within 1e-6."""
     std, rev = one_device["standard"], one_device[executor]
@@ -193,6 +200,7 @@ def test_microbatches_at_batch_32(text_batches):
         assert _rel(losses[a], losses[b]) <= 1e-6, (a, b, losses[a], losses[b])
 
 
+@pytest.mark.slow  # two trainers x 20 steps; make test keeps the tied head in the CLI recipe run
 def test_tied_embedding_and_head(text_batches):
     """A tied embedding/head (the modern parts, ``tie_embedding``): one copy of the table (the head's params
     have none; the parameter count counts it once), the reversible trainer equal to StandardTrainer over 20
@@ -387,14 +395,16 @@ def recipe_run(tmp_path_factory):
 
 def test_recipe_from_the_command_line_resumes_bit_exactly(recipe_run):
     """Tied head + clip_global_norm + 2 microbatches from the CLI: grad_norm in every train.jsonl record
-    and in the progress line; stopped after step 2 and resumed, steps 3 and 4 give the straight run's
-    loss and gradient norm bit for bit (checkpoints hold whole steps)."""
+    and in the progress line; a copy of the run resumed from its step-2 checkpoint gives the straight run's
+    steps 3 and 4 (loss and gradient norm) bit for bit (checkpoints hold whole steps)."""
     base = recipe_run
-    result = _cli("train", *RECIPE, "--gin", "train.steps = 2", "--workdir", "resumed", cwd=base)
-    assert result.returncode == 0, result.stderr
-    assert "grad norm" in result.stderr
+    shutil.copytree(base / "straight", base / "resumed")
+    shutil.rmtree(base / "resumed" / "checkpoints" / "4")
+    log = base / "resumed" / "metrics" / "train.jsonl"  # steps 3 and 4 must come from the resumed process
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if json.loads(line).get("step", 0) <= 2))
     result = _cli("train", *RECIPE, "--workdir", "resumed", cwd=base)
     assert result.returncode == 0, result.stderr
+    assert "resumed from checkpoint at step 2" in result.stderr and "grad norm" in result.stderr
     straight, resumed = _records(base / "straight"), _records(base / "resumed")
     assert sorted(straight) == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in straight.values())
     for step in (3, 4):
@@ -412,6 +422,7 @@ def test_check_of_a_recipe_run(recipe_run):
             "parameter(s))") in result.stdout
 
 
+@pytest.mark.slow  # one more training process (test_cli checks the refusal without train.learning_rate = None)
 def test_learning_rate_beside_a_ready_optimizer(tmp_path):
     """A ready optimizer (a chain written with parentheses) trains once train.learning_rate = None says its
     own learning rate is meant; train.jsonl then has no learning rate to report (null)."""

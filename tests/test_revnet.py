@@ -325,7 +325,7 @@ def test_coupling_inverse_rebuilds_inputs_bitwise(fashion_mnist, highest_precisi
         assert np.array_equal(a, b), f"stream {s}: {np.mean(a != b):.1%} of the elements are not exact"
 
 
-@pytest.mark.parametrize("rebuild", ["exact", "fused"])
+@pytest.mark.parametrize("rebuild", ["exact", pytest.param("fused", marks=pytest.mark.slow)])
 def test_reversible_equals_standard_params_and_batch_stats(fashion_mnist, highest_precision, rebuild):
     """Adam, 3 steps, real images: every parameter and every running statistic within 1e-5, in both rebuild
     modes (the fused one runs F and G's batch norms once, on the same tensors as the forward)."""
@@ -404,7 +404,7 @@ def _by_hand(model, params, state, image, train, momentum, bits):
     return x, new_state
 
 
-@pytest.mark.parametrize("trainer", ["reversible", "reversible_offload", "standard"])
+@pytest.mark.parametrize("trainer", ["reversible", pytest.param("reversible_offload", marks=pytest.mark.slow), "standard"])
 def test_batch_stats_change_exactly_as_one_forward_pass(fashion_mnist, highest_precision, trainer):
     """After each of 2 steps, every running mean / variance equals momentum * old + (1 - momentum) * the
     batch statistic of that layer's input in the step's forward pass (computed by hand from the batch):

@@ -215,6 +215,7 @@ def _worker(out_path: str) -> None:
         json.dump({"samples": [s.hex() for s in result.samples], "devices": result.devices}, f)
 
 
+@pytest.mark.slow  # a 2-device process
 def test_samples_split_over_two_devices_equal_one_device(tmp_path, seeded):
     """3 samples on 2 devices (padded to 4 rows, the extra one dropped) are the 1-device samples."""
     out = tmp_path / "two.json"
