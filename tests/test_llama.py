@@ -127,10 +127,28 @@ def test_revtrain_checkpoint_imports_to_the_same_model(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_rope_parameters_of_transformers_5(tmp_path):
+    """transformers 5 writes the rotary base inside ``rope_parameters`` (no top-level ``rope_theta``): the
+    import reads it there (the same logits as the top-level form)."""
+    _write_small(tmp_path / "v4", rope_theta=5000.0)
+    _write_small(tmp_path / "v5")
+    cfg = json.loads((tmp_path / "v4" / "config.json").read_text())
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+    (tmp_path / "v5" / "config.json").write_text(json.dumps(cfg))
+    import shutil
+    shutil.copyfile(tmp_path / "v4" / "model.safetensors", tmp_path / "v5" / "model.safetensors")
+    assert read_spec(str(tmp_path / "v5")).rope_theta == 5000.0
+    tokens = _tokens(40, (2, 8))
+    np.testing.assert_array_equal(_revtrain_logits(str(tmp_path / "v5"), tokens)[1],
+                                  _revtrain_logits(str(tmp_path / "v4"), tokens)[1])
+
+
 @pytest.mark.parametrize("change, message", [
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling 'linear' is not implemented"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5}}, "rope_parameters 'yarn' is not implemented"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"head_dim": 16}, "head_dim 16"),

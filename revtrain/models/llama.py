@@ -156,10 +156,16 @@ def read_spec(path: str) -> LlamaSpec:
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     if any(a != "LlamaForCausalLM" for a in archs):
         raise LlamaFormatError(f"{file}: architectures {archs} not supported (revtrain imports LlamaForCausalLM)")
-    rope = cfg.get("rope_scaling")
-    if rope and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
-        raise LlamaFormatError(f"{file}: rope_scaling {rope.get('rope_type') or rope.get('type')!r} is not "
-                               "implemented (revtrain computes plain rotary positions)")
+    # Rotary settings: transformers 4 writes rope_theta and rope_scaling at the top level, transformers 5 one
+    # rope_parameters object ({"rope_theta": ..., "rope_type": ...}); either is read.
+    rope_parameters = cfg.get("rope_parameters") or {}
+    if not isinstance(rope_parameters, dict):
+        raise LlamaFormatError(f"{file}: rope_parameters is not a JSON object")
+    for key, rope in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", rope_parameters)):
+        if rope and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
+            raise LlamaFormatError(f"{file}: {key} {rope.get('rope_type') or rope.get('type')!r} is not "
+                                   "implemented (revtrain computes plain rotary positions)")
+    rope_theta = cfg.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise LlamaFormatError(f"{file}: {flag} = true is not supported (revtrain's Llama has no biases)")
@@ -173,7 +179,7 @@ def read_spec(path: str) -> LlamaSpec:
             num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))
