@@ -70,6 +70,8 @@ def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", toke
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         config = dataclasses.replace(spec, torch_dtype=dtype).hf_config()
+        if tokenizer is not None and tokenizer.eot_id is not None:  # generate stops at the end-of-text id
+            config["eos_token_id"] = int(tokenizer.eot_id)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
         arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)

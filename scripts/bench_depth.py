@@ -164,7 +164,7 @@ def depth_plot(result, path) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--depths", default="8,32,64,128,256", type=lambda s: [int(x) for x in s.split(",") if x])
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per configuration")
     p.add_argument("--max_startup", type=float, default=600.0,

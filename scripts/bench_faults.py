@@ -101,7 +101,7 @@ def lost_process(lost: int, heartbeat: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--depth", type=int, default=48)
     p.add_argument("--d_models", default="32,16")

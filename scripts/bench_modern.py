@@ -133,7 +133,7 @@ def memory(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--steptime", action="store_true")
     p.add_argument("--memory", action="store_true")
     p.add_argument("--steps", type=int, default=30)

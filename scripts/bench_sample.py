@@ -114,7 +114,7 @@ def past_context(path: str, past: int, rounds: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--config", default=str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "enwik_small.gin"))
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--num_samples", type=int, default=1)

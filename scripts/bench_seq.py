@@ -288,7 +288,7 @@ def plot_seq(result, path) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--seqs", default="512,1024,4096,16384,65536", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--depth", type=int, default=4, help="reversible blocks")
     p.add_argument("--d_model", type=int, default=256)

@@ -96,7 +96,7 @@ def shard_table(result) -> str:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--shard_devices", type=int, default=4, help="forced CPU devices")
     p.add_argument("--depth", type=int, default=6, help="reversible blocks")
     p.add_argument("--d_model", type=int, default=128)

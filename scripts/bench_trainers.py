@@ -246,7 +246,7 @@ def plot(records, path) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="depths of the depth points, ','-separated (empty: none)")
     p.add_argument("--d_model", type=int, default=256)

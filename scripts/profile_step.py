@@ -97,7 +97,7 @@ def profile(steps: int, warmup: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--config", action="append", default=None, help="gin file (repeatable)")
     p.add_argument("--gin", action="append", default=[], help="gin binding (repeatable)")
     p.add_argument("--steps", type=int, default=20)

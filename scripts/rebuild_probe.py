@@ -33,7 +33,7 @@ def _rel(a, b) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--step", type=int, default=None)
     parser.add_argument("--gin", action="append", default=[])

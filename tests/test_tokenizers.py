@@ -366,7 +366,8 @@ def test_an_imported_checkpoint_tokenizes_with_its_own_tokenizer_and_exports_it(
     assert (out / "tokenizer.json").read_bytes() == user_tokenizer.read_bytes()
     config = json.loads((out / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["eos_token"] == "</s>"
-    assert json.loads((out / "config.json").read_text())["vocab_size"] == 400
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["vocab_size"] == 400 and exported["eos_token_id"] == tok.eot_id == 1
 
 
 def test_a_checkpoint_smaller_than_the_tokenizer_is_refused(capsys, tmp_path, corpora, user_tokenizer):
@@ -379,7 +380,7 @@ def test_a_checkpoint_smaller_than_the_tokenizer_is_refused(capsys, tmp_path, co
                      "--gin", f"TokenLMTask.tokenizer = '{user_tokenizer}'", "--workdir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("revtrain: error: "), err
-    assert "vocabulary (400 ids) is larger than the checkpoint's" in err[0] and "(300)" in err[0], err[0]
+    assert "vocabulary (400 ids) is larger than the checkpoint's" in err[0] and "at most 300 ids" in err[0], err[0]
     assert not (tmp_path / "run").exists()
 
 

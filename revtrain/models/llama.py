@@ -495,8 +495,10 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size > spec.vocab_size):
             raise LlamaFormatError(
                 f"the task's vocabulary ({vocab_size!r} ids) is larger than the checkpoint's in {path} "
-                f"({spec.vocab_size}): ids past its embedding table have no row; tokenize with the checkpoint's "
-                "own tokenizer (TokenLMTask.tokenizer left unset uses it) or one of at most that many ids")
+                f"({spec.vocab_size}): ids past its embedding table have no row; tokenize with at most "
+                f"{spec.vocab_size} ids (TokenLMTask.tokenizer: the tokenizer the checkpoint was trained with; "
+                "left unset, the checkpoint's own tokenizer.json / tokenizer.model when it has one, else a new BPE "
+                "of TokenLMTask.vocab_size)")
         weights = read_weights(os.path.expanduser(path), spec)
     else:
         vocab_size = 256 if vocab_size is None else vocab_size
