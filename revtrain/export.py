@@ -34,7 +34,7 @@ def _write_tokenizer(directory: str, tokenizer) -> None:
     if tokenizer is None or tokenizer.save(directory) is None or tokenizer.kind != "huggingface":
         return
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    eot = tokenizer._backend.id_to_token(tokenizer.eot_id) if tokenizer.eot_id is not None else None
+    eot = tokenizer.token_string(tokenizer.eot_id) if tokenizer.eot_id is not None else None
     if eot is not None:
         config["eos_token"] = eot
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:

@@ -154,6 +154,11 @@ class Tokenizer:
         """A short name for messages: ``bytes``, or the kind and file."""
         return BYTES if self.kind == BYTES else f"{self.kind} tokenizer {self.path}"
 
+    def token_string(self, i: int) -> str | None:
+        """The string of id ``i`` in a Hugging Face tokenizer's vocabulary (``"</s>"``), else None (bytes,
+        SentencePiece, or an id appended after the vocabulary)."""
+        return self._backend.id_to_token(int(i)) if self.kind == "huggingface" else None
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text (no end-of-text token added): a list of int64 arrays."""
         if self.kind == BYTES:
