@@ -1,5 +1,5 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
-#   make train [WORKDIR=runs/enwik_modern] [CONFIG=configs/enwik_modern.gin]
+#   make train [CONFIG=configs/enwik_modern.gin] [WORKDIR=runs/<the config's name>]
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
@@ -11,8 +11,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-WORKDIR ?= runs/enwik_modern
 CONFIG ?= configs/enwik_modern.gin
+WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 GIN ?=
 
 .PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long bench-recipe clean sample bench-sample check-sample
@@ -45,10 +45,11 @@ test-all: data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # Standard, remat (scan + jax.checkpoint, also with offloaded inputs), reversible (exact, fused and fenced
-# rebuild, each +offload) at depths 8 and 32, then an activation-dominated point (depth 32, T 4,096,
-# blockwise attention; one step each); then the recipe rows (clip_by_global_norm, 4 microbatches).
+# rebuild; exact and fused also with offload; fused with fuse_top) at depths 2, 8 and 32, then an
+# activation-dominated point (depth 32, T 4,096, blockwise attention; one step each): bench.json, bench.png
+# and the table of README; then the recipe rows (clip_by_global_norm, 4 microbatches).
 bench: data
-	$(PY) scripts/bench_trainers.py --depths 8,32
+	$(PY) scripts/bench_trainers.py --depths 2,8,32
 	$(PY) scripts/bench_recipe.py --out bench_recipe.json
 
 # The recipe (docs/recipe.md): clip_by_global_norm + AdamW and 4 microbatches against the fused update, time

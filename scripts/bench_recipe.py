@@ -40,6 +40,7 @@ import optax  # noqa: E402
 
 import revtrain.registry  # noqa: E402,F401
 from revtrain.data import byte_lm, pipeline  # noqa: E402
+from revtrain.ginconfig import include_search_path  # noqa: E402
 from revtrain.memory import MemoryMeter  # noqa: E402
 from revtrain.models.compose import ComposedModel  # noqa: E402
 from revtrain.placement import global_batch, make_mesh  # noqa: E402
@@ -50,8 +51,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 def _model(depth: int):
     gin.clear_config()
-    gin.add_config_file_search_path(str(REPO / "configs"))
-    gin.parse_config_files_and_bindings([str(REPO / "configs" / "enwik_modern.gin")], [f"NUM_LAYERS = {depth}"])
+    with include_search_path():  # includes relative to the including file (no "Path not found" lines)
+        gin.parse_config_files_and_bindings([str(REPO / "configs" / "enwik_modern.gin")], [f"NUM_LAYERS = {depth}"])
     model = ComposedModel(seed=0, d_model=128, input_key="inputs", sequence_length=128)
     gin.clear_config()
     return model

@@ -225,7 +225,7 @@ def table(records) -> str:
 def plot(records, path) -> None:
     """Peak device MiB and tokens/s against depth (the depth points at the first record's T), PNG at ``path``."""
     plt = common.pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     r0 = records[0]
     for label, _, _ in CONFIGS:
         rs = [r for r in records if r["config"] == label and r["seq"] == r0["seq"]]
@@ -234,12 +234,16 @@ def plot(records, path) -> None:
         a.plot([r["depth"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], "o-", label=label)
         b.plot([r["depth"] for r in rs], [r["tokens_per_sec"] for r in rs], "o-", label=label)
     title = f"{r0['device_kind']} ({r0['memory_method']}), d_model {r0['d_model']}, seq {r0['seq']}, batch {r0['batch']}"
-    for ax, ylabel in ((a, "peak device memory (MiB)"), (b, "tokens / s")):
+    for ax, ylabel in ((a, "peak device memory (MiB, log scale)"), (b, "tokens / s")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("depth (reversible blocks)")
+        ax.set_xticks(sorted({r["depth"] for r in records if r["seq"] == r0["seq"]}))
+        ax.get_xaxis().set_major_formatter("{x:.0f}")
+        ax.set_xlabel("depth (blocks)")
         ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.grid(True, alpha=0.3, which="both")
+    a.set_yscale("log")
+    a.yaxis.set_major_formatter("{x:,.0f}")
+    b.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -79,6 +79,7 @@ def test_nonfinite_loss_stops_the_run_and_keeps_the_newest_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
 
 
+@pytest.mark.slow  # make test keeps test_recipe's non-finite deferred step
 def test_skip_nonfinite_steps_skips_and_logs_each(tmp_path):
     result = _train(tmp_path, "--gin", "train.optimizer = @optax.sgd", "--gin", "train.learning_rate = 1e30",
                     "--gin", "train.skip_nonfinite_steps = 2")

@@ -85,7 +85,7 @@ class _WalkingMeter(MemoryMeter):
 
 
 @pytest.mark.parametrize("kwargs", [pytest.param({"scan_layers": False, "offload": True}, marks=pytest.mark.slow),
-                                    {"scan_layers": True}])
+                                    pytest.param({"scan_layers": True}, marks=pytest.mark.slow)])
 def test_meter_running_total_equals_a_walk_over_live_arrays(text_batches, kwargs):
     """Before every call of a logged step, the meter's running total of live device bytes is what walking
     every live array gives (as activations come and go, buffers are donated and, with offload, saved inputs

@@ -278,7 +278,7 @@ def _steps(first: int, last: int) -> str:
     return ", ".join(str(s) for s in range(first, last + 1))
 
 
-@pytest.mark.parametrize("gaps", ["", "0"])
+@pytest.mark.parametrize("gaps", ["", pytest.param("0", marks=pytest.mark.slow)])  # two signals at once: slow tier
 def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_is_left(
         four_checkpoints, byte_lm_data_dir, gaps):
     """One SIGTERM (or two at once) while step 1 is scored: step 1 is finished and written, the others are

@@ -84,6 +84,7 @@ def runs(text_batches):
     return out
 
 
+@pytest.mark.slow  # three trainings (make test: blockwise attention equals dense with gradients)
 def test_reversible_is_bitwise_backprop_with_blockwise_attention(runs):
     """The reversible trainer (forward, rebuild, vjp: one blockwise code path) equals ordinary backprop on
     the same long-sequence model bit for bit, losses and every parameter."""
@@ -94,6 +95,7 @@ def test_reversible_is_bitwise_backprop_with_blockwise_attention(runs):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # three trainings (make test: blockwise attention equals dense with gradients)
 def test_blockwise_and_chunks_train_like_dense(runs):
     """Blockwise attention + chunked feed-forward and head follow the dense model: losses within 1e-6
     relative over the steps, every parameter within 1e-4 of its leaf's scale."""

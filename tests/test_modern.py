@@ -122,7 +122,7 @@ def _naive_gqa(q, k, v, causal):
     return out
 
 
-@pytest.mark.parametrize("cls", [GroupedQueryAttention, BidirectionalAttention])
+@pytest.mark.parametrize("cls", [GroupedQueryAttention, pytest.param(BidirectionalAttention, marks=pytest.mark.slow)])
 def test_grouped_query_attention_dense_and_blockwise(cls):
     """4 query heads over 2 key/value heads: the dense and the blockwise path (T = 20 in tiles of 8: the
     last tile padded) equal a numpy reference of grouped attention, and their gradients agree."""
@@ -270,6 +270,7 @@ def test_sliding_cache_equals_banded_forward_not_last_window(lm):
     assert _rel(windows, reference[:, CONTEXT:]) > 1e-3
 
 
+@pytest.mark.slow  # make test keeps the sliding cache against the banded forward
 def test_generate_slides_without_reencoding(lm):
     """`revtrain.sample` slides the window of a rotary model: 40 greedy bytes past a 16-byte context are the
     argmax bytes of the banded forward over the whole text (fused program and the offload driver alike),

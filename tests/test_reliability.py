@@ -216,6 +216,7 @@ def test_xla_slow_operation_lines_stay_off_stderr(capfd):
     assert "slow_operation_alarm" not in err and "Constant folding" not in err, err
 
 
+@pytest.mark.slow  # compiles a model too large for the limit
 def test_out_of_memory_is_one_line_with_the_bytes_and_leaves_no_workdir(tmp_path, capfd, byte_lm_data_dir):
     """The issue's case, ByteLMTask.sequence_length = 100000 (attention scores of 2 x 100000^2 floats per
     head), with this process's address space capped 16 GiB above its current size while it runs, so that

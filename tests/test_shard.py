@@ -26,7 +26,9 @@ DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
 # ------------------------------------------------------------------------------------------------
 # The worker (a fresh interpreter with NUM_DEVICES, or 8, CPU devices).
 # ------------------------------------------------------------------------------------------------
-def _worker(out_path: str) -> None:
+def _worker(out_path: str, executors: str = "scan") -> None:
+    """``executors``: the sharded runs to compare with the replicated one (comma-separated: ``scan``,
+    ``per_layer``); make test runs ``scan``, the slow tier ``per_layer`` in a second process."""
     import jax
     import optax
 
@@ -89,6 +91,8 @@ def _worker(out_path: str) -> None:
     reference = train()
     out["runs"] = {}
     for name, kwargs in {"scan": {}, "per_layer": {"scan_layers": False}}.items():
+        if name not in executors.split(","):
+            continue
         losses, leaves, evaluated = train(shard_state=True, **kwargs)
         out["runs"][name] = {
             "losses": losses, "reference_losses": reference[0],
@@ -100,11 +104,11 @@ def _worker(out_path: str) -> None:
         json.dump(out, f, indent=1)
 
 
-def _run_worker(devices: int, data_dir: str, out: pathlib.Path) -> dict:
+def _run_worker(devices: int, data_dir: str, out: pathlib.Path, executors: str = "scan") -> dict:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                REVTRAIN_DATA_DIR=data_dir)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), executors], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
@@ -113,6 +117,13 @@ def _run_worker(devices: int, data_dir: str, out: pathlib.Path) -> dict:
 @pytest.fixture(scope="module")
 def results(byte_lm_data_dir, tmp_path_factory):
     return _run_worker(NUM_DEVICES, byte_lm_data_dir, tmp_path_factory.mktemp("shard") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def per_layer_results(byte_lm_data_dir, tmp_path_factory):
+    """The per-layer executor's sharded run against the replicated one (a second 4-device process)."""
+    return _run_worker(NUM_DEVICES, byte_lm_data_dir, tmp_path_factory.mktemp("shard") / "per_layer.json",
+                       "per_layer")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,11 +154,12 @@ def test_host_state_bytes_eight_devices(byte_lm_data_dir, tmp_path):
     assert out["embedding"] == {"shape": [256, 128], "piece": [32, 128], "distinct": 8}
 
 
-@pytest.mark.parametrize("executor", ["scan", "per_layer"])
-def test_sharded_equals_replicated_bit_for_bit(results, executor):
+@pytest.mark.parametrize("executor", ["scan", pytest.param("per_layer", marks=pytest.mark.slow)])
+def test_sharded_equals_replicated_bit_for_bit(request, executor):
     """4 devices, offload, Adam, dropout: losses, parameters, optimizer state and an evaluation equal the
     replicated run's bit for bit (the reduce-scatter adds the devices' gradients in the all-reduce's order
     on XLA:CPU)."""
+    results = request.getfixturevalue("results" if executor == "scan" else "per_layer_results")
     run = results["runs"][executor]
     assert run["losses"] == run["reference_losses"], run
     assert run["bitwise"], f"largest difference {run['max_abs']:.3g}"
@@ -264,4 +276,4 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(*sys.argv[1:])
