@@ -21,7 +21,8 @@ the CPU, measured in this process.
 
 Outputs: ``--out`` (default bench.json: one record per trainer x point, with ``tokens_per_sec``,
 ``peak_device_bytes`` and the ratios to standard, remat and reversible exact), ``--plot`` (default bench.png:
-peak MiB and tokens/s against depth) and a markdown table on stdout.
+peak MiB on a log scale and tokens/s against depth) and two markdown tables on stdout (a row per record;
+README's, a row per trainer). ``--table_from bench.json`` prints the tables of an earlier run again.
 
 ``--point LABEL``: one configuration of ``CONFIGS`` in this process at ``--depth`` blocks: ``--warmup``
 steps, ``--steps`` timed steps (median), the memory meter on the last; prints one JSON record (a step that
@@ -222,6 +223,28 @@ def table(records) -> str:
     return "\n".join(lines)
 
 
+def summary(records) -> str:
+    """README's table of ``run``'s records: a row per trainer; for each point (depth x T) its peak device
+    MiB, tokens/s and tokens/s against remat's at that point."""
+    points = list(dict.fromkeys((r["depth"], r["seq"]) for r in records))
+    by = {(r["config"], r["depth"], r["seq"]): r for r in records}
+    head = ["trainer"] + [f"depth {d}, T {t}: peak MiB, tokens/s (vs remat)" for d, t in points]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label in dict.fromkeys(r["config"] for r in records):
+        cells = [label]
+        for d, t in points:
+            r = by.get((label, d, t))
+            ratio = "" if r is None or r["ratio_to_remat"] is None else f" ({r['ratio_to_remat']:.2f}x)"
+            cells.append("" if r is None else f"{r['peak_device_bytes'] / 2**20:,.0f}, {r['tokens_per_sec']:,.0f}{ratio}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def tables(records) -> str:
+    """Both tables: `table` (a row per record) and `summary` (README's)."""
+    return table(records) + "\n\n" + summary(records)
+
+
 def plot(records, path) -> None:
     """Peak device MiB and tokens/s against depth (the depth points at the first record's T), PNG at ``path``."""
     plt = common.pyplot()
@@ -262,6 +285,7 @@ def main():
     p.add_argument("--out", default="bench.json")
     p.add_argument("--plot", default="bench.png")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
+    p.add_argument("--table_from", default=None, help="print the tables of an earlier run's JSON (no run)")
     p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None,
                    help="blockwise attention in tiles of this many positions (with the chunked feed-forward "
                         "and head, --ff_chunk / --head_chunk); 0: dense")
@@ -288,7 +312,11 @@ def main():
     if args.point:
         print(json.dumps(point(args)), flush=True)
         return
-    common.write_outputs(run(args), args.out, table, plot, args.plot)
+    if args.table_from:
+        with open(args.table_from) as f:
+            print(tables(json.load(f)))
+        return
+    common.write_outputs(run(args), args.out, tables, plot, args.plot)
 
 
 if __name__ == "__main__":
