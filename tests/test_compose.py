@@ -50,6 +50,7 @@ def test_composed_default_gives_the_builders_weights(byte_lm_data_dir):
     assert len(a) == len(b) == 72 and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.slow  # make test keeps the composed LM's equality with its builder
 @pytest.mark.skipif(not os.path.isdir("/usr/share/datasets/fashion-mnist"), reason="no Fashion-MNIST")
 def test_composed_revnet_gives_the_builders_weights():
     parse([str(REPO / "configs" / "revnet_fashion_mnist.gin")])

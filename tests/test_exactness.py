@@ -197,7 +197,7 @@ def test_fused_rebuild_rebuilds_every_block_input_exactly(depth12):
                                                     f"{np.mean(x[s] != r[s]):.2%} of the elements differ")
 
 
-@pytest.mark.parametrize("grid_bits", [20, None])
+@pytest.mark.parametrize("grid_bits", [20, pytest.param(None, marks=pytest.mark.slow)])
 def test_block_inverse_rebuilds_its_inputs(text_batches, grid_bits):
     """layer.apply then layer.inverse with the same per-example keys gives the inputs back (within 1e-5;
     exactly with the coupling grid), also when F and G outputs are a sizeable fraction of the streams."""
