@@ -259,8 +259,9 @@ def plot(records, path) -> None:
         rs = [r for r in records if r["config"] == label and r["seq"] == r0["seq"]]
         if not rs:
             continue
-        a.plot([r["depth"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], "o-", label=label)
-        b.plot([r["depth"] for r in rs], [r["tokens_per_sec"] for r in rs], "o-", label=label)
+        style = "s--" if "offload" in label else "o-"  # on the CPU remat + offload lies on remat: dashed over solid
+        a.plot([r["depth"] for r in rs], [r["peak_device_bytes"] / 2**20 for r in rs], style, label=label)
+        b.plot([r["depth"] for r in rs], [r["tokens_per_sec"] for r in rs], style, label=label)
     title = f"{r0['device_kind']} ({r0['memory_method']}), d_model {r0['d_model']}, seq {r0['seq']}, batch {r0['batch']}"
     for ax, ylabel in ((a, "peak device memory (MiB, log scale)"), (b, "tokens / s (log scale)")):
         ax.set_xscale("log", base=2)
@@ -282,17 +283,18 @@ def plot(records, path) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--depths", default="2,4,8,16,32", type=lambda s: [int(x) for x in s.split(",") if x],
                    help="depths of the depth points, ','-separated (empty: none)")
-    p.add_argument("--d_model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d_model", type=int, default=256, help="model width")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--seq", type=int, default=512, help="T of the depth points (and of --point)")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8, help="global batch of the depth points")
     p.add_argument("--warmup", type=int, default=1, help="warm-up steps (compilation) before the timed ones")
     p.add_argument("--steps", type=int, default=3, help="timed steps (interleaved rounds) per point")
-    p.add_argument("--out", default="bench.json")
-    p.add_argument("--plot", default="bench.png")
+    p.add_argument("--out", default="bench.json", help="JSON of the records (written after each point, so a run cut short keeps its finished points)")
+    p.add_argument("--plot", default="bench.png", help="PNG of peak memory and tokens/s against depth")
     p.add_argument("--memory_only", help=argparse.SUPPRESS)
     p.add_argument("--table_from", default=None, help="print the tables of an earlier run's JSON (no run)")
     p.add_argument("--bench_attention_block", type=lambda s: int(s) or None, default=None,
@@ -304,7 +306,7 @@ def main():
                    help="only these trainers, ';'-separated labels of CONFIGS (e.g. 'remat;reversible fused')")
     p.add_argument("--long_depth", type=int, default=32, help="depth of the activation-dominated point")
     p.add_argument("--long_seq", type=int, default=4096, help="T of the activation-dominated point (0: skip it)")
-    p.add_argument("--long_attention_block", type=int, default=512)
+    p.add_argument("--long_attention_block", type=int, default=512, help="attention tile of the activation-dominated point")
     p.add_argument("--long_batch", type=int, default=1,
                    help="batch of the activation-dominated point (1 x 4,096: the depth points' tokens)")
     p.add_argument("--long_steps", type=int, default=1, help="timed steps of the activation-dominated point")

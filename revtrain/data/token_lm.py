@@ -127,8 +127,9 @@ def _jsonl_texts(path: pathlib.Path, field: str):
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path} line {number} is not JSON ({getattr(e, 'msg', e)})") from None
+            except ValueError as e:  # JSONDecodeError: its message and the column; UnicodeDecodeError: itself
+                where = f": column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+                raise DataError(f"{path} line {number} is not JSON ({getattr(e, 'msg', e)}{where})") from None
             if not isinstance(record, dict) or field not in record:
                 raise DataError(f"{path} line {number} has no field {field!r} (TokenLMTask.text_field)")
             text = record[field]
