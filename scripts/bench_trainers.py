@@ -202,6 +202,7 @@ def run(args) -> list[dict]:
     mesh = make_mesh()
     labels = [label for label, _, _ in CONFIGS if not args.configs or label in args.configs]
     records = []
+
     def keep():  # the points so far in --out (a run cut short keeps its finished points)
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
