@@ -76,6 +76,28 @@ def test_rebuild_is_bit_exact(dtype):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_first_block_is_the_euler_step_and_later_blocks_draw_g():
+    """Block 0 (slot 0) runs g = 0: its training output is snap(x_0 + h_0(x_0)) whatever the keys; block 1
+    draws g from the keys (other keys give other outputs); both rebuild their inputs bit for bit."""
+    model = _model("exact")
+    params, states = model.init()
+    tokens = jnp.asarray(np.random.RandomState(4).randint(0, 256, (8, 16)), jnp.int32)
+    x0 = model.layers[0].apply(params[0], states[0], tokens, None, True)[0]
+    fwd = jax.jit(lambda i, x, k: model.layers[i].apply(params[i], states[i], x, k, True)[0], static_argnums=0)
+    y_a, y_b = fwd(1, x0, _keys(1, 8)), fwd(1, x0, _keys(2, 8))
+    np.testing.assert_array_equal(y_a[1], y_b[1])
+    std = _model("standard")  # the same block as a standard layer, training mode: x_0 + h_0(x_0)
+    euler = std.layers[1].apply(params[1]["block"], std.init()[1][1], x0[1], _keys(1, 8), True)[0]
+    np.testing.assert_allclose(y_a[1], euler, rtol=0, atol=2.0 ** -18)
+    z_a, z_b = fwd(2, y_a, _keys(1, 8)), fwd(2, y_a, _keys(2, 8))
+    assert not np.array_equal(np.asarray(z_a[1]), np.asarray(z_b[1]))
+    inv = jax.jit(lambda i, y, k: model.layers[i].inverse(params[i], states[i], y, k), static_argnums=0)
+    for i, x, y in ((1, x0, y_a), (2, y_a, z_a)):
+        rebuilt = inv(i, y, _keys(1, 8))
+        for got, want in zip(rebuilt, x):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_side_bits_are_one_thirty_second_of_a_stream_per_block():
     """The bits stack of an exact model of 4 blocks, width 32: 4 x B x T x 4 bytes = 1/32 of a float32
     stream per block."""

@@ -35,8 +35,9 @@ example)`` (``split_keys(keys, 2)``): the forward, the rebuild and ``revtrain ch
 derivative of the halving is the exact ``1/2`` (straight-through for the rounding, like `snap_to_grid`), so
 backprop of this layer is the gradient of the BDIA update at the rounded points.
 
-The first block of a run sees ``x_{-1} = x_0`` (the embedding duplicates its output), so it computes
-``x_1 = x_0 + (1 + g_0) h_0(x_0)``: the Euler step in expectation, rebuilt exactly like every other block.
+The first block of a run (slot 0) sees ``x_{-1} = x_0`` (the embedding duplicates its output) and runs with
+``g_0 = 0``, as in the paper: ``x_1 = snap(x_0 + h_0(x_0))``, the standard block on the grid; its rebuild
+sets ``x_{-1} = x_0``, the first stream of its own output, so it needs neither ``g`` nor the bit.
 """
 
 from __future__ import annotations
@@ -146,11 +147,16 @@ class ExactResidual(nnx.Module):
         g = 0.5 * sign
         return snap_to_grid((1.0 - g) * b + (1.0 + g) * h, self.grid_bits)
 
+    def _signs(self, keys, batch):
+        """``sign(g)`` per example, ``[B, 1, 1]``: +-1 drawn from the keys, 0 for the run's first block (slot 0,
+        the Euler step: its ``x_{-1}`` is ``x_0``, so nothing is lost and no ``g`` is needed to rebuild it)."""
+        return jnp.where(self.slot[...] == 0, 0.0, gamma_signs(keys, batch))
+
     def __call__(self, x, *, keys, train):
         a, b, bits = x
         if not train:
             return (b, self.block(b, keys=None, train=False), bits)
-        sign = gamma_signs(keys, b.shape[0])
+        sign = self._signs(keys, b.shape[0])
         half, s = split_low_bit(a, self.grid_bits)
         c = sign * half + self._rest(b, sign, keys)
         bits = jax.lax.dynamic_update_index_in_dim(bits, pack(s), self.slot[...], 1)
@@ -158,10 +164,11 @@ class ExactResidual(nnx.Module):
 
     def inverse(self, y, *, keys):
         b, c, bits = y
-        sign = gamma_signs(keys, b.shape[0])
+        sign = self._signs(keys, b.shape[0])
         half = sign * (c - self._rest(b, sign, keys))  # exactly m u
         s = unpack(jax.lax.dynamic_index_in_dim(bits, self.slot[...], 1, keepdims=False), b.shape[-1])
         a = 2.0 * half + jnp.where(s, 2.0 ** -self.grid_bits, 0.0).astype(b.dtype)
+        a = jnp.where(self.slot[...] == 0, b, a)  # the first block's x_{-1} is x_0 (the embedding's copy)
         cleared = jax.lax.dynamic_update_index_in_dim(
             bits, jnp.zeros(bits[:, 0].shape, bits.dtype), self.slot[...], 1)
         return (a, b, cleared)
