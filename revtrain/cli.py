@@ -3,12 +3,13 @@
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
                  [--heartbeat_timeout SECONDS]
-  revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--gin ...] [--verbose]
+  revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--name NAME] [--gin ...]
+                 [--verbose]
   revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
-                  [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE]
+                  [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE] [--gin ...]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
   revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
-  revtrain export --workdir DIR [--step N] --to OUT [--dtype {float32,bfloat16}]   (a Llama run as a Hugging
+  revtrain export --workdir DIR [--step N] --to OUT [--dtype {float32,bfloat16}] [--gin ...]   (a Llama run as a Hugging
                   Face checkpoint directory: config.json + model.safetensors)
 
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
@@ -56,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
             g.add_argument("--step", type=int, help="score this checkpoint step")
             g.add_argument("--all", action="store_true", help="score every kept checkpoint not yet scored")
             s.add_argument("--split", choices=("validation", "test"), help="split to score (default: evaluate.split)")
+            s.add_argument("--name", help="write the scores to metrics/eval_NAME.jsonl (TensorBoard eval_NAME/) instead "
+                                          "of the split's file: other data scored with --gin keeps the run's own "
+                                          "records")
         if name == "sample":
             _sample_arguments(s)
         if name == "check":
@@ -421,6 +425,10 @@ def _run_command(args) -> int:
                 run_split = loop.EvalConfig.split
             kind = loop.eval_kind(args.split, run_split)
             gin.bind_parameter("evaluate.split", args.split)
+        if args.name is not None:
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+                raise UsageError(f"--name must be letters, digits, '_' or '-', got {args.name!r}")
+            kind = f"eval_{args.name}"
         loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
         return 0
     if args.command == "sample":

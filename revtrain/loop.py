@@ -241,6 +241,10 @@ def build(cfg: TrainConfig | None = None) -> Run:
         hint = ("; a part of a composed model is written without parentheses (@Name, not @Name()): revtrain "
                 "constructs it" if "required" in str(e) and "argument" in str(e) else "")
         raise ConfigError(ginconfig.call_error_line(e) + hint) from e
+    spec = getattr(model, "llama_spec", None)  # an imported checkpoint under a byte-level task (ids 0 .. 255)
+    if spec is not None and "vocab_size" not in task.model_kwargs() and spec.vocab_size < 256:
+        raise ConfigError(f"the model has {spec.vocab_size} ids but {type(task).__name__} feeds byte values 0-255; "
+                          "use a checkpoint of at least 256 ids, or the task of its tokenizer (TokenLMTask)")
     try:
         tx, schedule = build_optimizer(cfg)
     except (ValueError, TypeError) as e:

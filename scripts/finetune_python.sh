@@ -22,7 +22,7 @@ if [ ! -d "$DIR/pretrained" ]; then
   "$BIN/revtrain" export --workdir "$DIR/pretrain" --to "$DIR/pretrained"
 fi
 # The pretrained model on held-out Python before fine-tuning: its run evaluated on the Python corpus.
-"$BIN/revtrain" eval --workdir "$DIR/pretrain" --gin "ByteLMTask.source = '$PY_DATA'" --split validation
+"$BIN/revtrain" eval --workdir "$DIR/pretrain" --gin "ByteLMTask.source = '$PY_DATA'" --split validation --name python
 FT=(--config configs/finetune_python.gin --gin "LlamaModel.path = '$DIR/pretrained'" --gin "ByteLMTask.source = '$PY_DATA'"
     --gin "STEPS = $FINETUNE_STEPS")
 "$BIN/revtrain" train "${FT[@]}" --workdir "$DIR/standard" --gin 'train.trainer = @StandardTrainer'
@@ -37,8 +37,7 @@ def last(path):
     with open(path) as f:
         return [json.loads(l) for l in f if l.strip()][-1]
 rows = {}
-before = [f for f in os.listdir(os.path.join(d, "pretrain", "metrics")) if f.startswith("eval") and f.endswith(".jsonl")]
-rows["pretrained (before)"] = last(os.path.join(d, "pretrain", "metrics", "eval.jsonl"))
+rows["pretrained (before)"] = last(os.path.join(d, "pretrain", "metrics", "eval_python.jsonl"))
 for way in ("standard", "saved_inputs", "exact"):
     rows[way] = last(os.path.join(d, way, "metrics", "eval.jsonl"))
 for k, r in rows.items():

@@ -67,6 +67,19 @@ def test_eval_scores_latest_checkpoint(trained):
     assert abs(last["bits_per_byte"] * 0.6931471805599453 - last["loss"]) < 1e-9
 
 
+def test_eval_name_keeps_the_runs_own_records(trained):
+    """`eval --name other` with other data settings writes metrics/eval_other.jsonl and leaves eval.jsonl as it
+    was; a name with a path separator is one line, exit 2."""
+    workdir, _ = trained
+    before = (workdir / "metrics" / "eval.jsonl").read_text()
+    result = revtrain("eval", "--workdir", str(workdir), "--name", "other", "--gin", "evaluate.max_batches = 1")
+    assert result.returncode == 0, result.stderr
+    assert (workdir / "metrics" / "eval.jsonl").read_text() == before
+    record = json.loads((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 40 and 0 < record["bits_per_byte"] < 8.0
+    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "a/b"), 2, "--name must be")
+
+
 @pytest.mark.parametrize("args, contains", [
     (["train", "--config", "missing.gin", "--workdir", "w"], "config file not found: missing.gin"),
     (["train", "--config", CONFIG, "--gin", "train.stepz = 3", "--workdir", "w"], "did you mean 'train.steps'"),

@@ -165,7 +165,7 @@ def test_unrepresentable_checkpoints_are_refused(tmp_path, change, message):
 
 def test_missing_files_and_bad_settings(tmp_path):
     """No directory, no config.json, no weights, a missing tensor; bad LlamaModel knob values."""
-    with pytest.raises(LlamaFormatError, match="is not a directory"):
+    with pytest.raises(LlamaFormatError, match="is not a directory .*if the checkpoint moved, add --gin"):
         LlamaModel(str(tmp_path / "nope"))
     with pytest.raises(LlamaFormatError, match="no config.json"):
         LlamaModel(str(tmp_path))
@@ -186,6 +186,18 @@ def test_missing_files_and_bad_settings(tmp_path):
                                  ("chunk", 0, "chunk"), ("path", 3, "LlamaModel.path")):
         with pytest.raises(LlamaFormatError if knob != "chunk" else ValueError, match=message):
             LlamaModel(**{knob: value, "sequence_length": 8})
+
+
+def test_byte_task_refuses_a_checkpoint_of_fewer_than_256_ids(tmp_path):
+    """`revtrain train` of a 40-id checkpoint on the byte-level task: one line, exit 2, before anything is
+    written (not a non-finite loss at step 1)."""
+    _write_small(tmp_path / "ckpt")
+    r = subprocess.run([sys.executable, "-m", "revtrain", "train", "--config", "configs/finetune_python.gin",
+                        "--gin", f"LlamaModel.path = '{tmp_path / 'ckpt'}'", "--workdir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "the model has 40 ids but ByteLMTask feeds byte values 0-255" in r.stderr
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_cli_export_errors_are_one_line(tmp_path):

@@ -139,7 +139,8 @@ def read_spec(path: str) -> LlamaSpec:
         does not compute (one line naming it).
     """
     if not os.path.isdir(path):
-        raise LlamaFormatError(f"LlamaModel.path {path!r} is not a directory")
+        raise LlamaFormatError(f"LlamaModel.path {path!r} is not a directory (a run's config.gin keeps the path it "
+                               "was trained from: if the checkpoint moved, add --gin \"LlamaModel.path = 'NEW'\")")
     file = os.path.join(path, CONFIG)
     try:
         with open(file) as f:
