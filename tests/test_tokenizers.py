@@ -304,6 +304,8 @@ def test_preparing_a_large_corpus_stays_under_one_gib(tmp_path, user_tokenizer):
     below 1 GiB: the corpus is streamed and written in pieces."""
     if shutil.disk_usage(tmp_path).free < 1 << 30:
         pytest.skip("needs 1 GiB of free disk")
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("measures the peak resident set with Linux's /proc/self/status")
     text = "".join(pathlib.Path(m.__file__).read_text() for m in (textwrap, string, json.decoder, json.encoder))
     corpus = tmp_path / "big.txt"
     with open(corpus, "w") as f:
@@ -313,10 +315,14 @@ def test_preparing_a_large_corpus_stays_under_one_gib(tmp_path, user_tokenizer):
             f.write(block)
             written += len(block.encode())
             i += 1
-    script = ("import sys, resource; from revtrain.data.tasks import TokenLMTask;"
+    # The peak is VmHWM of the process's own memory map: getrusage's ru_maxrss would also count the parent's
+    # resident set, which Linux carries over into the child's maximum at exec (a test worker of 1.4 GB read
+    # as a 1.4 GB preparation).
+    script = ("import re; from revtrain.data.tasks import TokenLMTask;"
               f"t = TokenLMTask(source={str(corpus)!r}, sequence_length=64, tokenizer={str(user_tokenizer)!r},"
               f" data_dir={str(tmp_path / 'data')!r});"
-              "print(t.prepared.meta['splits']['train']['tokens'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+              "hwm = re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read()).group(1);"
+              "print(t.prepared.meta['splits']['train']['tokens'], hwm)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=3600,
                             env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert result.returncode == 0, result.stderr
