@@ -57,9 +57,10 @@ def _parser() -> argparse.ArgumentParser:
             g.add_argument("--step", type=int, help="score this checkpoint step")
             g.add_argument("--all", action="store_true", help="score every kept checkpoint not yet scored")
             s.add_argument("--split", choices=("validation", "test"), help="split to score (default: evaluate.split)")
-            s.add_argument("--name", help="write the scores to metrics/eval_NAME.jsonl (TensorBoard eval_NAME/) instead "
-                                          "of the split's file: other data scored with --gin keeps the run's own "
-                                          "records")
+            s.add_argument("--name", help="write the scores to metrics/eval_NAME.jsonl (eval_NAME_test.jsonl for "
+                                          "--split test when the run evaluates validation; TensorBoard the same "
+                                          "prefix) instead of the split's file: other data scored with --gin keeps "
+                                          "the run's own records")
         if name == "sample":
             _sample_arguments(s)
         if name == "check":
@@ -428,7 +429,10 @@ def _run_command(args) -> int:
         if args.name is not None:
             if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
                 raise UsageError(f"--name must be letters, digits, '_' or '-', got {args.name!r}")
-            kind = f"eval_{args.name}"
+            if re.fullmatch(r"(.*_)?(validation|test)", args.name):
+                raise UsageError(f"--name {args.name!r} would share a split's file; choose a name that is not a "
+                                 "split and does not end in _validation or _test")
+            kind = f"eval_{args.name}" if kind == "eval" else f"eval_{args.name}_{args.split}"
         loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
         return 0
     if args.command == "sample":

@@ -68,8 +68,9 @@ def test_eval_scores_latest_checkpoint(trained):
 
 
 def test_eval_name_keeps_the_runs_own_records(trained):
-    """`eval --name other` with other data settings writes metrics/eval_other.jsonl and leaves eval.jsonl as it
-    was; a name with a path separator is one line, exit 2."""
+    """`eval --name other` with other data settings writes metrics/eval_other.jsonl (eval_other_test.jsonl with
+    --split test) and leaves eval.jsonl as it was; a name with a path separator or one that would share a
+    split's file is one line, exit 2."""
     workdir, _ = trained
     before = (workdir / "metrics" / "eval.jsonl").read_text()
     result = revtrain("eval", "--workdir", str(workdir), "--name", "other", "--gin", "evaluate.max_batches = 1")
@@ -77,7 +78,14 @@ def test_eval_name_keeps_the_runs_own_records(trained):
     assert (workdir / "metrics" / "eval.jsonl").read_text() == before
     record = json.loads((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 40 and 0 < record["bits_per_byte"] < 8.0
+    assert "(validation, metrics/eval_other.jsonl)" in result.stderr
+    result = revtrain("eval", "--workdir", str(workdir), "--name", "other", "--split", "test",
+                      "--gin", "evaluate.max_batches = 1")
+    assert result.returncode == 0, result.stderr
+    assert (workdir / "metrics" / "eval_other_test.jsonl").is_file()
+    assert len((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()) == 1
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "a/b"), 2, "--name must be")
+    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "x_test"), 2, "share a split")
 
 
 @pytest.mark.parametrize("args, contains", [
