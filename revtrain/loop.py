@@ -745,10 +745,10 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
             if s in left:
                 left.remove(s)
             guard.idle = True
-            where = run.ecfg.split  # and the file when `eval --name` chose one
+            label = run.ecfg.split  # and the file when `eval --name` chose one
             if kind not in ("eval", f"eval_{run.ecfg.split}"):
-                where += f", metrics/{kind}.jsonl"
-            metrics_lib.log(f"eval at step {s} ({where}): " + metrics_lib.eval_text(result))
+                label += f", metrics/{kind}.jsonl"
+            metrics_lib.log(f"eval at step {s} ({label}): " + metrics_lib.eval_text(result))
             records.append({"step": s, **result})
             if _agree_to_stop(guard.signal is not None, pc) and left:
                 who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"
