@@ -432,7 +432,7 @@ def _run_command(args) -> int:
             if re.fullmatch(r"(.*_)?(validation|test)", args.name):
                 raise UsageError(f"--name {args.name!r} would share a split's file; choose a name that is not a "
                                  "split and does not end in _validation or _test")
-            kind = f"eval_{args.name}" if kind == "eval" else f"eval_{args.name}_{args.split}"
+            kind = kind.replace("eval", f"eval_{args.name}", 1)  # eval_NAME, or eval_NAME_<split> for another split
         loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
         return 0
     if args.command == "sample":
