@@ -256,6 +256,17 @@ class Layer:
         self.can_decode = supports_decoding(module)  # incremental decoding (`init_cache` / `decode`)
         self._identity = (type(self), self.graphdef, self._params_def, self._state_def, shapes)
 
+    @property
+    def param_shapes(self) -> dict:
+        """The layer's parameters as ``jax.ShapeDtypeStruct`` leaves (the tree of ``init_params``): what the
+        memory plan, checkpoint templates and shape checks read without materialising any weight."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.init_params)
+
+    @property
+    def state_shapes(self) -> dict:
+        """The layer's state (``init_state``) as ``jax.ShapeDtypeStruct`` leaves."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.init_state)
+
     # Identity: the jit caches of the trainers key on the layer, so structurally identical layers
     # (same module graph, same parameter shapes) must compare equal.
     def __eq__(self, other):
