@@ -399,7 +399,7 @@ def _checkpoint_params(run, workdir: str, step: int | None):
     from revtrain import checkpoint as ckpt_lib
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
-        ts, chosen = checkpointer.restore_newest(run.trainer.init(), step)  # skips a damaged newest one
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)  # skips a damaged newest one
     finally:
         checkpointer.close()
     to_host = lambda tree: jax.tree.map(lambda x: np.array(x), tree)  # noqa: E731 (copies off the device)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import glob
 import json
 import os
@@ -42,6 +43,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from revtrain import metrics as metrics_lib
+from revtrain.allocator import release_free_memory
 from revtrain.trainers.common import TrainState
 
 
@@ -188,6 +190,22 @@ def _ignore_late_tensorstore_callbacks() -> None:
     sys.unraisablehook = hook
 
 
+# The largest state (bytes held by this process) saved asynchronously; larger ones are written before the next
+# step (see `Checkpointer`).
+ASYNC_MAX_BYTES = 512 * 2**20
+
+
+# Orbax stages at most this many GB of array data in host memory at a time while it writes or reads a checkpoint
+# (its default, 96, lets a save stage the whole state: measured +0.9 GiB for a 1.1 GB state).
+CONCURRENT_GB = 1
+
+
+def state_bytes(ts: TrainState) -> int:
+    """Bytes of weights, optimizer state and layer state that this process holds (every addressable shard)."""
+    return sum(sh.data.nbytes for x in jax.tree.leaves(ts.held()) if isinstance(x, jax.Array)
+               for sh in x.addressable_shards)
+
+
 def _tree(ts: TrainState) -> dict:
     ts = ts.per_layer()  # one layout on disk, whichever executor made the state (stacked runs copied out)
     return {"params": ts.params, "opt_state": ts.opt_state, "layer_state": ts.layer_state}
@@ -204,17 +222,24 @@ class Checkpointer:
       workdir: the run directory (relative paths are made absolute: Orbax needs absolute paths).
       keep: number of newest checkpoints to keep (``None`` keeps all).
       keep_period: also keep every checkpoint whose step is a multiple of this, forever (``None``: off).
-      async_save: write in a background thread while training continues.
+      async_save: write in a background thread while training continues, for a state of at most
+        ``async_max_bytes`` (this process's bytes). A larger state is written synchronously: an asynchronous
+        write holds the live buffers until it ends, so the next step cannot donate them and XLA allocates a
+        second copy of the whole state (measured: +12 bytes per parameter with AdamW); written before the
+        next step, it needs no copy (docs/memory.md).
+      async_max_bytes: see ``async_save`` (default `ASYNC_MAX_BYTES`).
       read_only: open for evaluation only (never deletes or creates anything).
     """
 
     def __init__(self, workdir: str, *, keep: int | None = 3, keep_period: int | None = None,
-                 async_save: bool = True, read_only: bool = False):
+                 async_save: bool = True, async_max_bytes: int | None = None, read_only: bool = False):
+        self.async_max_bytes = ASYNC_MAX_BYTES if async_max_bytes is None else async_max_bytes
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period,
                                                enable_async_checkpointing=async_save, read_only=read_only,
                                                create=not read_only, cleanup_tmp_directories=not read_only)
-        handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+        handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=CONCURRENT_GB,
+                                                           restore_concurrent_gb=CONCURRENT_GB), "meta": ocp.JsonCheckpointHandler(),
                     "data": DataHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         _ignore_late_tensorstore_callbacks()  # a failed save or restore: one error line
@@ -275,6 +300,10 @@ class Checkpointer:
             raise self._write_failed(ts.step, e) from e
         if started:
             self._in_flight = ts.step
+            if state_bytes(ts) > self.async_max_bytes:
+                self.wait()  # synchronous: the next step may donate every buffer (see the class note)
+                gc.collect()  # the write's views of the buffers sit in reference cycles: drop them now
+                release_free_memory()  # tensorstore's staging buffers, freed in its threads' arenas
         return started
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None) -> TrainState:

@@ -483,6 +483,8 @@ def _run_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``revtrain`` console script. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    from revtrain.allocator import bound_retention
+    bound_retention()  # before the first large buffer (revtrain.allocator)
     verbose = "--verbose" in argv
     try:
         args = parse_args(argv)

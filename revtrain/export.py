@@ -125,7 +125,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     try:
         checkpointer.chosen_step(step)
         run = loop.build(cfg)
-        ts, chosen = checkpointer.restore_newest(run.trainer.init(), step)
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)
     finally:
         checkpointer.close()
     import jax

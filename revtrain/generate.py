@@ -135,7 +135,7 @@ def slides(model) -> bool:
         f, g = getattr(module, "f", None), getattr(module, "g", None)
         return f is not None and g is not None and ok(f) and ok(g)
 
-    return all(layer.can_decode and ok(layer.merge(layer.init_params, layer.init_state)) for layer in model.layers)
+    return all(layer.can_decode and ok(layer.abstract_module()) for layer in model.layers)
 
 
 def next_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k=0, top_p=1.0) -> jax.Array:

@@ -322,10 +322,10 @@ def run_signature(run: Run) -> dict:
     def shapes(tree):
         return [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
                 for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    template = jax.eval_shape(lambda: [run.trainer.tx.init(p) for p in run.model.init()[0]])
+    template = jax.eval_shape(lambda: [run.trainer.tx.init(p) for p in run.model.param_shapes()])
     return {
         "trainer": run.trainer.name,
-        "layers": [[layer.name, type(layer).__name__, shapes(layer.init_params), shapes(layer.init_state)]
+        "layers": [[layer.name, type(layer).__name__, shapes(layer.param_shapes), shapes(layer.state_shapes)]
                    for layer in run.model.layers],
         "optimizer_state": [shapes(t) for t in template],
         "data": {k: v for k, v in vars(run.task).items() if isinstance(v, (str, int, float, bool))
@@ -403,7 +403,7 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     if getattr(run.cfg.model, "__name__", "") == "ReversibleTransformerLM":
         knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
     elif getattr(run.cfg.model, "__name__", "") == "ComposedModel" and any(
-            "CausalSelfAttention" in type(getattr(layer.merge(layer.init_params, layer.init_state), "f", None)).__name__
+            "CausalSelfAttention" in type(getattr(layer.abstract_module(), "f", None)).__name__
             for layer in run.model.layers if layer.reversible):
         knobs.append("attention blocking (CausalSelfAttention.attention_block)")
     return knobs
@@ -488,15 +488,17 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
                 "processes": pc}
 
-        ts = trainer.init()
         resumed, damaged, saved_on = None, [], {}
 
         def accept(step, saved):
             _check_resumable(saved.get("signature", {}), signature, step, workdir)
             saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
 
-        if checkpointer.steps():
-            ts, resumed = checkpointer.restore_newest(ts, data_iterator=data, on_skip=damaged.append, accept=accept)
+        if checkpointer.steps():  # restored straight into place (a shape-only template: one copy)
+            ts, resumed = checkpointer.restore_newest(trainer.abstract_state(), data_iterator=data,
+                                                      on_skip=damaged.append, accept=accept)
+        else:
+            ts = trainer.init()
         if resumed is not None and ts.step >= cfg.steps:
             where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
             metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
@@ -706,7 +708,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     records = []
     try:
-        template = run.trainer.init()
+        template = run.trainer.abstract_state()  # shapes only: each restore is the one copy
         if all_steps:
             checkpointer.chosen_step()  # at least one checkpoint
             done = {r["step"] for r in metrics_lib.read_jsonl(

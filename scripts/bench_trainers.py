@@ -165,7 +165,8 @@ def point(args) -> dict:
     try:
         trainer = _trainer(args.point, args.depth, args, mesh)
         # weights + Adam's two moments, float32
-        rec["state_bytes"] = 3 * sum(x.nbytes for layer in trainer.model.layers for x in jax.tree.leaves(layer.init_params))
+        rec["state_bytes"] = 3 * sum(x.size * x.dtype.itemsize for layer in trainer.model.layers
+                                     for x in jax.tree.leaves(layer.param_shapes))
         ts = trainer.init()
         batches = common.batches(args.seq, args.batch, args.warmup + args.steps, mesh)
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ Layers compare equal (and hash equal) when their modules have the same structure
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -240,32 +240,73 @@ class Layer:
     reversible = False
     is_head = False
 
-    def __init__(self, module: nnx.Module, name: str):
+    def __init__(self, module: nnx.Module, name: str, factory: Callable[[], nnx.Module] | None = None):
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
         self.name = name
         self.graphdef = graphdef
         self._params_def = jax.tree.structure(params)
         self._state_def = jax.tree.structure(rest)
-        # Initial values are kept as host numpy arrays: a model must not pin a copy of its weights in
-        # device memory (the trainers place them, in host memory when offloading).
-        self.init_params: dict = jax.tree.map(np.array, nnx.to_pure_dict(params))  # copies, not views
-        self.init_state: dict = jax.tree.map(np.array, nnx.to_pure_dict(rest))
-        if len(jax.tree.leaves(self.init_params)) != self._params_def.num_leaves:
+        shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+        self._param_shapes = jax.tree.map(shape, nnx.to_pure_dict(params))
+        self._state_shapes = jax.tree.map(shape, nnx.to_pure_dict(rest))
+        self._factory = factory
+        if factory is None:
+            # Initial values are kept as host numpy arrays: a model must not pin a copy of its weights in
+            # device memory (the trainers place them, in host memory when offloading).
+            self._values = (jax.tree.map(np.array, nnx.to_pure_dict(params)),  # copies, not views
+                            jax.tree.map(np.array, nnx.to_pure_dict(rest)))
+        if len(jax.tree.leaves(self._param_shapes)) != self._params_def.num_leaves:
             raise ValueError(f"layer {name}: params do not flatten to plain arrays")
-        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((self.init_params, self.init_state)))
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((self._param_shapes, self._state_shapes)))
         self.can_decode = supports_decoding(module)  # incremental decoding (`init_cache` / `decode`)
         self._identity = (type(self), self.graphdef, self._params_def, self._state_def, shapes)
+
+    @classmethod
+    def lazy(cls, factory: Callable[[], nnx.Module], name: str, **kwargs) -> "Layer":
+        """A layer whose initial values are made only when asked for (`initial_values`), one layer at a time.
+
+        ``factory()`` builds the module with its initial values (the same values every call: its random
+        streams come from a fixed key, e.g. ``fold_in(seed, i)``). Construction traces it once under
+        ``nnx.eval_shape`` (shapes only, nothing allocated), so a model of any size costs no host memory
+        until a trainer places it layer by layer; the whole model's weights never exist twice.
+        """
+        return cls(nnx.eval_shape(factory), name, factory=factory, **kwargs)
+
+    def initial_values(self) -> tuple[dict, dict]:
+        """``(params, state)``: this layer's initial values as host numpy arrays (plain dicts).
+
+        A lazy layer (`lazy`) builds them anew on every call and keeps nothing; a layer built from a
+        concrete module returns the copies it keeps."""
+        if self._factory is None:
+            return self._values
+        _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
+        # np.asarray of a CPU jax array is a view that keeps its buffer: one copy of the layer either way.
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(params)), jax.tree.map(np.asarray, nnx.to_pure_dict(rest))
+
+    @property
+    def init_params(self) -> dict:
+        """The initial parameters (numpy; see `initial_values`: a lazy layer makes them on each access)."""
+        return self.initial_values()[0]
+
+    @property
+    def init_state(self) -> dict:
+        """The initial layer state (numpy; see `initial_values`)."""
+        return self.initial_values()[1]
 
     @property
     def param_shapes(self) -> dict:
         """The layer's parameters as ``jax.ShapeDtypeStruct`` leaves (the tree of ``init_params``): what the
         memory plan, checkpoint templates and shape checks read without materialising any weight."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.init_params)
+        return self._param_shapes
 
     @property
     def state_shapes(self) -> dict:
         """The layer's state (``init_state``) as ``jax.ShapeDtypeStruct`` leaves."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), self.init_state)
+        return self._state_shapes
+
+    def abstract_module(self) -> nnx.Module:
+        """The module with shape-only variables (for inspecting its type and parts; nothing allocated)."""
+        return self.merge(self._param_shapes, self._state_shapes)
 
     # Identity: the jit caches of the trainers key on the layer, so structurally identical layers
     # (same module graph, same parameter shapes) must compare equal.
@@ -303,7 +344,7 @@ class Layer:
         """
         if not self.can_decode:
             raise TypeError(f"layer {self.name} does not support incremental decoding")
-        return self.merge(self.init_params, self.init_state).init_cache(batch_size, max_len)
+        return self.abstract_module().init_cache(batch_size, max_len)
 
     def decode(self, params: dict, state: dict, x: PyTree, cache: PyTree, pos):
         """Evaluation-mode forward of positions ``pos .. pos + S - 1`` given the cache of positions
@@ -336,8 +377,8 @@ class ReversibleLayer(Layer):
 
     reversible = True
 
-    def __init__(self, module: nnx.Module, name: str):
-        super().__init__(module, name)
+    def __init__(self, module: nnx.Module, name: str, factory: Callable[[], nnx.Module] | None = None):
+        super().__init__(module, name, factory)
         # Whether the module describes itself as additive half-residual steps (the fused rebuild).
         self.has_half_residuals = callable(getattr(module, "half_residuals", None))
 

@@ -90,11 +90,30 @@ class Model:
 
     def init(self):
         """Returns ``(params, state)``: two lists with one plain-dict pytree per layer (a tied leaf only in
-        its owner's, see `Tie`)."""
-        params = [l.init_params for l in self.layers]
+        its owner's, see `Tie`). Every layer's initial values at once (numpy): for small models and tests;
+        the trainers take them one layer at a time (`init_layer`)."""
+        values = [self.init_layer(i) for i in range(len(self.layers))]
+        return [v[0] for v in values], [v[1] for v in values]
+
+    def init_layer(self, i: int) -> tuple[dict, dict]:
+        """``(params, state)`` of layer ``i`` alone (numpy; a tied leaf only in its owner's)."""
+        params, state = self.layers[i].initial_values()
         for t in self.ties:
-            params[t.user] = _without(params[t.user], t.user_path)
-        return params, [l.init_state for l in self.layers]
+            if t.user == i:
+                params = _without(params, t.user_path)
+        return params, state
+
+    def param_shapes(self) -> list:
+        """One ``jax.ShapeDtypeStruct`` tree per layer in the form of ``init()[0]`` (tied leaves only in their
+        owners'): the model's parameters without making any."""
+        shapes = [l.param_shapes for l in self.layers]
+        for t in self.ties:
+            shapes[t.user] = _without(shapes[t.user], t.user_path)
+        return shapes
+
+    def state_shapes(self) -> list:
+        """One ``jax.ShapeDtypeStruct`` tree per layer in the form of ``init()[1]``."""
+        return [l.state_shapes for l in self.layers]
 
     def ties_of(self, user: int) -> tuple:
         """The ties whose user is layer ``user``."""
@@ -135,4 +154,4 @@ class Model:
     def num_params(self) -> int:
         """Total number of trainable scalars."""
         import jax
-        return sum(x.size for p in self.init()[0] for x in jax.tree.leaves(p))
+        return sum(x.size for p in self.param_shapes() for x in jax.tree.leaves(p))

@@ -115,7 +115,7 @@ def check_shapes(model, batch_spec: dict, mesh) -> None:
         if key in seen:
             x = seen[key]
             continue
-        module = layer.merge(layer.init_params, layer.init_state)
+        module = layer.abstract_module()
         coupling = getattr(layer, "reversible", False) and isinstance(module, ReversibleCoupling)
 
         def forward(params, state, x, layer=layer, coupling=coupling):
@@ -136,7 +136,7 @@ def check_shapes(model, batch_spec: dict, mesh) -> None:
         sharded = jax.shard_map(forward, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)),
                                 out_specs=(P(DATA_AXIS), P()), check_vma=False)
         try:
-            y, new_state = jax.eval_shape(sharded, layer.init_params, layer.init_state, x)
+            y, new_state = jax.eval_shape(sharded, layer.param_shapes, layer.state_shapes, x)
         except ContractError:
             raise
         except Exception as e:  # noqa: BLE001 (the user's module may raise anything while tracing)
@@ -146,7 +146,7 @@ def check_shapes(model, batch_spec: dict, mesh) -> None:
                                     f"as G) fails on streams of {_describe(x)}: {first}") from e
             raise ContractError(f"layer {layer.name} ({type(module).__name__}) fails on an input of "
                                 f"{_describe(x)}: {first}") from e
-        if _spec(new_state) != _spec(layer.init_state):
+        if _spec(new_state) != _spec(layer.state_shapes):
             raise ContractError(
                 f"layer {layer.name} ({type(module).__name__}) changes the structure of its state in the forward "
                 "(a new variable, e.g. from sow, or one of another shape or dtype): declare every state variable "

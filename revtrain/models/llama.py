@@ -47,6 +47,7 @@ vocabulary does not fit the checkpoint's embedding rows is refused (ids past the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -521,29 +522,40 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
     def rngs(i):
         return nnx.Rngs(params=jax.random.fold_in(base, i))
 
-    embed = LlamaEmbedding(spec.vocab_size, spec.hidden_size, rngs=rngs(0),
-                           exact_blocks=spec.num_layers if exact else 0, grid_bits=grid_bits)
-    if weights is not None:
-        _set(embed.tokens.embedding, weights["model.embed_tokens.weight"])
-    layers: list[Layer] = [Layer(embed, "embedding")]
-    for i in range(spec.num_layers):
-        block = LlamaBlock(spec.hidden_size, rngs=rngs(1 + i), num_layers=spec.num_layers, num_heads=spec.num_heads,
-                           num_kv_heads=spec.num_kv_heads, d_ff=spec.intermediate_size, eps=spec.rms_norm_eps,
-                           rope_theta=spec.rope_theta, compute_dtype=compute_dtype)
+    # Each layer is lazy (`Layer.lazy`): its initial values are made (or read from the checkpoint) only when a
+    # trainer places that layer, so the whole model never exists as numpy beside its placed copy.
+    def embedding():
+        embed = LlamaEmbedding(spec.vocab_size, spec.hidden_size, rngs=rngs(0),
+                               exact_blocks=spec.num_layers if exact else 0, grid_bits=grid_bits)
         if weights is not None:
-            load_block(block, weights, i)
+            _set(embed.tokens.embedding, weights["model.embed_tokens.weight"])
+        return embed
+
+    def block(i, wrap=False):
+        b = LlamaBlock(spec.hidden_size, rngs=rngs(1 + i), num_layers=spec.num_layers, num_heads=spec.num_heads,
+                       num_kv_heads=spec.num_kv_heads, d_ff=spec.intermediate_size, eps=spec.rms_norm_eps,
+                       rope_theta=spec.rope_theta, compute_dtype=compute_dtype)
+        if weights is not None:
+            load_block(b, weights, i)
+        return ExactResidual(b, slot=i, grid_bits=grid_bits) if wrap else b
+
+    def head():
+        h = LlamaHead(spec.vocab_size, spec.hidden_size, rngs=rngs(1 + spec.num_layers), eps=spec.rms_norm_eps,
+                      compute_dtype=compute_dtype, chunk=chunk)
+        if weights is not None:
+            _set(h.norm.scale, weights["model.norm.weight"])
+            if not spec.tie_word_embeddings:
+                _set(h.lm_head, weights["lm_head.weight"])
+        # A tied head's projection is the embedding's (`Tie`): its own initial value is never used.
+        return h
+
+    layers: list[Layer] = [Layer.lazy(embedding, "embedding")]
+    for i in range(spec.num_layers):
         if exact:
-            layers.append(ReversibleLayer(ExactResidual(block, slot=i, grid_bits=grid_bits), f"block_{i}"))
+            layers.append(ReversibleLayer.lazy(functools.partial(block, i, True), f"block_{i}"))
         else:
-            layers.append(Layer(block, f"block_{i}"))
-    head = LlamaHead(spec.vocab_size, spec.hidden_size, rngs=rngs(1 + spec.num_layers), eps=spec.rms_norm_eps,
-                     compute_dtype=compute_dtype, chunk=chunk)
-    if weights is not None:
-        _set(head.norm.scale, weights["model.norm.weight"])
-        _set(head.lm_head, weights["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"])
-    elif spec.tie_word_embeddings:
-        head.lm_head[...] = embed.tokens.embedding[...]
-    layers.append(HeadLayer(head, "head"))
+            layers.append(Layer.lazy(functools.partial(block, i), f"block_{i}"))
+    layers.append(HeadLayer.lazy(head, "head"))
     ties = (Tie(0, EMBEDDING_PATH, len(layers) - 1, HEAD_PATH),) if spec.tie_word_embeddings else ()
     model = Model(layers, input_key="inputs", tokens_per_example=sequence_length or 1, bits_per_byte=True, ties=ties)
     model.llama_spec, model.llama_form = spec, form

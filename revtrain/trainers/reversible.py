@@ -70,7 +70,8 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
-                                put_replicated, put_sharded, replicated, shard_spec, spec_axis)
+                                replicated, shard_spec, spec_axis)
+from revtrain.residency import HostStack, Residency
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
                                       check_flags, example_keys, gather_params, grad_norm, guarded_update,
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
@@ -158,7 +159,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.rebuild = rebuild
         super().__init__(model, optimizer, mesh, seed, microbatches)
         try:
-            self.layerwise = LayerwiseUpdate(optimizer, model.init()[0])
+            self.layerwise = LayerwiseUpdate(optimizer, model.param_shapes())
         except CoupledUpdateError as e:
             raise TrainerError(str(e)) from None
         self.shard_state = shard_state
@@ -170,7 +171,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self._specs: dict = {}  # id(layer) -> (params specs, optimizer state specs), per layer
         if offload and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
-        self.offload = offload
+        self.residency = Residency(mesh, "host" if offload else "device", shard_state)
         self.scan_layers = scan_layers
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
@@ -187,6 +188,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self._plans: dict = {}
         if shard_state:
             metrics_lib.log(self.shard_summary())
+
+    @property
+    def offload(self) -> bool:
+        """Whether weights and optimizer state live in host memory between uses (``self.residency``)."""
+        return self.residency.offloaded
 
     @staticmethod
     def _check_ties(model, shard_state: bool, fuse_top: bool) -> None:
@@ -222,7 +228,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         key = id(layer)
         if key not in self._specs:
             n = self.num_devices
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), layer.init_params)
+            shapes = layer.param_shapes
             opt = jax.eval_shape(self.tx.init, shapes)
             spec = lambda x: shard_spec(x.shape, n)  # noqa: E731
             self._specs[key] = (jax.tree.map(spec, shapes), jax.tree.map(spec, opt))
@@ -255,7 +261,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         split = kept = split_bytes = total = 0
         small = set()
         for layer in self.model.layers:
-            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), layer.init_params)
+            shapes = layer.param_shapes
             trees = (shapes, jax.eval_shape(self.tx.init, shapes))
             for tree, specs in zip(trees, self.layer_specs(layer)):
                 for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(specs)):
@@ -309,22 +315,50 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def init(self) -> TrainState:
         """Initial state, replicated or split over the devices (``shard_state``), in host memory when
         offloading, in this trainer's layout: per layer, or with runs of identical layers stacked
-        (``scan_layers``)."""
-        params, state = self.model.init()
-        # The optimizer is initialised layer by layer, so that at most one layer's weights and optimizer
-        # state pass through the device; the copies are on the host (np.array: np.asarray may alias).
-        opt_state = [jax.tree.map(np.array, self.tx.init(p)) for p in params]
-        grouped = Stacked.from_per_layer(self.groups, params, opt_state, state)  # numpy in, numpy out
-        kind = HOST_MEMORY if self.offload else None
-        if self.shard_state:  # each process builds only its devices' pieces
-            specs = [self._group_specs(self.model.layers[start], count) for start, count in self.groups]
-            placed_params = [put_sharded(p, self.mesh, s[0], kind) for p, s in zip(grouped.params, specs)]
-            placed_opt = [put_sharded(o, self.mesh, s[1], kind) for o, s in zip(grouped.opt_state, specs)]
-        else:
-            placed_params = [put_replicated(p, self.mesh, kind) for p in grouped.params]
-            placed_opt = [put_replicated(o, self.mesh, kind) for o in grouped.opt_state]
-        placed = Stacked(self.groups, placed_params, placed_opt, [self.replicate(s) for s in grouped.layer_state])
-        return self._state(0, placed)
+        (``scan_layers``).
+
+        Built one layer at a time (`Residency.place_tree`, `Residency.place_stacked`): each layer's initial values are made (a lazy
+        model makes them on demand), its optimizer state initialised on them, both placed where they live and
+        the numpy copies dropped, so host memory holds one copy of the state plus one layer's (or one stacked
+        leaf's) values."""
+        residency = self.residency
+        params, opt_state, layer_state = [], [], []
+        for start, count in self.groups:
+            pspec, ospec = self._group_specs(self.model.layers[start], count)
+            pspec, ospec = (None if isinstance(spec, P) else spec for spec in (pspec, ospec))
+            if count == 1:
+                p, s = self.model.init_layer(start)
+                opt_state.append(residency.place_tree(jax.tree.map(np.array, self.tx.init(p)), ospec))
+                params.append(residency.place_tree(p, pspec))
+                layer_state.append(self.replicate(s))
+                del p, s
+                continue
+            ps, opts, states = HostStack(count), HostStack(count), []
+            for j in range(count):
+                p, s = self.model.init_layer(start + j)
+                opts.put(j, self.tx.init(p))
+                ps.put(j, p)
+                states.append(s)
+                del p
+            params.append(residency.place_stacked(ps, pspec))
+            opt_state.append(residency.place_stacked(opts, ospec))
+            layer_state.append(self.replicate(jax.tree.map(lambda *v: np.stack(v), *states)))
+        return self._state(0, Stacked(self.groups, params, opt_state, layer_state))
+
+    def abstract_state(self) -> TrainState:
+        """The per-layer state as ``jax.ShapeDtypeStruct`` leaves with the shardings (and memory kind) `init`
+        gives them: a checkpoint is restored straight into place from it, without building a state first."""
+        residency, params, opt_state = self.residency, [], []
+        shapes = self.model.param_shapes()
+        for i, layer in enumerate(self.model.layers):
+            pspec, ospec = self.layer_specs(layer)
+            opt = jax.eval_shape(self.tx.init, shapes[i])
+            params.append(residency.abstract(shapes[i], None if isinstance(pspec, P) else pspec))
+            opt_state.append(residency.abstract(opt, None if isinstance(ospec, P) else ospec))
+        rep = replicated(self.mesh)
+        states = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), s)
+                  for s in self.model.state_shapes()]
+        return TrainState(0, params, opt_state, states)
 
     def _state(self, step: int, grouped: Stacked) -> TrainState:
         """A `TrainState` of ``grouped``: per layer when nothing is stacked, else the stacked layout."""

@@ -10,7 +10,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported
+from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, replicated
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, all_finite,
                                       batch_size_of, check_batch, check_finite, check_flags, example_keys,
                                       guarded_update, per_device, step_key, take_microbatch)
@@ -75,10 +75,25 @@ class StandardTrainer(TrainerBase):
         self.groups = groups_of(len(model.layers), runs)
 
     def init(self) -> TrainState:
-        """Initial state: replicated params, layer state and one optax state for the whole list."""
-        params, state = self.model.init()
-        params = self.replicate(params)
-        return TrainState(0, params, [self.replicate(self.tx.init(params))], self.replicate(state))
+        """Initial state: replicated params, layer state and one optax state for the whole list. Placed one
+        layer at a time (each layer's numpy values dropped once placed), so host memory never holds the whole
+        model twice."""
+        params, states = [], []
+        for i in range(len(self.model.layers)):
+            p, s = self.model.init_layer(i)
+            params.append(self.replicate(p))
+            states.append(self.replicate(s))
+            del p, s
+        return TrainState(0, params, [self.replicate(self.tx.init(params))], states)
+
+    def abstract_state(self) -> TrainState:
+        """The state as ``jax.ShapeDtypeStruct`` leaves with `init`'s shardings: a checkpoint is restored
+        into place from it without building a state first."""
+        rep = replicated(self.mesh)
+        spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), tree)  # noqa: E731
+        shapes = self.model.param_shapes()
+        return TrainState(0, spec(shapes), [spec(jax.eval_shape(self.tx.init, shapes))],
+                          spec(self.model.state_shapes()))
 
     def grads(self, params, states, batch, skey, normalize: bool = True):
         """Whole-model backprop inside ``shard_map``: ``(mean loss, grads summed over devices, stats,
