@@ -590,7 +590,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     t_last, step_last = now, step
                     values["steps_per_sec"] = sps
                     values["tokens_per_sec"] = sps * tokens_per_step
-                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
+                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else _ready_lr(ts)
                     if getattr(run.model, "bits_per_byte", False):
                         # Tokens: at the train split's mean bytes per token (an estimate for the batch).
                         per_token = getattr(run.task, "bytes_per_token", 1.0)
@@ -652,6 +652,15 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         except metrics_lib.MetricsWriteError:
             pass  # an error is already on its way out; this one would only hide it
     return last
+
+
+def _ready_lr(ts: TrainState) -> float:
+    """A ready optimizer's learning rate of the last step: read from its state when it is an
+    ``optax.inject_hyperparams`` optimizer (`revtrain.optim.injected_learning_rate`), else NaN (its schedule
+    is inside optax, out of reach)."""
+    from revtrain.optim import injected_learning_rate
+    lr = injected_learning_rate(ts.stacked.opt_state if ts.stacked is not None else ts.opt_state)
+    return float("nan") if lr is None else lr
 
 
 def _evaluated(workdir: str, step: int) -> bool:
