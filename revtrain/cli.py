@@ -514,7 +514,7 @@ def _classify(e: Exception) -> tuple[int, str]:
     from revtrain.checkpoint import CheckpointError, CheckpointWriteError
     from revtrain.data.byte_lm import DataError
     from revtrain.export import ExportError
-    from revtrain.loop import ConfigError, WriteFailed
+    from revtrain.loop import ConfigError, StepFailed, WriteFailed
     from revtrain.models.llama import LlamaFormatError
     from revtrain.metrics import MetricsWriteError
     from revtrain.lifecycle.oom import OutOfMemory, describe, is_out_of_memory
@@ -526,7 +526,7 @@ def _classify(e: Exception) -> tuple[int, str]:
         return EXIT_USAGE, first
     if isinstance(e, PermissionError):
         return EXIT_USAGE, f"cannot write: {first}"
-    if isinstance(e, (FloatingPointError, WriteFailed, CheckpointWriteError, MetricsWriteError, OutOfMemory)):
+    if isinstance(e, (FloatingPointError, WriteFailed, StepFailed, CheckpointWriteError, MetricsWriteError, OutOfMemory)):
         return EXIT_FAILURE, first
     if is_out_of_memory(e):
         return EXIT_FAILURE, describe(e, "a computation", ["the batch size", "the sequence length"])

@@ -41,8 +41,18 @@ def _write_tokenizer(directory: str, tokenizer) -> None:
         json.dump(config, f, indent=2)
 
 
+def generation_config(config: dict) -> dict:
+    """The ``generation_config.json`` of an exported ``config.json`` dict: its special token ids (those that
+    are set), as ``transformers`` derives one from a model config (``_from_model_config``), so ``generate``
+    starts and stops where the source checkpoint's did."""
+    ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    return {"_from_model_config": True, **ids}
+
+
 def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", tokenizer=None) -> None:
-    """Writes ``out/config.json`` and ``out/model.safetensors`` (and the tokenizer's files, when given).
+    """Writes ``out/config.json``, ``out/generation_config.json`` and ``out/model.safetensors`` (and the
+    tokenizer's files, when given). The special token ids are the source checkpoint's (``spec``), else the
+    tokenizer's end-of-text id as ``eos_token_id``.
 
     Args:
       out: the directory to create (must not exist, or be empty).
@@ -70,10 +80,12 @@ def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", toke
     tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
     try:
         config = dataclasses.replace(spec, torch_dtype=dtype).hf_config()
-        if tokenizer is not None and tokenizer.eot_id is not None:  # generate stops at the end-of-text id
-            config["eos_token_id"] = int(tokenizer.eot_id)
+        if config["eos_token_id"] is None and tokenizer is not None and tokenizer.eot_id is not None:
+            config["eos_token_id"] = int(tokenizer.eot_id)  # generate stops at the end-of-text id
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump(generation_config(config), f, indent=2)
         arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
                   for k, v in tensors.items()}
         save_file(arrays, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})

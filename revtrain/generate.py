@@ -334,7 +334,11 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     sliding = slides(trainer.model)
     first = min(prompt_len, window)
 
-    params = ts.params  # in host memory: each layer's program moves its own weights to the device
+    # In host memory: each layer's program moves its own weights to the device. A tied layer (the head of
+    # a tied embedding/head) gets its tied leaves from their owner's params (`Model.merge_tied`), also in
+    # host memory: the layer's program moves them with its own.
+    model = trainer.model
+    params = [model.merge_tied(i, p, ts.params) if model.ties_of(i) else p for i, p in enumerate(ts.params)]
     limit = DispatchLimiter(mesh)  # bounded asynchronous dispatch on a multi-device CPU (placement.py)
 
     def run(tokens, caches, pos):

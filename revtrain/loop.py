@@ -38,6 +38,11 @@ class TrainingStopped(FloatingPointError):
     """Training stopped on a non-finite loss or gradient (reported as one line, exit status 1)."""
 
 
+class StepFailed(RuntimeError):
+    """A periodic evaluation or sample failed; the step is saved first (one line naming the checkpoint kept,
+    exit status 1)."""
+
+
 class WriteFailed(RuntimeError):
     """Training stopped because a checkpoint or metrics file could not be written, e.g. the disk is full
     (reported as one line naming the newest checkpoint, which is kept; exit status 1)."""
@@ -442,7 +447,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
       ConfigError, DataError, TrainerError: bad configuration (nothing written).
       workdir_lib.WorkdirBusy: another process holds the workdir.
       ckpt_lib.CheckpointError: the checkpoints cannot be resumed (made by another config, all damaged).
-      TrainingStopped, WriteFailed, oom.OutOfMemory: the run stopped (one line naming what is kept).
+      TrainingStopped, WriteFailed, StepFailed, oom.OutOfMemory: the run stopped (one line naming what is
+        kept; a failed periodic evaluation or sample saves its step first).
     """
     workdir = os.path.abspath(workdir)
     with interrupts.Interrupts(log=metrics_lib.log) as guard, run_workdir(workdir):
@@ -501,6 +507,13 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             ts = trainer.init()
         if resumed is not None and ts.step >= cfg.steps:
             where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
+            if ts.step == cfg.steps and not _evaluated(workdir, ts.step):  # stopped before its final evaluation
+                metrics_lib.log(f"already at step {ts.step} {where}; its final evaluation is missing: running it")
+                guard.idle_note = "before the final evaluation finished: rerun the same command to run it"
+                writer = metrics_lib.MetricWriter(workdir, enabled=primary)
+                result = _eval_and_write(run, ts, writer)
+                writer.close()
+                return result
             metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
                             "the run)")
             return {}
@@ -579,7 +592,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     t_last, step_last = now, step
                     values["steps_per_sec"] = sps
                     values["tokens_per_sec"] = sps * tokens_per_step
-                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else float("nan")
+                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else _ready_lr(ts)
                     if getattr(run.model, "bits_per_byte", False):
                         # Tokens: at the train split's mean bytes per token (an estimate for the batch).
                         per_token = getattr(run.task, "bytes_per_token", 1.0)
@@ -596,10 +609,12 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     if checkpointer.save(ts, data, meta):
                         saved = step
                 if cfg.eval_every and step % cfg.eval_every == 0 and not final and not stopping:
-                    _eval_and_write(run, ts, writer)
+                    saved = _keeping_the_step(checkpointer, ts, data, meta, saved, "evaluation", kept,
+                                              lambda: _eval_and_write(run, ts, writer))
                 if cfg.sample_every and (step % cfg.sample_every == 0 or final):
                     t_sample = time.time()
-                    sample_lib.training_sample(run, ts, writer)
+                    saved = _keeping_the_step(checkpointer, ts, data, meta, saved, "sample", kept,
+                                              lambda: sample_lib.training_sample(run, ts, writer))
                     t_last += time.time() - t_sample  # sampling time is not training time
                 if stopping:
                     who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"
@@ -608,11 +623,12 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         if saved != ts.step:  # (a stop right after a periodic save has nothing more to save)
             checkpointer.save(ts, data, meta, force=True)
         checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
-        guard.idle, guard.idle_note = True, "after the final checkpoint was saved: the final evaluation is skipped"
+        guard.idle, guard.idle_note = True, ("after the final checkpoint was saved: the final evaluation is "
+                                             "skipped (rerun the same command to run it)")
         if ts.step == cfg.steps and not stopping:
             if guard.signal is not None:
                 metrics_lib.log(f"received {signal_lib.Signals(guard.signal).name}: step {ts.step} is saved; "
-                                "the final evaluation is skipped")
+                                "the final evaluation is skipped (rerun the same command to run it)")
             else:
                 _eval_and_write(run, ts, writer)
                 metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
@@ -638,6 +654,49 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         except metrics_lib.MetricsWriteError:
             pass  # an error is already on its way out; this one would only hide it
     return last
+
+
+def _ready_lr(ts: TrainState) -> float:
+    """A ready optimizer's learning rate of the last step: read from its state when it is an
+    ``optax.inject_hyperparams`` optimizer (`revtrain.optim.injected_learning_rate`), else NaN (its schedule
+    is inside optax, out of reach)."""
+    from revtrain.optim import injected_learning_rate
+    lr = injected_learning_rate(ts.stacked.opt_state if ts.stacked is not None else ts.opt_state)
+    return float("nan") if lr is None else lr
+
+
+def _evaluated(workdir: str, step: int) -> bool:
+    """Whether ``metrics/eval.jsonl`` holds a record of ``step`` (a run's final evaluation is done)."""
+    path = os.path.join(workdir, "metrics", "eval.jsonl")
+    return os.path.isfile(path) and any(r.get("step") == step for r in metrics_lib.read_jsonl(path))
+
+
+def _keeping_the_step(checkpointer, ts: TrainState, data, meta: dict, saved: int, what: str, kept, work) -> int:
+    """Runs ``work`` (a periodic evaluation or sample at step ``ts.step``); returns the step saved last.
+
+    When ``work`` fails, the step is saved first (unless it is already), so the failure loses no training,
+    and the error is one line naming what failed and the checkpoint kept (an out-of-memory error keeps its
+    own line, which names the checkpoint too).
+
+    Raises:
+      StepFailed: ``work`` raised (``__cause__`` is its error); oom.OutOfMemory as it was.
+    """
+    try:
+        work()
+        return saved
+    except Exception as e:
+        lost_peer.exit_if_peer_lost(e)  # a lost process: saving would wait for it
+        if saved != ts.step:
+            try:
+                checkpointer.save(ts, data, meta, force=True)
+                checkpointer.wait()
+            except ckpt_lib.CheckpointWriteError:
+                pass  # the line below names the newest checkpoint that is kept
+        if isinstance(e, (oom.OutOfMemory, ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError)):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise StepFailed(f"the {what} at step {ts.step} failed ({type(e).__name__}: {first}); training stopped, "
+                         f"{kept()}; rerun with --verbose for the traceback") from e
 
 
 def _kept(checkpointer: ckpt_lib.Checkpointer) -> str:

@@ -11,6 +11,7 @@ import optax
 
 from revtrain import loop  # noqa: F401  (train, evaluate)
 from revtrain.data import fashion_mnist  # noqa: F401  (FashionMNISTTask)
+from revtrain import optim  # noqa: F401  (decay_mask, optax.inject_hyperparams)
 from revtrain.data import tasks  # noqa: F401
 from revtrain.layers import parts  # noqa: F401  (ByteEmbedding, CausalSelfAttention, ... as parts)
 from revtrain.layers import modern, vision  # noqa: F401  (RMSNorm, GroupedQueryAttention, SwiGLU, ... RevViT parts)

@@ -339,3 +339,38 @@ def test_per_leaf_optimizers_keep_the_fused_update(make):
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, warmup_steps=2, decay_steps=10)
     assert LayerwiseUpdate(make(schedule), _small_model().init()[0]).separable
     assert not ReversibleTrainer(_small_model(), make(schedule), _mesh()).deferred
+
+
+def test_default_model_is_bitwise_but_for_its_single_leaf_embedding(text_batches):
+    """The default run's model (enwik_modern.gin, depth 2, d_model 32), 3 AdamW steps: every leaf but the
+    token embedding equal bit for bit between the trainers, the losses too, and the embedding within 1e-6
+    (max |difference| / max |value|). The embedding is the known gap of docs/recipe.md (XLA rewrites a
+    single-use bias-correction divide in a one-leaf layer's update as a reciprocal multiply); the day it is
+    fixed the last assertion fails and the test becomes a bitwise one."""
+    import gin
+
+    import revtrain.registry  # noqa: F401
+    from revtrain.models.compose import ComposedModel
+    gin.clear_config()
+    gin.add_config_file_search_path(str(__import__("pathlib").Path(__file__).resolve().parent.parent / "configs"))
+    gin.parse_config_files_and_bindings(["enwik_modern.gin"], ["NUM_LAYERS = 2", "D_MODEL = 32"])
+    try:
+        model = ComposedModel(seed=0, d_model=32, input_key="inputs", sequence_length=SEQ)
+    finally:
+        gin.clear_config()
+    mesh, batches, runs = _mesh(), text_batches(BATCH, 3), {}
+    with jax.default_matmul_precision("highest"):
+        for name, cls in [("standard", StandardTrainer), ("reversible", ReversibleTrainer)]:
+            trainer = cls(model, optax.adamw(1e-3, weight_decay=0.01), mesh, seed=0)
+            ts, losses = trainer.init(), []
+            for batch in batches:
+                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+                losses.append(float(metrics["loss"]))
+            runs[name] = (losses, jax.tree.map(np.asarray, ts.per_layer().params))
+    (std_losses, std), (rev_losses, rev) = runs["standard"], runs["reversible"]
+    assert std_losses == rev_losses
+    for i in range(1, len(std)):
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(std[i]), jax.tree.leaves(rev[i]))), i
+    a, b = std[0]["tokens"]["embedding"], rev[0]["tokens"]["embedding"]
+    assert np.abs(a - b).max() / np.abs(a).max() <= 1e-6
+    assert 0 < int((a != b).sum()) <= 64, int((a != b).sum())

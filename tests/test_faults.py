@@ -360,6 +360,64 @@ def _check_deep_passes(result, depth: int) -> None:
             assert len(seen) >= 4 and seen[-1] == f"check {dtype} {what}: {n} of {n} layers", err
 
 
+def test_a_signal_before_the_final_evaluation_is_not_lost(tmp_path, byte_lm_data_dir, capfd):
+    """SIGTERM after the last checkpoint, as the final evaluation starts: the run stops at once (exit 0)
+    saying the evaluation is skipped and how to get it; the same command then runs only that evaluation
+    (no step trained again), and a third time has nothing to do."""
+    from revtrain import cli
+    workdir = tmp_path / "run"
+    args = ["train", *TINY, "--gin", "STEPS = 2", "--gin", "train.checkpoint_every = 0", "--workdir", workdir]
+    code, out, err = _signalled("revtrain.loop._eval_and_write", "", args, byte_lm_data_dir)
+    assert code == 0, err
+    assert err[-1] == ("revtrain: received SIGTERM after the final checkpoint was saved: the final evaluation is "
+                       "skipped (rerun the same command to run it); the newest checkpoint (step 2) is kept"), err
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"] and _eval_steps(workdir) == []
+    trained = (workdir / "metrics" / "train.jsonl").read_text()
+    capfd.readouterr()
+    assert cli.main([str(a) for a in args]) == 0
+    lines = [l for l in capfd.readouterr().err.splitlines() if l.strip()]
+    assert lines[0] == "already at step 2 = train.steps; its final evaluation is missing: running it", lines
+    assert lines[1].startswith("eval at step 2 (validation): loss ") and len(lines) == 2, lines
+    assert _eval_steps(workdir) == [2] and (workdir / "metrics" / "train.jsonl").read_text() == trained
+    assert cli.main([str(a) for a in args]) == 0
+    assert [l for l in capfd.readouterr().err.splitlines() if l.strip()] == [
+        "already at step 2 = train.steps; nothing to do (a larger train.steps continues the run)"]
+    assert _eval_steps(workdir) == [2]
+
+
+@pytest.mark.parametrize("what, target", [("sample", "revtrain.generate.training_sample"),
+                                          ("evaluation", "revtrain.loop._eval_and_write")])
+def test_a_failed_periodic_sample_or_evaluation_keeps_its_step(what, target, tmp_path, byte_lm_data_dir, capfd,
+                                                               monkeypatch):
+    """A periodic sample (or evaluation) that raises at step 2, with no periodic checkpoints: step 2 is
+    saved before the error, which is one line naming what failed and the checkpoint kept (exit 1); the same
+    command resumes from step 2."""
+    import importlib
+
+    from revtrain import cli
+    module, name = target.rsplit(".", 1)
+
+    def broken(*args, **kwargs):
+        raise ValueError("Too few leaves for PyTreeDef; expected 3, got 2")
+
+    monkeypatch.setattr(importlib.import_module(module), name, broken)
+    workdir = tmp_path / "run"
+    every = "train.sample_every = 2" if what == "sample" else "train.eval_every = 2"
+    args = ["train", *TINY, "--gin", "STEPS = 4", "--gin", "train.checkpoint_every = 0", "--gin", every,
+            "--workdir", str(workdir)]
+    assert cli.main(args) == 1
+    lines = [l for l in capfd.readouterr().err.splitlines() if l.strip()]
+    assert lines[-1] == (f"revtrain: error: the {what} at step 2 failed (ValueError: Too few leaves for PyTreeDef; "
+                         "expected 3, got 2); training stopped, the newest checkpoint (step 2) is kept; rerun with "
+                         "--verbose for the traceback"), lines
+    assert not [l for l in lines if "Traceback" in l]
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
+    monkeypatch.undo()
+    assert cli.main(args) == 0
+    lines = [l for l in capfd.readouterr().err.splitlines() if l.strip()]
+    assert lines[0].startswith("resumed from checkpoint at step 2 "), lines
+
+
 @pytest.mark.slow  # check of a deep model (test_check covers check in make test)
 def test_check_of_a_deep_model_uses_layer_at_a_time_backprop_and_reports_progress(byte_lm_data_dir):
     """Above 16 layers check's reference is backprop one layer at a time: each pass's programs compile once

@@ -117,6 +117,42 @@ def _write_small(path, tie=False, **config_changes):
     return model
 
 
+def test_special_token_ids_are_kept_on_export(tmp_path):
+    """A source config.json's bos / eos / pad ids (1, [2, 3], 0) are read, written back to the exported
+    config.json and to a generation_config.json; a new model's are null and its generation config has none;
+    a non-integer id is one line naming it."""
+    _write_small(tmp_path / "src", bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    spec = read_spec(str(tmp_path / "src"))
+    assert (spec.bos_token_id, spec.eos_token_id, spec.pad_token_id) == (1, [2, 3], 0)
+    model = LlamaModel(str(tmp_path / "src"), sequence_length=8)
+    write_checkpoint(str(tmp_path / "out"), model.llama_spec, model_tensors(model, model.init()[0]))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, [2, 3], 0)
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == {
+        "_from_model_config": True, "bos_token_id": 1, "eos_token_id": [2, 3], "pad_token_id": 0}
+    _write_small(tmp_path / "new")
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["bos_token_id"] is None
+    assert json.loads((tmp_path / "new" / "generation_config.json").read_text()) == {"_from_model_config": True}
+    _write_small(tmp_path / "bad", eos_token_id="</s>")
+    with pytest.raises(LlamaFormatError, match="eos_token_id must be an integer, a list of integers or null"):
+        read_spec(str(tmp_path / "bad"))
+
+
+def test_exported_special_ids_load_in_transformers(tmp_path):
+    """A transformers checkpoint with bos 1 / eos 2: the export's config and generation config load in
+    transformers with the same ids (they were null before issue 40)."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = _hf_model(True, bos_token_id=1, eos_token_id=2)
+    hf.save_pretrained(tmp_path / "in")
+    model = LlamaModel(str(tmp_path / "in"), sequence_length=8)
+    write_checkpoint(str(tmp_path / "out"), model.llama_spec, model_tensors(model, model.init()[0]))
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (config.bos_token_id, config.eos_token_id) == (1, 2)
+    assert (generation.bos_token_id, generation.eos_token_id) == (1, 2)
+
+
 def test_revtrain_checkpoint_imports_to_the_same_model(tmp_path):
     """A revtrain-written checkpoint (tied head) imports back to the same logits bit for bit."""
     tokens = _tokens(40, (2, 8))

@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import json
 import os
+from typing import Any
 
 import gin
 import jax
@@ -84,6 +85,8 @@ class LlamaSpec:
       tie_word_embeddings: the output projection is the embedding matrix.
       max_position_embeddings: recorded for export (rotary positions do not limit the length).
       torch_dtype: "float32" or "bfloat16", the dtype the checkpoint's tensors are written in.
+      bos_token_id, eos_token_id, pad_token_id: the special token ids of the source checkpoint's
+        ``config.json`` (an int, a list of ints for ``eos_token_id``, or None), written back on export.
     """
 
     vocab_size: int
@@ -97,6 +100,9 @@ class LlamaSpec:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     torch_dtype: str = "float32"
+    bos_token_id: Any = None
+    eos_token_id: Any = None
+    pad_token_id: Any = None
 
     def check(self) -> None:
         """Raises LlamaFormatError for sizes that do not fit together."""
@@ -128,8 +134,18 @@ class LlamaSpec:
             "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings, "torch_dtype": self.torch_dtype,
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+            "use_cache": True,
         }
+
+
+def _token_id(value, file: str, name: str):
+    """A special token id of ``config.json``: None, an int, or (``eos_token_id``) a list of ints."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [int(v) for v in value]
+    raise LlamaFormatError(f"{file}: {name} must be an integer, a list of integers or null, got {value!r}")
 
 
 def read_spec(path: str) -> LlamaSpec:
@@ -184,7 +200,8 @@ def read_spec(path: str) -> LlamaSpec:
             rope_theta=float(rope_theta),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"))
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **{name: _token_id(cfg.get(name), file, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")})
     except KeyError as e:
         raise LlamaFormatError(f"{file}: missing {e.args[0]}") from None
     except (TypeError, ValueError) as e:
