@@ -75,7 +75,10 @@ class Residency:
         value = np.asarray(value)
         sharding = self.sharding(spec)
         if sharding.is_fully_replicated:
-            return jax.device_put(value, sharding)
+            # Then copied into a buffer the runtime owns: XLA:CPU may alias the numpy memory, and such a buffer
+            # cannot be donated, so the first step would allocate a second copy of it (measured on a Llama:
+            # 1.2 GB more at 0.3 B parameters during step 1). The copy costs one leaf, once.
+            return jax.device_put(jax.device_put(value, sharding), sharding, may_alias=False)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
     def place_tree(self, tree, specs=None):

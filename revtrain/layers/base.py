@@ -280,8 +280,9 @@ class Layer:
         if self._factory is None:
             return self._values
         _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
-        # np.asarray of a CPU jax array is a view that keeps its buffer: one copy of the layer either way.
-        return jax.tree.map(np.asarray, nnx.to_pure_dict(params)), jax.tree.map(np.asarray, nnx.to_pure_dict(rest))
+        # Copies (np.array), not views: a view of a CPU jax array keeps that buffer as an external reference,
+        # so an array placed from it could never be donated (measured: every weight copied in the first step).
+        return jax.tree.map(np.array, nnx.to_pure_dict(params)), jax.tree.map(np.array, nnx.to_pure_dict(rest))
 
     @property
     def init_params(self) -> dict:
