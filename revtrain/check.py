@@ -249,7 +249,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     from revtrain import metrics as metrics_lib
     progress = progress or metrics_lib.log
     jax.config.update("jax_default_matmul_precision", "highest")
-    run = loop.build()
+    run = loop.build(workdir=workdir)
     cfg, mesh = run.cfg, run.mesh
     pc, pi = jax.process_count(), jax.process_index()
     batch = global_batch(next(run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)), mesh)

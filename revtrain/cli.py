@@ -333,7 +333,9 @@ def _gin_error_line(e: Exception) -> str:
 
 def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = None) -> None:
     """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings; with
-    ``workdir``, the Python modules its run imported are looked up where the run found them first.
+    ``workdir``, the Python modules its run imported are looked up where the run found them first, and a run
+    that imported a checkpoint rebuilds its model from the architecture kept in the workdir
+    (`revtrain.models.llama.workdir_bindings`, before ``bindings``, which win).
 
     Raises:
       UsageError: a missing file or include, or a bad binding or value (one line).
@@ -343,6 +345,9 @@ def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = No
     from revtrain import ginconfig
     from revtrain import registry  # noqa: F401  (registers the configurables)
     gin.clear_config()  # a fresh configuration per command (main() may run several times in one process)
+    if workdir:
+        from revtrain.models import llama
+        bindings = llama.workdir_bindings(workdir) + list(bindings)
     try:
         remembered = ginconfig.remembered_modules(workdir) if workdir else None
         with ginconfig.include_search_path(remembered):
@@ -396,12 +401,6 @@ def _check_macros_used(bindings: list[str]) -> None:
 
 
 def _run(args) -> int:
-    from revtrain.data.tasks import run_workdir
-    with run_workdir(args.workdir if args.command != "train" else None):  # (train: `loop.train` does it)
-        return _run_command(args)
-
-
-def _run_command(args) -> int:
     import gin
 
     from revtrain import loop

@@ -136,7 +136,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         checkpointer.chosen_step(step)
-        run = loop.build(cfg)
+        run = loop.build(cfg, workdir)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)
     finally:
         checkpointer.close()
@@ -144,5 +144,5 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     import numpy as np
     params = [jax.tree.map(np.asarray, p) for p in ts.params]
     write_checkpoint(out, run.model.llama_spec, model_tensors(run.model, params), dtype,
-                     tokenizer=getattr(run.task, "tokenizer", None))
+                     tokenizer=run.task.tokenizer)
     return chosen

@@ -481,10 +481,10 @@ def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
     (``samples``) and logs it. Every process must call it (the computation spans all devices); process 0
     writes. Returns the record."""
     prompt = run.cfg.sample_prompt.encode("utf-8")
-    tokenized = hasattr(run.task, "decode")  # a tokenizer's ids: encode the prompt, decode the sample
-    result = generate(run.trainer, ts, run.task.encode(prompt) if tokenized else prompt, run.task.sequence_length,
+    tokenized = run.task.tokenized  # a tokenizer's ids: the prompt encoded, the sample decoded (bytes: as they are)
+    result = generate(run.trainer, ts, run.task.encode(prompt), run.task.sequence_length,
                       Options(length=run.cfg.sample_length, temperature=0.0))
-    text = show(run.task.decode(result.samples[0]) if tokenized else result.samples[0])
+    text = show(run.task.decode(result.samples[0]))
     record = {"prompt": run.cfg.sample_prompt, "text": text}
     writer.write("samples", ts.step, record)
     # TensorBoard's text plugin renders Markdown: indent every line to show the bytes as a code block.

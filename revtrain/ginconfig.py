@@ -342,8 +342,42 @@ def _module_of(reference: str) -> str | None:
     return None if not module or module.split(".")[0] in _LIBRARIES else module
 
 
-def run_config(values: dict[str, Any]) -> tuple[str, dict[str, str], list[str]]:
+def drop_bindings(text: str, names) -> str:
+    """An operative config ``text`` without the bindings of ``names`` (``'Configurable.parameter'``, in any
+    scope), continuation lines of a multi-line value included; a section left without bindings loses its
+    ``# Parameters for ...`` heading."""
+    names = set(names)
+    if not names:
+        return text
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        if skipping and line[:1] in (" ", "\t"):
+            continue
+        selector = line.split(" = ", 1)[0].strip() if " = " in line and not line.startswith("#") else None
+        skipping = selector is not None and selector.rsplit("/", 1)[-1] in names
+        if not skipping:
+            out.append(line)
+    # Headings whose section is now empty: a '# Parameters for X:' and its rule followed by nothing but blanks.
+    lines, kept = out, []
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("# Parameters for ") and i + 1 < len(lines) and lines[i + 1].startswith("# ="):
+            j = i + 2
+            while j < len(lines) and not lines[j].strip():
+                j += 1
+            if j == len(lines) or lines[j].startswith("# Parameters for "):
+                i = j
+                continue
+        kept.append(lines[i])
+        i += 1
+    return "".join(kept)
+
+
+def run_config(values: dict[str, Any], drop=()) -> tuple[str, dict[str, str], list[str]]:
     """The ``config.gin`` of a run, its ``modules.json`` and the values gin cannot name.
+
+    ``drop``: bindings (``'Configurable.parameter'``) left out of the text, e.g. the sizes of a model that a
+    checkpoint overrides (`drop_bindings`).
 
     The text is gin's operative config plus a binding for each entry of ``values``
     (``{'train.model': object}``: the settings a run started from Python was given directly) that the
@@ -355,7 +389,7 @@ def run_config(values: dict[str, Any]) -> tuple[str, dict[str, str], list[str]]:
       directory it was imported from; ``unnamed`` lists the entries of ``values`` that are neither literals
       nor gin configurables (the CLI will use their gin defaults).
     """
-    text = gin.operative_config_str()
+    text = drop_bindings(gin.operative_config_str(), drop)
     present = operative_values(text)
     extra, unnamed = [], []
     for name, value in values.items():

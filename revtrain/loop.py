@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal as signal_lib
 import time
 from typing import Any, Callable
@@ -24,7 +25,8 @@ from revtrain import ginconfig
 from revtrain.lifecycle import interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
-from revtrain.data.tasks import ByteLMTask, run_workdir
+from revtrain.data import tokenizer as tokenizer_lib
+from revtrain.data.tasks import ByteLMTask, Task
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_state_bytes
 from revtrain.models import contract
@@ -216,8 +218,12 @@ class Run:
     mesh: Any
 
 
-def build(cfg: TrainConfig | None = None) -> Run:
+def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
     """Builds task, model, optimizer and trainer from the parsed gin config.
+
+    Args:
+      workdir: the run's workdir (``train``, ``eval``, ``sample``, ``export``, ``check --workdir``): the task
+        gets the tokenizer kept there (`build_task`).
 
     Raises:
       ConfigError: invalid sizes or a batch not divisible by the device count.
@@ -231,13 +237,13 @@ def build(cfg: TrainConfig | None = None) -> Run:
     _check_positive(cfg)
     mesh = make_mesh()
     _divisible(cfg.batch_size, mesh, "train.batch_size")
-    task = cfg.task(**_checkpoint_tokenizer(cfg))
-    if hasattr(task, "check_batch_size"):
-        task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
+    task = build_task(cfg, workdir)
+    task.check_batch_size(cfg.batch_size)  # a split smaller than one batch: before anything is written
     try:
         model = cfg.model(seed=cfg.seed, **_model_kwargs(cfg, task))
-        if hasattr(task, "input_spec"):  # the composition contract, on shapes only (nothing compiles)
-            contract.check_shapes(model, task.input_spec(mesh.size), mesh)
+        spec = task.input_spec(mesh.size)
+        if spec is not None:  # the composition contract, on shapes only (nothing compiles)
+            contract.check_shapes(model, spec, mesh)
     except ValueError as e:
         raise ConfigError(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__) from e
     except TypeError as e:  # a call gin made for a binding, e.g. a part written as @Name() (called without args)
@@ -246,7 +252,7 @@ def build(cfg: TrainConfig | None = None) -> Run:
         hint = ("; a part of a composed model is written without parentheses (@Name, not @Name()): revtrain "
                 "constructs it" if "required" in str(e) and "argument" in str(e) else "")
         raise ConfigError(ginconfig.call_error_line(e) + hint) from e
-    spec = getattr(model, "llama_spec", None)  # an imported checkpoint under a byte-level task (ids 0 .. 255)
+    spec = model.llama_spec  # an imported checkpoint under a byte-level task (ids 0 .. 255)
     if spec is not None and "vocab_size" not in task.model_kwargs() and spec.vocab_size < 256:
         raise ConfigError(f"the model has {spec.vocab_size} ids but {type(task).__name__} feeds byte values 0-255; "
                           "use a checkpoint of at least 256 ids, or the task of its tokenizer (TokenLMTask)")
@@ -267,29 +273,22 @@ def build(cfg: TrainConfig | None = None) -> Run:
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
 
-def _checkpoint_tokenizer(cfg: TrainConfig) -> dict:
-    """``{"tokenizer": file}`` for a token task whose tokenizer is unbound beside an imported checkpoint
-    (``LlamaModel.path``) that has one (`revtrain.models.llama.tokenizer_of`), so a pretrained model reads
-    the ids it was trained on; otherwise ``{}``. The byte task beside such a checkpoint gets a note (it
-    feeds byte values as ids, which is a choice, not the checkpoint's vocabulary)."""
-    if getattr(cfg.model, "__name__", None) != "LlamaModel" or not _bound("LlamaModel.path"):
-        return {}
-    path = gin.query_parameter("LlamaModel.path")
-    if isinstance(path, gin.config.ConfigurableReference):  # a macro (CHECKPOINT = '...')
-        path = path.scoped_configurable_fn()
-    if not isinstance(path, str) or not os.path.isdir(os.path.expanduser(path)):
-        return {}  # the model's own check says what is wrong with it
+def build_task(cfg: TrainConfig, workdir: str | None = None) -> Task:
+    """The run's task (``train.task``), given the run's tokenizer explicitly: the copy kept in ``workdir``
+    (``tokenizer.json`` / ``tokenizer.model``, written by `train`), or the own tokenizer of the checkpoint the
+    model imports (`revtrain.models.llama.checkpoint_dir`), as the task class decides
+    (`revtrain.data.task.Task.tokenizer_arguments`).
+
+    Raises:
+      ConfigError: ``train.task`` is not a `Task`.
+      byte_lm.DataError: the data or tokenizer is unusable, or cannot be decided without guessing.
+    """
     from revtrain.models import llama
-    file = llama.tokenizer_of(path)
-    task = getattr(cfg.task, "__name__", None)
-    if file is None:
-        return {}
-    if task == "TokenLMTask" and not _bound("TokenLMTask.tokenizer"):
-        return {"tokenizer": file}
-    if task == "ByteLMTask":
-        metrics_lib.log(f"note: {path} has its own tokenizer ({os.path.basename(file)}), and ByteLMTask feeds "
-                        "byte values as ids; train.task = @TokenLMTask tokenizes with it")
-    return {}
+    if not (isinstance(cfg.task, type) and issubclass(cfg.task, Task)):
+        raise ConfigError(f"train.task must be a task class (a subclass of revtrain.data.task.Task, e.g. "
+                          f"@ByteLMTask or @TokenLMTask), got {cfg.task!r}")
+    kept = tokenizer_lib.file_in(os.path.abspath(workdir)) if workdir else None
+    return cfg.task(**cfg.task.tokenizer_arguments(kept, llama.checkpoint_dir(cfg.model)))
 
 
 def _model_kwargs(cfg: TrainConfig, task) -> dict:
@@ -309,7 +308,7 @@ def _model_kwargs(cfg: TrainConfig, task) -> dict:
         bound = None
     if bound is not None:
         if not isinstance(bound, int) or bound < kwargs["vocab_size"]:
-            tok = getattr(getattr(task, "tokenizer", None), "describe", lambda: "the tokenizer")()
+            tok = task.tokenizer.describe() if task.tokenizer is not None else "the tokenizer"
             raise ConfigError(f"{name}.vocab_size = {bound!r} is smaller than the vocabulary of {tok} "
                               f"({kwargs['vocab_size']} ids, end-of-text included); leave {name}.vocab_size "
                               "unset (it follows the tokenizer) or raise it")
@@ -364,7 +363,7 @@ def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
     _divisible(ecfg.batch_size, run.mesh, "evaluate.batch_size")
     pc, pi = jax.process_count(), jax.process_index()
     totals = None
-    counts_bytes = hasattr(run.task, "target_bytes")  # tokens that are not bytes: count the bytes they stand for
+    counts_bytes = run.task.tokenized  # tokens that are not bytes: count the bytes they stand for
     scored_bytes = 0.0
     for batch in run.task.eval_batches(ecfg.split, ecfg.batch_size // pc, ecfg.max_batches, pi, pc):
         if counts_bytes:
@@ -374,7 +373,7 @@ def evaluate(run: Run, ts: TrainState, ecfg: EvalConfig | None = None) -> dict:
     totals = _sync_metrics(totals)
     weight = max(totals["weight"], 1.0)
     out = {"loss": totals["loss_sum"] / weight, "accuracy": totals["correct"] / weight}
-    if getattr(run.model, "bits_per_byte", False):
+    if run.model.bits_per_byte:
         if counts_bytes:
             if pc > 1:
                 from jax.experimental import multihost_utils
@@ -398,34 +397,38 @@ def _agree_to_stop(local: bool, process_count: int) -> bool:
 def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     """The gin settings that lower a step's memory, most effective first (those this run has)."""
     knobs = ["evaluate.batch_size" if evaluation else "train.batch_size"]
-    if hasattr(run.task, "sequence_length"):
+    if run.task.sequence_length is not None:
         knobs.append(f"{type(run.task).__name__}.sequence_length")
     if isinstance(run.trainer, ReversibleTrainer):
         if not evaluation and not getattr(run.trainer, "offload", False):
             knobs.append("ReversibleTrainer.offload = True")
     elif not evaluation:
         knobs.append("train.trainer = @ReversibleTrainer")
-    if getattr(run.cfg.model, "__name__", "") == "ReversibleTransformerLM":
+    from revtrain.models.compose import ComposedModel
+    if run.cfg.model is ReversibleTransformerLM:
         knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
-    elif getattr(run.cfg.model, "__name__", "") == "ComposedModel" and any(
+    elif run.cfg.model is ComposedModel and any(
             "CausalSelfAttention" in type(getattr(layer.abstract_module(), "f", None)).__name__
             for layer in run.model.layers if layer.reversible):
         knobs.append("attention blocking (CausalSelfAttention.attention_block)")
     return knobs
 
 
-def _run_config(cfg: TrainConfig):
-    """`ginconfig.run_config` of the run: the operative config plus every ``train.*`` value it was given."""
-    return ginconfig.run_config({f"train.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+def _run_config(run: Run):
+    """`ginconfig.run_config` of the run: the operative config plus every ``train.*`` value it was given, less
+    the model's bindings that it ignores (``Model.unused_bindings``: the sizes a checkpoint overrides)."""
+    cfg = run.cfg
+    return ginconfig.run_config({f"train.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)},
+                                drop=run.model.unused_bindings)
 
 
-def _config_changes(workdir: str, cfg: TrainConfig) -> str | None:
+def _config_changes(workdir: str, run: Run) -> str | None:
     """One line listing the operative gin values that differ from the saved ``config.gin`` of the run being
     resumed (None when nothing differs or there is nothing to compare)."""
     try:
         with open(os.path.join(workdir, "config.gin")) as f:
             saved = f.read()
-        changes = ginconfig.config_differences(saved, _run_config(cfg)[0])
+        changes = ginconfig.config_differences(saved, _run_config(run)[0])
     except (OSError, SyntaxError, ValueError):
         return None
     if not changes:
@@ -451,8 +454,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         kept; a failed periodic evaluation or sample saves its step first).
     """
     workdir = os.path.abspath(workdir)
-    with interrupts.Interrupts(log=metrics_lib.log) as guard, run_workdir(workdir):
-        run = build(cfg)  # first: a configuration error leaves no trace (not even an empty workdir)
+    with interrupts.Interrupts(log=metrics_lib.log) as guard:
+        run = build(cfg, workdir)  # first: a configuration error leaves no trace (not even an empty workdir)
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
@@ -520,15 +523,15 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
         for e in damaged:  # a resumed run saves these steps again: their damaged copies go out of the way
             where = checkpointer.set_aside(e.step)
             metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
-        changes = _config_changes(workdir, cfg) if resumed is not None and primary else None
+        changes = _config_changes(workdir, run) if resumed is not None and primary else None
         writer = metrics_lib.MetricWriter(workdir, enabled=primary)
         writer.restart_at(resumed or 0)  # each step once: records after the resumed step are redone
         if primary:
-            text, modules, unnamed = _run_config(run.cfg)
+            text, modules, unnamed = _run_config(run)
             with open(os.path.join(workdir, "config.gin"), "w") as f:
                 f.write(text)
-            if hasattr(run.task, "save_tokenizer"):  # eval / sample / check (and a resume) use this copy
-                run.task.save_tokenizer(workdir)
+            run.task.save_tokenizer(workdir)  # eval / sample / export / check (and a resume) use this copy
+            _keep_files(run.model, workdir)  # and these (an imported checkpoint's architecture)
             if modules:  # where the user's modules came from: eval / sample / check find them again
                 with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
                     json.dump(modules, f, indent=1)
@@ -593,11 +596,11 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                     values["steps_per_sec"] = sps
                     values["tokens_per_sec"] = sps * tokens_per_step
                     values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else _ready_lr(ts)
-                    if getattr(run.model, "bits_per_byte", False):
+                    if run.model.bits_per_byte:
                         # Tokens: at the train split's mean bytes per token (an estimate for the batch).
-                        per_token = getattr(run.task, "bytes_per_token", 1.0)
+                        per_token = run.task.bytes_per_token
                         values["bits_per_byte"] = values["loss"] / math.log(2) / per_token
-                        if hasattr(run.task, "bytes_per_token"):
+                        if run.task.tokenized:
                             values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
                     writer.write("train", step, values)
@@ -699,6 +702,23 @@ def _keeping_the_step(checkpointer, ts: TrainState, data, meta: dict, saved: int
                          f"{kept()}; rerun with --verbose for the traceback") from e
 
 
+def _keep_files(model, workdir: str) -> None:
+    """Copies the files the model names (``Model.keep_files``) into ``workdir`` (each written under a temporary
+    name and renamed), so the workdir stands on its own when their source directory is gone.
+
+    Raises:
+      WriteFailed: a file cannot be read or written.
+    """
+    for name, source in model.keep_files.items():
+        target = os.path.join(workdir, name)
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copyfile(source, target + ".tmp")
+            os.replace(target + ".tmp", target)
+        except OSError as e:
+            raise WriteFailed(f"cannot keep {source} in the workdir as {name}: {e.strerror or e}") from None
+
+
 def _kept(checkpointer: ckpt_lib.Checkpointer) -> str:
     """Which checkpoint a stopped run leaves (after the save in flight, if any, finished or failed)."""
     try:
@@ -750,8 +770,7 @@ def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = Fa
       ckpt_lib.CheckpointError: no checkpoints, or a missing/damaged chosen step.
     """
     workdir = os.path.abspath(workdir)
-    with (interrupts.command_interrupts("eval", at_once=False) as guard, workdir_lib.locked(workdir, "eval"),
-          run_workdir(workdir)):
+    with interrupts.command_interrupts("eval", at_once=False) as guard, workdir_lib.locked(workdir, "eval"):
         return _eval_checkpoints(workdir, step, all_steps, kind, guard)
 
 
@@ -762,7 +781,7 @@ def _steps_text(steps) -> str:
 def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str,
                       guard: interrupts.Interrupts | None = None) -> list[dict]:
     guard = guard or interrupts.Interrupts()  # (not installed: no signal handling)
-    run = build()
+    run = build(workdir=workdir)
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     records = []

@@ -91,14 +91,17 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
         cfg = loop.TrainConfig()
     except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
         raise loop.ConfigError(str(e).splitlines()[0]) from e
-    if not getattr(cfg.task, "bits_per_byte", False):  # before the task loads its data
+    if not (isinstance(cfg.task, type) and issubclass(cfg.task, loop.Task)):
+        raise loop.ConfigError(f"train.task must be a task class (a subclass of revtrain.data.task.Task), got "
+                               f"{cfg.task!r}")
+    if not cfg.task.bits_per_byte:  # before the task loads its data
         raise SampleError(f"the run in {workdir} trains {getattr(cfg.model, '__name__', cfg.model)} on "
-                          f"{getattr(cfg.task, '__name__', cfg.task)}, which cannot generate text; sampling "
+                          f"{cfg.task.__name__}, which cannot generate text; sampling "
                           "needs a language model (ByteLMTask or TokenLMTask, ReversibleTransformerLM)")
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         checkpointer.chosen_step(step)  # no checkpoints, or no such step: before the data loads
-        run = loop.build(cfg)
+        run = loop.build(cfg, workdir)
         check_decodable(run.model)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)  # a damaged newest one is skipped
     finally:
@@ -107,8 +110,8 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
     guard.lost_note = (f"the {opts.num_samples} x {opts.length}-byte sample{'s' if opts.num_samples > 1 else ''} "
                        f"from step {chosen} did not finish; nothing was "
                        + ("written" if paths else "printed"))
-    tokenized = hasattr(run.task, "decode")  # a tokenizer's ids: --length counts tokens
-    ids = run.task.encode(prompt) if tokenized else prompt
+    tokenized = run.task.tokenized  # a tokenizer's ids: --length counts tokens
+    ids = run.task.encode(prompt)
     if tokenized and len(ids) == 0:
         raise SampleError("the prompt encodes to no tokens: give some text (--prompt or --prompt_file)")
     result = generate(run.trainer, ts, ids, run.task.sequence_length, opts)
@@ -116,7 +119,7 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
     guard.at_once, guard.first_note = False, "writing the samples, then stopping; send it again to stop at once"
     guard.lost_note = "the samples were being written (a FILE.partial left beside --output is incomplete)"
     if jax.process_index() == 0:
-        texts = [prompt + (run.task.decode(s) if tokenized else s) for s in result.samples]
+        texts = [prompt + run.task.decode(s) for s in result.samples]
         for path, data in zip(paths, texts):
             partial = f"{path}.partial"
             with open(partial, "wb") as f:

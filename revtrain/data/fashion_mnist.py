@@ -35,6 +35,7 @@ import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
 from revtrain.data.byte_lm import DataError, default_data_dir
+from revtrain.data.task import Task
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 DEBIAN_PACKAGE = "dataset-fashion-mnist"
@@ -265,7 +266,7 @@ def augment_example(example: dict, rng: np.random.Generator, max_shift: int = 2)
 
 
 @gin.configurable
-class FashionMNISTTask:
+class FashionMNISTTask(Task):
     """10-class image classification on Fashion-MNIST; evaluation on the 'test' split.
 
     Args:

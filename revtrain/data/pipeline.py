@@ -35,9 +35,19 @@ def _split_batch(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _source(data, split: str):
-    """A split's records: ``data.windows(split)`` of a token task (`revtrain.data.token_lm.TokenWindows`), or
-    the TFDS builder's ``as_data_source`` of the byte task."""
-    return data.windows(split) if hasattr(data, "windows") else data.as_data_source(split=split)
+    """``(records, key, sequence_length)`` of a split: a TFDS byte-LM builder's ``as_data_source`` (records
+    ``{'bytes'}``), or the windows of a token task (``data.windows(split)``, `revtrain.data.token_lm.TokenWindows`,
+    records ``{'tokens'}``).
+
+    Raises:
+      ValueError: a builder without that split.
+    """
+    if isinstance(data, tfds.core.DatasetBuilder):
+        if split not in data.info.splits:
+            raise ValueError(f"unknown split {split!r}; have {sorted(data.info.splits)}")
+        return data.as_data_source(split=split), "bytes", data.info.features["bytes"].shape[0] - 1
+    windows = data.windows(split)
+    return windows, "tokens", windows.sequence_length
 
 
 def train_dataset(
@@ -78,7 +88,7 @@ def train_dataset(
     _check_shard(shard_index, shard_count)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    ds = grain.MapDataset.source(_source(builder, "train"))
+    ds = grain.MapDataset.source(_source(builder, "train")[0])
     if len(ds) == 0:
         raise DataError("the train split has no records; use a larger corpus")
     # Local batch j of this process is local-sized batch j * shard_count + shard_index of the global
@@ -127,14 +137,7 @@ def eval_batches(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_batches is not None and max_batches < 0:
         raise ValueError(f"max_batches must be >= 0, got {max_batches}")
-    if hasattr(builder, "windows"):
-        source = builder.windows(split)
-        length, key = source.sequence_length, "tokens"
-    else:
-        if split not in builder.info.splits:
-            raise ValueError(f"unknown split {split!r}; have {sorted(builder.info.splits)}")
-        source = builder.as_data_source(split=split)
-        length, key = builder.info.features["bytes"].shape[0] - 1, "bytes"
+    source, key, length = _source(builder, split)
     global_batch = batch_size * shard_count
     num_batches = _ceil_div(len(source), global_batch)
     if max_batches is not None:

@@ -1,22 +1,37 @@
-"""Tasks: what data a run reads and how its model is sized from it (gin-configurable).
+"""Tasks: what data a run reads, how its model is sized from it, and how text goes in and out (gin-configurable).
 
-A task gives the loop three things: ``model_kwargs()`` (passed to the model builder), ``train_iterator``
-(a checkpointable Grain iterator of this process's share of each global batch) and ``eval_batches``.
+Every task is a `Task`: the interface the loop, sampling, export and the check use, declared once with its
+defaults, so that they ask a task what it offers instead of probing for attributes. A task gives
+``model_kwargs()`` (passed to the model builder), ``train_iterator`` (a checkpointable Grain iterator of this
+process's share of each global batch) and ``eval_batches``; a language-model task also ``encode`` /
+``decode`` and, when it tokenizes, its ``tokenizer`` (kept in the workdir by ``save_tokenizer``) and
+``bytes_per_token``.
+
+The run's tokenizer is passed in explicitly: `revtrain.loop.build_task` asks the task class
+(`Task.tokenizer_arguments`) which constructor arguments give it the tokenizer the run keeps in its workdir,
+or the one of the checkpoint it imports.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import gin
 
 from revtrain.data import byte_lm, pipeline, token_lm
 from revtrain.data import tokenizer as tokenizer_lib
+from revtrain.data.task import Task  # noqa: F401  (revtrain.data.tasks.Task: the interface, declared there)
+
+
+def _lm_input_spec(batch_size: int, sequence_length: int) -> dict:
+    import jax
+    import numpy as np
+    shape = jax.ShapeDtypeStruct((batch_size, sequence_length), np.int32)
+    return {"inputs": shape, "targets": shape}
 
 
 @gin.configurable
-class ByteLMTask:
+class ByteLMTask(Task):
     """Byte-level language modelling (vocab 256) on a TFDS ``ByteLM`` dataset.
 
     Args:
@@ -32,6 +47,16 @@ class ByteLMTask:
 
     bits_per_byte = True
 
+    @classmethod
+    def tokenizer_arguments(cls, kept: str | None, checkpoint: str | None) -> dict:
+        """None (byte values are the ids); beside a checkpoint that has its own tokenizer, a note saying so."""
+        file = tokenizer_lib.file_in(checkpoint) if checkpoint else None
+        if file is not None:
+            from revtrain import metrics as metrics_lib
+            metrics_lib.log(f"note: {checkpoint} has its own tokenizer ({os.path.basename(file)}), and ByteLMTask "
+                            "feeds byte values as ids; train.task = @TokenLMTask tokenizes with it")
+        return {}
+
     def __init__(self, source: str = byte_lm.GENSIM_SOURCE, sequence_length: int = 128,
                  data_dir: str | None = None):
         if sequence_length < 1:
@@ -46,10 +71,7 @@ class ByteLMTask:
 
     def input_spec(self, batch_size: int) -> dict:
         """Shapes of a batch of ``batch_size`` examples: ``{'inputs', 'targets'}`` int32 ``[batch_size, T]``."""
-        import jax
-        import numpy as np
-        shape = jax.ShapeDtypeStruct((batch_size, self.sequence_length), np.int32)
-        return {"inputs": shape, "targets": shape}
+        return _lm_input_spec(batch_size, self.sequence_length)
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raises ``byte_lm.DataError`` when the train split holds fewer sequences than one global batch of
@@ -76,28 +98,8 @@ class ByteLMTask:
                                      shard_index=shard_index, shard_count=shard_count)
 
 
-_RUN_WORKDIR: list[str] = []  # the workdir of the command being run (`run_workdir`)
-
-
-@contextlib.contextmanager
-def run_workdir(workdir: str | None):
-    """Within it, a `TokenLMTask` uses the tokenizer kept in ``workdir`` (``tokenizer.json`` /
-    ``tokenizer.model``) when there is one: ``train`` (resuming), ``eval``, ``sample`` and ``check`` of a run
-    then need nothing but the workdir and the corpus."""
-    _RUN_WORKDIR.append(os.path.abspath(workdir) if workdir else "")
-    try:
-        yield
-    finally:
-        _RUN_WORKDIR.pop()
-
-
-def _kept_tokenizer() -> str | None:
-    workdir = _RUN_WORKDIR[-1] if _RUN_WORKDIR else ""
-    return tokenizer_lib.file_in(workdir) if workdir else None
-
-
 @gin.configurable
-class TokenLMTask:
+class TokenLMTask(Task):
     """Language modelling on tokens: a corpus (text file, directory, ``enwik8.zip``, JSONL, Parquet or a
     saved Hugging Face dataset) through a tokenizer, documents separated by an end-of-text token and packed
     into windows of ``sequence_length`` tokens (`revtrain.data.token_lm`, `revtrain.data.tokenizer`;
@@ -110,9 +112,10 @@ class TokenLMTask:
       tokenizer: ``"bpe"`` (a byte-level BPE trained on the training split; the default), ``"bytes"`` (UTF-8
         bytes and an end-of-text id: vocabulary 257), the path of a ``tokenizer.json`` (Hugging Face
         ``tokenizers``) or a SentencePiece ``.model``, or a checkpoint directory holding one. Left unbound
-        beside an imported checkpoint (``LlamaModel.path``) that has a tokenizer, the checkpoint's is used
-        (`revtrain.loop.build`). A run keeps a copy in its workdir and uses that copy
-        from then on.
+        beside an imported checkpoint (``LlamaModel.path``) that has a tokenizer, the checkpoint's is used;
+        beside one that has none, the run is refused (name its tokenizer, or ``'bytes'``, or ``'bpe'``): a new
+        BPE would give its ids other meanings (`tokenizer_arguments`). A run keeps a copy in its workdir and
+        uses that copy from then on (`revtrain.loop.build_task` passes it here).
       vocab_size: ids of the BPE trained by ``"bpe"`` (>= 258; the end-of-text id included); unused otherwise.
       text_field: the JSONL field / Parquet column / dataset column holding each document's text.
       data_dir: cache (default ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``).
@@ -126,6 +129,35 @@ class TokenLMTask:
     """
 
     bits_per_byte = True
+    tokenized = True
+
+    @classmethod
+    def tokenizer_arguments(cls, kept: str | None, checkpoint: str | None) -> dict:
+        """``{"tokenizer": file}``: the run's kept copy (unless the run tokenizes as ``'bytes'``), else, with
+        ``TokenLMTask.tokenizer`` unbound, the imported checkpoint's own tokenizer.
+
+        Raises:
+          byte_lm.DataError: ``TokenLMTask.tokenizer`` is unbound and the imported checkpoint has no tokenizer
+            (training a new BPE for it would be a guess).
+        """
+        try:
+            bound = gin.query_parameter("TokenLMTask.tokenizer")
+        except ValueError:  # not bound: the default
+            bound = None
+        if bound == tokenizer_lib.BYTES:
+            return {}
+        if kept is not None:
+            return {"tokenizer": kept}
+        if checkpoint is None or bound is not None:
+            return {}
+        file = tokenizer_lib.file_in(checkpoint)
+        if file is None:
+            raise byte_lm.DataError(
+                f"the checkpoint {checkpoint} has no tokenizer ({tokenizer_lib.HF_FILE} or {tokenizer_lib.SP_FILE}) "
+                "and TokenLMTask.tokenizer is unset: set TokenLMTask.tokenizer to the tokenizer it was trained "
+                "with (a file, or a directory holding one), to 'bytes' for byte ids, or to 'bpe' to train a new one "
+                "on the corpus")
+        return {"tokenizer": file}
 
     def __init__(self, source: str = byte_lm.GENSIM_SOURCE, sequence_length: int = 64, tokenizer: str = "bpe",
                  vocab_size: int = 4096, text_field: str = "text", data_dir: str | None = None):
@@ -152,10 +184,7 @@ class TokenLMTask:
                 planned.append(token_lm.plan(source, text_field))
             return planned[0]
 
-        kept = _kept_tokenizer() if tokenizer != tokenizer_lib.BYTES else None
-        if kept is not None:
-            tok = tokenizer_lib.load(kept)
-        elif tokenizer == tokenizer_lib.BYTES:
+        if tokenizer == tokenizer_lib.BYTES:
             tok = tokenizer_lib.Tokenizer(tokenizer_lib.BYTES)
         elif tokenizer == tokenizer_lib.BPE:
             tok = token_lm.bpe_tokenizer(source, text_field, vocab_size, root, corpus, plan)
@@ -180,10 +209,7 @@ class TokenLMTask:
 
     def input_spec(self, batch_size: int) -> dict:
         """Shapes of a batch of ``batch_size`` examples: ``{'inputs', 'targets'}`` int32 ``[batch_size, T]``."""
-        import jax
-        import numpy as np
-        shape = jax.ShapeDtypeStruct((batch_size, self.sequence_length), np.int32)
-        return {"inputs": shape, "targets": shape}
+        return _lm_input_spec(batch_size, self.sequence_length)
 
     def windows(self, split: str) -> token_lm.TokenWindows:
         """The split's windows (`token_lm.TokenWindows`).
@@ -236,5 +262,5 @@ class TokenLMTask:
         return self.tokenizer.decode(ids)
 
     def save_tokenizer(self, workdir: str) -> str | None:
-        """Keeps a copy of the tokenizer in ``workdir`` (None for bytes)."""
+        """Keeps a copy of the tokenizer in ``workdir`` (None for bytes: nothing to keep)."""
         return self.tokenizer.save(workdir)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from revtrain.layers.base import HeadLayer, Layer
 
@@ -67,6 +68,12 @@ class Model:
         language model, 1 for an image classifier).
       bits_per_byte: True for a byte-level language model (evaluation then reports bits per byte).
       ties: parameters shared between layers (`Tie`), each held once, by its owner.
+      keep_files: files a run copies into its workdir so that the workdir stands on its own (``{name inside
+        the workdir: source file}``; an imported checkpoint's ``config.json``, see `revtrain.models.llama`).
+      unused_bindings: gin parameters of the builder that this model ignores (a checkpoint's sizes override
+        them); the run's ``config.gin`` leaves them out, so it records only what the model is.
+      llama_spec, llama_form: the architecture of a Llama model (`revtrain.models.llama`: what
+        `revtrain export` writes; None for other models).
 
     Raises:
       ValueError: when the list is empty, the last layer is not a head, or a head appears earlier.
@@ -77,6 +84,10 @@ class Model:
     tokens_per_example: int = 1
     bits_per_byte: bool = False
     ties: tuple = ()
+    keep_files: dict = dataclasses.field(default_factory=dict)
+    unused_bindings: tuple = ()
+    llama_spec: Any = None
+    llama_form: str | None = None
 
     def __post_init__(self):
         if not self.layers or not self.layers[-1].is_head:

@@ -473,7 +473,7 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
                form: str = "standard", compute_dtype: str = "float32", grid_bits: int = 18,
                chunk: int | None = None, vocab_size: int | None = None, d_model: int = 128, num_layers: int = 4,
                num_heads: int = 4, num_kv_heads: int = 2, d_ff: int | None = None, rms_norm_eps: float = 1e-5,
-               rope_theta: float = 10000.0, tie_embeddings: bool = False) -> Model:
+               rope_theta: float = 10000.0, tie_embeddings: bool = False, load_weights: bool = True) -> Model:
     """A Llama-architecture language model of standard blocks (``train.model = @LlamaModel``).
 
     Args:
@@ -492,11 +492,17 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
       vocab_size: the task's vocabulary (passed by the loop): a new model's (default 256, bytes); with a
         checkpoint, it must not exceed the checkpoint's ``vocab_size``.
       d_model, num_layers, num_heads, num_kv_heads, d_ff (default ``swiglu`` width 8D/3 rounded to 8),
-        rms_norm_eps, rope_theta, tie_embeddings: the sizes of a new model.
+        rms_norm_eps, rope_theta, tie_embeddings: the sizes of a new model (unused with a ``path``: the
+        run's ``config.gin`` then leaves them out).
+      load_weights: with a ``path``, read its weights (False: only its ``config.json``, the parameters
+        initialised from ``seed``; what ``eval``, ``sample``, ``export`` and ``check`` of a run use, whose
+        weights come from the run's own checkpoints: `workdir_bindings`).
 
     Returns:
       A `Model` (``bits_per_byte`` True: the byte tasks feed byte ids). ``model.llama_spec`` and
-      ``model.llama_form`` record the architecture for `revtrain export`; a tied head is a `Tie`.
+      ``model.llama_form`` record the architecture for `revtrain export`; a tied head is a `Tie`. With a
+      ``path``, ``model.keep_files`` names its ``config.json``, which a run copies into its workdir
+      (`KEPT_CONFIG`), so the workdir needs the checkpoint directory no more.
 
     Raises:
       LlamaFormatError: a checkpoint revtrain cannot represent, or a bad setting (one line).
@@ -518,7 +524,9 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
                 f"{spec.vocab_size} ids (TokenLMTask.tokenizer: the tokenizer the checkpoint was trained with; "
                 "left unset, the checkpoint's own tokenizer.json / tokenizer.model when it has one, else a new BPE "
                 "of TokenLMTask.vocab_size)")
-        weights = read_weights(os.path.expanduser(path), spec)
+        if not isinstance(load_weights, bool):
+            raise LlamaFormatError(f"LlamaModel.load_weights must be True or False, got {load_weights!r}")
+        weights = read_weights(os.path.expanduser(path), spec) if load_weights else None
     else:
         vocab_size = 256 if vocab_size is None else vocab_size
         for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("num_layers", num_layers),
@@ -574,9 +582,47 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
             layers.append(Layer.lazy(functools.partial(block, i), f"block_{i}"))
     layers.append(HeadLayer.lazy(head, "head"))
     ties = (Tie(0, EMBEDDING_PATH, len(layers) - 1, HEAD_PATH),) if spec.tie_word_embeddings else ()
-    model = Model(layers, input_key="inputs", tokens_per_example=sequence_length or 1, bits_per_byte=True, ties=ties)
-    model.llama_spec, model.llama_form = spec, form
-    return model
+    kept, unused = {}, ()
+    if path is not None:
+        kept = {KEPT_CONFIG: os.path.join(os.path.abspath(os.path.expanduser(path)), CONFIG)}
+        unused = tuple(f"LlamaModel.{name}" for name in SIZE_KNOBS)
+    return Model(layers, input_key="inputs", tokens_per_example=sequence_length or 1, bits_per_byte=True, ties=ties,
+                 keep_files=kept, unused_bindings=unused, llama_spec=spec, llama_form=form)
+
+
+# The sizes of a new model: a checkpoint's config.json overrides them (and config.gin leaves them out).
+SIZE_KNOBS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "rms_norm_eps", "rope_theta",
+              "tie_embeddings")
+KEPT_DIR = "pretrained"  # inside a workdir: what a run keeps of the checkpoint it imported
+KEPT_CONFIG = os.path.join(KEPT_DIR, CONFIG)
+
+
+def workdir_bindings(workdir: str) -> list[str]:
+    """The gin bindings that rebuild a run's imported model from its workdir alone: ``LlamaModel.path`` at the
+    architecture the run kept (``workdir/pretrained/config.json``) and ``LlamaModel.load_weights = False`` (the
+    weights come from the run's checkpoints). Empty for a run that imported no checkpoint (or one made before
+    runs kept it, which still reads ``LlamaModel.path``)."""
+    folder = os.path.join(os.path.abspath(workdir), KEPT_DIR)
+    if not os.path.isfile(os.path.join(folder, CONFIG)):
+        return []
+    return [f"LlamaModel.path = {folder!r}", "LlamaModel.load_weights = False"]
+
+
+def checkpoint_dir(model_fn) -> str | None:
+    """The checkpoint directory a model builder (``train.model``) imports: ``LlamaModel.path`` when the builder
+    is `LlamaModel` and the path is bound to an existing directory, else None (a missing one is reported by
+    `LlamaModel` itself)."""
+    if model_fn is not LlamaModel:
+        return None
+    try:
+        path = gin.query_parameter("LlamaModel.path")
+    except ValueError:  # not bound
+        return None
+    if isinstance(path, gin.config.ConfigurableReference):  # a macro (CHECKPOINT = '...')
+        path = path.scoped_configurable_fn()
+    if not isinstance(path, str) or not os.path.isdir(os.path.expanduser(path)):
+        return None
+    return os.path.expanduser(path)
 
 
 def forward_logits(model: Model, params: list, states: list, tokens) -> jax.Array:
