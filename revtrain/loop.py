@@ -326,7 +326,7 @@ def run_signature(run: Run) -> dict:
     def shapes(tree):
         return [[jax.tree_util.keystr(p), list(x.shape), str(x.dtype)]
                 for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    template = jax.eval_shape(lambda: [run.trainer.tx.init(p) for p in run.model.param_shapes()])
+    template = jax.eval_shape(lambda shapes: [run.trainer.tx.init(p) for p in shapes], run.model.param_shapes())
     return {
         "trainer": run.trainer.name,
         "layers": [[layer.name, type(layer).__name__, shapes(layer.param_shapes), shapes(layer.state_shapes)]
