@@ -60,7 +60,7 @@ from revtrain.errors import ConfigError
 # 2 x 128, 3 steps), where weights, state and programs are negligible: imports (JAX, XLA, Flax, optax, Orbax,
 # Grain, TensorBoard), the backend, the data pipeline, a few compiled programs. Measured on the 2-core CPU
 # machine (docs/memory.md); on an accelerator the CUDA/TPU runtime adds its own (not measured here).
-RUNTIME_BYTES = 700 * 2**20
+RUNTIME_BYTES = 600 * 2**20
 
 PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint")
 _UNLIMITED = 2**62  # cgroup v1 writes 9223372036854771712 for "no limit"
@@ -382,6 +382,25 @@ class _Programs:
             return dx, optax.apply_updates(p, updates), o
         return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))
 
+    def whole_step(self, model, setup: "Setup", params, opt, states, batch) -> int:
+        """``temp_size_in_bytes`` of `StandardTrainer`'s whole step compiled for one device (on a 1.44 B
+        Llama of 32 blocks: 12 s on two CPU cores); -1 when it does not compile."""
+        from revtrain.trainers.standard import StandardTrainer
+        key = ("step", id(model), _key(batch), id(setup.optimizer), setup.remat, setup.microbatches)
+        if key not in self.cache:
+            from revtrain.trainers.common import XLA_OPTIONS
+            try:
+                trainer = StandardTrainer(model, setup.optimizer, _mesh1(), scan_layers=setup.remat,
+                                          remat_layers=setup.remat, microbatches=setup.microbatches)
+                mapped = jax.shard_map(trainer._step, mesh=_mesh1(), in_specs=(P(), P(), P(), P("data"), P()),
+                                       out_specs=(P(),) * 5)
+                compiled = jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS).lower(
+                    params, opt, states, batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (fall back to the analytic bound)
+                self.cache[key] = -1
+        return self.cache[key]
+
     def residuals(self, layer, params, state, x, keys) -> int:
         """Bytes of the vjp residuals of ``layer`` at ``x`` (leaves of the pullback that are not inputs):
         what backprop keeps of this layer until its backward."""
@@ -479,7 +498,7 @@ class MemoryPlan:
 
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
-         programs: _Programs | None = None, platform: str | None = None) -> MemoryPlan:
+         programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -492,6 +511,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       limits: ``{tier: (bytes or None, source)}`` (default: `host_limit`, `device_limit`).
       programs: a cache of compiled programs shared between plans of one model.
       platform: the backend (default: the first local device's).
+      whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
 
     Returns:
       a `MemoryPlan`.
@@ -545,9 +565,17 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     if setup.trainer == "standard":
         grads = _nbytes(pshapes) * (2 if m > 1 else 1)
         acts = residuals + batch_bytes
-        temp = max(temps)
-        method = "analytic bound for StandardTrainer's whole step: residuals + gradients + the largest " \
-                 "one-layer backward program's temporaries (compiled)"
+        whole = programs.whole_step(model, setup, pshapes, jax.eval_shape(tx.init, pshapes), sshapes,
+                                    _local(batch_spec, b * m)) if whole_step else -1
+        if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
+            grads = min(grads, whole)
+            acts = min(residuals, whole - grads) + batch_bytes
+            temp = whole - grads - (acts - batch_bytes)
+            method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
+        else:
+            temp = max(temps)
+            method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
+                      "one-layer backward program's temporaries (compiled)")
     else:
         grads = one_layer + (weights if setup.deferred else 0)  # deferred: a buffer of the (local) weights' size
         acts = saved_std + 2 * largest_act + batch_bytes
@@ -637,6 +665,9 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     tier = next(t for t in own.tiers if not own.fits_tier(t))
     parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in own.tiers[tier].items() if v)
     fitting = [p for p in others if p.fits]
+    # The least that fits: a choice that adds settings to one that fits already is left out.
+    fitting = [p for p in fitting if not any(q is not p and set(q.setup.settings) < set(p.setup.settings)
+                                             for q in fitting)]
     if fitting:
         ways = "; ".join(f"{', '.join(p.setup.settings)} ({gib(p.total(tier))})" for p in fitting[:4])
         hint = f"these settings would fit: {ways}"
@@ -651,7 +682,7 @@ def table(plans: list[MemoryPlan]) -> str:
     tiers = list(plans[0].tiers)
     head = ["choice"]
     for t in tiers:
-        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers[t].get(p) for pl in plans)] + [f"{t} total"]
+        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers[t].get(p) for pl in plans)] + [f"{t}:total"]
     head += ["fits"]
     rows = []
     for pl in plans:
