@@ -1,7 +1,7 @@
 """The memory plan: the peak bytes of each memory tier, estimated before anything large is allocated.
 
 Linux without swap answers an over-commitment with SIGKILL and no message (exit 137): the plan is the only
-place a user can be told that a run will not fit, and what would (docs/design.md section 12). It is made
+place a user can be told that a run will not fit, and what would (docs/memory.md). It is made
 from shapes alone, after the model is built and before the trainer places its state:
 
 * **weights** and **optimizer state**: the layers' ``param_shapes`` (a tied leaf once, in its owner) and
