@@ -498,7 +498,8 @@ class MemoryPlan:
 
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
-         programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True) -> MemoryPlan:
+         programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True,
+         global_devices: int | None = None) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -512,6 +513,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       programs: a cache of compiled programs shared between plans of one model.
       platform: the backend (default: the first local device's).
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
+      global_devices: devices of every process (default ``num_devices``): the batch is split over them.
 
     Returns:
       a `MemoryPlan`.
@@ -520,7 +522,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     platform = platform or jax.local_devices()[0].platform
     n = max(num_devices, 1)
     tx, m = setup.optimizer, setup.microbatches
-    b = max(setup.batch_size // n // m, 1)
+    b = max(setup.batch_size // max(global_devices or n, 1) // m, 1)
     layers = model.layers
     pshapes = layer_param_shapes(model)
     full_pshapes = [layer.param_shapes for layer in layers]  # a tied leaf in both (what the layer computes on)
@@ -632,7 +634,7 @@ def plan_run(run, limits: dict | None = None, programs: _Programs | None = None)
         raise MemoryPlanError(f"{type(run.task).__name__} has no input_spec: the memory plan needs the batch's "
                               "shapes (train.memory_plan = False skips it)")
     return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
-                programs=programs)
+                programs=programs, global_devices=run.mesh.size)
 
 
 def _local_devices(mesh) -> int:
@@ -647,7 +649,7 @@ def choices(run, limits: dict | None = None, programs: _Programs | None = None,
     own = own or plan_run(run, limits, programs)
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
-    others = [plan(run.model, s, spec, local, limits=limits, programs=programs)
+    others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size)
               for s in alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))]
     return [own] + others
 
@@ -700,14 +702,18 @@ def table(plans: list[MemoryPlan]) -> str:
     return "\n".join(lines + [f"(GiB; {limit}; temporaries: {plans[0].method})"])
 
 
-def check_everywhere(run, log=None) -> MemoryPlan:
+def check_everywhere(run, log=None) -> MemoryPlan | None:
     """Plans ``run`` on every process; returns this process's plan when every process's fits (``log``
-    gets its line then).
+    gets its line then), None for a task without ``input_spec`` (nothing to plan from).
 
     Raises:
       MemoryPlanError: this process's plan does not fit (one line with the figures and the settings that
         would fit), or another process's does not.
     """
+    if not hasattr(run.task, "input_spec"):  # a task that cannot say its batch's shapes: no plan
+        if log is not None:
+            log(f"memory plan: skipped ({type(run.task).__name__} has no input_spec)")
+        return None
     limits, programs = _limits(), _Programs()
     own = plan_run(run, limits, programs)
     fits = [own.fits]
