@@ -8,6 +8,8 @@
   revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
                   [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE] [--gin ...]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
+  revtrain plan  --config FILE [--config FILE ...] [--gin ...]   (the memory plan of each trainer choice, and
+                 whether it fits here; trains nothing)
   revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
   revtrain export --workdir DIR [--step N] --to OUT [--dtype {float32,bfloat16}] [--gin ...]   (a Llama run as a Hugging
                   Face checkpoint directory: config.json + model.safetensors)
@@ -41,9 +43,10 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    for name in ("train", "eval", "check", "sample", "export"):
+    for name in ("train", "eval", "check", "sample", "export", "plan"):
         s = sub.add_parser(name)
-        s.add_argument("--workdir", required=name != "check", help="run directory")
+        if name != "plan":
+            s.add_argument("--workdir", required=name != "check", help="run directory")
         s.add_argument("--config", action="append", default=[], help="gin file (repeatable; later files win)")
         s.add_argument("--gin", action="append", default=[], help="gin binding 'NAME = VALUE' (repeatable)")
         s.add_argument("--verbose", action="store_true", help="tracebacks and library logs")
@@ -95,7 +98,7 @@ def parse_args(argv: list[str]):
     """
     args, rest = _parser().parse_known_args(argv)
     if args.command is None:
-        raise UsageError("expected a command: train, eval, check, sample or export")
+        raise UsageError("expected a command: train, eval, check, sample, export or plan")
     for item in rest:
         m = re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", item, re.S)
         if not m:
@@ -465,6 +468,17 @@ def _run(args) -> int:
             return check.run_check()
         with workdir_lib.locked(args.workdir, "check"):
             return check.run_check(workdir=args.workdir, step=args.step)
+    if args.command == "plan":
+        if not args.config:
+            raise UsageError("plan needs --config FILE (the experiment's gin file)")
+        _parse_gin(args.config, args.gin)
+        _check_macros_used(args.gin)
+        from revtrain import memory_plan
+        run = loop.build()
+        plans = memory_plan.choices(run)
+        print(plans[0].line())
+        print(memory_plan.table(plans))
+        return 0
     if args.command == "export":
         from revtrain import export
         config = os.path.join(args.workdir, "config.gin")

@@ -28,7 +28,7 @@ from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import ByteLMTask, Task
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
-from revtrain.memory import MemoryMeter, host_state_bytes
+from revtrain.memory import MemoryMeter, host_resident, host_state_bytes
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
@@ -87,6 +87,9 @@ class TrainConfig:
         TensorBoard (0: off; language models whose layers decode; see ``revtrain.sample``).
       sample_prompt: the prompt of those samples (text, encoded as UTF-8).
       sample_length: bytes (tokens, for a `TokenLMTask`) generated per sample.
+      memory_plan: estimate each memory tier's peak before the state is placed (`revtrain.memory_plan`), log
+        it, put it in the first ``train.jsonl`` record, and refuse (exit status 2) a run that does not fit;
+        False skips it.
     """
 
     steps: int = 1000
@@ -108,6 +111,7 @@ class TrainConfig:
     sample_every: int = 0
     sample_prompt: str = "[[Category:"
     sample_length: int = 300
+    memory_plan: bool = True
 
 
 @gin.configurable("evaluate")
@@ -216,6 +220,7 @@ class Run:
     trainer: TrainerBase
     schedule: Callable | None
     mesh: Any
+    plan: Any = None  # the `memory_plan.MemoryPlan` made by `train` (None: not planned)
 
 
 def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
@@ -456,6 +461,9 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     workdir = os.path.abspath(workdir)
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
         run = build(cfg, workdir)  # first: a configuration error leaves no trace (not even an empty workdir)
+        if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
+            from revtrain import memory_plan
+            run.plan = memory_plan.check_everywhere(run, log=metrics_lib.log)
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
@@ -603,6 +611,9 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                         if run.task.tokenized:
                             values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
+                    values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
+                    if run.plan is not None and not last:  # the first record of this process's run
+                        values.update(run.plan.record())
                     writer.write("train", step, values)
                     eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
                     metrics_lib.log(metrics_lib.progress_line(

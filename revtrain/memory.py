@@ -223,3 +223,19 @@ def host_state_bytes(ts, device=None) -> int:
                 and device in x.sharding.device_set:
             total += _shard_bytes(x)
     return total
+
+
+def host_resident(status: str = "/proc/self/status") -> tuple[int, int]:
+    """This process's host memory: ``(resident bytes now, peak resident bytes)`` (``VmRSS`` and ``VmHWM``
+    of /proc/self/status, the kernel's own counts; what a memory cgroup or the OOM killer sees). ``(0, 0)``
+    where the file is missing (not Linux)."""
+    values = {}
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    name, value = line.split(":", 1)
+                    values[name] = int(value.split()[0]) * 1024
+    except OSError:
+        return 0, 0
+    return values.get("VmRSS", 0), values.get("VmHWM", 0)

@@ -223,6 +223,9 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
         parts.append(f"peak {values['peak_device_bytes'] / 2**20:.1f} MiB")
     if values.get("host_state_bytes"):
         parts.append(f"host state {values['host_state_bytes'] / 2**20:.1f} MiB/device")
+    if values.get("host_resident_bytes"):
+        parts.append(f"host RSS {values['host_resident_bytes'] / 2**20:,.0f} MiB (peak "
+                     f"{values.get('host_peak_bytes', 0) / 2**20:,.0f})")
     parts.append(f"ETA {_duration(eta_seconds)}")
     return " | ".join(parts)
 

@@ -1,0 +1,731 @@
+"""The memory plan: the peak bytes of each memory tier, estimated before anything large is allocated.
+
+Linux without swap answers an over-commitment with SIGKILL and no message (exit 137): the plan is the only
+place a user can be told that a run will not fit, and what would (docs/memory.md). It is made
+from shapes alone, after the model is built and before the trainer places its state:
+
+* **weights** and **optimizer state**: the layers' ``param_shapes`` (a tied leaf once, in its owner) and
+  ``jax.eval_shape(tx.init, ...)`` of each layer's (``ReversibleTrainer`` keeps one optax state per layer,
+  ``StandardTrainer`` one for the whole list: the same leaves);
+* **gradients**: the whole tree for ``StandardTrainer`` (twice with microbatches: the sum and the current
+  microbatch's); one layer's for the reversible trainer's fused per-layer update; a whole-model buffer
+  beside one layer's when the update is deferred (clipping chains, microbatches, ties, a whole-leaf update
+  under ``shard_state``: ``trainer.deferred``), held where the state lives;
+* **activations**: ``StandardTrainer`` keeps every layer's vjp residuals until the backward (counted by
+  tracing ``jax.vjp`` of each distinct layer on shapes: its residual leaves that are not inputs), or only
+  each layer's input under ``scan_layers`` + ``remat_layers``; the reversible trainer keeps the saved inputs
+  of its standard layers plus the current activation and its cotangent (the batch too, for both);
+* **temporaries**: the largest ``temp_size_in_bytes`` of ``jit(...).lower(shapes).compile()
+  .memory_analysis()`` over one forward, one backward (rebuild or recompute, vjp and optax update) and the
+  head's program of each distinct layer, on one device's (micro)batch. Identical layers share one entry.
+  ``StandardTrainer`` runs one program for the whole step; compiling it for a 32-block model costs minutes on
+  two CPU cores, so its temporaries are an analytic bound: the residuals and gradients counted above plus
+  the largest one-layer backward program's own temporaries (`MemoryPlan.method` says so);
+* **runtime**: the JAX/XLA process with its libraries, the data pipeline and the compiled programs
+  (`RUNTIME_BYTES`, measured: the peak resident bytes of a ``revtrain train`` run of a 10 k-parameter model);
+* **checkpoint**: one layer's weights and optimizer state staged by a save (the largest layer's).
+
+Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
+(this process; with offload the weights, optimizer state and saved inputs of every local device live
+there, 1/N each with ``shard_state``). On the CPU backend device memory *is* host memory: one tier, host,
+holding every local device's share. What the process may use on the host is the smaller of
+``MemAvailable`` (/proc/meminfo) plus its own resident bytes and, for its memory cgroup and each of its
+ancestors with a limit (v1: ``memory.limit_in_bytes`` under /sys/fs/cgroup/memory; v2: ``memory.max``), the
+limit less what other processes of the group hold (its anonymous memory less ours; page cache can be
+reclaimed and is not counted).
+
+The parts are those of the design floor: one copy of the weights and optimizer state (12 bytes a
+parameter for AdamW in float32 with the fused update), as a run holds them once init, checkpoint save and
+restore stop copying; docs/memory.md gives the measured peaks against the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from revtrain.errors import ConfigError
+
+# The process's own constant: peak resident bytes of ``revtrain train`` on a 10 k-parameter model (batch
+# 2 x 128, 3 steps), where weights, state and programs are negligible: imports (JAX, XLA, Flax, optax, Orbax,
+# Grain, TensorBoard), the backend, the data pipeline, a few compiled programs. Measured on the 2-core CPU
+# machine (docs/memory.md); on an accelerator the CUDA/TPU runtime adds its own (not measured here).
+RUNTIME_BYTES = 600 * 2**20
+
+PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint")
+_UNLIMITED = 2**62  # cgroup v1 writes 9223372036854771712 for "no limit"
+
+
+class MemoryPlanError(ConfigError):
+    """The plan does not fit the memory this process may use (one line, exit status 2)."""
+
+
+def _nbytes(tree) -> int:
+    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        dtype = np.dtype(x.dtype)
+        total += int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize
+    return total
+
+
+def gib(nbytes: float) -> str:
+    """``nbytes`` as GiB with two decimals (``"1.25 GiB"``), or MiB below 1 GiB."""
+    if abs(nbytes) < 2**30:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+# -- what the process may use ---------------------------------------------------------------------------------
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _meminfo(key: str) -> int | None:
+    text = _read("/proc/meminfo") or ""
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _stat(text: str | None, *keys: str) -> int | None:
+    for key in keys:
+        for line in (text or "").splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    return None
+
+
+def _cgroup_headroom(own_rss: int, proc_cgroup: str = "/proc/self/cgroup",
+                     root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """The tightest memory cgroup limit over this process's group and its ancestors, less what other
+    processes of each group hold: ``(bytes, description)``, or None when no group has a limit."""
+    text = _read(proc_cgroup) or ""
+    best = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if "memory" in controllers.split(","):  # v1
+            base, limit_file, usage_keys = os.path.join(root, "memory"), "memory.limit_in_bytes", ("total_rss", "rss")
+        elif controllers == "" and os.path.exists(os.path.join(root, "cgroup.controllers")):  # v2 (unified)
+            base, limit_file, usage_keys = root, "memory.max", ("anon",)
+        else:
+            continue
+        rel = path.strip("/")
+        while True:
+            group = os.path.join(base, rel) if rel else base
+            raw = _read(os.path.join(group, limit_file))
+            if raw is not None and raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
+                held = _stat(_read(os.path.join(group, "memory.stat")), *usage_keys) or 0
+                room = int(raw) - max(0, held - own_rss)
+                where = f"memory cgroup {'/' + rel} limit {gib(int(raw))}"
+                if held > own_rss:
+                    where += f", {gib(held - own_rss)} held by other processes"
+                if best is None or room < best[0]:
+                    best = (room, where)
+            if not rel:
+                break
+            rel = os.path.dirname(rel)
+    return best
+
+
+def host_limit() -> tuple[int, str]:
+    """What this process may hold in host memory at its peak: ``(bytes, where the figure came from)``.
+
+    The smaller of ``MemAvailable`` plus the process's own resident bytes, and the headroom of its memory
+    cgroup (v1 or v2, this group and its ancestors: the limit less other processes' anonymous memory).
+    """
+    from revtrain.memory import host_resident
+    rss = host_resident()[0]
+    available = _meminfo("MemAvailable")
+    best = (available + rss, f"MemAvailable {gib(available)} + this process's {gib(rss)}") if available else None
+    group = _cgroup_headroom(rss)
+    if group is not None and (best is None or group[0] < best[0]):
+        best = group
+    if best is None:
+        return _UNLIMITED, "unknown (no /proc/meminfo, no memory cgroup)"
+    return best
+
+
+def device_limit(device=None) -> tuple[int | None, str]:
+    """A device's memory, ``(bytes, where from)``: ``memory_stats()["bytes_limit"]`` where the backend has
+    it; ``(None, reason)`` on the CPU (device memory is host memory there: one tier) or without stats."""
+    device = device or jax.local_devices()[0]
+    if device.platform == "cpu":
+        return None, "the CPU backend: device memory is host memory (one tier)"
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 (a backend without memory stats)
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"{device.platform} bytes_limit"
+    return None, f"{device.platform}: no bytes_limit in memory_stats()"
+
+
+# -- the trainer choices -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The settings a plan depends on (one trainer choice).
+
+    Attributes:
+      trainer: ``"standard"`` or ``"reversible"``.
+      optimizer: the optax ``GradientTransformation`` (its state's shapes).
+      batch_size: the global batch, in examples.
+      microbatches: M (each device's share runs as M microbatches).
+      offload: reversible: weights, optimizer state and saved inputs in host memory.
+      shard_state: reversible: large leaves split over the devices (1/N each).
+      deferred: reversible: the deferred update (a whole-model gradient buffer).
+      remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
+      rebuild: reversible: ``"exact"``, ``"fused"`` or ``"fenced"`` (the backward program compiled).
+      label: how a table names it (``"ReversibleTrainer + offload"``).
+      settings: the gin bindings that select it, beyond the run's own.
+    """
+
+    trainer: str
+    optimizer: Any
+    batch_size: int
+    microbatches: int = 1
+    offload: bool = False
+    shard_state: bool = False
+    deferred: bool = False
+    remat: bool = False
+    rebuild: str = "exact"
+    label: str = ""
+    settings: tuple = ()
+
+
+def setup_of(trainer, batch_size: int) -> Setup:
+    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``."""
+    if getattr(trainer, "name", "") == "standard":
+        remat = bool(getattr(trainer, "scan_layers", False) and getattr(trainer, "remat_layers", False))
+        return Setup("standard", trainer.tx, batch_size, trainer.microbatches, remat=remat,
+                     label="StandardTrainer" + (" (scan + remat)" if remat else ""))
+    label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
+    return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload),
+                 shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
+                 rebuild=getattr(trainer, "rebuild", "exact"), label=label)
+
+
+def _separable(tx, model) -> bool:
+    """Whether ``tx`` keeps the reversible trainer's fused per-layer update (no cross-layer equation)."""
+    from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+    try:
+        return LayerwiseUpdate(tx, layer_param_shapes(model)).separable
+    except CoupledUpdateError:
+        return False
+
+
+def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> list[Setup]:
+    """The trainer choices a table compares with ``setup`` and a refusal may name: the reversible trainer,
+    with offload (``host_offload``: the backend has host memory), Adafactor, microbatches, ``shard_state``
+    (several devices), half the batch. Each carries the gin bindings that select it (``settings``)."""
+    out, rev = [], setup.trainer == "reversible"
+    base_rev = setup if rev else dataclasses.replace(
+        setup, trainer="reversible", remat=False, label="ReversibleTrainer",
+        settings=("train.trainer = @ReversibleTrainer",),
+        deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
+    out.append(base_rev)
+    if host_offload and not base_rev.offload:
+        out.append(dataclasses.replace(base_rev, offload=True, label=base_rev.label + " + offload",
+                                       settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
+    head = out[-1]  # the leanest so far: the next choices add to it
+    ada = optax.adafactor(1e-3)
+    out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
+                                   deferred=head.deferred or head.shard_state,
+                                   settings=head.settings + ("train.optimizer = @optax.adafactor",)))
+    local = setup.batch_size // max(num_devices, 1)
+    if local % (2 * setup.microbatches) == 0:
+        m = 2 * setup.microbatches
+        out.append(dataclasses.replace(head, microbatches=m, deferred=True, label=head.label + f" + {m} microbatches",
+                                       settings=head.settings + (f"train.microbatches = {m}",)))
+    if num_devices > 1 and not head.shard_state:
+        out.append(dataclasses.replace(head, shard_state=True, label=head.label + " + shard_state",
+                                       settings=head.settings + ("ReversibleTrainer.shard_state = True",)))
+    if setup.batch_size // 2 >= num_devices and (setup.batch_size // 2) % num_devices == 0:
+        half = setup.batch_size // 2
+        for s in (setup, head):
+            if (half // num_devices) % s.microbatches == 0:
+                out.append(dataclasses.replace(s, batch_size=half, label=s.label + f", batch {half}",
+                                               settings=s.settings + (f"train.batch_size = {half}",)))
+    seen, unique = set(), []
+    for s in out:
+        key = (s.label, s.settings)
+        if key not in seen and s != setup:
+            seen.add(key)
+            unique.append(s)
+    return unique
+
+
+# -- shapes ------------------------------------------------------------------------------------------------
+
+def layer_param_shapes(model) -> list:
+    """Every layer's ``param_shapes``, a tied leaf only in its owner's (as ``Model.init`` holds them)."""
+    from revtrain.models.base import _without
+    shapes = [layer.param_shapes for layer in model.layers]
+    for t in model.ties:
+        shapes[t.user] = _without(shapes[t.user], t.user_path)
+    return shapes
+
+
+def _shard_bytes(tree, n: int) -> int:
+    """Bytes one device holds of ``tree`` when its large leaves are split over ``n`` devices."""
+    from revtrain.placement import shard_axis
+    total = 0
+    for x in jax.tree.leaves(tree):
+        b = _nbytes(x)
+        total += b // n if shard_axis(x.shape, n) is not None else b
+    return total
+
+
+def _spec(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _key(tree) -> str:
+    return str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree))
+
+
+@functools.lru_cache(maxsize=1)
+def _mesh1() -> Mesh:
+    return Mesh(np.asarray(jax.local_devices()[:1]), ("data",))
+
+
+def _local(tree, b: int):
+    """A batch tree's shapes with the leading axis set to ``b`` (one device's (micro)batch)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,) + tuple(x.shape[1:]), x.dtype), tree)
+
+
+def _is_float(tree) -> bool:
+    return all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(tree))
+
+
+class _Programs:
+    """One layer's programs on one device's (micro)batch, compiled on shapes; results cached per distinct
+    (layer, input shapes, optimizer, kind). Each compile runs once per process."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def _compile(self, key, fn, args, donate=()) -> int:
+        """``temp_size_in_bytes`` of ``fn(*args)`` compiled on one device (inside ``shard_map`` over a
+        one-device ``"data"`` mesh, so that layers averaging over it trace as in the trainers)."""
+        if key not in self.cache:
+            from revtrain.trainers.common import XLA_OPTIONS
+            n = len(args)
+            mapped = jax.shard_map(fn, mesh=_mesh1(), in_specs=(P(),) * n, out_specs=P(), check_vma=False)
+            try:
+                compiled = jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS).lower(*args).compile()
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
+                self.cache[key] = 0
+        return self.cache[key]
+
+    def forward(self, layer, params, state, x, keys) -> int:
+        def fn(p, s, x, k):
+            return layer.apply(p, s, x, k, True)
+        return self._compile(("fwd", layer, _key(x)), fn, (params, state, x, keys))
+
+    def backward(self, layer, params, opt, state, x, y, keys, tx, rebuild: str) -> int:
+        """The reverse-and-update program of a reversible layer (from its output ``y``), or the
+        recompute-and-update one of a standard layer (from its input ``x``)."""
+        def update(p, o, grads):
+            updates, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, updates), o
+
+        if layer.reversible:
+            def fn(p, o, s, y, dy, k):
+                x, dx, grads = layer.reverse_vjp(p, s, y, dy, k, fused=rebuild != "exact", fenced=rebuild == "fenced")
+                return (x, dx) + update(p, o, grads)
+            args = (params, opt, state, y, y, keys)
+            donate = (0, 1, 3, 4)
+        elif _is_float(x):
+            def fn(p, o, s, x, dy, k):
+                _, vjp = jax.vjp(lambda p, x: layer.apply(p, s, x, k, True)[0], p, x)
+                grads, dx = vjp(dy)
+                return (dx,) + update(p, o, grads)
+            args, donate = (params, opt, state, x, y, keys), (0, 1, 4)
+        else:
+            def fn(p, o, s, x, dy, k):
+                _, vjp = jax.vjp(lambda p: layer.apply(p, s, x, k, True)[0], p)
+                return update(p, o, vjp(dy)[0])
+            args, donate = (params, opt, state, x, y, keys), (0, 1, 4)
+        return self._compile(("bwd", layer, _key(x), id(tx), rebuild), fn, args, donate)
+
+    def head(self, layer, params, opt, state, x, batch, keys, tx) -> int:
+        def fn(p, o, s, x, batch, k):
+            def objective(p, x):
+                loss_sum, _, _ = layer.loss(p, s, x, batch, k, True)
+                return loss_sum
+            _, vjp = jax.vjp(objective, p, x)
+            grads, dx = vjp(jnp.float32(1.0))
+            updates, o = tx.update(grads, o, p)
+            return dx, optax.apply_updates(p, updates), o
+        return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))
+
+    def whole_step(self, model, setup: "Setup", params, opt, states, batch) -> int:
+        """``temp_size_in_bytes`` of `StandardTrainer`'s whole step compiled for one device (on a 1.44 B
+        Llama of 32 blocks: 12 s on two CPU cores); -1 when it does not compile."""
+        from revtrain.trainers.standard import StandardTrainer
+        key = ("step", id(model), _key(batch), id(setup.optimizer), setup.remat, setup.microbatches)
+        if key not in self.cache:
+            from revtrain.trainers.common import XLA_OPTIONS
+            try:
+                trainer = StandardTrainer(model, setup.optimizer, _mesh1(), scan_layers=setup.remat,
+                                          remat_layers=setup.remat, microbatches=setup.microbatches)
+                mapped = jax.shard_map(trainer._step, mesh=_mesh1(), in_specs=(P(), P(), P(), P("data"), P()),
+                                       out_specs=(P(),) * 5)
+                compiled = jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS).lower(
+                    params, opt, states, batch, jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (fall back to the analytic bound)
+                self.cache[key] = -1
+        return self.cache[key]
+
+    def residuals(self, layer, params, state, x, keys) -> int:
+        """Bytes of the vjp residuals of ``layer`` at ``x`` (leaves of the pullback that are not inputs):
+        what backprop keeps of this layer until its backward."""
+        key = ("res", layer, _key(x))
+        if key not in self.cache:
+            found = []
+
+            def fn(p, s, x, k):
+                if _is_float(x):
+                    _, vjp = jax.vjp(lambda p, x: layer.apply(p, s, x, k, True)[0], p, x)
+                else:
+                    _, vjp = jax.vjp(lambda p: layer.apply(p, s, x, k, True)[0], p)
+                given = {id(a) for a in jax.tree.leaves((p, s, x, k))}
+                found.append(sum(_nbytes(a) for a in jax.tree.leaves(vjp) if id(a) not in given))
+                return jnp.zeros(())
+
+            mapped = jax.shard_map(fn, mesh=_mesh1(), in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+            jax.eval_shape(mapped, params, state, x, keys)
+            self.cache[key] = found[0]
+        return self.cache[key]
+
+    def output(self, layer, params, state, x, keys):
+        """The shapes of ``layer``'s output at ``x`` (training mode)."""
+        key = ("out", layer, _key(x))
+        if key not in self.cache:
+            fn = jax.shard_map(lambda p, s, x, k: layer.apply(p, s, x, k, True)[0], mesh=_mesh1(),
+                               in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+            self.cache[key] = jax.eval_shape(fn, params, state, x, keys)
+        return self.cache[key]
+
+
+# -- the plan ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The estimated peak of each memory tier, by part, against what the process may use.
+
+    Attributes:
+      setup: the trainer choice (`Setup`).
+      tiers: tier (``"host"``, and ``"device"`` on an accelerator) -> {part: bytes}; ``PARTS`` in order.
+      limits: tier -> bytes the process may use (None: unknown, counted as fitting).
+      sources: tier -> where the limit came from (``"MemAvailable 20.1 GiB + ..."``).
+      method: how the temporaries were found (compiled per-layer programs, analytic for StandardTrainer).
+      num_params: trainable scalars (a tied leaf once).
+    """
+
+    setup: Setup
+    tiers: dict
+    limits: dict
+    sources: dict
+    method: str
+    num_params: int
+
+    def total(self, tier: str) -> int:
+        """Estimated peak bytes of ``tier``."""
+        return sum(self.tiers[tier].values())
+
+    def fits_tier(self, tier: str) -> bool:
+        limit = self.limits.get(tier)
+        return limit is None or self.total(tier) <= limit
+
+    @property
+    def fits(self) -> bool:
+        """Whether every tier's estimate is within its limit."""
+        return all(self.fits_tier(t) for t in self.tiers)
+
+    def _tier_text(self, tier: str) -> str:
+        parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in self.tiers[tier].items() if v)
+        limit = self.limits.get(tier)
+        of = f" of {gib(limit)} ({self.sources[tier]})" if limit is not None else f" (limit unknown: {self.sources[tier]})"
+        return f"{tier} {gib(self.total(tier))}{of}: {parts}"
+
+    def line(self) -> str:
+        """One log line: the choice, each tier's total, limit and parts, and whether it fits."""
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"memory plan ({self.setup.label}, {self.num_params:,} params, batch {self.setup.batch_size}): "
+                + "; ".join(self._tier_text(t) for t in self.tiers) + f"; {verdict}")
+
+    def record(self) -> dict:
+        """A flat dict for the first ``train.jsonl`` record: ``plan_<tier>_bytes``, ``plan_<tier>_<part>_bytes``,
+        ``<tier>_limit_bytes``, ``plan_fits``, ``plan_method``."""
+        out = {"plan_fits": self.fits, "plan_method": self.method}
+        for tier, parts in self.tiers.items():
+            out[f"plan_{tier}_bytes"] = self.total(tier)
+            for part, v in parts.items():
+                out[f"plan_{tier}_{part}_bytes"] = int(v)
+            if self.limits.get(tier) is not None:
+                out[f"{tier}_limit_bytes"] = int(self.limits[tier])
+        return out
+
+    def shortfall(self) -> str:
+        """The tiers over their limits: ``"host needs 23.10 GiB of 20.00 GiB (MemAvailable ...)"``."""
+        return "; ".join(f"{t} needs {gib(self.total(t))} of {gib(self.limits[t])} ({self.sources[t]})"
+                         for t in self.tiers if not self.fits_tier(t))
+
+
+def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
+         programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True,
+         global_devices: int | None = None) -> MemoryPlan:
+    """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
+
+    Args:
+      model: a `revtrain.models.Model` (its layers' ``param_shapes``; ``init_params`` is never read).
+      setup: the trainer choice.
+      batch_spec: ``{key: jax.ShapeDtypeStruct}`` of a batch (any leading size: one device's
+        (micro)batch replaces it).
+      num_devices: local devices of this process (the global batch is split over all devices; a
+        single-process run's local devices are all of them).
+      limits: ``{tier: (bytes or None, source)}`` (default: `host_limit`, `device_limit`).
+      programs: a cache of compiled programs shared between plans of one model.
+      platform: the backend (default: the first local device's).
+      whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
+      global_devices: devices of every process (default ``num_devices``): the batch is split over them.
+
+    Returns:
+      a `MemoryPlan`.
+    """
+    programs = programs or _Programs()
+    platform = platform or jax.local_devices()[0].platform
+    n = max(num_devices, 1)
+    tx, m = setup.optimizer, setup.microbatches
+    b = max(setup.batch_size // max(global_devices or n, 1) // m, 1)
+    layers = model.layers
+    pshapes = layer_param_shapes(model)
+    full_pshapes = [layer.param_shapes for layer in layers]  # a tied leaf in both (what the layer computes on)
+    sshapes = [layer.state_shapes for layer in layers]
+    oshapes = [jax.eval_shape(tx.init, p) for p in pshapes]
+    keys = jax.ShapeDtypeStruct((b, 2), jnp.uint32)
+    batch = _local(batch_spec, b)
+
+    # Per layer: input shapes, saved bytes, program temporaries (identical layers hit the caches).
+    x = batch[model.input_key]
+    inputs, saved_std, residuals, temps = [], 0, 0, [0]
+    for i, layer in enumerate(layers):
+        inputs.append(x)
+        p, o, s = full_pshapes[i], jax.eval_shape(tx.init, full_pshapes[i]), sshapes[i]
+        if layer.is_head:
+            temps.append(programs.head(layer, p, o, s, x, batch, keys, tx))
+            residuals += _nbytes(x)
+            break
+        y = programs.output(layer, p, s, x, keys)
+        if setup.trainer == "reversible":
+            if not layer.reversible:
+                saved_std += _nbytes(x)
+            temps.append(programs.forward(layer, p, s, x, keys))
+            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild))
+        else:
+            residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
+            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, "exact"))
+        x = y
+    largest_act = max(_nbytes(a) for a in inputs)
+    batch_bytes = _nbytes(batch)
+
+    # Weights and optimizer state: one device's share.
+    if setup.shard_state:
+        weights = sum(_shard_bytes(p, n) for p in pshapes)
+        opt = sum(_shard_bytes(o, n) for o in oshapes)
+    else:
+        weights, opt = _nbytes(pshapes), _nbytes(oshapes)
+    layer_bytes = [_nbytes(p) for p in pshapes]
+    layer_state = [lb + _nbytes(o) for lb, o in zip(layer_bytes, oshapes)]
+    one_layer = max(layer_bytes)
+
+    if setup.trainer == "standard":
+        grads = _nbytes(pshapes) * (2 if m > 1 else 1)
+        acts = residuals + batch_bytes
+        whole = programs.whole_step(model, setup, pshapes, jax.eval_shape(tx.init, pshapes), sshapes,
+                                    _local(batch_spec, b * m)) if whole_step else -1
+        if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
+            grads = min(grads, whole)
+            acts = min(residuals, whole - grads) + batch_bytes
+            temp = whole - grads - (acts - batch_bytes)
+            method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
+        else:
+            temp = max(temps)
+            method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
+                      "one-layer backward program's temporaries (compiled)")
+    else:
+        grads = one_layer + (weights if setup.deferred else 0)  # deferred: a buffer of the (local) weights' size
+        acts = saved_std + 2 * largest_act + batch_bytes
+        temp = max(temps)
+        method = "compiled one-layer programs (forward, backward, head)"
+    checkpoint = max(layer_state)
+
+    one_tier = platform == "cpu"
+    device = dict.fromkeys(PARTS, 0)
+    host = dict.fromkeys(PARTS, 0)
+    host["runtime"], host["checkpoint"] = RUNTIME_BYTES, checkpoint
+    offload = setup.trainer == "reversible" and setup.offload
+    if offload:
+        # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
+        # deferred gradient buffer (it lives where the state lives). Device: the program's layer (two
+        # slices of a scanned run), one layer's gradient, the current activation, temporaries.
+        host["weights"], host["optimizer_state"] = weights * n, opt * n
+        host["activations"] = saved_std * n
+        host["gradients"] = (grads - one_layer) * n
+        if not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
+            device["weights"] = 2 * one_layer
+            device["optimizer_state"] = 2 * (max(layer_state) - one_layer)
+        device["gradients"] = one_layer
+        device["activations"] = acts - saved_std
+    else:
+        device.update(weights=weights, optimizer_state=opt, gradients=grads, activations=acts)
+    device["temporaries"] = temp
+    if one_tier:  # the device parts are in host RAM too, once per local device
+        for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"):
+            host[k] += device[k] * n
+        tiers = {"host": host}
+    else:
+        tiers = {"device": {k: v for k, v in device.items() if k not in ("runtime", "checkpoint")}, "host": host}
+
+    if limits is None:
+        limits = {"host": host_limit()}
+        if not one_tier:
+            limits["device"] = device_limit()
+    num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
+    return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
+                      num_params)
+
+
+def _host_memory_supported(mesh) -> bool:
+    from revtrain.placement import host_memory_supported
+    return host_memory_supported(mesh)
+
+
+def plan_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
+    """The plan of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    local = _local_devices(run.mesh)
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        raise MemoryPlanError(f"{type(run.task).__name__} has no input_spec: the memory plan needs the batch's "
+                              "shapes (train.memory_plan = False skips it)")
+    return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
+                programs=programs, global_devices=run.mesh.size)
+
+
+def _local_devices(mesh) -> int:
+    return len([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+
+
+def choices(run, limits: dict | None = None, programs: _Programs | None = None,
+            own: MemoryPlan | None = None) -> list[MemoryPlan]:
+    """The run's own plan first, then each alternative of `alternatives` (one compile cache for all)."""
+    programs = programs or _Programs()
+    limits = limits or _limits()
+    own = own or plan_run(run, limits, programs)
+    local = _local_devices(run.mesh)
+    spec = run.task.input_spec(run.cfg.batch_size)
+    others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size)
+              for s in alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))]
+    return [own] + others
+
+
+def _limits() -> dict:
+    limits = {"host": host_limit()}
+    device = device_limit()
+    if device[0] is not None or jax.local_devices()[0].platform != "cpu":
+        limits["device"] = device
+    return limits
+
+
+def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
+    """The one-line refusal: what does not fit, by how much, its parts, and the settings that would fit."""
+    tier = next(t for t in own.tiers if not own.fits_tier(t))
+    parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in own.tiers[tier].items() if v)
+    fitting = [p for p in others if p.fits]
+    # The least that fits: a choice that adds settings to one that fits already is left out.
+    fitting = [p for p in fitting if not any(q is not p and set(q.setup.settings) < set(p.setup.settings)
+                                             for q in fitting)]
+    if fitting:
+        ways = "; ".join(f"{', '.join(p.setup.settings)} ({gib(p.total(tier))})" for p in fitting[:4])
+        hint = f"these settings would fit: {ways}"
+    else:
+        hint = "none of the trainer choices fits here (revtrain plan --config ... shows them); use a smaller model"
+    return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}); {hint}; "
+            "train.memory_plan = False skips this check")
+
+
+def table(plans: list[MemoryPlan]) -> str:
+    """A table of plans (one row per trainer choice, one column per part of each tier, GiB)."""
+    tiers = list(plans[0].tiers)
+    head = ["choice"]
+    for t in tiers:
+        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers[t].get(p) for pl in plans)] + [f"{t}:total"]
+    head += ["fits"]
+    rows = []
+    for pl in plans:
+        row = [pl.setup.label]
+        for t in tiers:
+            row += [f"{pl.tiers[t].get(p, 0) / 2**30:.3f}" for p in PARTS if any(q.tiers[t].get(p) for q in plans)]
+            row += [f"{pl.total(t) / 2**30:.3f}"]
+        row += ["yes" if pl.fits else "no"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [head] + rows]
+    limit = "; ".join(f"{t} limit {gib(plans[0].limits[t])} ({plans[0].sources[t]})" if plans[0].limits[t] is not None
+                      else f"{t} limit unknown ({plans[0].sources[t]})" for t in tiers)
+    return "\n".join(lines + [f"(GiB; {limit}; temporaries: {plans[0].method})"])
+
+
+def check_everywhere(run, log=None) -> MemoryPlan | None:
+    """Plans ``run`` on every process; returns this process's plan when every process's fits (``log``
+    gets its line then), None for a task without ``input_spec`` (nothing to plan from).
+
+    Raises:
+      MemoryPlanError: this process's plan does not fit (one line with the figures and the settings that
+        would fit), or another process's does not.
+    """
+    if run.task.input_spec(run.cfg.batch_size) is None:  # a task that cannot say its batch's shapes: no plan
+        if log is not None:
+            log(f"memory plan: skipped ({type(run.task).__name__} has no input_spec)")
+        return None
+    limits, programs = _limits(), _Programs()
+    own = plan_run(run, limits, programs)
+    fits = [own.fits]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
+    if not own.fits:
+        raise MemoryPlanError(refusal(own, choices(run, limits, programs, own)[1:]))
+    if not all(fits):
+        bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)
+        raise MemoryPlanError(f"the memory plan does not fit on process(es) {bad} (their line says by how much); "
+                              "train.memory_plan = False skips this check")
+    if log is not None:
+        log(own.line())
+    return own

@@ -1,0 +1,229 @@
+"""The memory plan (revtrain/memory_plan.py): exact parts from shapes, the limits it reads, the refusal inside a
+memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from revtrain import memory, memory_plan
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LLAMA = str(REPO / "configs" / "llama_small.gin")
+SHORT = ["--gin", "STEPS = 2", "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
+         "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0"]
+B, T, D, LAYERS = 4, 16, 32, 3
+NO_LIMIT = {"host": (2**50, "test")}
+
+
+def revtrain(*args, timeout=300, prefix=()):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([*prefix, sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def memory_plan_shard(shape):
+    from revtrain.placement import shard_axis
+    return shard_axis(shape, 2) is not None
+
+
+def _spec(batch):
+    shape = jax.ShapeDtypeStruct((batch, T), np.int32)
+    return {"inputs": shape, "targets": shape}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ReversibleTransformerLM(T, num_layers=LAYERS, d_model=D, num_heads=2, dropout_rate=0.0)
+
+
+def _exact(model):
+    """Bytes counted from the arrays themselves (not the shapes): params, AdamW state per layer."""
+    params = [layer.init_params for layer in model.layers]
+    weights = sum(x.nbytes for p in params for x in jax.tree.leaves(p))
+    opt = sum(np.asarray(x).nbytes for p in params for x in jax.tree.leaves(optax.adamw(1e-3).init(p)))
+    return weights, opt, max(sum(x.nbytes for x in jax.tree.leaves(p)) for p in params)
+
+
+def test_reversible_parts_are_the_exact_byte_counts(model):
+    weights, opt, largest = _exact(model)
+    tx = optax.adamw(1e-3)
+    assert opt == 2 * weights + 4 * len(model.layers)  # two moments and one int32 count per layer
+    plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 1, limits=NO_LIMIT,
+                            platform="cpu")
+    host = plan.tiers["host"]
+    assert list(plan.tiers) == ["host"]  # the CPU: one tier
+    assert host["weights"] == weights == 4 * plan.num_params
+    assert host["optimizer_state"] == opt
+    assert host["gradients"] == largest  # one layer's at a time (the fused update)
+    # Saved: the embedding's input (int32 tokens); current: two float32 streams and their cotangent; the batch.
+    assert host["activations"] == B * T * 4 + 2 * (2 * B * T * D * 4) + 2 * B * T * 4
+    assert host["checkpoint"] == 3 * largest + 4  # the largest layer's weights and AdamW state, staged by a save
+    assert host["runtime"] == memory_plan.RUNTIME_BYTES
+    assert host["temporaries"] > 0
+    assert plan.total("host") == sum(host.values())
+    assert plan.fits
+    record = plan.record()
+    assert record["plan_host_bytes"] == plan.total("host")
+    assert record["plan_host_weights_bytes"] == weights and record["host_limit_bytes"] == 2**50
+
+
+def test_standard_and_deferred_parts(model):
+    weights, opt, largest = _exact(model)
+    tx = optax.adamw(1e-3)
+    standard = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="s"), _spec(B), 1, limits=NO_LIMIT,
+                                platform="cpu").tiers["host"]
+    assert standard["gradients"] == weights  # the whole tree
+    assert standard["activations"] > 2 * (2 * B * T * D * 4) * LAYERS  # every block's residuals
+    deferred = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, deferred=True, label="d"), _spec(B), 1,
+                                limits=NO_LIMIT, platform="cpu").tiers["host"]
+    assert deferred["gradients"] == weights + largest  # the whole-model buffer beside one layer's
+    # Two devices: each holds the state (replicated) and half the batch; shard_state halves the large leaves.
+    two = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 2, limits=NO_LIMIT,
+                           platform="cpu").tiers["host"]
+    assert two["weights"] == 2 * weights
+    sharded = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, shard_state=True, label="r"), _spec(B), 2,
+                               limits=NO_LIMIT, platform="cpu").tiers["host"]
+    expected = 2 * sum(x.nbytes // 2 if memory_plan_shard(x.shape) else x.nbytes
+                       for layer in model.layers for x in jax.tree.leaves(layer.init_params))
+    assert weights <= sharded["weights"] == expected < two["weights"]
+    # An accelerator: two tiers; offload moves the state to the host and leaves two layers on the device.
+    gpu = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="o"), _spec(B), 1,
+                           limits={"host": (2**50, "t"), "device": (2**40, "t")}, platform="gpu")
+    assert set(gpu.tiers) == {"device", "host"}
+    assert gpu.tiers["host"]["weights"] == weights and gpu.tiers["device"]["weights"] == 2 * largest
+    assert gpu.tiers["device"]["gradients"] == largest
+
+
+def test_refusal_names_the_settings_that_fit(model):
+    tx = optax.adamw(1e-3)
+    own = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="StandardTrainer"), _spec(B), 1,
+                           limits=NO_LIMIT, platform="cpu")
+    reversible = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="ReversibleTrainer"), _spec(B), 1,
+                                  limits=NO_LIMIT, platform="cpu")
+    limit = (reversible.total("host") + own.total("host")) // 2
+    limits = {"host": (limit, "test limit")}
+    own = memory_plan.plan(model, own.setup, _spec(B), 1, limits=limits, platform="cpu")
+    others = [memory_plan.plan(model, s, _spec(B), 1, limits=limits, platform="cpu")
+              for s in memory_plan.alternatives(own.setup, model, 1, True)]
+    assert not own.fits
+    line = memory_plan.refusal(own, others)
+    assert "\n" not in line
+    assert "StandardTrainer host needs" in line and "test limit" in line
+    assert "train.trainer = @ReversibleTrainer (" in line
+    # A choice that only adds settings to one that fits already is not named.
+    assert "ReversibleTrainer.offload = True" not in line
+
+
+def test_cgroup_limit_less_other_processes(tmp_path):
+    group = tmp_path / "memory" / "jobs" / "mine"
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(str(3 * 2**30))
+    (group / "memory.stat").write_text(f"cache 999999\nrss {2**30}\ntotal_cache 999999\ntotal_rss {2**30}\n")
+    (tmp_path / "memory" / "jobs" / "memory.limit_in_bytes").write_text("9223372036854771712")  # unlimited
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:cpu:/\n4:memory:/jobs/mine\n0::/\n")
+    own = 2**28
+    room, where = memory_plan._cgroup_headroom(own, str(proc), str(tmp_path))
+    assert room == 3 * 2**30 - (2**30 - own)  # the limit less what the group's other processes hold
+    assert "/jobs/mine" in where and "3.00 GiB" in where
+    (tmp_path / "memory" / "jobs" / "memory.limit_in_bytes").write_text(str(2**30))  # a tighter ancestor wins
+    (tmp_path / "memory" / "jobs" / "memory.stat").write_text(f"total_rss {own}\n")
+    assert memory_plan._cgroup_headroom(own, str(proc), str(tmp_path))[0] == 2**30
+    v2 = tmp_path / "v2"
+    (v2 / "job").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("memory\n")
+    (v2 / "job" / "memory.max").write_text(str(2**31))
+    (v2 / "job" / "memory.stat").write_text(f"anon {own}\nfile 5\n")
+    (tmp_path / "cgroup2").write_text("0::/job\n")
+    assert memory_plan._cgroup_headroom(own, str(tmp_path / "cgroup2"), str(v2))[0] == 2**31
+
+
+def test_host_resident_reads_rss_and_peak():
+    rss, peak = memory.host_resident()
+    assert 0 < rss <= peak
+    assert memory_plan.host_limit()[0] > rss
+
+
+def _make_cgroup(limit: int):
+    base = pathlib.Path("/sys/fs/cgroup/memory")
+    group = base / f"revtrain-test-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
+            raise OSError("limit not applied")
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
+    return group
+
+
+def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
+    """StandardTrainer on a 51 M-parameter Llama (measured peak 2.2 GiB) inside a 1 GiB memory cgroup: the
+    plan refuses it in one line with exit status 2 before the state is placed (the kernel would kill it:
+    137), naming the settings that fit and writing nothing."""
+    group = _make_cgroup(2**30)
+    workdir = tmp_path / "run"
+    try:
+        wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+        result = revtrain("train", "--config", LLAMA, *SHORT, "--gin", "LlamaModel.d_model = 768",
+                          "--gin", "LlamaModel.num_layers = 8", "--gin", "LlamaModel.d_ff = 2048",
+                          "--gin", "LlamaModel.num_heads = 12", "--gin", "LlamaModel.num_kv_heads = 4",
+                          "--workdir", str(workdir), prefix=wrapper)
+    finally:
+        group.rmdir()
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("revtrain: error: the memory plan does not fit: StandardTrainer host needs"), line
+    assert f"memory cgroup /{group.name} limit 1.00 GiB" in line
+    assert "would fit" in line or "none of the trainer choices" in line
+    assert not workdir.exists()
+
+
+def test_plan_command_and_host_fields_in_train_jsonl(tmp_path):
+    tiny = ["--gin", "LlamaModel.d_model = 32", "--gin", "LlamaModel.num_layers = 2", "--gin", "LlamaModel.d_ff = 64"]
+    result = revtrain("plan", "--config", LLAMA, *SHORT, *tiny)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip().splitlines()
+    assert out[0].startswith("memory plan (StandardTrainer, ") and out[0].endswith("; fits")
+    header, rows = out[1].split(), [line for line in out[2:] if not line.startswith("(")]
+    assert header[0] == "choice" and header[-1] == "fits" and "host:weights" in header
+    labels = [r.rsplit(None, len(header) - 1)[0] for r in rows]
+    assert labels[:2] == ["StandardTrainer", "ReversibleTrainer"]
+    for row in rows:
+        cells = row.rsplit(None, len(header) - 1)
+        assert cells[-1] in ("yes", "no")
+        total = float(cells[header.index("host:total")])
+        assert total == pytest.approx(sum(float(c) for c in cells[1:header.index("host:total")]), abs=0.003)
+    assert all(r.endswith("yes") for r in rows)  # a 10 k-parameter model fits anywhere
+
+    workdir = tmp_path / "run"
+    result = revtrain("train", "--config", LLAMA, *SHORT, *tiny, "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    assert "memory plan (StandardTrainer, " in result.stderr
+    assert "host RSS " in result.stderr
+    records = [json.loads(line) for line in open(workdir / "metrics" / "train.jsonl")]
+    first = records[0]
+    assert first["plan_fits"] is True and first["plan_host_bytes"] > memory_plan.RUNTIME_BYTES
+    assert first["host_limit_bytes"] > first["plan_host_bytes"]
+    assert all(0 < r["host_resident_bytes"] <= r["host_peak_bytes"] for r in records)
+    assert "plan_host_bytes" not in records[1]  # only the first record
+    # The same run, planned off: no plan fields.
+    result = revtrain("train", "--config", LLAMA, *SHORT, *tiny, "--gin", "train.memory_plan = False",
+                      "--workdir", str(tmp_path / "off"))
+    assert result.returncode == 0, result.stderr
+    assert "plan_host_bytes" not in json.loads(open(tmp_path / "off" / "metrics" / "train.jsonl").readline())
