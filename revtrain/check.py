@@ -120,8 +120,9 @@ class _Checker:
         return inputs
 
     def reversible(self, params, states, batch, rebuild: str = "exact"):
-        """Per-layer (forward input, rebuilt input or None, grads) of the reversible trainer's passes with the
-        given ``ReversibleTrainer.rebuild`` mode (its forward is that mode's: `_forward_program`)."""
+        """Yields ``(i, forward input or None, rebuilt input or None, grads)`` for every layer, top layer
+        first, from the reversible trainer's passes with the given ``ReversibleTrainer.rebuild`` mode (its
+        forward is that mode's: `_forward_program`). One layer's gradients exist at a time."""
         layers, n = self.layers, len(self.layers)
         x = batch[self.model.input_key]
         saved, seen = {}, []
@@ -135,8 +136,7 @@ class _Checker:
         head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
             head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
         grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
-        out = [None] * n
-        out[-1] = (None, None, grads)
+        yield n - 1, None, None, grads
         y = x
         for i in range(n - 2, -1, -1):
             layer = layers[i]
@@ -144,23 +144,24 @@ class _Checker:
                 fn = self._sharded(("reverse", layer, rebuild), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
                     layer, p, s, y, dy, self._keys(i, y), rebuild=rebuild), (_R, _R, _D, _D, _R), (_D, _D, _R))
                 y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
-                out[i] = (seen[i], jax.tree.map(np.asarray, y), grads)
+                item = (i, seen[i], jax.tree.map(np.asarray, y), grads)
+                seen[i] = None
             else:
                 xs = saved.pop(i)
                 fn = self._sharded(("recompute", layer), lambda p, s, x, dy, i, layer=layer:
                                    ReversibleTrainer.recompute_grads(layer, p, s, x, dy, self._keys(i, x)),
                                    (_R, _R, _D, _D, _R), (_D, _R))
                 dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
-                out[i] = (None, None, jax.tree.map(np.asarray, grads))
+                item = (i, None, None, grads)
                 y = xs
             self._tell("reversible backward", n - i, n)
-        return out
+            yield item
 
     def backprop(self, params, states, batch, inputs, chunk: int | None):
-        """Ordinary backprop gradients per layer, ``chunk`` layers at a time (None: the whole model)."""
+        """Yields ``(i, grads)`` of ordinary backprop for every layer, top layer first, ``chunk`` layers at a
+        time (None: the whole model); one chunk's gradients exist at a time."""
         layers, n = self.layers, len(self.layers)
         chunk = n if not chunk or chunk >= n else chunk
-        grads = [None] * n
         dy = None
         for start in range(((n - 1) // chunk) * chunk, -1, -chunk):
             stop = min(start + chunk, n)
@@ -192,10 +193,34 @@ class _Checker:
             fn = self._sharded(("backprop", members, stop == n), run, (_R, _R, _D, _D, _D, _R), (_R, _D))
             x_in = jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(self.mesh, _D)), inputs[start])
             g, dy = fn([params[i] for i in idx], [states[i] for i in idx], x_in, batch, dy, np.int32(start))
-            for k, i in enumerate(idx):
-                grads[i] = jax.tree.map(np.asarray, g[k])
             self._tell("backprop" if chunk < n else "backprop (whole model)", n - start, n)
-        return grads
+            for k in range(len(idx) - 1, -1, -1):
+                yield idx[k], g[k]
+            del g
+
+    def rows(self, params, states, batch, inputs, chunk: int | None, modes: tuple) -> list:
+        """Per rebuild mode in ``modes``, one row per layer ``(name, reversible, rebuild error or None,
+        gradient difference)`` against `backprop`'s gradients. The passes walk down the layers together,
+        so only the current layer's (or backprop chunk's) gradients exist: the check's memory is the
+        parameters plus one layer's, whatever the depth."""
+        walks = [self.reversible(params, states, batch, mode) for mode in modes]
+        out = [[None] * len(self.layers) for _ in modes]
+        ref = {}
+        reference = self.backprop(params, states, batch, inputs, chunk)
+        for i in range(len(self.layers) - 1, -1, -1):
+            while i not in ref:
+                j, g = next(reference)
+                ref[j] = g
+            g_ref = ref.pop(i)
+            layer = self.layers[i]
+            for m, walk in enumerate(walks):
+                j, seen, rebuilt, grads = next(walk)
+                assert j == i, (j, i)  # both walks go top down, one layer at a time
+                rebuild = _rel(seen, rebuilt) if rebuilt is not None else None
+                out[m][i] = (layer.name, layer.reversible, rebuild, _rel(g_ref, grads))
+                del grads
+            del g_ref
+        return out
 
 
 def _with_dtype(cfg, dtype: str):
@@ -256,12 +281,12 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     if workdir is not None:
         params, states, where = _checkpoint_params(run, workdir, step)
     else:
-        params, states = run.model.init()
-        where = "initial parameters"
-    # Each layer with its whole params (a tied leaf in both its users'): the check compares per-layer
-    # gradients of each use, which the trainers then add up.
+        values, where = _initial_params(run), "initial parameters"
+        params, states = [p for p, _ in values], [s for _, s in values]
+        del values
+    # Each layer with its whole params (a tied leaf in both its users': the same placed array, no copy): the
+    # check compares per-layer gradients of each use, which the trainers then add up.
     params = [run.model.merge_tied(i, p, params) for i, p in enumerate(params)]
-    params, states = put_replicated(params, mesh), put_replicated(states, mesh)
     n = len(run.model.layers)
     if layers_per_chunk is None and n > WHOLE_MODEL_MAX_LAYERS:
         layers_per_chunk = 1
@@ -285,23 +310,17 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
 
         checker = _Checker(model, mesh, cfg.seed, progress=tell)
         inputs = checker.forward_inputs(params, states, batch)
-        # Each precision against backprop in the same precision: what reversibility adds, not what
-        # bfloat16 itself costs.
-        ref = checker.backprop(params, states, batch, inputs, layers_per_chunk)
-
-        def rows_of(rev):
-            rows = []
-            for i, layer in enumerate(model.layers):
-                seen, rebuilt, grads = rev[i]
-                rebuild = _rel(seen, rebuilt) if rebuilt is not None else None
-                rows.append((layer.name, layer.reversible, rebuild, _rel(ref[i], grads)))
-            return rows
-
-        results[dtype] = rows_of(checker.reversible(params, states, batch, mode))
         if dtype == base_dtype:
             stream_max = _stream_max(model, inputs)
-            # The other rebuild mode in the configured dtype, for comparison (what switching would give).
-            alternative = (other_mode, rows_of(checker.reversible(params, states, batch, other_mode)))
+        # Each precision against backprop in the same precision: what reversibility adds, not what
+        # bfloat16 itself costs. The configured dtype also runs the other rebuild mode, for comparison
+        # (what switching would give).
+        modes = (mode, other_mode) if dtype == base_dtype else (mode,)
+        rows = checker.rows(params, states, batch, inputs, layers_per_chunk, modes)
+        results[dtype] = rows[0]
+        if dtype == base_dtype:
+            alternative = (other_mode, rows[1])
+        del inputs
     reference = ("whole-model backprop" if not layers_per_chunk or layers_per_chunk >= n else
                  "backprop one layer at a time" if layers_per_chunk == 1 else
                  f"backprop {layers_per_chunk} layers at a time")
@@ -394,16 +413,35 @@ def _grid_hint(cfg, rows, stream_max: float) -> str | None:
             f"(range {2 ** (24 - fits)}) keeps it exact")
 
 
+def _initial_params(run) -> list:
+    """``(params, state)`` of every layer at initialisation, placed replicated one layer at a time (a lazy
+    layer's initial values exist as numpy only while it is placed)."""
+    out = []
+    for i in range(len(run.model.layers)):
+        values = run.model.init_layer(i)
+        out.append(put_replicated(values, run.mesh))
+        del values
+    return out
+
+
 def _checkpoint_params(run, workdir: str, step: int | None):
-    """(params, layer states, description) of a checkpoint of ``workdir``, as host numpy arrays."""
+    """(params, layer states, description) of a checkpoint of ``workdir``: the weights and layer state alone
+    (the optimizer state is not read), placed replicated."""
     from revtrain import checkpoint as ckpt_lib
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
-        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)  # skips a damaged newest one
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,
+                                                 optimizer_state=False)  # skips a damaged newest one
     finally:
         checkpointer.close()
-    to_host = lambda tree: jax.tree.map(lambda x: np.array(x), tree)  # noqa: E731 (copies off the device)
-    return to_host(ts.params), to_host(ts.layer_state), f"checkpoint at step {chosen} of {workdir}"
+    # Offloaded or sharded runs restore into host memory or shards: the check's programs take replicated
+    # device arrays, placed one layer at a time.
+    params, states = [], []
+    for i in range(len(ts.params)):
+        params.append(put_replicated(ts.params[i], run.mesh))
+        states.append(put_replicated(ts.layer_state[i], run.mesh))
+        ts.params[i] = ts.layer_state[i] = None  # the restored copy goes as its replica is made
+    return params, states, f"checkpoint at step {chosen} of {workdir}"
 
 
 def _model_param(cfg, name: str, default):

@@ -319,10 +319,13 @@ class Checkpointer:
                 release_free_memory()  # tensorstore's staging buffers, freed in its threads' arenas
         return started
 
-    def restore(self, template: TrainState, step: int | None = None, data_iterator=None) -> TrainState:
+    def restore(self, template: TrainState, step: int | None = None, data_iterator=None, *,
+                optimizer_state: bool = True) -> TrainState:
         """Restores the checkpoint of ``step`` (default: newest) into the shapes and placements of
         ``template`` (so offloaded weights land straight in host memory), in the per-layer layout (a
         trainer regroups it on its first step). Restores the data iterator's position in place when given.
+        ``optimizer_state=False`` reads the weights and layer state alone (the optimizer state's leaves are
+        Orbax placeholders in the result, never read: ``revtrain check`` needs a third of the memory).
 
         Raises:
           CheckpointError: no such step, or the checkpoint is unreadable or does not match the model.
@@ -331,6 +334,8 @@ class Checkpointer:
         if step is None or step not in self._manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
+        if not optimizer_state:
+            return self._restore_weights(abstract, step)
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             args["data"] = DataRestore(data_iterator)
@@ -338,6 +343,26 @@ class Checkpointer:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
             tree = out["state"]
             return TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
+        except Exception as e:  # Orbax raises many types for corrupt or mismatched files
+            raise DamagedCheckpoint(step, damage_reason(e)) from e
+
+    def _restore_weights(self, abstract: dict, step: int) -> TrainState:
+        """`restore` without the optimizer state: Orbax's partial restore of the weights and layer state
+        from the step's ``state`` item (the standard handler cannot leave leaves out; the format is the
+        same PyTree one). The result's ``opt_state`` has None for every layer."""
+        item = {"params": abstract["params"], "layer_state": abstract["layer_state"]}
+        handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1)
+        inner = getattr(handler, "_handler_impl", None)
+        if inner is not None and hasattr(inner, "_restore_concurrent_bytes"):
+            inner._restore_concurrent_bytes = STAGING_BYTES
+        try:
+            meta = self.meta(step)
+            with ocp.Checkpointer(handler) as reader:
+                tree = reader.restore(os.path.join(self.directory, str(step), "state"), args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))
+            return TrainState(int(meta["step"]), tree["params"], [None] * len(tree["params"]), tree["layer_state"])
+        except DamagedCheckpoint:
+            raise
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
             raise DamagedCheckpoint(step, damage_reason(e)) from e
 
@@ -357,7 +382,8 @@ class Checkpointer:
 
     def restore_newest(self, template: TrainState, step: int | None = None, data_iterator=None,
                        accept: Callable[[int, dict], None] | None = None,
-                       on_skip: Callable[[DamagedCheckpoint], None] | None = None) -> tuple[TrainState, int]:
+                       on_skip: Callable[[DamagedCheckpoint], None] | None = None,
+                       optimizer_state: bool = True) -> tuple[TrainState, int]:
         """Restores the newest checkpoint that restores (or exactly ``step``); what every reader uses.
 
         Without ``step``, tries the complete checkpoints newest first; one that cannot be read (a truncated
@@ -371,6 +397,7 @@ class Checkpointer:
           accept: called with ``(step, meta)`` before a checkpoint is restored; raising refuses the
             checkpoint and stops the search (e.g. it was made by another model).
           on_skip: called with the `DamagedCheckpoint` of each skipped checkpoint instead of the line.
+          optimizer_state: False: the weights and layer state alone (see `restore`).
 
         Returns:
           ``(state, step)``.
@@ -384,7 +411,7 @@ class Checkpointer:
             try:
                 if accept is not None:
                     accept(step, self.meta(step))
-                return self.restore(template, step, data_iterator), step
+                return self.restore(template, step, data_iterator, optimizer_state=optimizer_state), step
             except DamagedCheckpoint as e:
                 others = [s for s in self.steps() if s != step]
                 hint = (f" (without --step the newest checkpoint that restores is used; others: "
@@ -397,7 +424,7 @@ class Checkpointer:
                 meta = self.meta(candidate)
                 if accept is not None:
                     accept(candidate, meta)
-                return self.restore(template, candidate, data_iterator), candidate
+                return self.restore(template, candidate, data_iterator, optimizer_state=optimizer_state), candidate
             except DamagedCheckpoint as e:
                 failures.append(e)
                 if on_skip is not None:

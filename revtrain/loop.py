@@ -461,9 +461,6 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     workdir = os.path.abspath(workdir)
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
         run = build(cfg, workdir)  # first: a configuration error leaves no trace (not even an empty workdir)
-        if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
-            from revtrain import memory_plan
-            run.plan = memory_plan.check_everywhere(run, log=metrics_lib.log)
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
@@ -474,6 +471,9 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
+            if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
+                from revtrain import memory_plan
+                run.plan = memory_plan.check_everywhere(run, log=metrics_lib.log)
             return _train(run, workdir, guard)
         except BaseException:
             if created and primary and (lock is None or lock.held):
