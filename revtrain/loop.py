@@ -405,7 +405,7 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     if run.task.sequence_length is not None:
         knobs.append(f"{type(run.task).__name__}.sequence_length")
     if isinstance(run.trainer, ReversibleTrainer):
-        if not evaluation and not getattr(run.trainer, "offload", False):
+        if not evaluation and not run.trainer.residency.offloaded:
             knobs.append("ReversibleTrainer.offload = True")
     elif not evaluation:
         knobs.append("train.trainer = @ReversibleTrainer")

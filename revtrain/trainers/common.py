@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated, spec_axis
+from revtrain.residency import Residency
 from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
@@ -443,6 +444,9 @@ class TrainerBase:
         self._cache: dict = {}
         self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
         self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
+        # Where weights and optimizer state live between uses: the one object generation, the memory plan and
+        # the loop ask (a trainer that offloads or shards replaces it).
+        self.residency = Residency(mesh)
 
     # -- compiled-function cache: one jit(shard_map(...)) per key; equal layers share it --------------
     # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer

@@ -187,7 +187,7 @@ class DeferredUpdates:
         uses (beside their owners), made once per layout and zeroed again by each update pass."""
         key = grouped.groups
         if getattr(self, "_acc_key", None) != key or not self._acc_clean:
-            kind = HOST_MEMORY if self.offload else None
+            kind = self.residency.memory_kind
             acc = []
             for g, (start, count) in enumerate(grouped.groups):
                 zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grouped.params[g])
@@ -206,7 +206,7 @@ class DeferredUpdates:
     # -- the update passes (plain jit over the global arrays) --------------------------------------
     def _shardings(self, layer, count: int):
         """(params, optimizer state) shardings of a group, where they live."""
-        kind = HOST_MEMORY if self.offload else None
+        kind = self.residency.memory_kind
         return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=kind), s)
                      for s in self._group_specs(layer, count))
 
@@ -288,7 +288,7 @@ class DeferredUpdates:
                                               jnp.arange(count, dtype=jnp.int32))
                     return (*stacks, tie_in)
             pshard, oshard = self._shardings(layer, count)
-            kind = HOST_MEMORY if self.offload else None
+            kind = self.residency.memory_kind
             tie = NamedSharding(self.mesh, _R, memory_kind=kind)
             shardings = (pshard, oshard, pshard, tie)
             jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
