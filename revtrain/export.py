@@ -137,7 +137,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     try:
         checkpointer.chosen_step(step)
         run = loop.build(cfg, workdir)
-        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
     finally:
         checkpointer.close()
     import jax

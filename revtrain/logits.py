@@ -131,7 +131,7 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
         try:
             checkpointer.chosen_step(step)
             run = loop.build(cfg)
-            ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)
+            ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
         finally:
             checkpointer.close()
     finally:

@@ -820,7 +820,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
         pc = jax.process_count()
         for s in todo:
             try:
-                ts, s = checkpointer.restore_newest(template, step if s is None else s)
+                ts, s = checkpointer.restore_newest(template, step if s is None else s, optimizer_state=False)
             except ckpt_lib.DamagedCheckpoint as e:
                 if not all_steps:
                     raise

@@ -103,7 +103,8 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
         checkpointer.chosen_step(step)  # no checkpoints, or no such step: before the data loads
         run = loop.build(cfg, workdir)
         check_decodable(run.model)
-        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step)  # a damaged newest one is skipped
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,  # a damaged newest one is skipped
+                                                 optimizer_state=False)  # (weights alone: a third of the bytes)
     finally:
         checkpointer.close()
     guard.idle = False
