@@ -473,7 +473,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         try:
             if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
                 from revtrain import memory_plan
-                run.plan = memory_plan.check_everywhere(run, log=metrics_lib.log)
+                run.plan = memory_plan.check_everywhere(run)  # (its line follows the run's first line)
             return _train(run, workdir, guard)
         except BaseException:
             if created and primary and (lock is None or lock.held):
@@ -552,6 +552,8 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
             f"({sum(layer.reversible for layer in run.model.layers)} reversible), "
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+        if run.plan is not None:  # made before the first allocation; said once the run has started
+            metrics_lib.log(run.plan.line())
         if changes:
             metrics_lib.log(changes)
         if resumed is not None and saved_on.get("devices") is not None and (
