@@ -338,7 +338,7 @@ def run_signature(run: Run) -> dict:
                    for layer in run.model.layers],
         "optimizer_state": [shapes(t) for t in template],
         "data": {k: v for k, v in vars(run.task).items() if isinstance(v, (str, int, float, bool))
-                 and k != "data_dir"},
+                 and k not in ("data_dir", "data_status")},
         "batch_size": run.cfg.batch_size,
         "seed": run.cfg.seed,
     }

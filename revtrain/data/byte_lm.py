@@ -25,14 +25,17 @@ modification and status-change times, and the SHA-256 of its bytes); a source wh
 from __future__ import annotations
 
 import bz2
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 import zlib
 
@@ -406,25 +409,58 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
             builder._source_bytes = getattr(stale, "_source_bytes", None)  # noqa: SLF001
             builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
             prepare = True
-    if prepare:
-        if getattr(builder, "_source_bytes", None) is None:
-            # Read and check the source before TFDS announces the preparation or creates any directory: a
-            # missing, empty or too small source is one line and leaves nothing in the cache.
-            if sequence_length < 1:
-                raise DataError(f"sequence length must be >= 1, got {sequence_length}")
-            stat = source_stat(source)
-            data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
-            _check_splits(len(data), sequence_length)
-            builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001
+    if not prepare:
+        builder.data_status = describe(builder, source)
+        return builder
+    started = time.perf_counter()
+    if getattr(builder, "_source_bytes", None) is None:
+        # Read and check the source before TFDS announces the preparation or creates any directory: a
+        # missing, empty or too small source is one line and leaves nothing in the cache.
+        if sequence_length < 1:
+            raise DataError(f"sequence length must be >= 1, got {sequence_length}")
+        stat = source_stat(source)
+        data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
+        _check_splits(len(data), sequence_length)
+        builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." and "Dataset byte_lm downloaded and
+    # prepared to ..." on stdout (and a progress bar on a terminal): revtrain says it in one line instead.
+    with contextlib.redirect_stdout(io.StringIO()), _no_tfds_progress_bar():
         builder.download_and_prepare(
             file_format="array_record",
             download_config=tfds.download.DownloadConfig(try_download_gcs=False),
         )
-        fingerprint = getattr(builder, "_fingerprint", None)
-        builder = make_builder()  # reads the new dataset's info
-        if fingerprint is not None:
-            _write_fingerprint(builder, fingerprint)
+    fingerprint = getattr(builder, "_fingerprint", None)
+    builder = make_builder()  # reads the new dataset's info
+    if fingerprint is not None:
+        _write_fingerprint(builder, fingerprint)
+    builder.data_status = describe(builder, source, time.perf_counter() - started)
+    print(builder.data_status, file=sys.stderr, flush=True)
     return builder
+
+
+@contextlib.contextmanager
+def _no_tfds_progress_bar():
+    from tensorflow_datasets.core.utils import tqdm_utils
+    enabled = tqdm_utils._active  # noqa: SLF001 (TFDS keeps the switch there; no public getter)
+    tfds.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            tfds.enable_progress_bar()
+
+
+def describe(builder, source: str, seconds: float | None = None) -> str:
+    """One line saying what the prepared byte data of ``source`` holds and whether it was prepared now (in
+    ``seconds``) or found in the cache (``seconds`` None)."""
+    splits = builder.info.splits
+    counts = " / ".join(f"{splits[s].num_examples:,}" for s in SPLITS)
+    length = builder.builder_config.sequence_length
+    what = (f"{builder.info.metadata['total_bytes']:,} bytes, {counts} sequences of {length} bytes "
+            "(train / validation / test)")
+    if seconds is None:
+        return f"byte data of {source} found in the cache: {what}, in {builder.data_dir}"
+    return f"prepared the byte data of {source}: {what} in {seconds:.1f} s, cached in {builder.data_dir}"
 
 
 def ensure_gensim_wheel(data_dir: str) -> pathlib.Path:

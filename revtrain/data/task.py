@@ -19,6 +19,9 @@ class Task:
       sequence_length: positions per example (None: not a sequence task).
       tokenizer: the run's `revtrain.data.tokenizer.Tokenizer` (None: no tokenizer; byte values are the ids).
       bytes_per_token: mean UTF-8 bytes per target of the training split (1.0 for bytes).
+      data_status: one line saying what preparing the data did: prepared now (how much, how long) or found
+        in the cache (None: the task does not say). A task prints it itself when it prepared the data;
+        ``scripts/prepare_data.py`` (``make data``) prints it either way.
     """
 
     bits_per_byte = False
@@ -26,6 +29,7 @@ class Task:
     sequence_length: int | None = None
     tokenizer = None
     bytes_per_token = 1.0
+    data_status: str | None = None
 
     @classmethod
     def tokenizer_arguments(cls, kept: str | None, checkpoint: str | None) -> dict:

@@ -461,6 +461,7 @@ class Prepared:
     directory: str
     meta: dict
     tokenizer: tokenizer_lib.Tokenizer
+    fresh: bool = False  # prepared by this call (False: found in the cache)
 
     def split_file(self, split: str) -> str:
         """The file of a split's ids (``dtype`` of ``meta``, in stream order)."""
@@ -535,7 +536,22 @@ def prepare(source: str, tok: tokenizer_lib.Tokenizer, text_field: str, root: st
     except BaseException:
         _remove(tmp)
         raise
-    return Prepared(directory, meta, tok)
+    return Prepared(directory, meta, tok, fresh=True)
+
+
+def describe(prepared: Prepared, source: str, seconds: float | None = None, bpe_trained: bool = False) -> str:
+    """One line saying what the prepared token data of ``source`` holds and whether it was prepared now (in
+    ``seconds``; ``bpe_trained``: the BPE was trained too) or found in the cache (``seconds`` None)."""
+    meta = prepared.meta
+    splits = meta["splits"]
+    present = [s for s in SPLITS if s in splits]
+    what = (f"{sum(splits[s]['bytes'] for s in present):,} bytes as "
+            f"{' / '.join(format(splits[s]['tokens'], ',') for s in present)} tokens ({' / '.join(present)}) of "
+            f"{prepared.tokenizer.describe()} ({meta['vocab_size']:,} ids)")
+    if seconds is None:
+        return f"token data of {source} found in the cache: {what}, in {prepared.directory}"
+    bpe = ", the BPE trained too" if bpe_trained else ""
+    return f"prepared the token data of {source}: {what} in {seconds:.1f} s{bpe}, cached in {prepared.directory}"
 
 
 class TokenWindows:
