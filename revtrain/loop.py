@@ -275,6 +275,8 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
         raise ConfigError(ginconfig.call_error_line(e)) from e
+    if task.data_prepared:  # said once the run is built: a configuration error stays the only line
+        metrics_lib.log(task.data_status)
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
 

@@ -70,8 +70,8 @@ def _prepare_config(configs: list[str], bindings: list[str]) -> None:
         import gin
         gin.bind_parameter(f"{cfg.task.__name__}.data_dir", _DATA_DIR.value)
     task = loop.build_task(cfg)
-    if task.data_status and "found in the cache" in task.data_status:
-        print(task.data_status, file=sys.stderr, flush=True)  # (a task prints it itself when it prepares)
+    if task.data_status:
+        print(task.data_status, file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -88,8 +88,7 @@ def main(argv):
         if _SOURCE.value == byte_lm.GENSIM_SOURCE:
             byte_lm.ensure_gensim_wheel(data_dir)
         builder = byte_lm.load_byte_lm(_SOURCE.value, _SEQUENCE_LENGTH.value, data_dir)
-        if "found in the cache" in builder.data_status:
-            print(builder.data_status, file=sys.stderr, flush=True)
+        print(builder.data_status, file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 (one line, as the revtrain command prints it)
         code, line = cli._classify(e)  # noqa: SLF001
         print(f"error: {line}", file=sys.stderr)

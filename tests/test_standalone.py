@@ -78,7 +78,10 @@ def test_a_fine_tuned_workdir_works_after_its_checkpoint_is_gone(capsys, tmp_pat
     workdir = tmp_path / "run"
     data = ["--gin", f"TokenLMTask.source = '{corpus}'", "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'",
             "--gin", f"LlamaModel.path = '{pretrained}'"]
+    capsys.readouterr()
     assert cli.main(["train", "--config", _config(tmp_path), *data, "--workdir", str(workdir)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "token data of" in line]
+    assert len(said) == 1 and said[0].startswith(f"prepared the token data of {corpus}: "), said
     assert json.loads((workdir / "pretrained" / "config.json").read_text()) == original_config
     assert (workdir / "tokenizer.json").read_bytes() == tok_file.read_bytes()
     recorded = (workdir / "config.gin").read_text()

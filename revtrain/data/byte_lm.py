@@ -369,6 +369,11 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
     hash only when the stat changed); a changed source is prepared again, replacing the old dataset, with
     one line on stderr saying so. The 'gensim_enwiki' source is a pinned file and is never re-checked.
 
+    ``builder.data_status`` is one line saying what was prepared, how much and how long, or that the data was
+    found in the cache (`describe`); ``builder.data_prepared`` whether it was prepared by this call. (The
+    caller says it: `revtrain.loop.build` once the run is built, so that a later configuration error is
+    still the only line; ``scripts/prepare_data.py`` always.)
+
     Read records with ``builder.as_data_source(split)``: each is ``{'bytes': uint8 [L + 1]}``.
     Record counts: ``builder.info.splits[split].num_examples``.
 
@@ -410,7 +415,7 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
             builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
             prepare = True
     if not prepare:
-        builder.data_status = describe(builder, source)
+        builder.data_status, builder.data_prepared = describe(builder, source), False
         return builder
     started = time.perf_counter()
     if getattr(builder, "_source_bytes", None) is None:
@@ -433,8 +438,7 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
     builder = make_builder()  # reads the new dataset's info
     if fingerprint is not None:
         _write_fingerprint(builder, fingerprint)
-    builder.data_status = describe(builder, source, time.perf_counter() - started)
-    print(builder.data_status, file=sys.stderr, flush=True)
+    builder.data_status, builder.data_prepared = describe(builder, source, time.perf_counter() - started), True
     return builder
 
 

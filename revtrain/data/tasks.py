@@ -15,7 +15,6 @@ or the one of the checkpoint it imports.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import gin
@@ -67,7 +66,7 @@ class ByteLMTask(Task):
         self.sequence_length = sequence_length
         self.data_dir = data_dir or byte_lm.default_data_dir()
         self.builder = byte_lm.load_byte_lm(source, sequence_length, self.data_dir)
-        self.data_status = self.builder.data_status
+        self.data_status, self.data_prepared = self.builder.data_status, self.builder.data_prepared
 
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length}
@@ -198,11 +197,9 @@ class TokenLMTask(Task):
         bpe_trained = bool(planned)  # (the first pass runs before a BPE is trained, and only then)
         self.prepared = token_lm.prepare(source, tok, text_field, root, corpus, planned[0] if planned else None)
         token_lm.save_memo(memo_path, memo)
-        fresh = self.prepared.fresh or bpe_trained
-        self.data_status = token_lm.describe(self.prepared, source, time.perf_counter() - started if fresh else None,
-                                             bpe_trained)
-        if fresh:
-            print(self.data_status, file=sys.stderr, flush=True)
+        self.data_prepared = self.prepared.fresh or bpe_trained
+        self.data_status = token_lm.describe(
+            self.prepared, source, time.perf_counter() - started if self.data_prepared else None, bpe_trained)
         splits = self.prepared.meta["splits"]
         for split in ("train", "validation"):
             if max(splits[split]["tokens"] - 1, 0) // sequence_length == 0:
