@@ -1,6 +1,6 @@
 """Prepares a run's data so training can read it offline, and says what it did.
 
-  python scripts/prepare_data.py --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...]
+  python scripts/prepare_data.py --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
   python scripts/prepare_data.py [--data_dir DIR] [--source gensim_enwiki|PATH] [--sequence_length N]
 
 With ``--config`` (what ``make data CONFIG=...`` runs), the data of that config's task: ``train.task`` built
@@ -95,5 +95,13 @@ def main(argv):
         sys.exit(code)
 
 
+def _gin_dot_flags(argv: list[str]) -> list[str]:
+    """``--gin.NAME=VALUE`` (as ``revtrain train`` takes it, and ``make data GIN=...`` passes it) as
+    ``--gin=NAME = VALUE``."""
+    import re
+    return [f"--gin={m.group(1)} = {m.group(2)}" if (m := re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", a, re.S)) else a
+            for a in argv]
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, argv=_gin_dot_flags(sys.argv))

@@ -164,10 +164,9 @@ def test_data_preparation_says_what_it_did_on_a_pipe(tmp_path):
     assert len(again) == 1 and again[0].startswith(f"byte data of {corpus} found in the cache: 150,000 bytes"), again
 
     config = tmp_path / "tokens.gin"
-    config.write_text(f"include '{REPO / 'configs' / 'enwik_bpe.gin'}'\nTokenLMTask.source = '{corpus}'\n"
-                      "TokenLMTask.vocab_size = 300\n")
-    tokens = run("--config", str(config))
+    config.write_text(f"include '{REPO / 'configs' / 'enwik_bpe.gin'}'\nTokenLMTask.source = '{corpus}'\n")
+    tokens = run("--config", str(config), "--gin.TokenLMTask.vocab_size=300")  # as make data GIN=... passes it
     assert len(tokens) == 1 and tokens[0].startswith(f"prepared the token data of {corpus}: 150,000 bytes as "), tokens
     assert "(300 ids)" in tokens[0] and "the BPE trained too" in tokens[0], tokens
-    tokens = run("--config", str(config))
+    tokens = run("--config", str(config), "--gin", "TokenLMTask.vocab_size = 300")
     assert len(tokens) == 1 and tokens[0].startswith(f"token data of {corpus} found in the cache"), tokens
