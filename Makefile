@@ -1,5 +1,6 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [CONFIG=configs/enwik_modern.gin] [WORKDIR=runs/<the config's name>]
+#   make data [CONFIG=...]   (the data of CONFIG only)
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
@@ -25,8 +26,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 venv: $(VENV)/.installed
 
+# The data of CONFIG (its train.task: for enwik_bpe.gin the corpus tokenized with its BPE), one line saying
+# what was prepared (how much, how long) or found in the cache.
 data: venv
-	$(PY) scripts/prepare_data.py
+	$(PY) scripts/prepare_data.py --config $(CONFIG) $(GIN)
 
 train: data
 	$(VENV)/bin/revtrain train --config $(CONFIG) --workdir $(WORKDIR) $(GIN)

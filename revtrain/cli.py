@@ -1,19 +1,21 @@
-"""The ``revtrain`` command line: ``train`` and ``eval`` (t5x / Trax style gin configuration).
+"""The ``revtrain`` command line: ``train``, ``eval``, ``sample``, ``check``, ``export`` and ``plan`` (t5x / Trax
+style gin configuration).
 
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
                  [--heartbeat_timeout SECONDS]
-  revtrain eval  --workdir DIR [--step N | --all] [--split {validation,test}] [--name NAME] [--gin ...]
-                 [--verbose]
-  revtrain sample --workdir DIR [--step N] [--prompt TEXT | --prompt_file FILE] [--length N] [--temperature T]
-                  [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE] [--gin ...]
+  revtrain eval  --workdir DIR [--config FILE ...] [--step N | --all] [--split {validation,test}] [--name NAME]
+                 [--gin ...] [--verbose]
+  revtrain sample --workdir DIR [--config FILE ...] [--step N] [--prompt TEXT | --prompt_file FILE] [--length N]
+                  [--temperature T] [--top_k K] [--top_p P] [--num_samples K] [--seed S] [--output FILE] [--gin ...]
   revtrain check --config FILE [--config FILE ...] [--gin ...]   (exit 0: exact within tolerance, 1: not)
+  revtrain check --workdir DIR [--config FILE ...] [--step N] [--gin ...]   (the same, on a run's checkpoint)
+  revtrain export --workdir DIR [--config FILE ...] [--step N] --to OUT [--dtype {float32,bfloat16}] [--gin ...]
+                  (a Llama run as a Hugging Face checkpoint directory: config.json + model.safetensors)
   revtrain plan  --config FILE [--config FILE ...] [--gin ...]   (the memory plan of each trainer choice, and
                  whether it fits here; trains nothing)
-  revtrain check --workdir DIR [--step N] [--gin ...]            (the same, on a run's checkpoint)
-  revtrain export --workdir DIR [--step N] --to OUT [--dtype {float32,bfloat16}] [--gin ...]   (a Llama run as a Hugging
-                  Face checkpoint directory: config.json + model.safetensors)
 
+With --workdir, the run's DIR/config.gin comes first, then the --config files, then the --gin bindings.
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
 stderr; other failures exit 1 with one line. ``--verbose`` shows tracebacks and library logs.
 """
@@ -41,13 +43,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.")
+    synopsis = __doc__.split("\n\n", 1)[1].split("\nLater config files", 1)[0]
+    p = _Parser(prog="revtrain", description="Memory-efficient reversible training in JAX.",
+                epilog="commands:\n" + synopsis + "\n\nrevtrain COMMAND --help: the options of one command; "
+                       "docs/cli.md: the reference.", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     for name in ("train", "eval", "check", "sample", "export", "plan"):
         s = sub.add_parser(name)
         if name != "plan":
             s.add_argument("--workdir", required=name != "check", help="run directory")
-        s.add_argument("--config", action="append", default=[], help="gin file (repeatable; later files win)")
+        s.add_argument("--config", action="append", default=[],
+                       help="gin file (repeatable; later files win)" if name in ("train", "check", "plan") else
+                       "gin file read after the run's DIR/config.gin (repeatable; later files win)")
         s.add_argument("--gin", action="append", default=[], help="gin binding 'NAME = VALUE' (repeatable)")
         s.add_argument("--verbose", action="store_true", help="tracebacks and library logs")
         s.add_argument("--coordinator_address", help="multi-host: HOST:PORT of process 0")

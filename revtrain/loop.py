@@ -275,6 +275,8 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
         raise ConfigError(ginconfig.call_error_line(e)) from e
+    if task.data_prepared:  # said once the run is built: a configuration error stays the only line
+        metrics_lib.log(task.data_status)
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
 
@@ -338,7 +340,7 @@ def run_signature(run: Run) -> dict:
                    for layer in run.model.layers],
         "optimizer_state": [shapes(t) for t in template],
         "data": {k: v for k, v in vars(run.task).items() if isinstance(v, (str, int, float, bool))
-                 and k != "data_dir"},
+                 and k not in ("data_dir", "data_status")},
         "batch_size": run.cfg.batch_size,
         "seed": run.cfg.seed,
     }

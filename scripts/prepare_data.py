@@ -1,13 +1,18 @@
-"""Prepares the byte-level LM dataset (TFDS, array_record) so training can read it offline.
+"""Prepares a run's data so training can read it offline, and says what it did.
 
-  python scripts/prepare_data.py [--data_dir DIR] [--source gensim_enwiki|PATH]
-      [--sequence_length N]
+  python scripts/prepare_data.py --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
+  python scripts/prepare_data.py [--data_dir DIR] [--source gensim_enwiki|PATH] [--sequence_length N]
 
-With the default source, first downloads the gensim 4.4.0 wheel (which ships an English-Wikipedia
-dump excerpt) into <data_dir>/downloads/ with pip. Exits with status 2 and one line on stderr on a
-data error.
+With ``--config`` (what ``make data CONFIG=...`` runs), the data of that config's task: ``train.task`` built
+as ``revtrain train`` builds it (for ``configs/enwik_bpe.gin`` the corpus tokenized with its BPE, trained
+first when it is not cached). Without, the byte-level dataset of ``--source``. The default source
+(``gensim_enwiki``) first needs the gensim 4.4.0 wheel (which ships an English-Wikipedia dump excerpt):
+downloaded into <data_dir>/downloads/ with pip when missing. Prints one line on stderr, also on a pipe:
+the data prepared (how much, how long) or found in the cache. Exits with status 2 and one line on stderr
+on a data or configuration error.
 """
 
+import inspect
 import pathlib
 import sys
 
@@ -16,22 +21,57 @@ try:
 except ImportError:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-import tensorflow_datasets as tfds  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from revtrain.data import byte_lm  # noqa: E402
 
 _DATA_DIR = flags.DEFINE_string(
     "data_dir",
-    byte_lm.default_data_dir(),
-    "Cache root ($REVTRAIN_DATA_DIR or ~/.cache/revtrain/data).",
+    None,
+    "Cache root (default: the task's data_dir, else $REVTRAIN_DATA_DIR or ~/.cache/revtrain/data).",
 )
 _SOURCE = flags.DEFINE_string(
     "source",
     byte_lm.GENSIM_SOURCE,
-    "'gensim_enwiki', a file (enwik8, .zip, .bz2) or a text directory.",
+    "Without --config: 'gensim_enwiki', a file (enwik8, .zip, .bz2) or a text directory.",
 )
-_SEQUENCE_LENGTH = flags.DEFINE_integer("sequence_length", 128, "Targets per record (L).")
+_SEQUENCE_LENGTH = flags.DEFINE_integer("sequence_length", 128, "Without --config: targets per record (L).")
+_CONFIG = flags.DEFINE_multi_string("config", [], "A run's gin file (repeatable; later files win).")
+_GIN = flags.DEFINE_multi_string("gin", [], "A gin binding 'NAME = VALUE' (repeatable).")
+
+
+def _task_argument(task_class, name: str, default):
+    """The value the task class will get for ``name``: its gin binding, else its default."""
+    import gin
+    try:
+        return gin.query_parameter(f"{task_class.__name__}.{name}")
+    except ValueError:
+        pass
+    try:
+        value = inspect.signature(task_class.__init__).parameters[name].default
+    except (KeyError, TypeError, ValueError):
+        return default
+    return default if value is inspect.Parameter.empty else value
+
+
+def _prepare_config(configs: list[str], bindings: list[str]) -> None:
+    """Builds the task of a run's config (``revtrain.loop.build_task``), which prepares its data."""
+    from revtrain import cli, loop
+    cli._quiet_libraries(verbose=False)  # noqa: SLF001 (the CLI's own settings: TFDS and absl quiet)
+    cli._parse_gin(configs, bindings)  # noqa: SLF001 (include search path, one-line errors)
+    try:
+        cfg = loop.TrainConfig()
+    except (ValueError, TypeError) as e:
+        raise loop.ConfigError(str(e).strip().splitlines()[0]) from e
+    if isinstance(cfg.task, type) and _task_argument(cfg.task, "source", None) == byte_lm.GENSIM_SOURCE:
+        byte_lm.ensure_gensim_wheel(_DATA_DIR.value or _task_argument(cfg.task, "data_dir", None)
+                                    or byte_lm.default_data_dir())
+    if _DATA_DIR.value:
+        import gin
+        gin.bind_parameter(f"{cfg.task.__name__}.data_dir", _DATA_DIR.value)
+    task = loop.build_task(cfg)
+    if task.data_status:
+        print(task.data_status, file=sys.stderr, flush=True)
 
 
 def main(argv):
@@ -39,23 +79,29 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}", exitcode=2)
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.ERROR)  # TFDS's info/warnings are noise here.
-    if not sys.stderr.isatty():
-        tfds.disable_progress_bar()
+    from revtrain import cli
     try:
+        if _CONFIG.value:
+            _prepare_config(_CONFIG.value, _GIN.value)
+            return
+        data_dir = _DATA_DIR.value or byte_lm.default_data_dir()
         if _SOURCE.value == byte_lm.GENSIM_SOURCE:
-            byte_lm.ensure_gensim_wheel(_DATA_DIR.value)
-        builder = byte_lm.load_byte_lm(_SOURCE.value, _SEQUENCE_LENGTH.value, _DATA_DIR.value)
-    except byte_lm.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    split_bytes = builder.info.metadata["split_bytes"]
-    print(builder.data_dir)
-    for split in byte_lm.SPLITS:
-        print(
-            f"{split:<10} {builder.info.splits[split].num_examples:>9,} records "
-            f"{split_bytes[split]:>12,} bytes"
-        )
+            byte_lm.ensure_gensim_wheel(data_dir)
+        builder = byte_lm.load_byte_lm(_SOURCE.value, _SEQUENCE_LENGTH.value, data_dir)
+        print(builder.data_status, file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 (one line, as the revtrain command prints it)
+        code, line = cli._classify(e)  # noqa: SLF001
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(code)
+
+
+def _gin_dot_flags(argv: list[str]) -> list[str]:
+    """``--gin.NAME=VALUE`` (as ``revtrain train`` takes it, and ``make data GIN=...`` passes it) as
+    ``--gin=NAME = VALUE``."""
+    import re
+    return [f"--gin={m.group(1)} = {m.group(2)}" if (m := re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", a, re.S)) else a
+            for a in argv]
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, argv=_gin_dot_flags(sys.argv))

@@ -88,6 +88,43 @@ def test_eval_name_keeps_the_runs_own_records(trained):
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "x_test"), 2, "share a split")
 
 
+def test_eval_and_sample_read_a_config_file_after_the_runs_own(trained, tmp_path):
+    """`eval` and `sample` take --config: a gin file of settings read after the run's config.gin (here the
+    scored batches and the sampling length's default), with --gin bindings after it."""
+    workdir, _ = trained
+    extra = tmp_path / "score.gin"
+    extra.write_text("evaluate.max_batches = 1\n")
+    result = revtrain("eval", "--workdir", str(workdir), "--config", str(extra), "--name", "cfg")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((workdir / "metrics" / "eval_cfg.jsonl").read_text().splitlines()[-1])["step"] == 40
+    result = revtrain("sample", "--workdir", str(workdir), "--config", str(extra), "--prompt", "The ",
+                      "--length", "4", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The ")
+    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--config", str(tmp_path / "none.gin")), 2,
+                          "none.gin")
+
+
+def test_synopses_show_config_and_the_exit_tables_agree():
+    """README, docs/cli.md and `revtrain --help` show --config for eval, sample, check --workdir and export;
+    README's exit-status table is docs/cli.md's (links aside)."""
+    from revtrain import cli
+    readme, reference = (REPO / "README.md").read_text(), (REPO / "docs" / "cli.md").read_text()
+    parser = cli._parser()  # noqa: SLF001
+    for text in (readme, reference, parser.format_help()):
+        for command in ("revtrain eval", "revtrain sample", "revtrain check --workdir", "revtrain export"):
+            lines = [line for line in text.splitlines() if line.strip().startswith(command)]
+            assert lines and all("[--config FILE ...]" in line for line in lines), (command, lines)
+    sub = parser._subparsers._group_actions[0].choices  # noqa: SLF001 (argparse keeps its subparsers there)
+    for name in ("eval", "sample", "export", "check"):
+        assert "--config" in sub[name].format_help(), name
+
+    def table(text):
+        rows = [line for line in text.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |", "| 128 + N |"))]
+        return [row.replace("docs/", "") for row in rows]
+    assert len(table(readme)) == 4 and table(readme) == table(reference)
+
+
 @pytest.mark.parametrize("args, contains", [
     (["train", "--config", "missing.gin", "--workdir", "w"], "config file not found: missing.gin"),
     (["train", "--config", CONFIG, "--gin", "train.stepz = 3", "--workdir", "w"], "did you mean 'train.steps'"),

@@ -213,3 +213,39 @@ def test_gensim_source():
     assert [builder.info.splits[s].num_examples for s in byte_lm.SPLITS] == [42818, 2378, 2378]
     first = builder.as_data_source(split="train")[0]["bytes"]
     assert first.shape == (129,) and first.tobytes().startswith(b"<mediawiki")
+
+
+@pytest.mark.parametrize("kind", ["raw", "zip", "bz2", "directory"])
+def test_the_byte_and_token_tasks_read_a_source_through_one_reader(tmp_path, kind):
+    """revtrain.data.corpus is the one home of the readers: for every file and directory format the byte task's
+    bytes (`read_bytes`) are the token task's documents (`documents`) encoded back, and a corrupt or truncated
+    file is the same one-line DataError for both (the token task's reader once let zlib's error through)."""
+    from revtrain.data import corpus
+    text = _text(30_000)
+    if kind == "directory":
+        source = tmp_path / "texts"
+        (source / "sub").mkdir(parents=True)
+        (source / "a.txt").write_bytes(text[:10_000])
+        (source / "sub" / "b.md").write_bytes(text[10_000:])
+        (source / ".hidden.txt").write_bytes(b"not read")
+        (source / "skip.bin").write_bytes(b"not read")
+    elif kind == "zip":
+        source = tmp_path / "enwik8.zip"
+        with zipfile.ZipFile(source, "w", zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("enwik8", text)
+    else:
+        source = tmp_path / ("corpus.txt.bz2" if kind == "bz2" else "enwik8")
+        source.write_bytes(bz2.compress(text) if kind == "bz2" else text)
+    data = corpus.read_bytes(str(source), tmp_path)
+    assert data == text
+    assert "".join("".join(doc) for doc in corpus.documents(str(source))).encode() == text
+    if kind in ("zip", "bz2"):  # a corrupt compressed member (zlib's error), a truncated bz2 stream
+        packed = bytearray(source.read_bytes())
+        if kind == "zip":
+            packed[60:400] = bytes(b ^ 0x5A for b in packed[60:400])
+        source.write_bytes(bytes(packed) if kind == "zip" else bytes(packed[:-100]))
+        for read in (lambda: corpus.read_bytes(str(source), tmp_path),
+                     lambda: [list(doc) for doc in corpus.documents(str(source))]):
+            with pytest.raises(DataError, match=f"cannot read {source}: corrupt or truncated") as info:
+                read()
+            assert "\n" not in str(info.value)

@@ -78,7 +78,10 @@ def test_a_fine_tuned_workdir_works_after_its_checkpoint_is_gone(capsys, tmp_pat
     workdir = tmp_path / "run"
     data = ["--gin", f"TokenLMTask.source = '{corpus}'", "--gin", f"TokenLMTask.data_dir = '{tmp_path / 'data'}'",
             "--gin", f"LlamaModel.path = '{pretrained}'"]
+    capsys.readouterr()
     assert cli.main(["train", "--config", _config(tmp_path), *data, "--workdir", str(workdir)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "token data of" in line]
+    assert len(said) == 1 and said[0].startswith(f"prepared the token data of {corpus}: "), said
     assert json.loads((workdir / "pretrained" / "config.json").read_text()) == original_config
     assert (workdir / "tokenizer.json").read_bytes() == tok_file.read_bytes()
     recorded = (workdir / "config.gin").read_text()
@@ -137,3 +140,33 @@ def test_a_checkpoint_without_a_tokenizer_is_not_given_a_new_bpe(capsys, tmp_pat
     code = cli.main(["train", "--config", _config(tmp_path), *data, "--gin", "TokenLMTask.tokenizer = 'bytes'",
                      "--workdir", str(tmp_path / "run")])
     assert code == 0, capsys.readouterr().err
+
+
+def test_data_preparation_says_what_it_did_on_a_pipe(tmp_path):
+    """scripts/prepare_data.py with stdout and stderr on pipes: one line saying the data was prepared (bytes,
+    sequences, seconds), then, run again, found in the cache; TFDS's own "Downloading and preparing dataset"
+    lines reach neither stream. With --config of a token run, the token data of that config (its BPE)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes((pathlib.Path(textwrap.__file__).read_bytes() * 10)[:150_000])
+    script = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--data_dir", str(tmp_path / "data")]
+
+    def run(*args):
+        r = subprocess.run([*script, *args], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "Downloading and preparing" not in r.stdout + r.stderr and "downloaded and prepared" not in r.stdout
+        return r.stderr.strip().splitlines()
+
+    first = run("--source", str(corpus), "--sequence_length", "64")
+    assert len(first) == 1 and first[0].startswith(f"prepared the byte data of {corpus}: 150,000 bytes, 2,109 / "
+                                                   "117 / 117 sequences of 64 bytes"), first
+    assert " s, cached in " in first[0]
+    again = run("--source", str(corpus), "--sequence_length", "64")
+    assert len(again) == 1 and again[0].startswith(f"byte data of {corpus} found in the cache: 150,000 bytes"), again
+
+    config = tmp_path / "tokens.gin"
+    config.write_text(f"include '{REPO / 'configs' / 'enwik_bpe.gin'}'\nTokenLMTask.source = '{corpus}'\n")
+    tokens = run("--config", str(config), "--gin.TokenLMTask.vocab_size=300")  # as make data GIN=... passes it
+    assert len(tokens) == 1 and tokens[0].startswith(f"prepared the token data of {corpus}: 150,000 bytes as "), tokens
+    assert "(300 ids)" in tokens[0] and "the BPE trained too" in tokens[0], tokens
+    tokens = run("--config", str(config), "--gin", "TokenLMTask.vocab_size = 300")
+    assert len(tokens) == 1 and tokens[0].startswith(f"token data of {corpus} found in the cache"), tokens

@@ -6,7 +6,7 @@ of a split is ``split_bytes[k*L : k*L + L + 1]`` (uint8, length ``L + 1``), so c
 share one byte and every byte after the first is a target exactly once; the trailing partial window
 is dropped. ``inputs = record[:-1]``, ``targets = record[1:]``.
 
-Sources:
+Sources (read by `revtrain.data.corpus.read_bytes`, the readers the token task shares):
   * ``'gensim_enwiki'`` (default): an English-Wikipedia XML dump excerpt shipped in the gensim 4.4.0
     wheel (6,089,746 bytes decompressed). ``ensure_gensim_wheel`` (or ``make data``) fetches the
     wheel into ``<data_dir>/downloads/``; gensim is never installed.
@@ -24,39 +24,38 @@ modification and status-change times, and the SHA-256 of its bytes); a source wh
 
 from __future__ import annotations
 
-import bz2
+import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
-import zipfile
-import zlib
+import time
 
 import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
-GENSIM_SOURCE = "gensim_enwiki"
-GENSIM_VERSION = "4.4.0"
-GENSIM_MEMBER = (
-    "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+# The corpus readers live in revtrain.data.corpus (shared with the token task); their names stay importable
+# from here.
+from revtrain.data.corpus import (  # noqa: F401
+    GENSIM_MEMBER,
+    GENSIM_NUM_BYTES,
+    GENSIM_SOURCE,
+    GENSIM_VERSION,
+    TEXT_SUFFIXES,
+    DataError,
+    default_data_dir,
+    ensure_gensim_wheel,
+    text_files,
+    zip_text_member,
 )
-GENSIM_NUM_BYTES = 6_089_746
-TEXT_SUFFIXES = frozenset({"", ".txt", ".md", ".xml", ".text"})
+from revtrain.data.corpus import read_bytes as read_source
+
 SPLITS = ("train", "validation", "test")
-
-
-class DataError(Exception):
-    """A data problem the user can fix; ``str(error)`` is one line saying what and how."""
-
-
-def default_data_dir() -> str:
-    """Returns ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``, user-expanded."""
-    return os.path.expanduser(os.environ.get("REVTRAIN_DATA_DIR", "~/.cache/revtrain/data"))
 
 
 def split_bounds(num_bytes: int) -> dict[str, tuple[int, int]]:
@@ -100,112 +99,6 @@ class ByteLMConfig(tfds.core.BuilderConfig):
             sequence_length=sequence_length,
             description=f"bytes of {source!r} in windows of {sequence_length}+1",
         )
-
-
-def _find_gensim_wheel(download_dir: pathlib.Path) -> pathlib.Path | None:
-    wheels = sorted(download_dir.glob(f"gensim-{GENSIM_VERSION}-*.whl"))
-    return wheels[0] if wheels else None
-
-
-def _decompress_bz2(data: bytes, name: str) -> bytes:
-    try:
-        return bz2.decompress(data)
-    except (OSError, EOFError, ValueError) as e:
-        raise DataError(
-            f"{name} is not a valid bz2 file ({e}); re-download or replace it"
-        ) from None
-
-
-def _read_gensim(download_dir: pathlib.Path) -> bytes:
-    wheel = _find_gensim_wheel(download_dir)
-    if wheel is None:
-        raise DataError(
-            f"gensim {GENSIM_VERSION} wheel not found in {download_dir}; "
-            "run `python scripts/prepare_data.py` or `make data`"
-        )
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            packed = zf.read(GENSIM_MEMBER)
-    except (OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
-        raise DataError(
-            f"{wheel} is corrupt or incomplete ({e}); delete it and run "
-            "`python scripts/prepare_data.py`"
-        ) from None
-    data = _decompress_bz2(packed, f"{wheel}:{GENSIM_MEMBER}")
-    if len(data) != GENSIM_NUM_BYTES:
-        raise DataError(
-            f"{wheel} holds {len(data)} corpus bytes, expected {GENSIM_NUM_BYTES}; "
-            "delete it and run `python scripts/prepare_data.py`"
-        )
-    return data
-
-
-def zip_text_member(zf: zipfile.ZipFile, path) -> zipfile.ZipInfo:
-    """The member of a ``.zip`` source that holds its text: ``enwik8``, or its only file.
-
-    Raises:
-      DataError: neither (the message names the file and the member count).
-    """
-    members = [m for m in zf.infolist() if not m.is_dir()]
-    named = [m for m in members if pathlib.PurePosixPath(m.filename).name == "enwik8"]
-    if len(named) != 1 and len(members) != 1:
-        raise DataError(f"{path} must contain a member `enwik8` or exactly one file; found {len(members)} files")
-    return (named or members)[0]
-
-
-def _read_file(path: pathlib.Path) -> bytes:
-    try:
-        if path.suffix == ".zip":
-            with zipfile.ZipFile(path) as zf:
-                return zf.read(zip_text_member(zf, path))
-        data = path.read_bytes()
-    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
-        raise DataError(f"cannot read {path}: corrupt or truncated ({e})") from None
-    return _decompress_bz2(data, str(path)) if path.suffix == ".bz2" else data
-
-
-def _text_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The files a directory source is made of, in the order they are concatenated."""
-    return sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in TEXT_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-
-
-def _read_dir(path: pathlib.Path) -> bytes:
-    files = _text_files(path)
-    try:
-        return b"".join(p.read_bytes() for p in files)
-    except OSError as e:
-        raise DataError(f"cannot read a file under {path}: {e}") from None
-
-
-def read_source(source: str, download_dir: str | os.PathLike) -> bytes:
-    """Returns the whole corpus of ``source`` as bytes.
-
-    Args:
-      source: 'gensim_enwiki' (wheel looked up in ``download_dir``), a file or a directory path.
-      download_dir: where ``ensure_gensim_wheel`` put the gensim wheel.
-
-    Raises:
-      DataError: missing, empty, corrupt or truncated source.
-    """
-    if source == GENSIM_SOURCE:
-        return _read_gensim(pathlib.Path(download_dir))
-    path = pathlib.Path(source).expanduser()
-    if not path.exists():
-        raise DataError(
-            f"data source {source} does not exist; pass an existing file or directory "
-            f"or '{GENSIM_SOURCE}'"
-        )
-    data = _read_dir(path) if path.is_dir() else _read_file(path)
-    if not data:
-        kind = "directory has no non-empty text files" if path.is_dir() else "file is empty"
-        raise DataError(f"data source {source} is empty ({kind})")
-    return data
 
 
 def _check_splits(num_bytes: int, length: int) -> dict[str, tuple[int, int]]:
@@ -287,7 +180,7 @@ def source_stat(source: str) -> dict | None:
     path = pathlib.Path(source).expanduser()
     try:
         if path.is_dir():
-            listing = [(str(p.relative_to(path)), p.stat()) for p in _text_files(path)]
+            listing = [(str(p.relative_to(path)), p.stat()) for p in text_files(path)]
             digest = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\t{st.st_ctime_ns}\n"
                                             for name, st in listing).encode()).hexdigest()
             return {"size": sum(st.st_size for _, st in listing), "files": len(listing),
@@ -366,6 +259,11 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
     hash only when the stat changed); a changed source is prepared again, replacing the old dataset, with
     one line on stderr saying so. The 'gensim_enwiki' source is a pinned file and is never re-checked.
 
+    ``builder.data_status`` is one line saying what was prepared, how much and how long, or that the data was
+    found in the cache (`describe`); ``builder.data_prepared`` whether it was prepared by this call. (The
+    caller says it: `revtrain.loop.build` once the run is built, so that a later configuration error is
+    still the only line; ``scripts/prepare_data.py`` always.)
+
     Read records with ``builder.as_data_source(split)``: each is ``{'bytes': uint8 [L + 1]}``.
     Record counts: ``builder.info.splits[split].num_examples``.
 
@@ -406,49 +304,54 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
             builder._source_bytes = getattr(stale, "_source_bytes", None)  # noqa: SLF001
             builder._source_stat = getattr(stale, "_source_stat", None)  # noqa: SLF001
             prepare = True
-    if prepare:
-        if getattr(builder, "_source_bytes", None) is None:
-            # Read and check the source before TFDS announces the preparation or creates any directory: a
-            # missing, empty or too small source is one line and leaves nothing in the cache.
-            if sequence_length < 1:
-                raise DataError(f"sequence length must be >= 1, got {sequence_length}")
-            stat = source_stat(source)
-            data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
-            _check_splits(len(data), sequence_length)
-            builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001
+    if not prepare:
+        builder.data_status, builder.data_prepared = describe(builder, source), False
+        return builder
+    started = time.perf_counter()
+    if getattr(builder, "_source_bytes", None) is None:
+        # Read and check the source before TFDS announces the preparation or creates any directory: a
+        # missing, empty or too small source is one line and leaves nothing in the cache.
+        if sequence_length < 1:
+            raise DataError(f"sequence length must be >= 1, got {sequence_length}")
+        stat = source_stat(source)
+        data = read_source(source, pathlib.Path(builder.data_dir_root) / "downloads")
+        _check_splits(len(data), sequence_length)
+        builder._source_bytes, builder._source_stat = data, stat  # noqa: SLF001
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." and "Dataset byte_lm downloaded and
+    # prepared to ..." on stdout (and a progress bar on a terminal): revtrain says it in one line instead.
+    with contextlib.redirect_stdout(io.StringIO()), _no_tfds_progress_bar():
         builder.download_and_prepare(
             file_format="array_record",
             download_config=tfds.download.DownloadConfig(try_download_gcs=False),
         )
-        fingerprint = getattr(builder, "_fingerprint", None)
-        builder = make_builder()  # reads the new dataset's info
-        if fingerprint is not None:
-            _write_fingerprint(builder, fingerprint)
+    fingerprint = getattr(builder, "_fingerprint", None)
+    builder = make_builder()  # reads the new dataset's info
+    if fingerprint is not None:
+        _write_fingerprint(builder, fingerprint)
+    builder.data_status, builder.data_prepared = describe(builder, source, time.perf_counter() - started), True
     return builder
 
 
-def ensure_gensim_wheel(data_dir: str) -> pathlib.Path:
-    """Returns the gensim 4.4.0 wheel in ``<data_dir>/downloads/``; downloads it with pip if absent.
+@contextlib.contextmanager
+def _no_tfds_progress_bar():
+    from tensorflow_datasets.core.utils import tqdm_utils
+    enabled = tqdm_utils._active  # noqa: SLF001 (TFDS keeps the switch there; no public getter)
+    tfds.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            tfds.enable_progress_bar()
 
-    Raises:
-      DataError: pip failed (e.g. no network) or produced no wheel.
-    """
-    download_dir = pathlib.Path(data_dir).expanduser() / "downloads"
-    wheel = _find_gensim_wheel(download_dir)
-    if wheel is not None:
-        return wheel
-    download_dir.mkdir(parents=True, exist_ok=True)
-    # Pin one wheel (the data file is the same in all of them) so any host fetches the same file.
-    pin = "--platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp --abi cp311"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           *pin.split(), f"gensim=={GENSIM_VERSION}", "-d", str(download_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = _find_gensim_wheel(download_dir)
-    if proc.returncode != 0 or wheel is None:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        reason = lines[-1] if lines else f"exit status {proc.returncode}"
-        raise DataError(
-            f"could not download gensim=={GENSIM_VERSION} with pip into {download_dir} "
-            f"({reason}); check network access or copy the wheel there by hand"
-        )
-    return wheel
+
+def describe(builder, source: str, seconds: float | None = None) -> str:
+    """One line saying what the prepared byte data of ``source`` holds and whether it was prepared now (in
+    ``seconds``) or found in the cache (``seconds`` None)."""
+    splits = builder.info.splits
+    counts = " / ".join(f"{splits[s].num_examples:,}" for s in SPLITS)
+    length = builder.builder_config.sequence_length
+    what = (f"{builder.info.metadata['total_bytes']:,} bytes, {counts} sequences of {length} bytes "
+            "(train / validation / test)")
+    if seconds is None:
+        return f"byte data of {source} found in the cache: {what}, in {builder.data_dir}"
+    return f"prepared the byte data of {source}: {what} in {seconds:.1f} s, cached in {builder.data_dir}"

@@ -19,6 +19,10 @@ class Task:
       sequence_length: positions per example (None: not a sequence task).
       tokenizer: the run's `revtrain.data.tokenizer.Tokenizer` (None: no tokenizer; byte values are the ids).
       bytes_per_token: mean UTF-8 bytes per target of the training split (1.0 for bytes).
+      data_status: one line saying what preparing the data did: prepared now (how much, how long) or found
+        in the cache (None: the task does not say).
+      data_prepared: whether this task prepared its data (then `revtrain.loop.build` prints ``data_status``
+        once the run is built; ``scripts/prepare_data.py``, ``make data``, prints it either way).
     """
 
     bits_per_byte = False
@@ -26,6 +30,8 @@ class Task:
     sequence_length: int | None = None
     tokenizer = None
     bytes_per_token = 1.0
+    data_status: str | None = None
+    data_prepared = False
 
     @classmethod
     def tokenizer_arguments(cls, kept: str | None, checkpoint: str | None) -> dict:

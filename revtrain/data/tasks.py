@@ -15,6 +15,7 @@ or the one of the checkpoint it imports.
 from __future__ import annotations
 
 import os
+import time
 
 import gin
 
@@ -65,6 +66,7 @@ class ByteLMTask(Task):
         self.sequence_length = sequence_length
         self.data_dir = data_dir or byte_lm.default_data_dir()
         self.builder = byte_lm.load_byte_lm(source, sequence_length, self.data_dir)
+        self.data_status, self.data_prepared = self.builder.data_status, self.builder.data_prepared
 
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length}
@@ -174,6 +176,7 @@ class TokenLMTask(Task):
         self.vocab_size, self.text_field = vocab_size, text_field
         self.data_dir = data_dir or byte_lm.default_data_dir()
         root = os.path.join(os.path.expanduser(self.data_dir), "token_lm")
+        started = time.perf_counter()
         token_lm.corpus_kind(source)  # a missing source: one line, before anything else
         memo_path = os.path.join(root, "fingerprints.json")
         corpus, memo = token_lm.fingerprint(source, memo_path)
@@ -191,8 +194,12 @@ class TokenLMTask(Task):
         else:
             tok = tokenizer_lib.load(tokenizer)
         self.tokenizer = tok
+        bpe_trained = bool(planned)  # (the first pass runs before a BPE is trained, and only then)
         self.prepared = token_lm.prepare(source, tok, text_field, root, corpus, planned[0] if planned else None)
         token_lm.save_memo(memo_path, memo)
+        self.data_prepared = self.prepared.fresh or bpe_trained
+        self.data_status = token_lm.describe(
+            self.prepared, source, time.perf_counter() - started if self.data_prepared else None, bpe_trained)
         splits = self.prepared.meta["splits"]
         for split in ("train", "validation"):
             if max(splits[split]["tokens"] - 1, 0) // sequence_length == 0:

@@ -3,13 +3,13 @@
 Design (the nanoGPT way of preparing once into a flat file of token ids, with seqio's packing of documents
 separated by an end-of-text token):
 
-* Corpora (`documents`): a text file (``.zip`` / ``.bz2`` as in `revtrain.data.byte_lm`; one document), a
-  directory of text files (each file one document, sorted by path), ``'gensim_enwiki'`` (one document), a
-  JSONL file (``.jsonl`` / ``.json``: one JSON object a line, the document in a named text field), a Parquet
-  file (``.parquet``: one document a row, the named column; read with pyarrow in record batches), or a
-  Hugging Face dataset saved with ``save_to_disk`` (a directory holding ``dataset_info.json`` /
-  ``dataset_dict.json``; read with ``datasets.load_from_disk``, memory-mapped). Text files are read as UTF-8
-  (an invalid sequence becomes U+FFFD).
+* Corpora (`revtrain.data.corpus.documents`, the readers the byte task shares): a text file (raw, ``.zip`` or
+  ``.bz2``; one document), a directory of text files (each file one document, sorted by path),
+  ``'gensim_enwiki'`` (one document), a JSONL file (``.jsonl`` / ``.json``: one JSON object a line, the
+  document in a named text field), a Parquet file (``.parquet``: one document a row, the named column; read
+  with pyarrow in record batches), or a Hugging Face dataset saved with ``save_to_disk`` (a directory holding
+  ``dataset_info.json`` / ``dataset_dict.json``; read with ``datasets.load_from_disk``, memory-mapped). Text
+  files are read as UTF-8 (an invalid sequence becomes U+FFFD).
 * Splits: a dataset saved with its own splits (a ``DatasetDict``) keeps them (``train`` and ``validation``
   are required, ``test`` is used when present); every other corpus is cut as the byte task cuts it
   (`byte_lm.split_bounds`): train = the first 90% of its UTF-8 bytes (the documents in order), validation =
@@ -37,8 +37,6 @@ separated by an end-of-text token):
 
 from __future__ import annotations
 
-import bz2
-import codecs
 import dataclasses
 import hashlib
 import itertools
@@ -47,13 +45,14 @@ import os
 import pathlib
 import shutil
 import sys
-import zipfile
 
 import numpy as np
 
 from revtrain.data import byte_lm
+from revtrain.data import corpus as corpus_lib
 from revtrain.data import tokenizer as tokenizer_lib
-from revtrain.data.byte_lm import DataError
+# The corpus readers (revtrain.data.corpus, shared with the byte task); their names stay importable from here.
+from revtrain.data.corpus import DataError, corpus_kind, dataset_splits, documents  # noqa: F401
 
 FORMAT = "token_lm-2"
 SPLITS = byte_lm.SPLITS
@@ -61,192 +60,9 @@ CHUNK_CHARS = 1 << 16  # a document is tokenized in pieces of at most this many 
 # (the `tokenizers` library holds about 100 bytes per character of a batch while it encodes: 3 MiB batches of
 # 1 Mi-character pieces peaked at 645 MiB resident on a 60 MB corpus, 64 Ki / 512 KiB at 256 MiB, same speed)
 BATCH_BYTES = 1 << 19  # text per encode_batch call
-BLOCK = 1 << 20  # bytes read at a time from a text file
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
 
 
-# -- corpora ----------------------------------------------------------------------------------------
-def corpus_kind(source: str) -> str:
-    """``'gensim'``, ``'datasets'``, ``'text_dir'``, ``'jsonl'``, ``'parquet'`` or ``'text_file'``.
-
-    Raises:
-      DataError: the source does not exist.
-    """
-    if source == byte_lm.GENSIM_SOURCE:
-        return "gensim"
-    path = pathlib.Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"data source {source} does not exist; pass an existing file or directory "
-                        f"or '{byte_lm.GENSIM_SOURCE}'")
-    if path.is_dir():
-        if any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json")):
-            return "datasets"
-        return "text_dir"
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in PARQUET_SUFFIXES:
-        return "parquet"
-    return "text_file"
-
-
-def _decode_blocks(blocks):
-    """UTF-8 text of an iterator of byte blocks, block by block (a character split across blocks kept whole;
-    invalid sequences as U+FFFD)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for block in blocks:
-        text = decoder.decode(block)
-        if text:
-            yield text
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        yield tail
-
-
-def _file_blocks(path: pathlib.Path):
-    """The bytes of a text file source, in blocks (``.zip``: its ``enwik8`` member or its only file;
-    ``.bz2``: decompressed)."""
-    try:
-        if path.suffix == ".zip":
-            with zipfile.ZipFile(path) as zf:
-                with zf.open(byte_lm.zip_text_member(zf, path)) as f:
-                    yield from iter(lambda: f.read(BLOCK), b"")
-            return
-        opener = bz2.open if path.suffix == ".bz2" else open
-        with opener(path, "rb") as f:
-            yield from iter(lambda: f.read(BLOCK), b"")
-    except (OSError, EOFError, zipfile.BadZipFile, ValueError) as e:
-        raise DataError(f"cannot read {path}: corrupt or truncated ({e})") from None
-
-
-def _jsonl_texts(path: pathlib.Path, field: str):
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError: its message and the column; UnicodeDecodeError: itself
-                where = f": column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-                raise DataError(f"{path} line {number} is not JSON ({getattr(e, 'msg', e)}{where})") from None
-            if not isinstance(record, dict) or field not in record:
-                raise DataError(f"{path} line {number} has no field {field!r} (TokenLMTask.text_field)")
-            text = record[field]
-            if not isinstance(text, str):
-                raise DataError(f"{path} line {number}: field {field!r} is {type(text).__name__}, not a string")
-            yield text
-
-
-def _parquet_texts(path: pathlib.Path, field: str):
-    import pyarrow.parquet as pq
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 (pyarrow raises ArrowInvalid and friends)
-        raise DataError(f"cannot read the Parquet file {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") from None
-    names = pf.schema_arrow.names
-    if field not in names:
-        raise DataError(f"the Parquet file {path} has no column {field!r} (TokenLMTask.text_field); "
-                        f"its columns: {', '.join(names)}")
-    row = 0
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise DataError(f"the Parquet file {path} row {row}: column {field!r} is "
-                                f"{type(text).__name__}, not a string")
-            yield text
-
-
-def _load_saved_dataset(path: pathlib.Path):
-    import datasets
-    datasets.disable_progress_bars()
-    try:
-        return datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 (datasets raises FileNotFoundError, ValueError, ...)
-        raise DataError(f"cannot load the saved dataset {path}: "
-                        f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}") from None
-
-
-def _dataset_texts(dataset, path: pathlib.Path, field: str, split: str | None):
-    where = f"the saved dataset {path}" + (f" (split {split})" if split else "")
-    if field not in dataset.column_names:
-        raise DataError(f"{where} has no column {field!r} (TokenLMTask.text_field); its columns: "
-                        f"{', '.join(dataset.column_names)}")
-    row = 0
-    for batch in dataset.iter(batch_size=1024):
-        for text in batch[field]:
-            row += 1
-            if not isinstance(text, str):
-                raise DataError(f"{where} row {row}: column {field!r} is {type(text).__name__}, not a string")
-            yield text
-
-
-def dataset_splits(source: str):
-    """A saved dataset's own splits: ``{split: Dataset}`` for a ``DatasetDict`` (None for one ``Dataset``).
-
-    Raises:
-      DataError: it cannot be loaded, or a ``DatasetDict`` without a ``train`` or ``validation`` split.
-    """
-    path = pathlib.Path(source).expanduser()
-    loaded = _load_saved_dataset(path)
-    if not hasattr(loaded, "keys"):
-        return None
-    have = sorted(loaded.keys())
-    for split in ("train", "validation"):
-        if split not in loaded:
-            raise DataError(f"the saved dataset {path} has no {split} split (it has: {', '.join(have)}); "
-                            "save it with train and validation splits, or as one Dataset (cut 90/5/5)")
-    return {s: loaded[s] for s in SPLITS if s in loaded}
-
-
-def documents(source: str, text_field: str = "text", dataset=None):
-    """The documents of ``source``, in order: an iterator of documents, each an iterator of text pieces.
-
-    Args:
-      source: a corpus (module docstring).
-      text_field: the JSON field / Parquet column / dataset column holding a document's text.
-      dataset: for a saved dataset, the (split's) ``Dataset`` to read (default: the whole saved one).
-
-    Raises:
-      DataError: a missing or unreadable source, a JSONL line that is not JSON or lacks the field, a
-        Parquet file or dataset without the column (one line naming the file and field).
-    """
-    kind = corpus_kind(source)
-    path = pathlib.Path(source).expanduser()
-    if kind == "gensim":
-        data = byte_lm.read_source(source, pathlib.Path(byte_lm.default_data_dir()) / "downloads")
-        yield iter([data.decode("utf-8", errors="replace")])
-    elif kind == "text_file":
-        yield _decode_blocks(_file_blocks(path))
-    elif kind == "text_dir":
-        for file in byte_lm._text_files(path):  # noqa: SLF001 (the byte task's own listing)
-            yield _decode_blocks(_file_blocks(file))
-    elif kind == "jsonl":
-        for text in _jsonl_texts(path, text_field):
-            yield iter([text])
-    elif kind == "parquet":
-        for text in _parquet_texts(path, text_field):
-            yield iter([text])
-    else:
-        if dataset is None:
-            dataset = _load_saved_dataset(path)
-            if hasattr(dataset, "keys"):
-                raise ValueError("a DatasetDict is read split by split (dataset_splits)")
-        for text in _dataset_texts(dataset, path, text_field, None):
-            yield iter([text])
-
-
-def _corpus_files(source: str) -> list[pathlib.Path]:
-    kind = corpus_kind(source)
-    path = pathlib.Path(source).expanduser()
-    if kind == "text_dir":
-        return byte_lm._text_files(path)  # noqa: SLF001
-    if kind == "datasets":
-        return sorted(p for p in path.rglob("*") if p.is_file())
-    return [path]
-
-
+# -- the corpus's fingerprint ------------------------------------------------------------------------
 def fingerprint(source: str, memo_path: str | None = None) -> tuple[str, dict | None]:
     """SHA-256 (hex) of a corpus's content: its files' relative paths and bytes, in order.
 
@@ -268,7 +84,7 @@ def fingerprint(source: str, memo_path: str | None = None) -> tuple[str, dict | 
         except (OSError, ValueError):
             memo = {}
     digest, changed = hashlib.sha256(), False
-    for file in _corpus_files(source):
+    for file in corpus_lib.corpus_files(source):
         file = file.resolve()
         st = file.stat()
         stat = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
@@ -461,6 +277,7 @@ class Prepared:
     directory: str
     meta: dict
     tokenizer: tokenizer_lib.Tokenizer
+    fresh: bool = False  # prepared by this call (False: found in the cache)
 
     def split_file(self, split: str) -> str:
         """The file of a split's ids (``dtype`` of ``meta``, in stream order)."""
@@ -535,7 +352,22 @@ def prepare(source: str, tok: tokenizer_lib.Tokenizer, text_field: str, root: st
     except BaseException:
         _remove(tmp)
         raise
-    return Prepared(directory, meta, tok)
+    return Prepared(directory, meta, tok, fresh=True)
+
+
+def describe(prepared: Prepared, source: str, seconds: float | None = None, bpe_trained: bool = False) -> str:
+    """One line saying what the prepared token data of ``source`` holds and whether it was prepared now (in
+    ``seconds``; ``bpe_trained``: the BPE was trained too) or found in the cache (``seconds`` None)."""
+    meta = prepared.meta
+    splits = meta["splits"]
+    present = [s for s in SPLITS if s in splits]
+    what = (f"{sum(splits[s]['bytes'] for s in present):,} bytes as "
+            f"{' / '.join(format(splits[s]['tokens'], ',') for s in present)} tokens ({' / '.join(present)}) of "
+            f"{prepared.tokenizer.describe()} ({meta['vocab_size']:,} ids)")
+    if seconds is None:
+        return f"token data of {source} found in the cache: {what}, in {prepared.directory}"
+    bpe = ", the BPE trained too" if bpe_trained else ""
+    return f"prepared the token data of {source}: {what} in {seconds:.1f} s{bpe}, cached in {prepared.directory}"
 
 
 class TokenWindows:
