@@ -12,6 +12,9 @@ layer:
   for models too large for one backprop: each chunk is differentiated at its true forward input), in the
   same compute dtype.
 
+The passes walk down the layers together (`_Checker.rows`), so the check holds the weights and one layer's
+gradients, never the whole model's: it runs on the largest model that trains (docs/memory.md).
+
 Both are shown for float32 and bfloat16 compute when the model builder takes ``compute_dtype``. The
 parameters are the model's initial ones, or a trained checkpoint's (``revtrain check --workdir DIR``).
 
