@@ -223,12 +223,13 @@ class Run:
     plan: Any = None  # the `memory_plan.MemoryPlan` made by `train` (None: not planned)
 
 
-def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
+def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: bool = True) -> Run:
     """Builds task, model, optimizer and trainer from the parsed gin config.
 
     Args:
       workdir: the run's workdir (``train``, ``eval``, ``sample``, ``export``, ``check --workdir``): the task
         gets the tokenizer kept there (`build_task`).
+      say_data: print the data-preparation line here (``train`` prints it after its own checks).
 
     Raises:
       ConfigError: invalid sizes or a batch not divisible by the device count.
@@ -275,7 +276,7 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None) -> Run:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
         raise ConfigError(ginconfig.call_error_line(e)) from e
-    if task.data_prepared:  # said once the run is built: a configuration error stays the only line
+    if say_data and task.data_prepared:  # said once the run is built: a configuration error stays the only line
         metrics_lib.log(task.data_status)
     return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
 
@@ -340,7 +341,7 @@ def run_signature(run: Run) -> dict:
                    for layer in run.model.layers],
         "optimizer_state": [shapes(t) for t in template],
         "data": {k: v for k, v in vars(run.task).items() if isinstance(v, (str, int, float, bool))
-                 and k not in ("data_dir", "data_status")},
+                 and k not in ("data_dir", "data_status", "data_prepared")},
         "batch_size": run.cfg.batch_size,
         "seed": run.cfg.seed,
     }
@@ -462,10 +463,12 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
     """
     workdir = os.path.abspath(workdir)
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
-        run = build(cfg, workdir)  # first: a configuration error leaves no trace (not even an empty workdir)
+        run = build(cfg, workdir, say_data=False)  # first: a configuration error leaves no trace (not even a workdir)
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
+        if run.task.data_prepared:  # (after the last configuration check)
+            metrics_lib.log(run.task.data_status)
         created = _writable(workdir)
         lock = workdir_lib.acquire(workdir, "train")
         primary = jax.process_index() == 0

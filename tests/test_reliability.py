@@ -281,7 +281,7 @@ def _signal_during_compile(proc, workdir):
         time.sleep(2)
         sent = time.time()
         proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read().splitlines()
+        rest = [l for l in proc.stderr.read().splitlines() if not l.startswith("memory plan (")]  # (after the first line)
         proc.wait(timeout=60)
         return {"code": proc.returncode, "seconds": time.time() - sent, "before": lines, "after": rest,
                 "workdir_left": workdir.exists()}
