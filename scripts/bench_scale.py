@@ -204,15 +204,28 @@ def phases(first: dict, second: dict, evaluation: dict) -> dict:
             "checkpoint_s_all": [round(s, 2) for s in save_s]}
 
 
-def _first_record(workdir: str) -> dict:
+def _records(workdir: str) -> list:
     with open(os.path.join(workdir, "metrics", "train.jsonl")) as f:
-        return json.loads(f.readline())
+        return [json.loads(line) for line in f if line.strip()]
 
 
-def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: float) -> dict:
-    """One configuration: train 3 steps, resume to 5, eval (each a child process). Returns its record:
-    ``status`` (``"ok"``, ``"refused"`` with the plan's line, or ``"error"``), the plan's host estimate,
-    the peaks by phase (bytes and bytes per parameter), step and checkpoint seconds."""
+def _device_peak(records: list) -> dict:
+    """The largest ``peak_device_bytes`` of the run's records and how it was found (``memory_stats``:
+    the device's ``peak_bytes_in_use``; ``estimate`` on the CPU)."""
+    metered = [r for r in records if r.get("peak_device_bytes")]
+    if not metered:
+        return {}
+    top = max(metered, key=lambda r: r["peak_device_bytes"])
+    return {"peak_device_bytes": top["peak_device_bytes"], "peak_device_bytes_method": top.get("peak_device_bytes_method")}
+
+
+def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: float, quick: bool = False) -> dict:
+    """One configuration: train 3 steps, resume to 5, eval (each a child process); ``quick``: only the
+    first run, with no periodic checkpoint (init, steps, the final save, the final evaluation).
+
+    Returns its record: ``status`` (``"ok"``, ``"refused"`` with the plan's line, or ``"error"``), the
+    plan's host estimate (bytes), the peak resident bytes by phase and bytes per parameter, the device's
+    peak bytes (``memory_stats`` on an accelerator), seconds per step and per checkpoint."""
     workdir = tempfile.mkdtemp(prefix="bench_scale_")
     shutil.rmtree(workdir)  # the run creates it
     gin = COMMON + [f"LlamaModel.{k} = {v}" for k, v in sizes.items()] + TRAINERS[trainer][1] + OPTIMIZERS[optimizer][1]
@@ -220,17 +233,20 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
     train = [sys.executable, "-m", "revtrain", "train"] + args
     out = {"size": size, **sizes, "trainer": TRAINERS[trainer][0], "optimizer": OPTIMIZERS[optimizer][0]}
     try:
-        first = trace(train + ["--gin", "STEPS = 3"], workdir, timeout_s)
+        first = trace(train + ["--gin", "STEPS = 3"] + (["--gin", "train.checkpoint_every = 0"] if quick else []),
+                      workdir, timeout_s)
         if first["rc"] == 2 and any("memory plan does not fit" in s for s in first["lines"]):
             return {**out, "status": "refused", "refusal": next(s for s in first["lines"] if "memory plan" in s),
                     "seconds": first["seconds"]}
         if first["rc"] != 0:
             return {**out, "status": "error", "phase": "train", "rc": first["rc"], "stderr_tail": first["stderr_tail"]}
-        record = _first_record(workdir)
-        second = trace(train + ["--gin", "STEPS = 5"], workdir, timeout_s)
+        record = _records(workdir)[0]
+        empty = {"events": [], "seconds": 0.0, "rc": 0}
+        second = trace(train + ["--gin", "STEPS = 5"], workdir, timeout_s) if not quick else empty
         if second["rc"] != 0:
             return {**out, "status": "error", "phase": "resume", "rc": second["rc"], "stderr_tail": second["stderr_tail"]}
-        evaluation = trace([sys.executable, "-m", "revtrain", "eval", "--workdir", workdir], workdir, timeout_s)
+        evaluation = empty if quick else trace([sys.executable, "-m", "revtrain", "eval", "--workdir", workdir],
+                                               workdir, timeout_s)
         if evaluation["rc"] != 0:
             return {**out, "status": "error", "phase": "eval", "rc": evaluation["rc"],
                     "stderr_tail": evaluation["stderr_tail"]}
@@ -239,6 +255,7 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
         measured = phases(first, second, evaluation)
         peak = max(measured["peak_bytes"].values())
         out.update(status="ok", num_params=params, plan_host_bytes=record.get("plan_host_bytes"),
+                   plan_device_bytes=record.get("plan_device_bytes"), **_device_peak(_records(workdir)),
                    plan_parts={k[len("plan_host_"):-len("_bytes")]: v for k, v in record.items()
                                if k.startswith("plan_host_") and k != "plan_host_bytes"},
                    host_limit_bytes=record.get("host_limit_bytes"), **measured, run_peak_bytes=peak,
@@ -313,6 +330,8 @@ def main() -> None:
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help=f"of {', '.join(OPTIMIZERS)}")
     p.add_argument("--out", default="bench_scale.json", help="JSON out (the plot beside it, .png)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds each child process may run")
+    p.add_argument("--quick", action="store_true", help="only the first run, with its final save and evaluation "
+                                                         "(no periodic checkpoint, no resume, no revtrain eval)")
     p.add_argument("--wait_while", help="before each configuration, wait while this file exists (a shared "
                                         "machine's marker of a large run)")
     a = p.parse_args()
@@ -347,10 +366,10 @@ def main() -> None:
                     continue
                 _wait_while(a.wait_while)
                 print(f"bench_scale: {name} {OPTIMIZERS[opt][0]} {TRAINERS[t][0]}", file=sys.stderr, flush=True)
-                r = run_config(name, sizes, t, opt, a.timeout)
+                r = run_config(name, sizes, t, opt, a.timeout, a.quick)
                 if r["status"] == "refused":
                     refused.add((t, opt))
-                print(json.dumps({k: v for k, v in r.items() if k != "events"}), file=sys.stderr, flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)  # (gpu_report.sh)
                 result["runs"].append(r)
                 common.write_outputs(result, a.out, lambda _: "", plot, os.path.splitext(a.out)[0] + ".png")
     common.write_outputs(result, a.out, table, plot, os.path.splitext(a.out)[0] + ".png")
