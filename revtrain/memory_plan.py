@@ -56,14 +56,19 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import ConfigError
 
-# The process's own constant: peak resident bytes of ``revtrain train`` on a 10 k-parameter model (batch
-# 2 x 128, 3 steps), where weights, state and programs are negligible: imports (JAX, XLA, Flax, optax, Orbax,
-# Grain, TensorBoard), the backend, the data pipeline, a few compiled programs. Measured on the 2-core CPU
-# machine (docs/memory.md); on an accelerator the CUDA/TPU runtime adds its own (not measured here).
-RUNTIME_BYTES = 600 * 2**20
-# What a checkpoint save written between steps holds beyond the bounded staging and the largest layer's
-# arrays: tensorstore's and Orbax's own buffers (measured, docs/memory.md).
-SAVE_BYTES = 0
+# The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
+# step's own parts: imports (JAX, XLA, Flax, optax, Orbax, Grain, TensorBoard), the backend, the data pipeline,
+# the compiled programs. Measured on the 2-core CPU machine (Llama byte models of 25 M to 309 M parameters with
+# the reversible trainer: 496-588 MiB; docs/memory.md); on an accelerator its runtime adds its own.
+RUNTIME_BYTES = 520 * 2**20
+# StandardTrainer's step holds about a quarter of the weights beyond its compiled step's temporaries,
+# gradients and residuals (measured 0.22-0.30 of the weights, 57 M to 309 M parameters): counted with its
+# temporaries.
+STANDARD_EXTRA_FRACTION = 0.25
+# A save written between steps in a run that restored its state holds about a quarter of the state beyond
+# the staging and the largest layer's arrays (measured 0.22-0.36, 57 M to 309 M parameters; a first run's
+# saves hold less): counted for every run, since most runs restore some time.
+SAVE_STATE_FRACTION = 0.25
 
 PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint",
          "evaluation")
@@ -590,10 +595,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
             grads = min(grads, whole)
             acts = min(residuals, whole - grads) + batch_bytes
-            temp = whole - grads - (acts - batch_bytes)
+            temp = whole - grads - (acts - batch_bytes) + int(STANDARD_EXTRA_FRACTION * weights)
             method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
         else:
-            temp = max(temps)
+            temp = max(temps) + int(STANDARD_EXTRA_FRACTION * weights)
             method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
                       "one-layer backward program's temporaries (compiled)")
     else:
@@ -670,8 +675,8 @@ def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_
     still reads, so XLA allocates a second copy of the state where it lives (``state_tier``), and the write
     stages up to ``checkpoint.STAGING_BYTES`` in host memory; both add to the step's peak. A larger state
     is written between steps (the step's transient parts are free then): the bounded staging, the largest
-    layer's arrays copied out (``largest_layer``, bytes) and `SAVE_BYTES`, counted where they exceed the
-    step's. An evaluation (``evaluation``: bytes per device, `_evaluation_bytes`) runs after the final
+    layer's arrays copied out (``largest_layer``, bytes) and `SAVE_STATE_FRACTION` of the state, counted
+    where they exceed the step's. An evaluation (``evaluation``: bytes per device, `_evaluation_bytes`) runs after the final
     save, on the device tier (host on the CPU, once per local device): counted where it exceeds the rest.
     """
     from revtrain.checkpoint import ASYNC_MAX_BYTES, STAGING_BYTES
@@ -681,7 +686,8 @@ def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_
         tiers[state_tier]["checkpoint"] += state_bytes if state_tier == "host" else state_bytes // max(n, 1)
         host["checkpoint"] += min(state_bytes, STAGING_BYTES)
     else:
-        host["checkpoint"] = max(0, STAGING_BYTES + largest_layer + SAVE_BYTES - step["host"])
+        save = STAGING_BYTES + largest_layer + int(SAVE_STATE_FRACTION * state_bytes)
+        host["checkpoint"] = max(0, save - step["host"])
     tier = "host" if len(tiers) == 1 else "device"
     per_tier = evaluation * (n if tier == "host" else 1)
     tiers[tier]["evaluation"] = max(0, per_tier - step[tier] - tiers[tier]["checkpoint"])

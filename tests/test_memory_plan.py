@@ -83,7 +83,7 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
 
 def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
     """A state above checkpoint.ASYNC_MAX_BYTES is saved between steps: the save's staging, the largest layer's
-    arrays and SAVE_BYTES count where they exceed the step's transient parts; an evaluation's where it exceeds
+    arrays and SAVE_STATE_FRACTION of the state count where they exceed the step's transient parts; an evaluation's where it exceeds
     those and the save's."""
     from revtrain import checkpoint
     weights, opt, largest = _exact(model)
@@ -92,7 +92,7 @@ def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
     setup = memory_plan.Setup("reversible", tx, B, label="r")
     host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu").tiers["host"]
     step = host["gradients"] + host["activations"] + host["temporaries"]
-    save = checkpoint.STAGING_BYTES + (3 * largest + 4) + memory_plan.SAVE_BYTES
+    save = checkpoint.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
     assert host["checkpoint"] == max(0, save - step) > 0
     evaluated = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
                                  eval_spec=_spec(64)).tiers["host"]
