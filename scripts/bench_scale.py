@@ -274,11 +274,11 @@ def table(result: dict) -> str:
     """The markdown table: one row per configuration (GiB by phase, bytes per parameter at the peak)."""
     rows = ["| model | params | optimizer | trainer | plan | " + " | ".join(PHASES)
             + " | peak (B/p) | plan / peak | s/step | s/checkpoint |",
-            "|---" * (10 + len(PHASES)) + "|"]
+            "|---" * (9 + len(PHASES)) + "|"]
     for r in result["runs"]:
         name = f"{r['size']} (d {r['d_model']}, {r['num_layers']} blocks)"
         if r["status"] != "ok":
-            why = r.get("refusal", "; ".join(r.get("stderr_tail", [])))[:160]
+            why = r.get("refusal") or r.get("note") or "; ".join(r.get("stderr_tail", []))[:160] or f"exit {r.get('rc')}"
             rows.append(f"| {name} | | {r['optimizer']} | {r['trainer']} | **{r['status']}**: {why} |"
                         + " |" * (len(PHASES) + 4))
             continue
