@@ -6,6 +6,7 @@
 #   make bench-depth
 #   make bench-long
 #   make bench-recipe
+#   make bench-scale [SIZES=25M,57M,136M,309M,1.44B,3B]
 #   make sample [WORKDIR=...] [PROMPT='[[Category:']   make bench-sample   make check-sample
 #   make train-revnet   make train-revvit   (Fashion-MNIST: a RevNet, a reversible ViT)
 
@@ -16,7 +17,7 @@ CONFIG ?= configs/enwik_modern.gin
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 GIN ?=
 
-.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long bench-recipe clean sample bench-sample check-sample
+.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long bench-recipe bench-scale clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +61,16 @@ bench: data
 bench-recipe: data
 	$(PY) scripts/bench_recipe.py --out bench_recipe.json
 
+# Host memory at scale (docs/memory.md): a ladder of Llama-style byte models (25 M ... 1.44 B parameters with
+# AdamW and Adafactor, 3 B with Adafactor), each of StandardTrainer, ReversibleTrainer and ReversibleTrainer +
+# offload in its own processes under the memory plan: train 3 steps with a checkpoint every 2, resume to 5,
+# eval; peak RSS by phase, bytes per parameter, seconds per step and per checkpoint, the plan's estimate.
+# A size the plan refuses is recorded, and the trainer's larger sizes skipped. bench_scale.json, .png, a table.
+# The 1.44 B and 3 B points need about 18 GiB: run them on an otherwise idle machine.
+SIZES ?= 25M,57M,136M,309M,1.44B,3B
+bench-scale: data
+	$(PY) scripts/bench_scale.py --sizes $(SIZES) --out bench_scale.json
+
 # On a machine with one GPU: every GPU figure, each configuration in its own process, JSON out (<= 8 min).
 # DRY_RUN=1 make bench-gpu runs every configuration at tiny sizes on the CPU.
 bench-gpu: venv
@@ -91,7 +102,7 @@ check-sample: data
 
 clean:
 	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
-	  bench_sample.json bench_recipe.json gpu_report.json
+	  bench_sample.json bench_recipe.json gpu_report.json bench_scale.json bench_scale.png
 
 # Fashion-MNIST image classifiers: the RevNet (configs/revnet_fashion_mnist.gin) and the reversible ViT
 # (RevViT, configs/revvit_fashion_mnist.gin; docs/modern.md). The data is the Debian package

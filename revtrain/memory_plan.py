@@ -56,13 +56,22 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import ConfigError
 
-# The process's own constant: peak resident bytes of ``revtrain train`` on a 10 k-parameter model (batch
-# 2 x 128, 3 steps), where weights, state and programs are negligible: imports (JAX, XLA, Flax, optax, Orbax,
-# Grain, TensorBoard), the backend, the data pipeline, a few compiled programs. Measured on the 2-core CPU
-# machine (docs/memory.md); on an accelerator the CUDA/TPU runtime adds its own (not measured here).
-RUNTIME_BYTES = 600 * 2**20
+# The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
+# step's own parts: imports (JAX, XLA, Flax, optax, Orbax, Grain, TensorBoard), the backend, the data pipeline,
+# the compiled programs. Measured on the 2-core CPU machine (Llama byte models of 25 M to 309 M parameters with
+# the reversible trainer: 496-588 MiB; docs/memory.md); on an accelerator its runtime adds its own.
+RUNTIME_BYTES = 520 * 2**20
+# StandardTrainer's step holds about a quarter of the weights beyond its compiled step's temporaries,
+# gradients and residuals (measured 0.22-0.30 of the weights, 57 M to 309 M parameters): counted with its
+# temporaries.
+STANDARD_EXTRA_FRACTION = 0.25
+# A save written between steps in a run that restored its state holds about a quarter of the state beyond
+# the staging and the largest layer's arrays (measured 0.22-0.36, 57 M to 309 M parameters; a first run's
+# saves hold less): counted for every run, since most runs restore some time.
+SAVE_STATE_FRACTION = 0.25
 
-PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint")
+PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint",
+         "evaluation")
 _UNLIMITED = 2**62  # cgroup v1 writes 9223372036854771712 for "no limit"
 
 
@@ -401,6 +410,19 @@ class _Programs:
                 self.cache[key] = -1
         return self.cache[key]
 
+    def eval_forward(self, layer, params, state, x) -> int:
+        """``temp_size_in_bytes`` of ``layer``'s evaluation program (forward, evaluation mode) at ``x``."""
+        def fn(p, s, x):
+            return layer.apply(p, s, x, None, False)[0]
+        return self._compile(("eval", layer, _key(x)), fn, (params, state, x))
+
+    def eval_head(self, layer, params, state, x, batch) -> int:
+        """``temp_size_in_bytes`` of the head's evaluation program (its loss sums) at ``x``."""
+        def fn(p, s, x, batch):
+            loss_sum, stats, _ = layer.loss(p, s, x, batch, None, False)
+            return loss_sum, stats
+        return self._compile(("eval_head", layer, _key(x)), fn, (params, state, x, batch))
+
     def residuals(self, layer, params, state, x, keys) -> int:
         """Bytes of the vjp residuals of ``layer`` at ``x`` (leaves of the pullback that are not inputs):
         what backprop keeps of this layer until its backward."""
@@ -499,7 +521,7 @@ class MemoryPlan:
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
          programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True,
-         global_devices: int | None = None) -> MemoryPlan:
+         global_devices: int | None = None, eval_spec: dict | None = None) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -514,6 +536,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       platform: the backend (default: the first local device's).
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
       global_devices: devices of every process (default ``num_devices``): the batch is split over them.
+      eval_spec: ``{key: jax.ShapeDtypeStruct}`` of a global evaluation batch (None: no evaluation counted).
 
     Returns:
       a `MemoryPlan`.
@@ -572,10 +595,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
             grads = min(grads, whole)
             acts = min(residuals, whole - grads) + batch_bytes
-            temp = whole - grads - (acts - batch_bytes)
+            temp = whole - grads - (acts - batch_bytes) + int(STANDARD_EXTRA_FRACTION * weights)
             method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
         else:
-            temp = max(temps)
+            temp = max(temps) + int(STANDARD_EXTRA_FRACTION * weights)
             method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
                       "one-layer backward program's temporaries (compiled)")
     else:
@@ -583,12 +606,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         acts = saved_std + 2 * largest_act + batch_bytes
         temp = max(temps)
         method = "compiled one-layer programs (forward, backward, head)"
-    checkpoint = max(layer_state)
-
     one_tier = platform == "cpu"
     device = dict.fromkeys(PARTS, 0)
     host = dict.fromkeys(PARTS, 0)
-    host["runtime"], host["checkpoint"] = RUNTIME_BYTES, checkpoint
+    host["runtime"] = RUNTIME_BYTES
     offload = setup.trainer == "reversible" and setup.offload
     if offload:
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
@@ -610,7 +631,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
             host[k] += device[k] * n
         tiers = {"host": host}
     else:
-        tiers = {"device": {k: v for k, v in device.items() if k not in ("runtime", "checkpoint")}, "host": host}
+        tiers = {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
+    _phases(tiers, state_bytes=(weights + opt) * n, largest_layer=max(layer_state), n=n,
+            state_tier="host" if one_tier or offload else "device",
+            evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
 
     if limits is None:
         limits = {"host": host_limit()}
@@ -619,6 +643,54 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
     return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
                       num_params)
+
+
+def _evaluation_bytes(model, programs: _Programs, spec: dict, n: int, global_devices: int | None) -> int:
+    """Bytes one device holds beyond the state while it evaluates (layer by layer, in evaluation mode): the
+    largest compiled per-layer evaluation program's temporaries, its input and output, and one device's
+    evaluation batch (``spec``: the global evaluation batch's shapes)."""
+    lead = jax.tree.leaves(spec)[0].shape[0]
+    batch = _local(spec, max(lead // max(global_devices or n, 1), 1))
+    keys = jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0], 2), jnp.uint32)
+    x, temps, acts = batch[model.input_key], [0], [0]
+    for layer in model.layers:
+        p, s = layer.param_shapes, layer.state_shapes
+        if layer.is_head:
+            temps.append(programs.eval_head(layer, p, s, x, batch))
+            acts.append(_nbytes(x))
+            break
+        temps.append(programs.eval_forward(layer, p, s, x))
+        y = programs.output(layer, p, s, x, keys)
+        acts.append(_nbytes(x) + _nbytes(y))
+        x = y
+    return max(temps) + max(acts) + _nbytes(batch)
+
+
+def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_tier: str, evaluation: int) -> None:
+    """Adds to ``tiers`` (in place) what a checkpoint save and an evaluation hold beyond a step's peak.
+
+    A step's own transient parts are its gradients, activations and temporaries. A save of a state of at
+    most ``checkpoint.ASYNC_MAX_BYTES`` (``state_bytes``: this process's weights and optimizer state) is
+    written in the background while the next step runs: that step cannot donate the buffers the write
+    still reads, so XLA allocates a second copy of the state where it lives (``state_tier``), and the write
+    stages up to ``checkpoint.STAGING_BYTES`` in host memory; both add to the step's peak. A larger state
+    is written between steps (the step's transient parts are free then): the bounded staging, the largest
+    layer's arrays copied out (``largest_layer``, bytes) and `SAVE_STATE_FRACTION` of the state, counted
+    where they exceed the step's. An evaluation (``evaluation``: bytes per device, `_evaluation_bytes`) runs after the final
+    save, on the device tier (host on the CPU, once per local device): counted where it exceeds the rest.
+    """
+    from revtrain.checkpoint import ASYNC_MAX_BYTES, STAGING_BYTES
+    step = {t: parts["gradients"] + parts["activations"] + parts["temporaries"] for t, parts in tiers.items()}
+    host = tiers["host"]
+    if state_bytes <= ASYNC_MAX_BYTES:
+        tiers[state_tier]["checkpoint"] += state_bytes if state_tier == "host" else state_bytes // max(n, 1)
+        host["checkpoint"] += min(state_bytes, STAGING_BYTES)
+    else:
+        save = STAGING_BYTES + largest_layer + int(SAVE_STATE_FRACTION * state_bytes)
+        host["checkpoint"] = max(0, save - step["host"])
+    tier = "host" if len(tiers) == 1 else "device"
+    per_tier = evaluation * (n if tier == "host" else 1)
+    tiers[tier]["evaluation"] = max(0, per_tier - step[tier] - tiers[tier]["checkpoint"])
 
 
 def _host_memory_supported(mesh) -> bool:
@@ -634,7 +706,13 @@ def plan_run(run, limits: dict | None = None, programs: _Programs | None = None)
         raise MemoryPlanError(f"{type(run.task).__name__} has no input_spec: the memory plan needs the batch's "
                               "shapes (train.memory_plan = False skips it)")
     return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
-                programs=programs, global_devices=run.mesh.size)
+                programs=programs, global_devices=run.mesh.size, eval_spec=_eval_spec(run))
+
+
+def _eval_spec(run) -> dict | None:
+    """The shapes of the run's evaluation batch (``evaluate.batch_size``), or None without them."""
+    ecfg = getattr(run, "ecfg", None)
+    return run.task.input_spec(ecfg.batch_size) if ecfg is not None else None
 
 
 def _local_devices(mesh) -> int:
@@ -649,7 +727,8 @@ def choices(run, limits: dict | None = None, programs: _Programs | None = None,
     own = own or plan_run(run, limits, programs)
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
-    others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size)
+    others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
+                   eval_spec=_eval_spec(run))
               for s in alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))]
     return [own] + others
 

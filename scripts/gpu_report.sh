@@ -12,7 +12,12 @@
 #   2. T 65,536 with blockwise attention (chunked feed-forward and head), reversible + offload, depth 4, batch 1;
 #   3. a model whose weights + Adam state are at least 3x the device memory it may use
 #      (XLA_PYTHON_CLIENT_MEM_FRACTION): the standard trainer (expected: out of memory) and the reversible
-#      trainer with offload (expected: trains), and the ratio state_bytes / device_bytes_limit in the record.
+#      trainer with offload (expected: trains), and the ratio state_bytes / device_bytes_limit in the record;
+#   4. the large-model point (scripts/bench_scale.py --quick, docs/memory.md): `revtrain train` of the 1.44 B
+#      Llama (d 2048, 32 blocks, 16 / 4 heads, SwiGLU 5632; SCALE_SIZE) with ReversibleTrainer + offload,
+#      AdamW float32, batch 2 x 128, 3 steps, the final save and evaluation: the host's peak RSS by phase
+#      (VmHWM) against the memory plan, and the device's peak_bytes_in_use (memory_stats). It runs first, in
+#      SCALE_LIMIT_S seconds (default 300).
 # Budget: BUDGET_S seconds in all (default 480); a configuration that would start after the budget is
 # recorded as skipped, and each process is limited to POINT_LIMIT_S seconds (default 100).
 # Environment: PYTHON (default .venv/bin/python, else python3).
@@ -29,16 +34,17 @@ START=$(date +%s)
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   export JAX_PLATFORMS=cpu
-  D=64; T=64; B=2; DEPTHS="2 4"; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4; FRACTION=0.02
+  D=64; T=64; B=2; DEPTHS="2 4"; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4; FRACTION=0.02; SCALE_SIZE=tiny
 else
   D=1024; T=1024; B=8; DEPTHS="4 16"; LONG_T=65536; LONG_BLOCK=1024; FRACTION=${BIG_FRACTION:-0.02}
   # d_model 2048: 50M parameters per block, 0.6 GB of weights + Adam; 16 blocks ~ 9.7 GB, 3.4x of 2% of an
   # 141 GB device. (On a smaller GPU raise BIG_FRACTION or lower BIG_LAYERS; the record gives the ratio.)
-  BIG_D=${BIG_D:-2048}; BIG_LAYERS=${BIG_LAYERS:-16}
+  BIG_D=${BIG_D:-2048}; BIG_LAYERS=${BIG_LAYERS:-16}; SCALE_SIZE=${SCALE_SIZE:-1.44B}
 fi
+SCALE_LIMIT_S=${SCALE_LIMIT_S:-300}
 
 n=0
-point() {  # point NAME [env assignments --] bench_trainers.py arguments...
+point() {  # [SCRIPT=scripts/X.py] point NAME [env assignments --] the script's arguments (default bench_trainers.py)
   local name=$1; shift
   n=$((n + 1))
   local file="$TMP/$(printf %02d $n).json"
@@ -54,7 +60,7 @@ point() {  # point NAME [env assignments --] bench_trainers.py arguments...
   local limit=$POINT_LIMIT_S left=$((BUDGET_S - now))
   [ "$left" -lt "$limit" ] && limit=$left
   echo "gpu_report: $name" >&2
-  env "${envs[@]}" timeout -k 5 "$limit" "$PY" scripts/bench_trainers.py "$@" > "$TMP/out" 2> "$TMP/err"
+  env "${envs[@]}" timeout -k 5 "$limit" "$PY" "${SCRIPT:-scripts/bench_trainers.py}" "$@" > "$TMP/out" 2> "$TMP/err"
   local rc=$?
   local line
   line=$(grep '^{' "$TMP/out" | tail -1)
@@ -64,11 +70,14 @@ point() {  # point NAME [env assignments --] bench_trainers.py arguments...
     local why="exit status $rc"
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="killed after $limit s"
     local tail_err
-    tail_err=$(tail -1 "$TMP/err" | tr -d '"\\' | cut -c1-300)
+    tail_err=$(tail -1 "$TMP/err" | tr -d '"\\' | tr -d '\000-\037' | cut -c1-300)
     printf '{"name": "%s", "status": "error", "error": "%s: %s"}\n' "$name" "$why" "$tail_err" > "$file"
   fi
   grep -o '"status": "[^"]*"' "$file" >&2
 }
+
+POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$SCALE_SIZE Llama, reversible + offload (host and device peaks)" -- \
+  --sizes "$SCALE_SIZE" --trainers offload --optimizers adamw --quick --timeout "$SCALE_LIMIT_S" --out "$TMP/bench_scale.out"
 
 COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 --warmup 1 --steps 3)
 [ "${DRY_RUN:-0}" = 1 ] && COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 4 --compute_dtype bfloat16 --warmup 1 --steps 2)
@@ -97,6 +106,10 @@ for r in records:
     tps = f"{r['tokens_per_sec']:,.0f}" if "tokens_per_sec" in r else "-"
     peak = f"{r['peak_device_bytes'] / 2**20:,.0f}" if "peak_device_bytes" in r else "-"
     print(f"{r['name']:<58} {r['status']:<14} {tps:>10} {peak:>10}")
+    if "run_peak_bytes" in r:
+        print(f"{'':<58} host peak {r['run_peak_bytes'] / 2**30:.2f} GiB ({r['run_peak_bytes'] / r['num_params']:.1f} "
+              f"B/param; plan {r.get('plan_host_bytes', 0) / 2**30:.2f} GiB), device peak "
+              f"{r.get('peak_device_bytes', 0) / 2**30:.2f} GiB ({r.get('peak_device_bytes_method')})")
     if "state_bytes" in r and "device_bytes_limit" in r and r["name"].startswith("state"):
         print(f"{'':<58} weights + Adam {r['state_bytes'] / 2**30:.1f} GiB = "
               f"{r['state_bytes'] / r['device_bytes_limit']:.1f}x the device limit")

@@ -68,7 +68,10 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
     assert host["gradients"] == largest  # one layer's at a time (the fused update)
     # Saved: the embedding's input (int32 tokens); current: two float32 streams and their cotangent; the batch.
     assert host["activations"] == B * T * 4 + 2 * (2 * B * T * D * 4) + 2 * B * T * 4
-    assert host["checkpoint"] == 3 * largest + 4  # the largest layer's weights and AdamW state, staged by a save
+    # A state below checkpoint.ASYNC_MAX_BYTES is saved in the background: the next step makes a second copy
+    # of it (it cannot donate what the write reads), and the write stages all of it (below STAGING_BYTES).
+    assert host["checkpoint"] == 2 * (weights + opt)
+    assert host["evaluation"] == 0  # no evaluation batch given
     assert host["runtime"] == memory_plan.RUNTIME_BYTES
     assert host["temporaries"] > 0
     assert plan.total("host") == sum(host.values())
@@ -76,6 +79,29 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
     record = plan.record()
     assert record["plan_host_bytes"] == plan.total("host")
     assert record["plan_host_weights_bytes"] == weights and record["host_limit_bytes"] == 2**50
+
+
+def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
+    """A state above checkpoint.ASYNC_MAX_BYTES is saved between steps: the save's staging, the largest layer's
+    arrays and SAVE_STATE_FRACTION of the state count where they exceed the step's transient parts; an evaluation's where it exceeds
+    those and the save's."""
+    from revtrain import checkpoint
+    weights, opt, largest = _exact(model)
+    tx = optax.adamw(1e-3)
+    monkeypatch.setattr(checkpoint, "ASYNC_MAX_BYTES", 0)
+    setup = memory_plan.Setup("reversible", tx, B, label="r")
+    host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu").tiers["host"]
+    step = host["gradients"] + host["activations"] + host["temporaries"]
+    save = checkpoint.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
+    assert host["checkpoint"] == max(0, save - step) > 0
+    evaluated = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
+                                 eval_spec=_spec(64)).tiers["host"]
+    evaluation = memory_plan._evaluation_bytes(model, memory_plan._Programs(), _spec(64), 1, None)
+    # At least one device's evaluation batch and a layer's input and output (two float32 streams each).
+    assert evaluation >= 2 * 64 * T * 4 + 2 * (2 * 64 * T * D * 4)
+    assert evaluated["evaluation"] == max(0, evaluation - step - host["checkpoint"])
+    assert {k: v for k, v in evaluated.items() if k != "evaluation"} == {k: v for k, v in host.items()
+                                                                          if k != "evaluation"}
 
 
 def test_standard_and_deferred_parts(model):
