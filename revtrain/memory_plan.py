@@ -22,8 +22,11 @@ from shapes alone, after the model is built and before the trainer places its st
   two CPU cores, so its temporaries are an analytic bound: the residuals and gradients counted above plus
   the largest one-layer backward program's own temporaries (`MemoryPlan.method` says so);
 * **runtime**: the JAX/XLA process with its libraries, the data pipeline and the compiled programs
-  (`RUNTIME_BYTES`, measured: the peak resident bytes of a ``revtrain train`` run of a 10 k-parameter model);
-* **checkpoint**: one layer's weights and optimizer state staged by a save (the largest layer's).
+  (`RUNTIME_BYTES`, measured on ``revtrain train`` runs of 25 M to 309 M parameters);
+* **checkpoint** and **evaluation**: what a save and an evaluation hold beyond a step's transient parts
+  (`_phases`: a background save's second copy of the state and its staging beside the next step; a save
+  between steps; each layer's evaluation program on the evaluation batch), so that the total is the
+  peak over the phases of a run (docs/memory.md, "Accuracy").
 
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
