@@ -202,16 +202,20 @@ ASYNC_MAX_BYTES = 512 * 2**20
 STAGING_BYTES = 256 * 2**20
 
 
-def _bounded_handler() -> ocp.StandardCheckpointHandler:
-    """Orbax's standard handler with its staging bounded to `STAGING_BYTES`. The public arguments count whole
-    GB and leave out the copy from the arrays' buffers, so the pinned Orbax (0.12.8)'s limits are set on its
-    inner handler too (the on-disk format is unchanged)."""
-    handler = ocp.StandardCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1)
-    inner = getattr(getattr(handler, "_impl", None), "_handler_impl", None)
+def _bound_staging(handler):
+    """``handler`` with Orbax's staging bounded to `STAGING_BYTES`. The public arguments count whole GB and
+    leave out the copy from the arrays' buffers, so the pinned Orbax (0.12.8)'s limits are set on its inner
+    PyTree handler too (the on-disk format is unchanged)."""
+    inner = getattr(getattr(handler, "_impl", handler), "_handler_impl", None)
     for name in ("_save_concurrent_bytes", "_restore_concurrent_bytes", "_save_device_host_concurrent_bytes"):
         if inner is not None and hasattr(inner, name):
             setattr(inner, name, STAGING_BYTES)
     return handler
+
+
+def _bounded_handler() -> ocp.StandardCheckpointHandler:
+    """Orbax's standard handler with its staging bounded (`_bound_staging`)."""
+    return _bound_staging(ocp.StandardCheckpointHandler(save_concurrent_gb=1, restore_concurrent_gb=1))
 
 
 def state_bytes(ts: TrainState) -> int:
@@ -351,10 +355,7 @@ class Checkpointer:
         from the step's ``state`` item (the standard handler cannot leave leaves out; the format is the
         same PyTree one). The result's ``opt_state`` has None for every layer."""
         item = {"params": abstract["params"], "layer_state": abstract["layer_state"]}
-        handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1)
-        inner = getattr(handler, "_handler_impl", None)
-        if inner is not None and hasattr(inner, "_restore_concurrent_bytes"):
-            inner._restore_concurrent_bytes = STAGING_BYTES
+        handler = _bound_staging(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1))
         try:
             meta = self.meta(step)
             with ocp.Checkpointer(handler) as reader:
