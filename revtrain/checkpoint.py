@@ -44,10 +44,11 @@ import orbax.checkpoint as ocp
 
 from revtrain import metrics as metrics_lib
 from revtrain.allocator import release_free_memory
+from revtrain.errors import InputError, RunFailure
 from revtrain.trainers.common import TrainState
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint is missing, corrupt, or does not fit the current model."""
 
 
@@ -81,7 +82,7 @@ def damage_reason(e: BaseException) -> str:
     return type(e).__name__
 
 
-class CheckpointWriteError(OSError):
+class CheckpointWriteError(RunFailure, OSError):
     """A checkpoint could not be written (disk full, quota, permissions, I/O error).
 
     ``step`` is the step whose save failed; the checkpoints written before it are untouched (Orbax only

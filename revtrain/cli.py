@@ -29,11 +29,10 @@ import re
 import sys
 import warnings
 
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
+from revtrain.errors import EXIT_FAILURE, EXIT_USAGE, InputError, exit_status
 
 
-class UsageError(Exception):
+class UsageError(InputError):
     """Bad command-line usage (exit status 2)."""
 
 
@@ -531,23 +530,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _classify(e: Exception) -> tuple[int, str]:
-    from revtrain.checkpoint import CheckpointError, CheckpointWriteError
-    from revtrain.data.byte_lm import DataError
-    from revtrain.export import ExportError
-    from revtrain.loop import ConfigError, StepFailed, WriteFailed
-    from revtrain.models.llama import LlamaFormatError
-    from revtrain.metrics import MetricsWriteError
-    from revtrain.lifecycle.oom import OutOfMemory, describe, is_out_of_memory
-    from revtrain.trainers.common import TrainerError
-    from revtrain.lifecycle.workdir import WorkdirBusy
+    """The exit status and the one line the CLI prints for ``e`` (`revtrain.errors`: the base class decides)."""
+    from revtrain.lifecycle.oom import describe, is_out_of_memory
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if isinstance(e, (UsageError, ConfigError, DataError, TrainerError, CheckpointError, WorkdirBusy, ExportError,
-                      LlamaFormatError)):
-        return EXIT_USAGE, first
+    status = exit_status(e)
+    if status is not None:
+        return status, first
     if isinstance(e, PermissionError):
         return EXIT_USAGE, f"cannot write: {first}"
-    if isinstance(e, (FloatingPointError, WriteFailed, StepFailed, CheckpointWriteError, MetricsWriteError, OutOfMemory)):
-        return EXIT_FAILURE, first
     if is_out_of_memory(e):
         return EXIT_FAILURE, describe(e, "a computation", ["the batch size", "the sequence length"])
     return EXIT_FAILURE, f"{type(e).__name__}: {first} (run with --verbose for the traceback)"

@@ -21,10 +21,12 @@ import os
 import shutil
 import tempfile
 
+from revtrain.errors import InputError
+
 DTYPES = ("float32", "bfloat16")
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     """Export cannot proceed (a run of another model, an output that exists); one line, exit status 2."""
 
 

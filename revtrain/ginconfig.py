@@ -32,10 +32,12 @@ from typing import Any
 import gin
 from gin import config_parser
 
+from revtrain.errors import InputError
+
 PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-class IncludeNotFound(OSError):
+class IncludeNotFound(InputError, OSError):
     """A gin file (``--config`` or ``include``) found in none of the directories searched."""
 
 

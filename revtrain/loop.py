@@ -27,7 +27,7 @@ from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import ByteLMTask, Task
-from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
+from revtrain.errors import ConfigError, RunFailure  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_resident, host_state_bytes
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
@@ -36,16 +36,16 @@ from revtrain.trainers.common import NonFiniteError, TrainerBase, TrainState, mi
 from revtrain.trainers.reversible import ReversibleTrainer
 
 
-class TrainingStopped(FloatingPointError):
+class TrainingStopped(RunFailure, FloatingPointError):
     """Training stopped on a non-finite loss or gradient (reported as one line, exit status 1)."""
 
 
-class StepFailed(RuntimeError):
+class StepFailed(RunFailure, RuntimeError):
     """A periodic evaluation or sample failed; the step is saved first (one line naming the checkpoint kept,
     exit status 1)."""
 
 
-class WriteFailed(RuntimeError):
+class WriteFailed(RunFailure, RuntimeError):
     """Training stopped because a checkpoint or metrics file could not be written, e.g. the disk is full
     (reported as one line naming the newest checkpoint, which is kept; exit status 1)."""
 

@@ -14,8 +14,10 @@ import sys
 
 import jax
 
+from revtrain.errors import RunFailure
 
-class MetricsWriteError(OSError):
+
+class MetricsWriteError(RunFailure, OSError):
     """A metrics file could not be written (disk full, quota, I/O error); ``errno`` is the OS error's."""
 
     def __str__(self):

@@ -179,6 +179,35 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, 
     assert not (tmp_path / "w").exists()
 
 
+def test_every_error_class_has_one_of_the_two_exit_statuses():
+    """Each exception class revtrain defines derives from `InputError` (exit 2) or `RunFailure` (exit 1), and
+    the CLI's status comes from that base: a new error class cannot fall through to the generic message."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import revtrain
+    from revtrain import cli
+    from revtrain.errors import InputError, RunFailure
+
+    classes = set()
+    for info in pkgutil.walk_packages(revtrain.__path__, "revtrain."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        classes |= {c for c in vars(module).values() if inspect.isclass(c) and issubclass(c, BaseException)
+                    and c.__module__ == module.__name__ and c not in (InputError, RunFailure)}
+    assert len(classes) >= 20
+    for c in classes:
+        assert issubclass(c, InputError) != issubclass(c, RunFailure), c
+        try:
+            error = c("first line\nsecond line")
+        except TypeError:  # a class whose constructor takes other arguments
+            continue
+        assert cli._classify(error) == (2 if issubclass(c, InputError) else 1, "first line"), c
+    assert cli._classify(KeyError("k"))[0] == 1 and "--verbose" in cli._classify(KeyError("k"))[1]
+
+
 def test_eval_of_missing_step_exits_2(trained):
     workdir, _ = trained
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")

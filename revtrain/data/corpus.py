@@ -32,6 +32,8 @@ import sys
 import zipfile
 import zlib
 
+from revtrain.errors import InputError
+
 GENSIM_SOURCE = "gensim_enwiki"
 GENSIM_VERSION = "4.4.0"
 GENSIM_MEMBER = (
@@ -47,7 +49,7 @@ BLOCK = 1 << 20  # bytes read at a time from a text file
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
 
 
-class DataError(Exception):
+class DataError(InputError):
     """A data problem the user can fix; ``str(error)`` is one line saying what and how."""
 
 

@@ -13,8 +13,10 @@ import contextlib
 import re
 from typing import Callable
 
+from revtrain.errors import RunFailure
 
-class OutOfMemory(RuntimeError):
+
+class OutOfMemory(RunFailure, RuntimeError):
     """A step (or evaluation) needed more memory than the device (or host) has; one line (exit status 1)."""
 
 

@@ -26,10 +26,12 @@ import os
 import shutil
 import socket
 
+from revtrain.errors import InputError
+
 LOCK_FILE = ".lock"
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirBusy(InputError, RuntimeError):
     """Another process holds the workdir's lock (one line naming it; exit status 2)."""
 
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from revtrain.errors import InputError
 from revtrain.layers.base import HeadLayer, Layer, ReversibleCoupling, ReversibleLayer
 from revtrain.models.base import Model, Tie
 from revtrain.models.contract import ContractError, check_coupling, check_part
@@ -51,7 +52,7 @@ from revtrain.models.contract import ContractError, check_coupling, check_part
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-class CompositionError(ValueError):
+class CompositionError(InputError, ValueError):
     """A composed model that cannot be built (a bad spec, a part that cannot be constructed); reported as
     one line, exit status 2."""
 

@@ -27,8 +27,10 @@ import functools
 import jax
 from flax import nnx
 
+from revtrain.errors import InputError
 
-class ContractError(ValueError):
+
+class ContractError(InputError, ValueError):
     """A part that breaks the composition contract (one line naming it and the fix; exit status 2)."""
 
 

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from revtrain.errors import InputError
 from revtrain.layers.base import HeadLayer, Layer, ReversibleLayer, cross_entropy_sums, snap_to_grid, split_keys
 from revtrain.layers.chunked import check_chunk, sum_chunks
 from revtrain.layers.exact_residual import ExactResidual, empty_bits
@@ -70,7 +71,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-class LlamaFormatError(ValueError):
+class LlamaFormatError(InputError, ValueError):
     """A checkpoint directory revtrain cannot represent, or a bad LlamaModel setting (one line, exit 2)."""
 
 

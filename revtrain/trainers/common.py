@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from revtrain.errors import InputError, RunFailure
 from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated, spec_axis
 from revtrain.residency import Residency
@@ -34,7 +35,7 @@ from revtrain.trainers.stacking import Stacked
 XLA_OPTIONS = {"xla_allow_excess_precision": False}
 
 
-class TrainerError(ValueError):
+class TrainerError(InputError, ValueError):
     """A configuration the trainer refuses (e.g. an optimizer that couples leaves)."""
 
 
@@ -46,7 +47,7 @@ def check_flags(owner: str, **flags) -> None:
             raise TrainerError(f"{owner}.{name} must be True or False, got {value!r}")
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(RunFailure, FloatingPointError):
     """A non-finite loss or gradient.
 
     Attributes:

@@ -51,6 +51,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.tree_util import SequenceKey
 
+from revtrain.errors import InputError
+
 # An export (a layer value read by a global equation) may hold at most this many elements: the global
 # program gathers every layer's exports at once, so they must be reductions, not tensors.
 MAX_EXPORT_SIZE = 4096
@@ -58,7 +60,7 @@ MAX_EXPORT_SIZE = 4096
 _PRE = -1  # the round of a global value that depends on no layer (computed anywhere, e.g. the step count)
 
 
-class CoupledUpdateError(ValueError):
+class CoupledUpdateError(InputError, ValueError):
     """The optimizer combines large values of several layers: it cannot be applied one layer at a time."""
 
 
