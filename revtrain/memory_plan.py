@@ -70,8 +70,11 @@ RUNTIME_BYTES = 520 * 2**20
 STANDARD_EXTRA_FRACTION = 0.25
 # A save written between steps in a run that restored its state holds about a quarter of the state beyond
 # the staging and the largest layer's arrays (measured 0.22-0.36, 57 M to 309 M parameters; a first run's
-# saves hold less): counted for every run, since most runs restore some time.
+# saves hold less): counted for every run, since most runs restore some time. It does not grow with the state:
+# the 1.44 B Llama's saves (16.1 GiB of state, first run and resumed) held under 0.15 GiB beyond its steps, so
+# the term is capped at SAVE_EXTRA_MAX_BYTES (docs/memory.md, Accuracy).
 SAVE_STATE_FRACTION = 0.25
+SAVE_EXTRA_MAX_BYTES = 2**30
 
 PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint",
          "evaluation")
@@ -678,7 +681,8 @@ def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_
     still reads, so XLA allocates a second copy of the state where it lives (``state_tier``), and the write
     stages up to ``checkpoint.STAGING_BYTES`` in host memory; both add to the step's peak. A larger state
     is written between steps (the step's transient parts are free then): the bounded staging, the largest
-    layer's arrays copied out (``largest_layer``, bytes) and `SAVE_STATE_FRACTION` of the state, counted
+    layer's arrays copied out (``largest_layer``, bytes) and `SAVE_STATE_FRACTION` of the state (at most
+    `SAVE_EXTRA_MAX_BYTES`), counted
     where they exceed the step's. An evaluation (``evaluation``: bytes per device, `_evaluation_bytes`) runs after the final
     save, on the device tier (host on the CPU, once per local device): counted where it exceeds the rest.
     """
@@ -689,7 +693,7 @@ def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_
         tiers[state_tier]["checkpoint"] += state_bytes if state_tier == "host" else state_bytes // max(n, 1)
         host["checkpoint"] += min(state_bytes, STAGING_BYTES)
     else:
-        save = STAGING_BYTES + largest_layer + int(SAVE_STATE_FRACTION * state_bytes)
+        save = STAGING_BYTES + largest_layer + min(int(SAVE_STATE_FRACTION * state_bytes), SAVE_EXTRA_MAX_BYTES)
         host["checkpoint"] = max(0, save - step["host"])
     tier = "host" if len(tiers) == 1 else "device"
     per_tier = evaluation * (n if tier == "host" else 1)
@@ -755,6 +759,10 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     if fitting:
         ways = "; ".join(f"{', '.join(p.setup.settings)} ({gib(p.total(tier))})" for p in fitting[:4])
         hint = f"these settings would fit: {ways}"
+    elif own.limits.get("host") is not None and own.limits["host"] <= RUNTIME_BYTES * 5 // 4:
+        # The runtime alone (imports, backend, data pipeline) takes 80% of the limit or more: no model fits.
+        hint = (f"this process's runtime alone takes about {gib(RUNTIME_BYTES)}: raise the memory limit (a "
+                "smaller model would not fit either)")
     else:
         hint = "none of the trainer choices fits here (revtrain plan --config ... shows them); use a smaller model"
     return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}); {hint}; "

@@ -28,3 +28,17 @@ def test_every_link_and_cited_page_exists():
             if "DESIGN.md" in text and path.name != "test_docs.py":
                 missing.append(f"{path.relative_to(REPO)} -> DESIGN.md")
     assert not missing, missing
+
+
+def test_no_merge_conflict_markers():
+    """A merge's unresolved conflict (``<<<<<<<`` / ``=======`` / ``>>>>>>>`` lines) is in no tracked text file."""
+    import subprocess
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    marked = []
+    for name in files:
+        path = REPO / name
+        if path.suffix in (".md", ".py", ".gin", ".sh", ".toml", ".txt", "") and path.is_file():
+            for k, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):
+                if re.match(r"(<{7}|>{7})( |$)|={7}$", line):
+                    marked.append(f"{name}:{k}")
+    assert not marked, marked
