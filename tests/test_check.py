@@ -1,11 +1,7 @@
 """`revtrain check`, the NaN/Inf guard and bad-input handling."""
 
 import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import gin
 import jax.numpy as jnp
@@ -17,8 +13,8 @@ from revtrain.layers.transformer import ReversibleCoupling
 from revtrain.models.base import Model
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, revtrain
+
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
         "--gin", "train.sample_every = 0"]  # the default config's end-of-run sample: tests/test_sample.py
@@ -60,12 +56,9 @@ def test_check_names_the_layer_with_a_wrong_inverse(capsys):
 
 
 def _train(tmp_path, *extra):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, "-m", "revtrain", "train", "--config", CONFIG, *TINY, "--gin", "STEPS = 6",
-           "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "evaluate.max_batches = 1", *extra,
-           "--workdir", str(tmp_path / "run")]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return revtrain("train", "--config", CONFIG, *TINY, "--gin", "STEPS = 6", "--gin", "WARMUP = 1",
+                    "--gin", "train.log_every = 1", "--gin", "evaluate.max_batches = 1", *extra,
+                    "--workdir", tmp_path / "run")
 
 
 @pytest.mark.slow  # make test-all
@@ -109,10 +102,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
     args = [a.replace("{bad}", str(bad)).replace("{file}", str(blocker / "run")) for a in args]
     if "--workdir" not in args:
         args += ["--workdir", str(tmp_path / "w")]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
-                            env=env, timeout=300)
+    result = revtrain("train", *args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], lines
@@ -123,9 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
 @pytest.mark.slow  # make test-all: trains a model, then checks it in subprocesses
 def test_check_a_trained_checkpoint_on_two_devices(tmp_path):
     assert _train(tmp_path).returncode == 0
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    cmd = [sys.executable, "-m", "revtrain", "check", "--workdir", str(tmp_path / "run")]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    result = revtrain("check", "--workdir", tmp_path / "run", devices=2)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert f"checkpoint at step 6 of {tmp_path / 'run'}" in out and "on 2 device(s)" in out, out
@@ -135,7 +123,7 @@ def test_check_a_trained_checkpoint_on_two_devices(tmp_path):
         assert all(float(v) <= 1e-5 for v in row[2:4]), row
     assert "PASS: compute dtype float32" in out
 
-    missing = subprocess.run(cmd + ["--step", "3"], capture_output=True, text=True, env=env, timeout=300)
+    missing = revtrain("check", "--workdir", tmp_path / "run", "--step", "3", devices=2)
     lines = missing.stderr.strip().splitlines()
     assert missing.returncode == 2 and len(lines) == 1, missing.stderr
     assert "no checkpoint for step 3" in lines[0] and "(have 6)" in lines[0], lines

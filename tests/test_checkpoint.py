@@ -1,6 +1,5 @@
 """Checkpoints never lose work: exact resume after SIGTERM and kill -9, keep-N, eval of any checkpoint."""
 
-import json
 import os
 import pathlib
 import shutil
@@ -12,20 +11,12 @@ import time
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, env, losses, records, revtrain
+
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
         "--gin", "evaluate.max_batches = 2", "--gin", "train.log_every = 1", "--gin", "STEPS = 20", "--gin", "WARMUP = 2",
         "--gin", "train.sample_every = 0"]  # the default config's end-of-run sample: tests/test_sample.py
-
-
-def _env(devices=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return env
 
 
 def train_cmd(workdir, *extra):
@@ -33,15 +24,10 @@ def train_cmd(workdir, *extra):
 
 
 def run_train(workdir, *extra, devices=None):
-    result = subprocess.run(train_cmd(workdir, *extra), capture_output=True, text=True, env=_env(devices),
+    result = subprocess.run(train_cmd(workdir, *extra), capture_output=True, text=True, env=env(devices),
                             timeout=300)
     assert result.returncode == 0, result.stderr
     return result
-
-
-def losses(workdir):
-    lines = (pathlib.Path(workdir) / "metrics" / "train.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
 def final_params(workdir, step):
@@ -67,7 +53,7 @@ def reference(tmp_path_factory):
 
 def _start_and_signal(workdir, after_step, sig, extra=()):
     """Starts a run, sends ``sig`` once the progress line of ``after_step`` appears; returns the process."""
-    proc = subprocess.Popen(train_cmd(workdir, *extra), stderr=subprocess.PIPE, text=True, env=_env())
+    proc = subprocess.Popen(train_cmd(workdir, *extra), stderr=subprocess.PIPE, text=True, env=env())
     for line in proc.stderr:
         if line.startswith(f"step {after_step}/"):
             proc.send_signal(sig)
@@ -100,7 +86,7 @@ def test_sigterm_then_resume_matches_uninterrupted_run(reference, tmp_path):
 def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(reference, tmp_path):
     workdir = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(workdir, "--gin", "train.checkpoint_every = 5"), stderr=subprocess.DEVNULL,
-                            env=_env())
+                            env=env())
     ckdir = workdir / "checkpoints"
     deadline = time.time() + 120
     killed_during_save = False
@@ -138,11 +124,10 @@ def test_keep_n_and_eval_all_scores_each_checkpoint_once(tmp_path):
     run_train(workdir, "--gin", "train.checkpoint_every = 4", "--gin", "train.keep_checkpoints = 2",
               "--gin", "train.keep_checkpoint_period = 8")
     assert checkpoint_steps(workdir) == [8, 16, 20]  # newest two + every 8th kept forever
-    cmd = [sys.executable, "-m", "revtrain", "eval", "--workdir", str(workdir), "--all"]
     for _ in range(2):
-        result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+        result = revtrain("eval", "--workdir", workdir, "--all")
         assert result.returncode == 0, result.stderr
-    evals = [json.loads(line)["step"] for line in (workdir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in records(workdir, "eval")]
     assert sorted(evals) == [8, 16, 20]  # 20 from the end of training, 8 and 16 from the first --all only
 
 
@@ -154,13 +139,11 @@ def test_corrupt_checkpoint_is_one_clear_error_and_others_survive(tmp_path):
     assert victims
     for f in victims:  # the array data files
         f.write_bytes(b"garbage")
-    result = subprocess.run([sys.executable, "-m", "revtrain", "eval", "--workdir", str(workdir), "--step", "10"],
-                            capture_output=True, text=True, env=_env(), timeout=300)
+    result = revtrain("eval", "--workdir", workdir, "--step", 10)
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "step 10" in result.stderr
     assert checkpoint_steps(workdir) == [10, 20]
-    result = subprocess.run([sys.executable, "-m", "revtrain", "eval", "--workdir", str(workdir), "--step", "20"],
-                            capture_output=True, text=True, env=_env(), timeout=300)
+    result = revtrain("eval", "--workdir", workdir, "--step", 20)
     assert result.returncode == 0, result.stderr
 
 
@@ -170,7 +153,7 @@ def test_resume_with_a_different_model_is_refused(tmp_path):
     run_train(workdir, "--gin", "STEPS = 5")
     before = sorted(p.name for p in workdir.rglob("*"))
     result = subprocess.run(train_cmd(workdir, "--gin", "ReversibleTransformerLM.d_model = 64"), capture_output=True,
-                            text=True, env=_env(), timeout=300)
+                            text=True, env=env(), timeout=300)
     assert result.returncode == 2
     assert "different model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in workdir.rglob("*")) == before
@@ -184,7 +167,7 @@ def test_relative_workdir_and_resume_on_a_different_device_count(tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(four, mixed)
     shutil.rmtree(mixed / "checkpoints" / "20")
-    result = subprocess.run(train_cmd("mixed"), capture_output=True, text=True, env=_env(1), cwd=tmp_path,
+    result = subprocess.run(train_cmd("mixed"), capture_output=True, text=True, env=env(1), cwd=tmp_path,
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert "resumed from checkpoint at step 10" in result.stderr

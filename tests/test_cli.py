@@ -1,26 +1,16 @@
 """End-to-end tests of the `revtrain` command line on the real English-Wikipedia excerpt."""
 
 import json
-import os
-import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, REPO, records, revtrain
+
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "train.batch_size = 8", "--gin", "evaluate.max_batches = 4", "--gin", "train.log_every = 5",
         "--gin", "WARMUP = 5", "--gin", "train.sample_every = 0"]  # end-of-run samples: tests/test_sample.py
-
-
-def revtrain(*args, cwd=None, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
 
 
 def assert_one_line_error(result, code=2, contains=""):
@@ -45,15 +35,15 @@ def trained(tmp_path_factory):
 def test_train_writes_every_output_and_loss_falls(trained):
     workdir, result = trained
     assert (workdir / "config.gin").read_text().count("ReversibleTransformerLM.num_layers = 2") == 1
-    records = [json.loads(line) for line in (workdir / "metrics" / "train.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30, 35, 40]
-    for r in records:
+    train = records(workdir)
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30, 35, 40]
+    for r in train:
         for key in ("loss", "learning_rate", "steps_per_sec", "tokens_per_sec"):
             assert isinstance(r[key], float) and r[key] > 0, (key, r)
-    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5
     assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
-    evals = [json.loads(line) for line in (workdir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    evals = records(workdir, "eval")
     assert evals[-1]["step"] == 40 and 0 < evals[-1]["bits_per_byte"] < 8.0
     assert "step 40/40" in result.stderr and "bpb" in result.stderr and "ETA" in result.stderr
 
@@ -62,7 +52,7 @@ def test_eval_scores_latest_checkpoint(trained):
     workdir, _ = trained
     result = revtrain("eval", "--workdir", str(workdir))
     assert result.returncode == 0, result.stderr
-    last = json.loads((workdir / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    last = records(workdir, "eval")[-1]
     assert last["step"] == 40 and set(last) >= {"loss", "bits_per_byte", "accuracy"}
     assert abs(last["bits_per_byte"] * 0.6931471805599453 - last["loss"]) < 1e-9
 
@@ -219,10 +209,7 @@ def test_resuming_on_another_device_count_says_so(trained, tmp_path):
     workdir, _ = trained
     copy = tmp_path / "run"
     shutil.copytree(workdir, copy)
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    result = subprocess.run([sys.executable, "-m", "revtrain", "train", "--config", CONFIG, *TINY, "--gin",
-                             "STEPS = 41", "--workdir", str(copy)], capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = revtrain("train", "--config", CONFIG, *TINY, "--gin", "STEPS = 41", "--workdir", copy, devices=2)
     assert result.returncode == 0, result.stderr
     assert ("devices changed since the checkpoint at step 40: 1 device(s) in 1 process(es) -> 2 device(s) in 1 "
             "process(es)") in result.stderr

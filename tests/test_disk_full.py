@@ -1,27 +1,19 @@
 """Disk full during a checkpoint: one error line, exit 1, the previous checkpoint survives, resume works."""
 
 import json
-import os
-import pathlib
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, REPO, env
+
 DRIVER = str(REPO / "tests" / "_write_failure.py")
 ARGS = ["train", "--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 3",
         "--gin", "ReversibleTransformerLM.d_model = 32", "--gin", "train.batch_size = 8", "--gin", "STEPS = 6",
         "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "train.checkpoint_every = 1",
         "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0"]  # samples: test_sample.py
-
-
-def _env():
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 def _private_tmpfs_works() -> bool:
@@ -49,7 +41,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_resumes(tmp_path, 
     else:
         workdir = tmp_path / "run"
         cmd = [sys.executable, DRIVER, f"drive-{mode}", str(result), "--", *ARGS, "--workdir", str(workdir)]
-    subprocess.run(cmd, check=True, env=_env(), timeout=900)
+    subprocess.run(cmd, check=True, env=env(), timeout=900)
     r = json.loads(result.read_text())
 
     # The failing run: exit 1, one line naming the failed step, the reason and the kept checkpoint.

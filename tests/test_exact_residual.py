@@ -13,9 +13,11 @@ import pytest
 
 from revtrain.layers.exact_residual import gamma_signs, pack, split_low_bit, unpack
 from revtrain.models.llama import LlamaModel, forward_logits
-from revtrain.placement import global_batch, make_mesh
+from revtrain.placement import make_mesh
 from revtrain.trainers.reversible import ReversibleTrainer
 from revtrain.trainers.standard import StandardTrainer
+
+from helpers import numpy_params, train_steps
 
 SIZES = dict(vocab_size=256, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48)
 
@@ -121,11 +123,8 @@ def test_evaluation_is_the_standard_model_bit_for_bit():
 def _train(form, trainer_cls, batches, devices=1, **kwargs):
     mesh = make_mesh(jax.devices()[:devices])
     trainer = trainer_cls(_model(form, num_layers=3), optax.sgd(0.5), mesh, seed=0, **kwargs)
-    ts, losses = trainer.init(), []
-    for batch in batches:
-        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        losses.append(float(metrics["loss"]))
-    return jax.tree.map(np.asarray, ts.per_layer().params), losses
+    ts, history = train_steps(trainer, batches, mesh)
+    return numpy_params(ts), [h["loss"] for h in history]
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import shutil
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +15,12 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, REPO, env, free_port, records_by_step
+
 TINY = ["--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 1",
         "--gin", "ReversibleTransformerLM.d_model = 16", "--gin", "ReversibleTransformerLM.num_heads = 1",
         "--gin", "train.batch_size = 2", "--gin", "evaluate.max_batches = 1", "--gin", "train.log_every = 1",
         "--gin", "WARMUP = 1", "--gin", "train.sample_every = 0"]
-_LAUNCHER_PREFIXES = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "SLURM_",
-                      "OMPI_", "PMI_", "XLA_FLAGS", "JAX_PLATFORMS")
 
 
 HEARTBEAT = 5  # --heartbeat_timeout of the two-process runs, seconds
@@ -40,34 +37,17 @@ def compilation_cache(tmp_path_factory):
     _CACHE.clear()
 
 
-def _env(data_dir: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir, **_CACHE)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _records(workdir: pathlib.Path) -> dict:
-    path = workdir / "metrics" / "train.jsonl"
-    return {r["step"]: r for r in (json.loads(l) for l in path.read_text().splitlines() if l.strip())}
-
-
 def _pair(workdir, steps, data_dir, logdir, name):
     """Starts a two-process run (one CPU device each, gloo); returns the two Popen objects and logs."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for i in range(2):
         log = open(logdir / f"{name}.p{i}.log", "w+")
         cmd = [sys.executable, "-m", "revtrain", "train", *TINY, "--gin", f"STEPS = {steps}",
                "--gin", "train.checkpoint_every = 5", "--workdir", str(workdir), "--coordinator_address",
                f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i), "--heartbeat_timeout", str(HEARTBEAT)]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(data_dir),
-                                       start_new_session=True), log))
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env=env(data_dir=data_dir, isolated=True, **_CACHE)), log))
     return procs
 
 
@@ -99,7 +79,7 @@ def _lose_one(workdir, lost: int, data_dir: str, logdir) -> dict:
         seconds = time.monotonic() - killed
     finally:
         _kill_all(procs)
-    return {"code": code, "seconds": seconds, "out": _read(log).splitlines(), "records": _records(workdir),
+    return {"code": code, "seconds": seconds, "out": _read(log).splitlines(), "records": records_by_step(workdir),
             "checkpoints": sorted(os.listdir(workdir / "checkpoints"))}
 
 
@@ -159,7 +139,7 @@ def test_after_a_lost_process_the_same_command_resumes_exactly(tmp_path, lost, b
         _kill_all(procs)
     assert codes == [0, 0], _read(procs[0][1])[-3000:] + _read(procs[1][1])[-3000:]
     assert f"resumed from checkpoint at step {newest}" in _read(procs[0][1])
-    after = _records(workdir)
+    after = records_by_step(workdir)
     assert sorted(after) == list(range(1, 16))
     redone = [s for s in before if s > newest]
     assert redone, (newest, sorted(before))
@@ -222,7 +202,7 @@ def burst_run(tmp_path_factory, byte_lm_data_dir):
     proc = subprocess.Popen([sys.executable, "-m", "revtrain", "train", *TINY, "--gin", "STEPS = 1000", "--gin",
                              "train.checkpoint_every = 1", "--gin", "train.keep_checkpoints = 100",
                              "--workdir", str(workdir)], stderr=subprocess.PIPE, text=True,
-                            env=_env(byte_lm_data_dir), start_new_session=True)
+                            env=env(data_dir=byte_lm_data_dir, isolated=True, **_CACHE), start_new_session=True)
     try:
         out = []
         for line in proc.stderr:
@@ -264,8 +244,8 @@ def four_checkpoints(burst_run, tmp_path):
 def _signalled(target: str, gaps: str, args: list, data_dir: str):
     """``revtrain ARGS`` signalling itself when ``target`` is first called (tests/_signal_inside.py)."""
     result = subprocess.run([sys.executable, str(REPO / "tests" / "_signal_inside.py"), target, gaps, "--",
-                             *[str(a) for a in args]], capture_output=True, text=True, env=_env(data_dir),
-                            timeout=300)
+                             *[str(a) for a in args]], capture_output=True, text=True, timeout=300,
+                            env=env(data_dir=data_dir, isolated=True, **_CACHE))
     return result.returncode, result.stdout, [l for l in result.stderr.splitlines() if l.strip()]
 
 
@@ -338,7 +318,8 @@ def _check_deep(depth: int, d_model: int, data_dir: str, timeout: float):
            "--gin", "ReversibleTransformerLM.num_heads = 2", "--gin", "ByteLMTask.sequence_length = 32",
            "--gin", "train.batch_size = 4", "--gin", "train.sample_every = 0"]
     start = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(data_dir), timeout=timeout)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                            env=env(data_dir=data_dir, isolated=True, **_CACHE))
     return result, time.monotonic() - start
 
 

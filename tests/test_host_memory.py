@@ -7,7 +7,6 @@ Before the one-copy work the same run peaked near 50 bytes per parameter.
 """
 
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -15,7 +14,8 @@ import numpy as np
 
 from revtrain.allocator import bound_retention, release_free_memory
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import CONFIGS, env
+
 MODEL = ["--gin", "LlamaModel.d_model = 768", "--gin", "LlamaModel.num_layers = 8", "--gin", "LlamaModel.num_heads = 12",
          "--gin", "LlamaModel.num_kv_heads = 12", "--gin", "LlamaModel.d_ff = 2048", "--gin", "train.batch_size = 2",
          "--gin", "train.log_every = 1", "--gin", "train.checkpoint_every = 2", "--gin", "train.sample_every = 0",
@@ -34,11 +34,9 @@ _CHILD = ("import sys, re\n"
 
 
 def _train(workdir, steps):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, "-c", _CHILD, "train", "--config", str(REPO / "configs" / "llama_small.gin"),
+    result = subprocess.run([sys.executable, "-c", _CHILD, "train", "--config", str(CONFIGS / "llama_small.gin"),
                              *MODEL, "--gin", f"STEPS = {steps}", "--workdir", str(workdir)],
-                            capture_output=True, text=True, env=env, timeout=600)
+                            capture_output=True, text=True, env=env(), timeout=600)
     assert result.returncode == 0, result.stderr
     assert f"{PARAMS:,} params" in result.stderr
     return int(result.stdout.split("VMHWM")[-1])

@@ -2,14 +2,10 @@
 memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import uuid
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,19 +13,13 @@ import pytest
 from revtrain import memory, memory_plan
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import REPO, revtrain
+
 LLAMA = str(REPO / "configs" / "llama_small.gin")
 SHORT = ["--gin", "STEPS = 2", "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
          "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0"]
 B, T, D, LAYERS = 4, 16, 32, 3
 NO_LIMIT = {"host": (2**50, "test")}
-
-
-def revtrain(*args, timeout=300, prefix=()):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([*prefix, sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
 
 
 def memory_plan_shard(shape):

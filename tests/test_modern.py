@@ -21,8 +21,10 @@ from revtrain.layers.modern import (BidirectionalAttention, GroupedQueryAttentio
                                     RMSNormLanguageModelHead, SwiGLU, TokenEmbedding, rotary, swiglu_width)
 from revtrain.layers.vision import MLP, MeanPoolClassifierHead, PatchEmbedding
 from revtrain.models.base import Model
-from revtrain.placement import global_batch, make_mesh
+from revtrain.placement import make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
+
+from helpers import numpy_params, train_steps
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -309,11 +311,8 @@ def _worst_leaf(a, b):
 def _train(model_fn, batches, trainer_cls, **kwargs):
     mesh = make_mesh(jax.devices()[:1])
     trainer = trainer_cls(model_fn(), optax.adam(1e-3), mesh, seed=0, **kwargs)
-    ts, losses = trainer.init(), []
-    for batch in batches:
-        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        losses.append(float(metrics["loss"]))
-    return jax.tree.map(np.asarray, ts.per_layer().params), losses
+    ts, history = train_steps(trainer, batches, mesh)
+    return numpy_params(ts), [h["loss"] for h in history]
 
 
 def _lm_model():

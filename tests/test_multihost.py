@@ -8,20 +8,18 @@ reference within 1e-5 relative, and only process 0 may write config, metrics and
 two-process ``revtrain eval --all`` scores the checkpoint that training did not evaluate.
 """
 
-import json
 import re
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, env, free_port, records
+
 TINY = ["--config", CONFIG,
         "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "train.batch_size = 8", "--gin", "train.log_every = 1", "--gin", "STEPS = 5", "--gin", "WARMUP = 2",
@@ -29,26 +27,8 @@ TINY = ["--config", CONFIG,
         # Dropout keys depend on each example's global index: equal losses then also show equal batch order.
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1"]
 TIMEOUT = 300  # seconds for one run (both processes) on a slow, shared 2-core machine
-# Launcher variables JAX would pick up on its own: a test run must not join some outer cluster.
-_LAUNCHER_PREFIXES = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "SLURM_",
-                      "OMPI_", "PMI_", "XLA_FLAGS", "JAX_PLATFORMS")
-
-
-def _env(devices: int, data_dir: str, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
-    return env
-
-
-def _free_port() -> int:
-    try:
-        import portpicker
-        return portpicker.pick_unused_port()
-    except ImportError:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+# Each process's environment: helpers.env(isolated=True) drops launcher variables JAX would pick up on its own
+# (a test run must not join some outer cluster).
 
 
 class _Procs:
@@ -92,26 +72,21 @@ class _Procs:
 
 def _start_pair(procs: _Procs, name: str, workdir: pathlib.Path, extra: list[str], data_dir: str,
                 via_env: bool) -> None:
-    port = _free_port()
+    port = free_port()
     for i in range(2):
         if via_env:
-            env = _env(2, data_dir, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                       JAX_PROCESS_ID=str(i))
+            child = env(2, data_dir, isolated=True, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                        JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
             flags = []
         else:
-            env = _env(2, data_dir)
+            child = env(2, data_dir, isolated=True)
             flags = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)]
-        procs.start(f"{name}.p{i}", ["train", *TINY, *extra, "--workdir", str(workdir), *flags], env)
+        procs.start(f"{name}.p{i}", ["train", *TINY, *extra, "--workdir", str(workdir), *flags], child)
 
 
 def _check_ok(results, what: str) -> None:
     for i, (code, log) in enumerate(results):
         assert code == 0, f"{what}, process {i} exited {code}:\n{log[-4000:]}"
-
-
-def _records(workdir: pathlib.Path, kind: str = "train") -> list[dict]:
-    path = workdir / "metrics" / f"{kind}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _progress_lines(log: str) -> list[str]:
@@ -130,7 +105,7 @@ def test_two_processes_match_one_and_resume(tmp_path, procs, byte_lm_data_dir):
     single, multi = tmp_path / "single", tmp_path / "multi"
 
     # The reference and the first two-process run (3 of the 5 steps, checkpoint at 2 and 3) side by side.
-    procs.start("single", ["train", *TINY, "--workdir", str(single)], _env(4, byte_lm_data_dir))
+    procs.start("single", ["train", *TINY, "--workdir", str(single)], env(4, byte_lm_data_dir, isolated=True))
     _start_pair(procs, "first", multi, ["--gin", "train.steps = 3", "--gin", "train.checkpoint_every = 2"],
                 byte_lm_data_dir, via_env=False)
     results = procs.wait(TIMEOUT)
@@ -159,32 +134,32 @@ def test_two_processes_match_one_and_resume(tmp_path, procs, byte_lm_data_dir):
     assert "resumed from checkpoint at step 3" in results[0][1]
     assert not _progress_lines(results[1][1])
 
-    reference, records = _records(single), _records(multi)
+    reference, written = records(single), records(multi)
     assert [r["step"] for r in reference] == [1, 2, 3, 4, 5]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # written once, by process 0 only
-    for want, got in zip(reference, records):
+    assert [r["step"] for r in written] == [1, 2, 3, 4, 5]  # written once, by process 0 only
+    for want, got in zip(reference, written):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (want["step"], want["loss"], got["loss"])
         assert (got["devices"], got["processes"]) == (4, 2)
         assert (want["devices"], want["processes"]) == (4, 1)
-    assert [r["step"] for r in _records(multi, "eval")] == [3, 5]
-    assert abs(_records(multi, "eval")[-1]["loss"] - _records(single, "eval")[-1]["loss"]) <= 1e-5 * abs(
-        _records(single, "eval")[-1]["loss"])
+    assert [r["step"] for r in records(multi, "eval")] == [3, 5]
+    assert abs(records(multi, "eval")[-1]["loss"] - records(single, "eval")[-1]["loss"]) <= 1e-5 * abs(
+        records(single, "eval")[-1]["loss"])
     assert len(list((multi / "tensorboard").iterdir())) == 2  # one events file per run, both from process 0
     assert "4 device(s) in 2 process(es)" in results[0][1]
 
     # `revtrain eval --all` on two processes scores the one kept checkpoint not yet in eval.jsonl (step 2).
     evaluation = _Procs(tmp_path)
     try:
-        port = _free_port()
+        port = free_port()
         for i in range(2):
             evaluation.start(f"eval.p{i}", ["eval", "--workdir", str(multi), "--all", "--coordinator_address",
                                             f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
-                             _env(2, byte_lm_data_dir))
+                             env(2, byte_lm_data_dir, isolated=True))
         results = evaluation.wait(TIMEOUT)
     finally:
         evaluation.close()
     _check_ok(results, "two-process eval")
-    assert [r["step"] for r in _records(multi, "eval")] == [3, 5, 2]
+    assert [r["step"] for r in records(multi, "eval")] == [3, 5, 2]
     assert "eval at step 2" in results[0][1] and "eval at step" not in results[1][1]
 
 

@@ -15,12 +15,12 @@ seeds; the reversible trainer shows the same number since it follows backprop bi
 """
 
 import json
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from helpers import run_worker
 
 NUM_DEVICES = 4
 DEPTH, D_MODEL, BATCH, STEPS = 4, 64, 8, 5
@@ -125,15 +125,7 @@ def _worker(out_path: str, part: str) -> None:
 # The tests.
 # ------------------------------------------------------------------------------------------------
 def _run(part, data_dir, out):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}",
-               JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), part], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return run_worker(__file__, NUM_DEVICES, out, part, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")

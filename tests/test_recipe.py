@@ -8,16 +8,15 @@ tests/test_recipe.py OUT.json``).
 """
 
 import json
-import os
-import pathlib
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import REPO, numpy_params, records_by_step, run_worker, train_steps
+from helpers import revtrain as run_revtrain
+
 CLIP = 0.3  # below the gradient norm of most of the first 20 steps of these small models (asserted)
 
 
@@ -33,17 +32,10 @@ def _model(depth=3, d_model=32, dropout=0.1):
 
 def _train(trainer, batches, mesh):
     """Losses, grad norms, per-layer params (numpy) and an evaluation's loss sum after ``batches``."""
-    import jax
-
     from revtrain.placement import global_batch
-    ts, losses, norms = trainer.init(), [], []
-    for batch in batches:
-        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
+    ts, history = train_steps(trainer, batches, mesh)
     evaluated = float(trainer.eval_step(ts, global_batch(batches[0], mesh))["loss_sum"])
-    ts = ts.per_layer()
-    return losses, norms, jax.tree.map(np.asarray, ts.params), evaluated
+    return [h["loss"] for h in history], [h["grad_norm"] for h in history], numpy_params(ts), evaluated
 
 
 def _worst(a, b) -> float:
@@ -323,13 +315,7 @@ def _worker(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def four_devices(byte_lm_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("recipe") / "results.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               REVTRAIN_DATA_DIR=byte_lm_data_dir)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return run_worker(__file__, 4, out, data_dir=byte_lm_data_dir, timeout=900)
 
 
 @pytest.mark.slow
@@ -374,15 +360,7 @@ RECIPE = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_
 
 
 def _cli(*args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=600)
-
-
-def _records(workdir: pathlib.Path) -> dict:
-    rows = [json.loads(line) for line in (workdir / "metrics" / "train.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
+    return run_revtrain(*args, cwd=cwd, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +383,7 @@ def test_recipe_from_the_command_line_resumes_bit_exactly(recipe_run):
     result = _cli("train", *RECIPE, "--workdir", "resumed", cwd=base)
     assert result.returncode == 0, result.stderr
     assert "resumed from checkpoint at step 2" in result.stderr and "grad norm" in result.stderr
-    straight, resumed = _records(base / "straight"), _records(base / "resumed")
+    straight, resumed = records_by_step(base / "straight"), records_by_step(base / "resumed")
     assert sorted(straight) == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in straight.values())
     for step in (3, 4):
         assert (resumed[step]["loss"], resumed[step]["grad_norm"]) == (straight[step]["loss"],
@@ -432,6 +410,6 @@ def test_learning_rate_beside_a_ready_optimizer(tmp_path):
                   "--gin", "train.learning_rate = None", "--gin", "train.clip_global_norm = None",
                   "--gin", "train.steps = 2", "--workdir", "w", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    rows = _records(tmp_path / "w")
+    rows = records_by_step(tmp_path / "w")
     assert rows[2]["learning_rate"] is None or rows[2]["learning_rate"] != rows[2]["learning_rate"]
     assert rows[2]["grad_norm"] > 0

@@ -27,8 +27,8 @@ from revtrain import cli
 from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import byte_lm
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-CONFIG = str(REPO / "configs" / "enwik_small.gin")
+from helpers import CONFIG, REPO, env, free_port
+
 TINY = ["--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 1",
         "--gin", "ReversibleTransformerLM.d_model = 16", "--gin", "ReversibleTransformerLM.num_heads = 1",
         "--gin", "train.batch_size = 2", "--gin", "evaluate.max_batches = 1", "--gin", "train.log_every = 1",
@@ -36,12 +36,6 @@ TINY = ["--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 1",
 
 
 _CACHE = {}  # JAX's compilation-cache settings of this module, passed on to its subprocesses
-
-
-def _env(**extra):
-    env = dict(os.environ, PYTHONPATH=str(REPO), **_CACHE, **extra)
-    env.pop("XLA_FLAGS", None)
-    return env
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -243,7 +237,7 @@ def test_out_of_memory_is_one_line_with_the_bytes_and_leaves_no_workdir(tmp_path
 
 def _start(workdir, *args):
     return subprocess.Popen([sys.executable, "-m", "revtrain", "train", *args, "--workdir", str(workdir)],
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env=env(**_CACHE))
 
 
 class _Scenario(threading.Thread):
@@ -326,13 +320,9 @@ def background(tmp_path_factory, compilation_cache, byte_lm_data_dir):
     hosts_workdir = root / "hosts"
     hosts_workdir.mkdir()
     holder = workdir_lib.WorkdirLock(str(hosts_workdir), "test")
-    env = {k: v for k, v in _env(JAX_PLATFORMS="cpu").items() if not k.startswith(("JAX_COORDINATOR", "SLURM_",
-                                                                                        "OMPI_", "JAX_NUM_PROC"))}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     hosts = [subprocess.Popen([sys.executable, "-c", _TWO_HOSTS, str(hosts_workdir), f"127.0.0.1:{port}", str(i)],
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+                              stderr=subprocess.PIPE, text=True, env=env(isolated=True, **_CACHE)) for i in range(2)]
     scenarios = {"compile": (_Scenario(_signal_during_compile, compiling, compile_workdir), compile_workdir),
                  "hosts": (_Scenario(_two_hosts, hosts, holder), hosts_workdir)}
     yield scenarios
@@ -454,7 +444,7 @@ def test_a_second_signal_stops_at_once_naming_the_intact_checkpoint(base, tmp_pa
     # see test_faults.py), so the burst window is off here.
     proc = subprocess.Popen([sys.executable, "-m", "revtrain", "train", *base[1], "--gin", "train.steps = 1000",
                              "--gin", "train.checkpoint_every = 1", "--workdir", str(workdir)],
-                            stderr=subprocess.PIPE, text=True, env=_env(REVTRAIN_SIGNAL_BURST_SECONDS="0"))
+                            stderr=subprocess.PIPE, text=True, env=env(REVTRAIN_SIGNAL_BURST_SECONDS="0", **_CACHE))
     out = []
     for line in proc.stderr:
         out.append(line.rstrip())

@@ -13,13 +13,13 @@ import gzip
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import REPO, revtrain, run_worker
+
 CONFIG = str(REPO / "configs" / "revnet_fashion_mnist.gin")
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 NUM_DEVICES = 4
@@ -471,13 +471,7 @@ def test_eval_uses_running_statistics(fashion_mnist, highest_precision):
 @pytest.fixture(scope="module")
 def four_devices(fashion_mnist, tmp_path_factory):
     out = tmp_path_factory.mktemp("revnet4") / "results.json"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return run_worker(__file__, NUM_DEVICES, out, timeout=300)
 
 
 @pytest.mark.slow  # make test-all
@@ -500,10 +494,7 @@ def test_four_devices_offload_and_replicas(four_devices):
 # The command line.
 # ------------------------------------------------------------------------------------------------
 def _revtrain(*args, env=None):
-    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, cwd=REPO,
-                          env=env, timeout=300)
+    return revtrain(*args, cwd=REPO, **(env or {}))
 
 
 def test_cli_missing_data_exits_2_with_one_line(tmp_path):

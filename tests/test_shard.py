@@ -9,7 +9,6 @@ over gloo) is in the slow tier.
 """
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -18,7 +17,8 @@ import sys
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import REPO, env, records_by_step, revtrain, run_worker
+
 NUM_DEVICES = 4
 DEPTH, D_MODEL, BATCH, STEPS = 3, 32, 8, 3
 
@@ -107,13 +107,7 @@ def _worker(out_path: str, executors: str = "scan") -> None:
 
 
 def _run_worker(devices: int, data_dir: str, out: pathlib.Path, executors: str = "scan") -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               REVTRAIN_DATA_DIR=data_dir)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), executors], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
-    return json.loads(out.read_text())
+    return run_worker(__file__, devices, out, executors, data_dir=data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -210,16 +204,7 @@ SHARD = ["--gin", "ReversibleTrainer.shard_state = True"]
 
 
 def _cli(args: list, devices: int, data_dir: str, cwd) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
-    env.update(PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", REVTRAIN_DATA_DIR=data_dir,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, "-m", "revtrain", *args], env=env, cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
-
-
-def _losses(workdir: pathlib.Path) -> dict:
-    lines = (workdir / "metrics" / "train.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, filter(str.strip, lines)) if "loss" in r}
+    return revtrain(*args, cwd=cwd, child_env=env(devices, data_dir, isolated=True))
 
 
 @pytest.mark.slow  # two training processes on 4 and 2 devices
@@ -238,7 +223,7 @@ def test_resume_sharded_four_devices_on_two_replicated(byte_lm_data_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from checkpoint at step 2" in proc.stderr
     assert not any(line.startswith("shard_state: ") for line in proc.stderr.splitlines())  # replicated
-    a, b = _losses(straight), _losses(resumed)
+    a, b = records_by_step(straight), records_by_step(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     np.testing.assert_allclose([b[s]["loss"] for s in (3, 4)], [a[s]["loss"] for s in (3, 4)], rtol=1e-5)
     assert a[4]["host_state_bytes"] > 0 and a[4]["devices"] == 4
@@ -266,14 +251,14 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
     results = procs.wait(600)
     for i, (code, log) in enumerate(results):
         assert code == 0, f"process {i} exited {code}:\n{log[-4000:]}"
-    a, b = _losses(reference), _losses(multi)
+    a, b = records_by_step(reference), records_by_step(multi)
     np.testing.assert_allclose([b[s]["loss"] for s in range(1, 5)], [a[s]["loss"] for s in range(1, 5)], rtol=1e-6)
     assert b[4]["processes"] == 2 and 0 < b[4]["host_state_bytes"] < a[4]["host_state_bytes"]
     shutil.copytree(multi, single)
     shutil.rmtree(single / "checkpoints" / "4")
     proc = _cli(["train", *tiny, *SHARD, "--workdir", str(single)], 4, byte_lm_data_dir, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    c = _losses(single)
+    c = records_by_step(single)
     assert c[4]["processes"] == 1
     np.testing.assert_allclose([c[s]["loss"] for s in (3, 4)], [b[s]["loss"] for s in (3, 4)], rtol=1e-5)
 

@@ -19,7 +19,8 @@ from revtrain.data import token_lm
 from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import TokenLMTask
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from helpers import REPO, env, revtrain
+
 CONFIG = str(REPO / "configs" / "enwik_bpe.gin")
 TINY = ["--gin", "STEPS = 3", "--gin", "WARMUP = 1", "--gin", "NUM_LAYERS = 1", "--gin", "D_MODEL = 32",
         "--gin", "NUM_HEADS = 2", "--gin", "NUM_KV_HEADS = 1", "--gin", "D_FF = 64", "--gin", "train.batch_size = 4",
@@ -159,13 +160,6 @@ def test_validation_documents_round_trip(corpora, user_tokenizer, sentencepiece_
     if which == "sentencepiece":
         assert tok.kind == "sentencepiece" and tok.vocab_size == 600 and tok.eot_id == 2
         assert tok.token_bytes[tok.eot_id] == 0 and tok.token_bytes.max() > 1
-
-
-def revtrain(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "-m", "revtrain", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
 
 
 @pytest.mark.slow  # three revtrain processes each (train, eval, sample): about a minute on a quiet machine
@@ -324,7 +318,7 @@ def test_preparing_a_large_corpus_stays_under_one_gib(tmp_path, user_tokenizer):
               "hwm = re.search(r'VmHWM:\\s*(\\d+) kB', open('/proc/self/status').read()).group(1);"
               "print(t.prepared.meta['splits']['train']['tokens'], hwm)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=3600,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+                            env=env())
     assert result.returncode == 0, result.stderr
     tokens, peak_kib = (int(x) for x in result.stdout.split())
     assert tokens > 30_000_000

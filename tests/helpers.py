@@ -1,0 +1,135 @@
+"""What the tests share: the repository's paths, the environment of a revtrain subprocess, a revtrain run in a
+subprocess, the metrics records a run wrote, and a few steps of a trainer in this process.
+
+Imported as ``from helpers import ...`` (pytest puts ``tests/`` on the path for its rootdir conftest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+CONFIG = str(CONFIGS / "enwik_small.gin")  # the default config most CLI tests shrink with --gin bindings
+
+# Variables a launcher (SLURM, Open MPI, a JAX cluster) sets that would make a test's process join a cluster.
+LAUNCHER_PREFIXES = ("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "SLURM_",
+                     "OMPI_", "PMI_")
+
+
+def env(devices: int | None = None, data_dir: str | None = None, isolated: bool = False, **extra) -> dict:
+    """The environment of a revtrain subprocess: this one's, with the checkout on ``PYTHONPATH``.
+
+    Args:
+      devices: simulated CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count``); None: the default
+        (the caller's ``XLA_FLAGS`` removed, so pytest's own settings never leak into the child).
+      data_dir: ``REVTRAIN_DATA_DIR`` of the child (None: inherited).
+      isolated: also drop every launcher variable and ``JAX_PLATFORMS`` (then ``cpu``): a process of a
+        two-process ``jax.distributed`` run started by the test itself.
+      **extra: further variables (strings).
+    """
+    if isolated:
+        child = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES + ("JAX_PLATFORMS",))}
+        child["JAX_PLATFORMS"] = "cpu"
+    else:
+        child = dict(os.environ)
+    child["PYTHONPATH"] = str(REPO)
+    child.pop("XLA_FLAGS", None)
+    if devices:
+        child["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if data_dir is not None:
+        child["REVTRAIN_DATA_DIR"] = str(data_dir)
+    child.update(extra)
+    return child
+
+
+def revtrain(*args, cwd=None, timeout: float = 300, devices: int | None = None, child_env: dict | None = None,
+             prefix=(), **env_extra) -> subprocess.CompletedProcess:
+    """``python -m revtrain ARGS`` in a subprocess (text output captured; never raises on a non-zero exit).
+
+    Args:
+      *args: the command line after ``revtrain`` (strings or paths).
+      cwd: the child's working directory.
+      timeout: seconds before ``subprocess.TimeoutExpired``.
+      devices, **env_extra: passed to `env` (ignored when ``child_env`` is given).
+      child_env: the whole environment, instead of `env`'s.
+      prefix: command words before the interpreter (a wrapper that runs it, e.g. in a memory cgroup).
+    """
+    return subprocess.run([*prefix, sys.executable, "-m", "revtrain", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout,
+                          env=child_env if child_env is not None else env(devices, **env_extra))
+
+
+def records(workdir, kind: str = "train") -> list[dict]:
+    """The JSON records of ``WORKDIR/metrics/KIND.jsonl`` in file order (blank lines skipped)."""
+    path = pathlib.Path(workdir) / "metrics" / f"{kind}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def records_by_step(workdir, kind: str = "train") -> dict[int, dict]:
+    """`records` keyed by ``step``, only those with a ``loss`` (a later record of a step wins: a resumed run)."""
+    return {r["step"]: r for r in records(workdir, kind) if "loss" in r}
+
+
+def losses(workdir, kind: str = "train") -> dict[int, float]:
+    """``step -> loss`` of `records_by_step`."""
+    return {step: r["loss"] for step, r in records_by_step(workdir, kind).items()}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on now (for a test's ``jax.distributed`` coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_steps(trainer, batches, mesh):
+    """One ``train_step`` of ``trainer`` per batch (host numpy ``{'inputs', 'targets'}``), from ``trainer.init()``.
+
+    Returns:
+      ``(state, history)``: the last `TrainState` and a list of each step's metrics (Python floats; numpy for a
+      non-scalar).
+    """
+    import numpy as np
+
+    from revtrain.placement import global_batch
+    state, history = trainer.init(), []
+    for batch in batches:
+        state, metrics = trainer.train_step(state, global_batch(batch, mesh))
+        history.append({k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()})
+    return state, history
+
+
+def numpy_params(state):
+    """A `TrainState`'s parameters, one tree per layer (stacked runs split), as numpy arrays."""
+    import jax
+    import numpy as np
+    return jax.tree.map(np.asarray, state.per_layer().params)
+
+
+def run_worker(script: str, devices: int, out: pathlib.Path, *args, data_dir: str | None = None,
+               timeout: float = 600) -> dict:
+    """Runs a test module as a script on ``devices`` simulated CPU devices (``JAX_PLATFORMS=cpu``; a device
+    count must be set before JAX starts, so tests that need several devices do their work in a child) and
+    returns the JSON object it wrote to ``out``.
+
+    Args:
+      script: the module's path (its ``__file__``); it is called as ``script OUT *ARGS``.
+      devices: ``--xla_force_host_platform_device_count``.
+      out: where the script writes its JSON results.
+      data_dir: ``REVTRAIN_DATA_DIR`` of the child.
+      timeout: seconds.
+
+    Raises:
+      AssertionError: the script failed (the message ends with its stderr).
+    """
+    child = env(devices, data_dir, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.abspath(script), str(out), *map(str, args)], env=child,
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
+    return json.loads(pathlib.Path(out).read_text())
