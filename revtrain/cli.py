@@ -481,7 +481,7 @@ def _run(args) -> int:
         _check_macros_used(args.gin)
         from revtrain import memory_plan
         run = loop.build()
-        plans = memory_plan.choices(run)
+        plans = memory_plan.choices(run, with_standard=True)
         print(plans[0].line())
         print(memory_plan.table(plans))
         return 0

@@ -727,16 +727,25 @@ def _local_devices(mesh) -> int:
 
 
 def choices(run, limits: dict | None = None, programs: _Programs | None = None,
-            own: MemoryPlan | None = None) -> list[MemoryPlan]:
-    """The run's own plan first, then each alternative of `alternatives` (one compile cache for all)."""
+            own: MemoryPlan | None = None, with_standard: bool = False) -> list[MemoryPlan]:
+    """The run's own plan first, then each alternative of `alternatives` (one compile cache for all).
+
+    ``with_standard``: a run of the reversible trainer also gets a StandardTrainer row (same optimizer, batch
+    and microbatches; `revtrain plan`'s table). A refusal never names it, since it needs more than the
+    reversible trainer: its plan compiles the whole step, which takes seconds on a large model.
+    """
     programs = programs or _Programs()
     limits = limits or _limits()
     own = own or plan_run(run, limits, programs)
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
+    setups = alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))
+    if with_standard and own.setup.trainer == "reversible":
+        setups.insert(0, Setup("standard", own.setup.optimizer, own.setup.batch_size, own.setup.microbatches,
+                               label="StandardTrainer", settings=("train.trainer = @StandardTrainer",)))
     others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
                    eval_spec=_eval_spec(run))
-              for s in alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))]
+              for s in setups]
     return [own] + others
 
 

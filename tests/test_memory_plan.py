@@ -226,6 +226,10 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path):
         total = float(cells[header.index("host:total")])
         assert total == pytest.approx(sum(float(c) for c in cells[1:header.index("host:total")]), abs=0.003)
     assert all(r.endswith("yes") for r in rows)  # a 10 k-parameter model fits anywhere
+    result = revtrain("plan", "--config", LLAMA, *SHORT, *tiny, "--gin", "train.trainer = @ReversibleTrainer")
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.strip().splitlines()[2:]
+    assert [r.split("  ")[0] for r in rows[:2]] == ["ReversibleTrainer", "StandardTrainer"], rows
 
     workdir = tmp_path / "run"
     result = revtrain("train", "--config", LLAMA, *SHORT, *tiny, "--workdir", str(workdir))
