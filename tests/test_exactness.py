@@ -406,13 +406,24 @@ def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
         assert np.array_equal(a, b), f"{keystr(path)}: {int((a != b).sum())} of {a.size} elements differ"
 
 
-@pytest.mark.parametrize("make", [optax.adam, optax.sgd, optax.adafactor, optax.lamb, optax.lion])
-def test_single_leaf_layer_update_is_the_whole_models(make):
+_SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)
+_SINGLE_LEAF_TXS = {
+    **{make.__name__: (lambda make=make: make(_SCHEDULE))
+       for make in (optax.adam, optax.sgd, optax.adafactor, optax.lamb, optax.lion)},
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),  # the update inside a cond
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.01),
+    "masked_adamw": lambda: optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+}
+
+
+@pytest.mark.parametrize("name", list(_SINGLE_LEAF_TXS))
+def test_single_leaf_layer_update_is_the_whole_models(name):
     """One layer's fused update of a single-leaf layer, compiled alone, equals that leaf's part of the
-    whole-model update (other layers beside it) bit for bit, for the optimizers the trainers accept as
-    separable, with a schedule; four steps of gradients of varied scale."""
+    whole-model update (other layers beside it) bit for bit: separable optimizers with a schedule, an
+    update inside a ``cond``, injected hyperparameters, a weight-decay mask; four steps of gradients of
+    varied scale."""
     from revtrain.trainers.common import guarded_update
-    tx = make(optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10))
+    tx = _SINGLE_LEAF_TXS[name]()
     rng = np.random.default_rng(0)
     params = [{"e": rng.normal(size=(64, 16)).astype(np.float32)},
               {"w": rng.normal(size=(16, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}]
