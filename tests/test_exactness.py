@@ -436,3 +436,33 @@ def test_single_leaf_layer_update_is_the_whole_models(name):
         p_alone, o_alone = alone(grads[0], o_alone, p_alone)
         p_whole, o_whole = whole(grads, o_whole, p_whole)
         assert np.array_equal(np.asarray(p_alone["e"]), np.asarray(p_whole[0]["e"])), step
+
+
+@pytest.mark.parametrize("branch", [False, True])
+def test_fenced_update_inside_shard_map_keeps_replication(branch):
+    """The fenced update inside ``shard_map`` with a split leaf (``shard_state``'s layout: the embedding
+    split over ``"data"``, a bias and Adam's count replicated): ``shard_map`` accepts the replicated
+    outputs (the flag, the bias, the count: ``out_specs`` ``P()``), and the values equal the same update
+    outside ``shard_map`` bit for bit (a one-device mesh types values as varying just as N devices do)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from revtrain.trainers.common import guarded_update
+    tx, mesh, rng = optax.adam(_SCHEDULE), _mesh(), np.random.default_rng(0)
+    params = {"e": rng.normal(size=(64, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}
+    spec = {"e": P("data"), "b": P()}
+    opt_spec = (optax.ScaleByAdamState(P(), spec, spec), optax.ScaleByScheduleState(P()))
+    put = lambda tree, specs: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)  # noqa: E731
+    step = lambda g, o, p: guarded_update(tx, g, o, p, branch=branch, across="data")  # noqa: E731
+    mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, opt_spec, spec),
+                                   out_specs=(spec, opt_spec, P())))
+    alone = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p, branch=branch))
+    p_map, o_map = put(params, spec), put(tx.init(params), opt_spec)
+    p_alone, o_alone = params, tx.init(params)
+    for k in range(3):
+        grads = jax.tree.map(lambda x: (rng.normal(size=x.shape) * 10.0 ** (k - 1)).astype(np.float32), params)
+        p_map, o_map, finite = mapped(put(grads, spec), o_map, p_map)
+        p_alone, o_alone, _ = alone(grads, o_alone, p_alone)
+        assert bool(finite)
+        for a, b in zip(jax.tree.leaves((p_map, o_map)), jax.tree.leaves((p_alone, o_alone))):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), k

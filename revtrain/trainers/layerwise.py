@@ -82,15 +82,40 @@ def _bind(eqn, invals, scalars: list | None = None):
             params = dict(params, branches=tuple(_fenced_jaxpr(b) for b in params["branches"]))
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-    return out if eqn.primitive.multiple_results else [out]
+    out = out if eqn.primitive.multiple_results else [out]
+    if scalars is not None and eqn.primitive.name == "pvary":
+        # Inside shard_map a replicated scalar meets a split leaf through a ``pvary`` (a cast that lowers
+        # to nothing): the scalar XLA sees is its operand, a constant when the operand is a literal.
+        scalars.extend(_Cast(o, v if isinstance(x, jcore.Var) else None)
+                       for v, x, o in zip(invals, eqn.invars, out) if _is_scalar(x))
+    return out
+
+
+def _is_scalar(var) -> bool:
+    """``var`` is a floating scalar (a jaxpr variable or literal)."""
+    aval = getattr(var, "aval", None)
+    return getattr(aval, "shape", None) == () and jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _broadcast_scalar(var, eqn) -> bool:
     """``var`` is a floating scalar that ``eqn`` broadcasts over a larger result (``div m v``: Adam's moment
     ``m`` over its bias correction ``v``)."""
-    aval = getattr(var, "aval", None)
-    return (isinstance(var, jcore.Var) and getattr(aval, "shape", None) == () and jnp.issubdtype(aval.dtype, jnp.inexact)
+    return (isinstance(var, jcore.Var) and _is_scalar(var)
             and any(getattr(o.aval, "shape", ()) != () for o in eqn.outvars))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Cast:
+    """A record in a list of scalars to `fence`: ``cast`` is ``pvary(source)`` (``source`` None: of a
+    constant). `fence` fences the source in the cast's place."""
+    cast: object
+    source: object
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    mat = getattr(jax.typeof(x), "mat", None)  # a ShapedArray's; none for a token
+    return mat.varying if mat is not None else frozenset()
 
 
 def _fenced_jaxpr(closed):
@@ -116,7 +141,7 @@ def evaluate(jaxpr, consts, args, scalars: list | None = None) -> list:
 
 
 def fence(scalars: list, value):
-    """``value`` passed through one ``lax.optimization_barrier`` together with ``scalars``: each scalar gets
+    """``value`` passed through ``lax.optimization_barrier`` together with ``scalars``: each scalar gets
     a use that XLA can neither remove nor look through.
 
     Why: XLA's algebraic simplifier rewrites ``A / broadcast(s)`` as ``A * broadcast(1 / s)`` when the
@@ -127,11 +152,51 @@ def fence(scalars: list, value):
     that updates (both trainers, fused or deferred), no rewrite depends on how many leaves share a scalar,
     and the per-layer updates equal the whole model's bit for bit. The cost: one barrier of a few scalars
     that ``value`` (a flag, or the update's results) waits for.
+
+    Inside ``shard_map`` (sharded state: a layer's split leaves vary over ``"data"``, its small leaves and
+    the flag are replicated) a barrier's results vary over every axis any of its operands varies over, so
+    one barrier would turn replicated results into varying ones, which ``shard_map`` refuses for a ``P()``
+    output. So: a scalar reached through a ``pvary`` (`_Cast`) is fenced as its replicated operand, which
+    is the value XLA sees (a ``pvary`` of a constant is dropped: the replicated program broadcasts the
+    constant itself); ``value``'s leaves go through one barrier per set of varying axes (every leaf through
+    one, as outside ``shard_map``); each scalar joins the barrier of the least varying leaves that vary
+    over all its axes (cast up with ``pvary``, which lowers to nothing). A scalar that varies over an axis
+    no leaf of ``value`` varies over would have no barrier to join and is left unfenced (no trainer program
+    has one: their broadcast scalars are replicated). Outside ``shard_map`` this is one barrier of every
+    scalar and leaf.
+
+    Args:
+      scalars: traced floating scalars (and `_Cast` records), as `_bind` collects them; duplicates are
+        fenced once.
+      value: a pytree of traced arrays, returned with the same structure, shapes and dtypes.
     """
-    unique = list({id(s): s for s in scalars}.values())
+    casts = {id(c.cast): c.source for c in scalars if isinstance(c, _Cast)}
+
+    def source(s):
+        while s is not None and id(s) in casts:
+            s = casts[id(s)]
+        return s
+
+    resolved = (source(s) for s in scalars if not isinstance(s, _Cast))
+    unique = list({id(s): s for s in resolved if s is not None}.values())
     if not unique:
         return value
-    return jax.lax.optimization_barrier((tuple(unique), value))[1]
+    leaves, tree = jax.tree.flatten(value)
+    groups: dict[frozenset, list] = {}  # varying axes -> [indices of value's leaves, fenced scalars]
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(_vma(leaf), [[], []])[0].append(i)
+    for s in unique:
+        axes = _vma(s)
+        fits = [g for g in groups if axes <= g]
+        if fits:
+            g = min(fits, key=len)
+            groups[g][1].append(jax.lax.pcast(s, tuple(sorted(g - axes)), to="varying") if g - axes else s)
+    out = list(leaves)
+    for indices, fenced in groups.values():  # every leaf passes a barrier, as outside shard_map
+        passed = jax.lax.optimization_barrier((tuple(fenced), tuple(leaves[i] for i in indices)))[1]
+        for i, x in zip(indices, passed):
+            out[i] = x
+    return jax.tree.unflatten(tree, out)
 
 
 def fenced_update(tx, grads, opt_state, params):
