@@ -90,6 +90,24 @@ def _worker(out_path: str, executors: str = "scan") -> None:
         ts, metrics = trainer.train_step(trainer.init(), global_batch(batches[0], mesh))
         out["two_block_run"] = {"groups": [list(g) for g in trainer.groups], "loss": float(metrics["loss"])}
 
+        # The default run's model (a single-leaf token embedding layer, `layerwise.fence`), sharded state
+        # against StandardTrainer (AdamW), both on 4 devices.
+        from test_exactness import _default_model
+
+        from revtrain.trainers import StandardTrainer
+        model, runs = _default_model(), {}
+        for name, cls, kwargs in [("standard", StandardTrainer, {}),
+                                  ("sharded", ReversibleTrainer, {"shard_state": True})]:
+            trainer = cls(model, optax.adamw(1e-3, weight_decay=0.01), mesh, seed=0, **kwargs)
+            ts, losses = trainer.init(), []
+            for batch in batches:
+                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+                losses.append(float(metrics["loss"]))
+            runs[name] = (losses, [np.asarray(x) for x in jax.tree.leaves(ts.per_layer().params)])
+        (std_losses, std), (losses, leaves) = runs["standard"], runs["sharded"]
+        out["default_model"] = {"losses": losses, "reference_losses": std_losses,
+                                "differing": sum(int((a != b).sum()) for a, b in zip(std, leaves))}
+
     reference = train()
     out["runs"] = {}
     for name, kwargs in {"scan": {}, "per_layer": {"scan_layers": False}}.items():
@@ -131,6 +149,15 @@ def test_offloaded_run_of_two_blocks_on_four_devices(per_layer_results):
     run = per_layer_results["two_block_run"]
     assert run["groups"] == [[0, 1], [1, 2], [3, 1]], run
     assert 5.0 < run["loss"] < 6.5, run  # near ln(256) = 5.55 at the start
+
+
+@pytest.mark.slow  # in the per-layer executor's process
+def test_default_model_sharded_equals_backprop_bit_for_bit(per_layer_results):
+    """The default run's model with sharded state on 4 devices, 3 steps of AdamW: losses and every
+    parameter equal StandardTrainer's bit for bit (the fenced update inside ``shard_map``)."""
+    run = per_layer_results["default_model"]
+    assert run["losses"] == run["reference_losses"], run
+    assert run["differing"] == 0, run
 
 
 def test_host_state_bytes_four_devices(results):

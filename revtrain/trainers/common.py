@@ -23,6 +23,7 @@ from revtrain.errors import InputError, RunFailure
 from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated, spec_axis
 from revtrain.residency import Residency
+from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
@@ -271,9 +272,10 @@ def microbatch_error(batch_size: int, num_devices: int, microbatches: int) -> st
 
 
 def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
-    """One optax update: returns ``(new_params, new_opt_state)``."""
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state
+    """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
+    `layerwise.fenced_update` (``scalars``: what to `layerwise.fence`)."""
+    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state, scalars
 
 
 def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, branch: bool = False,
@@ -289,6 +291,10 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     body, where a conditional would make an accelerator wait for its flag at every iteration. Both give
     the same values.
 
+    Both forms `layerwise.fence` the scalars the update broadcasts over its leaves (against the flag, or
+    inside the conditional against the update's results), so a leaf's update compiles to the same
+    operations whether the program updates one layer or the whole model.
+
     ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
     the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
     or skip the update together.
@@ -299,10 +305,14 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     if across is not None:
         finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
     if branch:
-        new_params, new_opt = lax.cond(finite, lambda: apply_updates(tx, grads, opt_state, params),
-                                       lambda: (params, opt_state))
+        def update():
+            new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+            return fence(scalars, (new_params, new_opt))
+
+        new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))
         return new_params, new_opt, finite
-    new_params, new_opt = apply_updates(tx, grads, opt_state, params)
+    new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+    finite = fence(scalars, finite)
 
     def keep(new, old):
         return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)

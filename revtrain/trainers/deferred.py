@@ -57,6 +57,7 @@ from revtrain.placement import DATA_AXIS, HOST_MEMORY, put_replicated, put_shard
 from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
+from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.stacking import Stacked
 
 _R, _D = P(), P(DATA_AXIS)
@@ -210,25 +211,32 @@ class DeferredUpdates:
         return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=kind), s)
                      for s in self._group_specs(layer, count))
 
-    def _grads_of(self, index: int, acc, tie_in, scale):
+    def _grads_of(self, index: int, acc, tie_in, scale, scalars: list):
         """A layer's step gradient from its buffer: plus its tied leaves' other uses, over the whole
-        batch's weight with microbatches."""
+        batch's weight with microbatches (that weight appended to ``scalars``: StandardTrainer divides
+        every leaf by it in one program, see `layerwise.fence`)."""
         g = self.model.add_tied(index, acc, tie_in) if tie_in else acc
-        return g if scale is None else jax.tree.map(lambda v: v / scale, g)
+        if scale is None:
+            return g
+        scalars.append(scale)
+        return jax.tree.map(lambda v: v / scale, g)
 
     def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_):
-        g = self._grads_of(index, acc, tie_in, scale)
-        exports = self.layerwise.exports(k, index, g, opt, params, globals_) if k < self.layerwise.rounds else ()
-        if k:
-            return exports
-        return exports, leaf_squares(g), all_finite(g)
+        scalars: list = []
+        g = self._grads_of(index, acc, tie_in, scale, scalars)
+        exports = (self.layerwise.exports(k, index, g, opt, params, globals_, scalars) if k < self.layerwise.rounds
+                   else ())
+        return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
     def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok):
-        g = self._grads_of(index, acc, tie_in, scale)
+        scalars: list = []
+        g = self._grads_of(index, acc, tie_in, scale, scalars)
         if self.layerwise.separable:
-            updates, new_opt = self.tx.update(g, opt, params)
+            updates, new_opt, more = fenced_update(self.tx, g, opt, params)
+            scalars.extend(more)
         else:
-            updates, new_opt = self.layerwise.update(index, g, opt, params, globals_)
+            updates, new_opt = self.layerwise.update(index, g, opt, params, globals_, scalars)
+        ok = fence(scalars, ok)  # as every update is (`layerwise.fence`)
         new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         zeros = jax.tree.map(jnp.zeros_like, acc)

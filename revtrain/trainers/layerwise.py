@@ -68,11 +68,147 @@ def _size(v) -> int:
     return int(np.prod(v.aval.shape, dtype=np.int64)) if hasattr(v.aval, "shape") else 1
 
 
-def _bind(eqn, invals):
-    """One equation, as ``jax.core.eval_jaxpr`` runs it."""
+def _bind(eqn, invals, scalars: list | None = None):
+    """One equation, as ``jax.core.eval_jaxpr`` runs it. With ``scalars`` (a list), the equation is also
+    *fenced* (see `fence`): the floating scalars it broadcasts over a larger result are appended to the
+    list, a nested ``jit`` is evaluated equation by equation (XLA inlines it anyway) and each branch of a
+    ``cond`` fences its own scalars; the scalars inside other nested programs (a ``scan``, a ``while``) are
+    not reached."""
+    if scalars is not None and eqn.primitive.name == "jit":
+        inner = eqn.params["jaxpr"]
+        return evaluate(inner.jaxpr, inner.consts, invals, scalars)
+    params = eqn.params
+    if scalars is not None:
+        scalars.extend(v for v, x in zip(invals, eqn.invars) if _broadcast_scalar(x, eqn))
+        if eqn.primitive.name == "cond":
+            params = dict(params, branches=tuple(_fenced_jaxpr(b) for b in params["branches"]))
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return out if eqn.primitive.multiple_results else [out]
+        out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+    out = out if eqn.primitive.multiple_results else [out]
+    if scalars is not None and eqn.primitive.name == "pvary":
+        # Inside shard_map a replicated scalar meets a split leaf through a ``pvary`` (a cast that lowers
+        # to nothing): the scalar XLA sees is its operand, a constant when the operand is a literal.
+        scalars.extend(_Cast(o, v if isinstance(x, jcore.Var) else None)
+                       for v, x, o in zip(invals, eqn.invars, out) if _is_scalar(x))
+    return out
+
+
+def _is_scalar(var) -> bool:
+    """``var`` is a floating scalar (a jaxpr variable or literal)."""
+    aval = getattr(var, "aval", None)
+    return getattr(aval, "shape", None) == () and jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _broadcast_scalar(var, eqn) -> bool:
+    """``var`` is a floating scalar that ``eqn`` broadcasts over a larger result (``div m v``: Adam's moment
+    ``m`` over its bias correction ``v``)."""
+    return (isinstance(var, jcore.Var) and _is_scalar(var)
+            and any(getattr(o.aval, "shape", ()) != () for o in eqn.outvars))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Cast:
+    """A record in a list of scalars to `fence`: ``cast`` is ``pvary(source)`` (``source`` None: of a
+    constant). `fence` fences the source in the cast's place."""
+    cast: object
+    source: object
+
+
+def _vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    mat = getattr(jax.typeof(x), "mat", None)  # a ShapedArray's; none for a token
+    return mat.varying if mat is not None else frozenset()
+
+
+def _fenced_jaxpr(closed):
+    """A ``cond`` branch evaluated with its scalars fenced (`fence`) against its own results."""
+    def run(*args):
+        scalars: list = []
+        return fence(scalars, evaluate(closed.jaxpr, closed.consts, args, scalars))
+
+    return jax.make_jaxpr(run)(*closed.in_avals)
+
+
+def evaluate(jaxpr, consts, args, scalars: list | None = None) -> list:
+    """``jaxpr``'s results from ``args``, equation by equation (`_bind`; fenced with ``scalars``)."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return env[v] if isinstance(v, jcore.Var) else v.val
+
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars], scalars)))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def fence(scalars: list, value):
+    """``value`` passed through ``lax.optimization_barrier`` together with ``scalars``: each scalar gets
+    a use that XLA can neither remove nor look through.
+
+    Why: XLA's algebraic simplifier rewrites ``A / broadcast(s)`` as ``A * broadcast(1 / s)`` when the
+    scalar ``s`` has no other use (today on CPU only). In the whole-model update a scalar that every leaf
+    divides by (Adam's bias corrections, a global norm) has one use per leaf, so the leaves divide; in one
+    layer's update of a layer with a single leaf (a token embedding) it has one use, so that leaf was
+    multiplied by a reciprocal instead, a few ulps away. With every such scalar fenced, in every program
+    that updates (both trainers, fused or deferred), no rewrite depends on how many leaves share a scalar,
+    and the per-layer updates equal the whole model's bit for bit. The cost: one barrier of a few scalars
+    that ``value`` (a flag, or the update's results) waits for.
+
+    Inside ``shard_map`` (sharded state: a layer's split leaves vary over ``"data"``, its small leaves and
+    the flag are replicated) a barrier's results vary over every axis any of its operands varies over, so
+    one barrier would turn replicated results into varying ones, which ``shard_map`` refuses for a ``P()``
+    output. So: a scalar reached through a ``pvary`` (`_Cast`) is fenced as its replicated operand, which
+    is the value XLA sees (a ``pvary`` of a constant is dropped: the replicated program broadcasts the
+    constant itself); ``value``'s leaves go through one barrier per set of varying axes (every leaf through
+    one, as outside ``shard_map``); each scalar joins the barrier of the least varying leaves that vary
+    over all its axes (cast up with ``pvary``, which lowers to nothing). A scalar that varies over an axis
+    no leaf of ``value`` varies over would have no barrier to join and is left unfenced (no trainer program
+    has one: their broadcast scalars are replicated). Outside ``shard_map`` this is one barrier of every
+    scalar and leaf.
+
+    Args:
+      scalars: traced floating scalars (and `_Cast` records), as `_bind` collects them; duplicates are
+        fenced once.
+      value: a pytree of traced arrays, returned with the same structure, shapes and dtypes.
+    """
+    casts = {id(c.cast): c.source for c in scalars if isinstance(c, _Cast)}
+
+    def source(s):
+        while s is not None and id(s) in casts:
+            s = casts[id(s)]
+        return s
+
+    resolved = (source(s) for s in scalars if not isinstance(s, _Cast))
+    unique = list({id(s): s for s in resolved if s is not None}.values())
+    if not unique:
+        return value
+    leaves, tree = jax.tree.flatten(value)
+    groups: dict[frozenset, list] = {}  # varying axes -> [indices of value's leaves, fenced scalars]
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(_vma(leaf), [[], []])[0].append(i)
+    for s in unique:
+        axes = _vma(s)
+        fits = [g for g in groups if axes <= g]
+        if fits:
+            g = min(fits, key=len)
+            groups[g][1].append(jax.lax.pcast(s, tuple(sorted(g - axes)), to="varying") if g - axes else s)
+    out = list(leaves)
+    for indices, fenced in groups.values():  # every leaf passes a barrier, as outside shard_map
+        passed = jax.lax.optimization_barrier((tuple(fenced), tuple(leaves[i] for i in indices)))[1]
+        for i, x in zip(indices, passed):
+            out[i] = x
+    return jax.tree.unflatten(tree, out)
+
+
+def fenced_update(tx, grads, opt_state, params):
+    """``tx.update(grads, opt_state, params)`` evaluated equation by equation: ``(updates, new state,
+    scalars)``, the scalars to `fence` (what the update broadcasts over its leaves)."""
+    closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
+    scalars: list = []
+    out = evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((grads, opt_state, params)), scalars)
+    updates, new_state = jax.tree.unflatten(jax.tree.structure(shapes), out)
+    return updates, new_state, scalars
 
 
 def _shapes(tree):
@@ -241,9 +377,10 @@ class LayerwiseUpdate:
         env.update(zip(self._globals[:len(globals_)], globals_))
         return env
 
-    def _run(self, env: dict, wanted, layer: int | None, upto: int) -> None:
+    def _run(self, env: dict, wanted, layer: int | None, upto: int, scalars: list | None = None) -> None:
         """Evaluates, in program order, the equations ``wanted`` needs: this layer's of round <= ``upto``
-        and the global ones of round -1 (a global of a later round must already be in ``env``)."""
+        and the global ones of round -1 (a global of a later round must already be in ``env``); fenced
+        with ``scalars`` (`_bind`)."""
         needed, stack = set(), [v for v in wanted if isinstance(v, jcore.Var) and v not in env]
         while stack:
             v = stack.pop()
@@ -257,22 +394,23 @@ class LayerwiseUpdate:
                 continue
             if tag.layer is None and tag.round > _PRE and layer is not None:
                 raise AssertionError("a global value was not provided")  # the passes are ordered so it is
-            vals = _bind(e, [env[x] if isinstance(x, jcore.Var) else x.val for x in e.invars])
+            vals = _bind(e, [env[x] if isinstance(x, jcore.Var) else x.val for x in e.invars], scalars)
             env.update(zip(e.outvars, vals))
 
-    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple) -> tuple:
+    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None) -> tuple:
         """Pass ``k`` (``k < rounds``) of layer ``i``: the layer's values the ``k``-th global program reads.
 
         Args:
           grads, opt_state, params: layer ``i``'s (its gradient summed over devices and microbatches).
           globals_: the outputs of the global programs of rounds ``< k`` (``()`` for ``k == 0``).
+          scalars: a list: the scalars to `fence` are appended to it.
 
         Returns:
           a tuple of small arrays (shapes fixed per layer).
         """
         env = self._layer_env(i, grads, opt_state, params, globals_)
         wanted = self._exports[k][i]
-        self._run(env, wanted, i, k)
+        self._run(env, wanted, i, k, scalars)
         return tuple(env[v] for v in wanted)
 
     def global_leaves(self, i: int, opt_state) -> tuple:
@@ -296,12 +434,13 @@ class LayerwiseUpdate:
         self._run(env, wanted, None, k)
         return tuple(env[v] for v in wanted)
 
-    def update(self, i: int, grads, opt_state, params, globals_: tuple):
+    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None):
         """The final pass of layer ``i``: ``(updates, new optimizer state)``, what ``tx.update`` on the
-        whole model gives for this layer (``optax.apply_updates`` adds the updates to the params)."""
+        whole model gives for this layer (``optax.apply_updates`` adds the updates to the params). With
+        ``scalars`` (a list), the scalars to `fence` are appended to it."""
         env = self._layer_env(i, grads, opt_state, params, globals_)
         wanted = self._out_updates[i] + self._out_state[i]
-        self._run(env, wanted, i, self.rounds)
+        self._run(env, wanted, i, self.rounds, scalars)
 
         def val(v):
             return env[v] if isinstance(v, jcore.Var) else jnp.asarray(v.val)
