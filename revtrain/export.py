@@ -24,6 +24,10 @@ import tempfile
 from revtrain.errors import InputError
 
 DTYPES = ("float32", "bfloat16")
+# The largest safetensors file an export writes; a larger model is written as shards listed in
+# ``model.safetensors.index.json`` (the layout of Hugging Face's ``save_pretrained``), so export holds one
+# shard's converted tensors at a time beside the weights.
+MAX_SHARD_BYTES = 2 * 2**30
 
 
 class ExportError(InputError, ValueError):
@@ -51,17 +55,23 @@ def generation_config(config: dict) -> dict:
     return {"_from_model_config": True, **ids}
 
 
-def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", tokenizer=None) -> None:
-    """Writes ``out/config.json``, ``out/generation_config.json`` and ``out/model.safetensors`` (and the
-    tokenizer's files, when given). The special token ids are the source checkpoint's (``spec``), else the
-    tokenizer's end-of-text id as ``eos_token_id``.
+def write_checkpoint(out: str, spec, tensors, dtype: str = "float32", tokenizer=None,
+                     max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Writes ``out/config.json``, ``out/generation_config.json`` and the weights (and the tokenizer's files,
+    when given): ``out/model.safetensors``, or, past ``max_shard_bytes``, shards
+    ``model-0000K-of-0000N.safetensors`` listed in ``model.safetensors.index.json`` (``weight_map``), as
+    ``transformers``' ``save_pretrained`` writes them. The special token ids are the source checkpoint's
+    (``spec``), else the tokenizer's end-of-text id as ``eos_token_id``.
 
     Args:
       out: the directory to create (must not exist, or be empty).
       spec: the model's `revtrain.models.llama.LlamaSpec`.
-      tensors: ``{name: float32 numpy array}`` (`revtrain.models.llama.model_tensors`).
+      tensors: ``{name: float32 numpy array}`` (`revtrain.models.llama.model_tensors`) or an iterable of
+        ``(name, array)`` pairs (`revtrain.models.llama.iter_model_tensors`: each converted and dropped as its
+        shard is written).
       dtype: "float32" or "bfloat16", the dtype written (``torch_dtype`` in the config).
       tokenizer: the run's `revtrain.data.tokenizer.Tokenizer`, or None (a byte-level model).
+      max_shard_bytes: the largest file written (bytes, in ``dtype``; a single larger tensor is a shard alone).
 
     Raises:
       ExportError: a bad dtype, or ``out`` exists and is not an empty directory.
@@ -88,9 +98,35 @@ def write_checkpoint(out: str, spec, tensors: dict, dtype: str = "float32", toke
             json.dump(config, f, indent=2)
         with open(os.path.join(tmp, "generation_config.json"), "w") as f:
             json.dump(generation_config(config), f, indent=2)
-        arrays = {k: jnp.asarray(v, jnp.float32).astype(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-                  for k, v in tensors.items()}
-        save_file(arrays, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        target = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        shards, shard, shard_bytes, total = [], {}, 0, 0
+
+        def write_shard():
+            path = os.path.join(tmp, f".shard-{len(shards)}")
+            save_file(shard, path, metadata={"format": "pt"})
+            shards.append((path, list(shard)))
+            shard.clear()
+
+        for name, value in (tensors.items() if isinstance(tensors, dict) else tensors):
+            array = jnp.asarray(value, jnp.float32).astype(target)
+            nbytes = array.size * array.dtype.itemsize
+            if shard and shard_bytes + nbytes > max_shard_bytes:
+                write_shard()
+                shard_bytes = 0
+            shard[name] = array
+            shard_bytes, total = shard_bytes + nbytes, total + nbytes
+        if shard or not shards:
+            write_shard()
+        if len(shards) == 1:
+            os.rename(shards[0][0], os.path.join(tmp, "model.safetensors"))
+        else:
+            weight_map = {}
+            for k, (path, names) in enumerate(shards, 1):
+                file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+                os.rename(path, os.path.join(tmp, file))
+                weight_map.update(dict.fromkeys(names, file))
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _write_tokenizer(tmp, tokenizer)
         # The permissions of an ordinary directory and files (mkdtemp made the directory 0700; the umask
         # applies), so a shared upload or another user can read the checkpoint.
@@ -120,7 +156,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     """
     from revtrain import checkpoint as ckpt_lib
     from revtrain import loop
-    from revtrain.models.llama import model_tensors
+    from revtrain.models.llama import iter_model_tensors
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -145,6 +181,6 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     import jax
     import numpy as np
     params = [jax.tree.map(np.asarray, p) for p in ts.params]
-    write_checkpoint(out, run.model.llama_spec, model_tensors(run.model, params), dtype,
+    write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, params), dtype,
                      tokenizer=run.task.tokenizer)
     return chosen

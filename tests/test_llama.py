@@ -163,6 +163,38 @@ def test_revtrain_checkpoint_imports_to_the_same_model(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def test_export_writes_shards_past_the_shard_size(tmp_path):
+    """Past ``max_shard_bytes`` the export is shards listed in model.safetensors.index.json (each file within
+    the bound, every tensor in exactly one), streamed from `iter_model_tensors`; it imports back to the same
+    logits bit for bit, and bfloat16 halves the bytes."""
+    from revtrain.models.llama import iter_model_tensors
+    model = LlamaModel(None, sequence_length=8, vocab_size=40, d_model=32, num_layers=3, num_heads=4,
+                       num_kv_heads=2, d_ff=48)
+    params = model.init()[0]
+    tensors = model_tensors(model, params)
+    limit = 12_000  # bytes: the embedding (40 x 32 float32, 5,120 B) and a block's 9 tensors need several
+    write_checkpoint(str(tmp_path / "out"), model.llama_spec, iter_model_tensors(model, params),
+                     max_shard_bytes=limit)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 3 and sorted(index["weight_map"]) == sorted(tensors)
+    assert files == [f"model-{k:05d}-of-{len(files):05d}.safetensors" for k in range(1, len(files) + 1)]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors.values())
+    from safetensors.numpy import load_file
+    for f in files:
+        shard = load_file(tmp_path / "out" / f)
+        assert sum(v.nbytes for v in shard.values()) <= limit
+        for name, value in shard.items():
+            np.testing.assert_array_equal(value, tensors[name])
+    tokens = _tokens(40, (2, 8))
+    _, got = _revtrain_logits(str(tmp_path / "out"), tokens)
+    np.testing.assert_array_equal(got, _logits(model, tokens))
+    write_checkpoint(str(tmp_path / "bf16"), model.llama_spec, tensors, dtype="bfloat16", max_shard_bytes=limit)
+    half = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert half * 2 == index["metadata"]["total_size"]
+
+
 def test_rope_parameters_of_transformers_5(tmp_path):
     """transformers 5 writes the rotary base inside ``rope_parameters`` (no top-level ``rope_theta``): the
     import reads it there (the same logits as the top-level form)."""

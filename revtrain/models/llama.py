@@ -447,19 +447,30 @@ EMBEDDING_PATH = ("tokens", "embedding")
 HEAD_PATH = ("lm_head",)
 
 
-def model_tensors(model: Model, params: list) -> dict:
+def iter_model_tensors(model: Model, params: list):
     """A `LlamaModel`'s per-layer params (``Model.init`` form: a tied ``lm_head`` only in the embedding's) ->
-    the checkpoint's named float32 numpy tensors (`expected_shapes`)."""
+    the checkpoint's ``(name, float32 C-contiguous numpy array)`` pairs (`expected_shapes`), in checkpoint
+    order, each block's made only when it is reached: a writer that drops each after writing it holds one
+    block's transposed copies at a time, not the whole model's."""
     spec, form = model.llama_spec, model.llama_form
-    out = {"model.embed_tokens.weight": params[0]["tokens"]["embedding"]}
+
+    def f32(v):
+        return np.ascontiguousarray(np.asarray(v, np.float32))
+
+    yield "model.embed_tokens.weight", f32(params[0]["tokens"]["embedding"])
     for i in range(spec.num_layers):
         p = params[1 + i]
-        out.update(block_tensors(p["block"] if form == "exact" else p, spec, i))
+        for name, value in block_tensors(p["block"] if form == "exact" else p, spec, i).items():
+            yield name, f32(value)
     head = params[-1]
-    out["model.norm.weight"] = head["norm"]["scale"]
+    yield "model.norm.weight", f32(head["norm"]["scale"])
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = head["lm_head"]
-    return {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in out.items()}
+        yield "lm_head.weight", f32(head["lm_head"])
+
+
+def model_tensors(model: Model, params: list) -> dict:
+    """`iter_model_tensors` as one ``{name: float32 numpy array}`` dict (the whole model's tensors at once)."""
+    return dict(iter_model_tensors(model, params))
 
 
 # -- the model ------------------------------------------------------------------------------------------------
