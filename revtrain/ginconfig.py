@@ -243,7 +243,7 @@ def call_error_line(e: Exception) -> str:
 # Fixes for the errors of common misconfigurations gin calls hit (substring of the error, hint).
 _CALL_HINTS = [
     ("requires positive decay_steps", "; the schedule's decay_steps must exceed its warmup_steps: raise STEPS "
-                                      "or lower WARMUP (e.g. --gin 'WARMUP = 1')"),
+                                      "or lower WARMUP (STEPS must exceed WARMUP; WARMUP = 0 is no warmup)"),
 ]
 
 
