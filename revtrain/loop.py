@@ -272,6 +272,8 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: 
     if (cfg.batch_size // mesh.size) % m:
         raise ConfigError(microbatch_error(cfg.batch_size, mesh.size, m))
     trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed, microbatches=m)
+    if trainer.residency.disk is not None and workdir:  # the disk tier's files: <workdir>/offload by default
+        trainer.residency.disk.attach(workdir)
     try:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
@@ -619,6 +621,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                             values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
                     values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
+                    values.update(getattr(trainer, "disk_stats", None) or {})  # the disk tier's last step's I/O
                     if run.plan is not None and not last:  # the first record of this process's run
                         values.update(run.plan.record())
                     writer.write("train", step, values)
