@@ -1,0 +1,148 @@
+"""The disk tier (revtrain/disk_tier.py, ``ReversibleTrainer.offload = 'disk'``): bit for bit the host and device
+tiers' numbers, its refusals, checkpoints as hard links, an exact resume after ``kill -9`` in a step, the plan's
+disk check, and a model larger than its memory cgroup."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import checkpoint as ckpt_lib
+from revtrain import disk_tier
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.common import TrainerError
+from revtrain.trainers.reversible import ReversibleTrainer
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LLAMA = str(REPO / "configs" / "llama_small.gin")
+T = 16
+
+
+def _model(layers=4):
+    return ReversibleTransformerLM(T, num_layers=layers, d_model=32, num_heads=2, dropout_rate=0.1)
+
+
+def _batches(steps):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (4, T)).astype(np.int32) for _ in range(steps)]
+
+
+def _train(offload, directory=None, steps=3, fuse_top=False):
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload, scan_layers=False,
+                                fuse_top=fuse_top, offload_dir=directory)
+    ts, losses = trainer.init(), []
+    for x in _batches(steps):
+        batch = global_batch({"inputs": x, "targets": x}, trainer.mesh)
+        ts, m = trainer.train_step(ts, batch)
+        losses.append(float(m["loss"]))
+    scores = {k: float(v) for k, v in trainer.eval_step(ts, batch).items()}
+    params = [jax.tree.map(np.asarray, trainer.layer_params(ts, i)) for i in range(len(trainer.model.layers))]
+    return trainer, ts, losses, params, scores
+
+
+def _same(a, b):
+    return all(np.array_equal(u, v) for p, q in zip(a, b) for u, v in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
+
+
+@pytest.mark.parametrize("fuse_top", [False, True])
+def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
+    _, _, dev_losses, dev_params, dev_scores = _train(False, fuse_top=fuse_top)
+    _, _, host_losses, host_params, _ = _train(True, fuse_top=fuse_top)
+    trainer, ts, losses, params, scores = _train("disk", str(tmp_path / "tier"), fuse_top=fuse_top)
+    assert losses == dev_losses == host_losses
+    assert _same(params, dev_params) and _same(params, host_params)
+    assert scores == dev_scores
+    # Only the newest step's files are left; the state holds no arrays, only the layer files.
+    assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
+    assert all(isinstance(r, disk_tier.DiskLayer) for r in ts.params)
+    assert trainer.disk_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
+    # The forward reads the weights, the backward weights and optimizer state (every layer once each).
+    weights = sum(r.layout.nbytes("params") for r in ts.params)
+    assert trainer.disk_stats["disk_read_bytes"] >= weights + trainer.disk_stats["disk_write_bytes"] - weights
+
+
+def test_refusals(tmp_path):
+    mesh, tx = make_mesh(), optax.adamw(1e-3)
+    with pytest.raises(TrainerError, match="scan_layers = False"):
+        ReversibleTrainer(_model(), tx, mesh, offload="disk", offload_dir=str(tmp_path))
+    with pytest.raises(TrainerError, match="fused per-layer update"):
+        ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False, microbatches=2, offload_dir=str(tmp_path))
+    with pytest.raises(TrainerError, match="False, True or 'disk'"):
+        ReversibleTrainer(_model(), tx, mesh, offload="nvme")
+    trainer = ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False)
+    with pytest.raises(disk_tier.DiskTierError, match="offload_dir"):
+        trainer.init()
+
+
+def test_checkpoint_is_hard_links_and_restores(tmp_path):
+    trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=2)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    item = tmp_path / "run" / "checkpoints" / "2" / "disk_state"
+    for g, ref in enumerate(ts.params):
+        linked = os.stat(item / f"layer_{g:05d}.bin")
+        assert linked.st_ino == os.stat(ref.path).st_ino and linked.st_nlink == 2  # no byte copied
+    restored = checkpointer.restore(trainer.abstract_state())
+    assert restored.step == 2 and all(isinstance(r, disk_tier.DiskLayer) for r in restored.params)
+    assert _same([trainer.layer_params(restored, i) for i in range(len(params))], params)
+    weights = checkpointer.restore(trainer.abstract_state(), optimizer_state=False)
+    assert _same(weights.params, params) and weights.opt_state == [None] * len(params)
+    # A damaged file (a truncated layer) is one line naming the step.
+    os.truncate(item / "layer_00001.bin", 100)
+    with pytest.raises(ckpt_lib.DamagedCheckpoint, match="at step 2"):
+        checkpointer.restore(trainer.abstract_state())
+    checkpointer.close()
+
+
+def _revtrain(*args, script=None, prefix=(), timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, script] if script else [sys.executable, "-m", "revtrain"]
+    return subprocess.run([*prefix, *command, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+DISK = ["--gin", "train.trainer = @ReversibleTrainer", "--gin", "ReversibleTrainer.offload = 'disk'",
+        "--gin", "ReversibleTrainer.scan_layers = False", "--gin", "LlamaModel.form = 'exact'",
+        "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
+        "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0", "--gin", "train.checkpoint_every = 1",
+        "--gin", "train.keep_checkpoints = 2", "--gin", "LlamaModel.d_model = 64", "--gin", "LlamaModel.d_ff = 128"]
+
+
+def _losses(workdir):
+    with open(workdir / "metrics" / "train.jsonl") as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def _final_params(workdir, step):
+    item = workdir / "checkpoints" / str(step) / "disk_state"
+    return {name: (item / name).read_bytes() for name in sorted(os.listdir(item)) if name.endswith(".bin")}
+
+
+@pytest.mark.slow
+def test_kill_9_in_a_step_resumes_bit_exact(tmp_path):
+    """A run killed (SIGKILL) while step 3 writes its layers (one file half written) resumes from the step-2
+    checkpoint and ends with the uninterrupted run's losses and layer files, byte for byte."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    steps = ["--gin", "STEPS = 4"]
+    result = _revtrain("train", "--config", LLAMA, *DISK, *steps, "--workdir", str(whole))
+    assert result.returncode == 0, result.stderr[-2000:]
+    layers = len([n for n in os.listdir(whole / "offload" / "step_00000004")])
+    killed = _revtrain(str(3 * layers + layers // 2), "--", "train", "--config", LLAMA, *DISK, *steps, "--workdir",
+                       str(broken), script=str(REPO / "tests" / "_kill_inside.py"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(os.listdir(broken / "checkpoints")) == ["1", "2"]
+    assert os.path.isdir(broken / "offload" / "step_00000003")  # the killed step's partial files
+    resumed = _revtrain("train", "--config", LLAMA, *DISK, *steps, "--workdir", str(broken))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from checkpoint at step 2" in resumed.stderr
+    assert _losses(broken) == _losses(whole)
+    assert _final_params(broken, 4) == _final_params(whole, 4)
+    assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]  # the leftovers removed
