@@ -146,3 +146,61 @@ def test_kill_9_in_a_step_resumes_bit_exact(tmp_path):
     assert _losses(broken) == _losses(whole)
     assert _final_params(broken, 4) == _final_params(whole, 4)
     assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]  # the leftovers removed
+
+
+def _make_cgroup(limit: int):
+    base = pathlib.Path("/sys/fs/cgroup/memory")
+    group = base / f"revtrain-disk-{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
+            raise OSError("limit not applied")
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
+    return group
+
+
+# A 126 M-parameter Llama of 20 exact reversible blocks: 1.41 GiB of weights and AdamW state.
+BIG = ["--gin", "LlamaModel.d_model = 768", "--gin", "LlamaModel.num_layers = 20", "--gin", "LlamaModel.d_ff = 2048",
+       "--gin", "LlamaModel.num_heads = 12", "--gin", "LlamaModel.num_kv_heads = 4", "--gin", "train.keep_checkpoints = 1"]
+
+
+@pytest.mark.slow
+def test_state_larger_than_its_memory_cgroup(tmp_path):
+    """Inside a 1.25 GiB memory cgroup, a model with 1.41 GiB of weights and optimizer state trains with the disk
+    tier (peak resident well below the limit), is killed (SIGKILL) in its second step and resumes exactly; the host tier there is refused by the plan
+    (exit 2, one line naming the disk tier), never killed."""
+    group = _make_cgroup(1280 * 2**20)
+    wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+    try:
+        def train(workdir, *extra, script=None):
+            args = ("train", "--config", LLAMA, *DISK, *BIG, "--gin", "STEPS = 2", *extra, "--workdir", str(workdir))
+            return _revtrain(*((str(22 + 22 + 11), "--") if script else ()), *args, script=script, prefix=wrapper,
+                             timeout=600)
+        whole = train(tmp_path / "whole")
+        assert whole.returncode == 0, whole.stderr[-2000:]
+        killed = train(tmp_path / "split", script=str(REPO / "tests" / "_kill_inside.py"))  # in step 2
+        assert killed.returncode in (-9, 137), killed.stderr[-2000:]
+        second = train(tmp_path / "split")
+        assert second.returncode == 0, second.stderr[-2000:]
+        host = train(tmp_path / "host", "--gin", "ReversibleTrainer.offload = True",
+                     "--gin", "ReversibleTrainer.scan_layers = True")
+        failcnt = int((group / "memory.failcnt").read_text())
+    finally:
+        group.rmdir()
+    assert "resumed from checkpoint at step 1" in second.stderr
+    assert _losses(tmp_path / "split") == _losses(tmp_path / "whole")
+    assert _final_params(tmp_path / "split", 2) == _final_params(tmp_path / "whole", 2)
+    with open(tmp_path / "whole" / "metrics" / "train.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[0]["plan_disk_bytes"] > 1280 * 2**20 > max(r["host_peak_bytes"] for r in records)
+    assert records[-1]["disk_write_bytes"] == records[0]["plan_io_write_bytes"]
+    assert failcnt == 0  # the kernel never had to reclaim to keep the group under its limit
+    assert host.returncode == 2, host.stderr[-2000:]
+    lines = host.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("revtrain: error: the memory plan does not fit"), host.stderr
+    assert "ReversibleTrainer.offload = 'disk'" in lines[0]
+    assert not (tmp_path / "host").exists()
