@@ -25,9 +25,13 @@ files). Checked by the memory plan at start-up (`revtrain.memory_plan`).
 
 I/O: plain files with large sequential ``readinto`` / ``pwrite`` per leaf (the largest leaves are tens to
 hundreds of MB), ``fdatasync`` after each layer's write and ``posix_fadvise(DONTNEED)`` after each read and
-write, so the page cache (which a memory cgroup charges) does not grow with the model. Measured against
-TensorStore and ``numpy.memmap`` in docs/disk.md: the same bandwidth, but only explicit reads into fresh
-buffers keep the bytes out of the process's resident set (a memmap's pages count as resident once read).
+write, so the page cache (which a memory cgroup charges) does not grow with the model. Why not the others
+(measured with ``scripts/bench_disk_io.py``, docs/disk.md): a ``numpy.memmap`` reads lazily, page fault by page
+fault inside whatever touches it (XLA's compute threads: the read no longer overlaps the previous layer, it
+stalls this one), its written pages are flushed when the kernel chooses, and its pages stay mapped (resident)
+until unmapped; TensorStore adds a chunked format and its own cache to what is one sequential read per leaf,
+and measured no faster here. Explicit reads on a thread of their own make the overlap and the bytes in
+memory exactly what the plan counts.
 
 ZeRO-Infinity (Rajbhandari et al. 2021) and Fuyou (Liao et al. 2024) keep optimizer state on NVMe in
 PyTorch; this module follows the same read-ahead / write-behind idea per reversible layer.

@@ -688,7 +688,8 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
         _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
         tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
-        io = _io(2 * weights + opt, weights + opt, disk_tier.bandwidth(directory))
+        # Reads: every layer's weights in the forward (but the head's), every layer's state in the backward.
+        io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
     elif offload and not one_tier:  # the state in XLA's pinned host pool
         tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
     if limits is None:

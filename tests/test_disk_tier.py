@@ -63,9 +63,11 @@ def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
     assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
     assert all(isinstance(r, disk_tier.DiskLayer) for r in ts.params)
     assert trainer.disk_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
-    # The forward reads the weights, the backward weights and optimizer state (every layer once each).
-    weights = sum(r.layout.nbytes("params") for r in ts.params)
-    assert trainer.disk_stats["disk_read_bytes"] >= weights + trainer.disk_stats["disk_write_bytes"] - weights
+    # Each layer read once in the forward (weights; not the head, nor with fuse_top the layer under it) and once in
+    # the backward (weights and optimizer state): the read-ahead never reads a layer twice.
+    forward = ts.params[:-2] if fuse_top else ts.params[:-1]
+    assert trainer.disk_stats["disk_read_bytes"] == (sum(r.layout.nbytes("params") for r in forward)
+                                                     + trainer.disk_stats["disk_write_bytes"])
 
 
 def test_refusals(tmp_path):
@@ -198,9 +200,58 @@ def test_state_larger_than_its_memory_cgroup(tmp_path):
         records = [json.loads(line) for line in f]
     assert records[0]["plan_disk_bytes"] > 1280 * 2**20 > max(r["host_peak_bytes"] for r in records)
     assert records[-1]["disk_write_bytes"] == records[0]["plan_io_write_bytes"]
+    assert records[-1]["disk_read_bytes"] == records[0]["plan_io_read_bytes"]
     assert failcnt == 0  # the kernel never had to reclaim to keep the group under its limit
     assert host.returncode == 2, host.stderr[-2000:]
     lines = host.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("revtrain: error: the memory plan does not fit"), host.stderr
     assert "ReversibleTrainer.offload = 'disk'" in lines[0]
     assert not (tmp_path / "host").exists()
+
+
+def test_plan_parts_of_the_disk_tier(tmp_path):
+    from revtrain import memory_plan
+    model, tx = _model(), optax.adamw(1e-3)
+    spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
+    limits = {"host": (2**50, "test")}
+    disk = {"directory": str(tmp_path / "offload"), "keep": 2, "every": 5}
+    plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                            limits=limits, platform="cpu", disk=disk)
+    layers = [disk_tier.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
+    weights = sum(lay.nbytes("params") for lay in layers)
+    opt = sum(lay.nbytes("opt") for lay in layers)
+    host = plan.tiers["host"]
+    # In memory: three layers in flight (computing, read ahead, written), never the model.
+    assert host["weights"] == 3 * max(lay.nbytes("params") for lay in layers)
+    assert host["optimizer_state"] == 3 * (max(lay.nbytes() for lay in layers) - max(lay.nbytes("params") for lay in layers))
+    assert host["checkpoint"] == 0  # a checkpoint is hard links
+    # On disk: two steps' files, and two kept checkpoints the tier has moved past.
+    assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
+    assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
+    assert plan.io["write_bytes"] == weights + opt
+    assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
+    every_step = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                                  limits=limits, platform="cpu", disk=dict(disk, every=1))
+    assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
+    short = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                             limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
+    assert not short.fits and "keep_checkpoints" in memory_plan.refusal(short, [])
+
+
+def test_disk_too_small_is_refused_at_start_up(tmp_path):
+    """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
+    anything is written."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--workdir", str(small / "run"))
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("revtrain: error: the memory plan does not fit: ReversibleTrainer + offload='disk' "
+                               "disk needs"), lines[0]
+    assert f"free on {small}" in lines[0]
