@@ -253,13 +253,16 @@ class DiskTier:
 
     def __init__(self, directory: str | None = None):
         self.directory = os.path.abspath(directory) if directory else None
+        self.workdir = None
         self._layouts: dict = {}
         self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-read")
         self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-write")
         self._prepared = False
 
     def attach(self, workdir: str) -> None:
-        """Names the default directory, ``<workdir>/offload``, unless one was given."""
+        """Names the default directory, ``<workdir>/offload``, unless one was given (and the run's workdir,
+        whose checkpoints the plan counts as space the run holds already)."""
+        self.workdir = os.path.abspath(workdir)
         if self.directory is None:
             self.directory = os.path.join(os.path.abspath(workdir), "offload")
 
@@ -576,25 +579,27 @@ def disk_need(state_bytes: int, keep: int | None, every: int) -> tuple[int, int]
     return 2 * state_bytes, beyond * state_bytes
 
 
-def disk_free(directory: str) -> tuple[int, str]:
-    """Bytes free for the tier: free space on the file system of ``directory`` (its nearest existing
-    parent) plus the leftover step directories there (removed at start-up). ``(bytes, description)``."""
+def disk_free(directory: str, held=()) -> tuple[int, str]:
+    """The bytes a disk-tier run may occupy: free space on the file system of ``directory`` (its nearest
+    existing parent) plus what the run holds there already (each file once, hard links counted once): its
+    layer files in ``directory`` and the other directories in ``held`` (its checkpoints, which the plan's
+    need includes). ``(bytes, description)``."""
     probe = os.path.abspath(directory)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     free = shutil.disk_usage(probe).free
-    leftover = 0
-    if os.path.isdir(directory):
-        seen = set()
-        for name in os.listdir(directory):
-            if name.startswith(STEP_PREFIX):
-                for root, _, files in os.walk(os.path.join(directory, name)):
-                    for f in files:
-                        st = os.stat(os.path.join(root, f))
-                        if st.st_nlink == 1 and st.st_ino not in seen:
-                            seen.add(st.st_ino)
-                            leftover += st.st_blocks * 512
-    return free + leftover, f"free on {probe}" + (f" + {leftover / 2**30:.2f} GiB of old layer files" if leftover else "")
+    owned, seen = 0, set()
+    for top in (directory, *held):
+        for root, _, files in os.walk(top):
+            for f in files:
+                try:
+                    st = os.stat(os.path.join(root, f))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    owned += st.st_blocks * 512
+    return free + owned, f"free on {probe}" + (f" + {owned / 2**30:.2f} GiB the run holds" if owned >= 2**20 else "")
 
 
 BANDWIDTH_BYTES = 128 * 2**20

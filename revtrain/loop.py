@@ -27,6 +27,7 @@ from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import ByteLMTask, Task
+from revtrain.disk_tier import DiskTierError
 from revtrain.errors import ConfigError  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_resident, host_state_bytes
 from revtrain.models import contract
@@ -662,7 +663,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                               "skips up to N such steps") from None
     except oom.OutOfMemory as e:
         raise oom.OutOfMemory(f"{e}; {kept()}") from e.__cause__
-    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError) as e:
+    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError, DiskTierError) as e:
         if writer is not None:
             writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
         raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "

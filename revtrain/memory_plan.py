@@ -571,8 +571,9 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
       global_devices: devices of every process (default ``num_devices``): the batch is split over them.
       eval_spec: ``{key: jax.ShapeDtypeStruct}`` of a global evaluation batch (None: no evaluation counted).
-      disk: the disk tier's ``{"directory", "keep", "every"}`` (offload directory, ``train.keep_checkpoints``,
-        ``train.checkpoint_every``) for a ``setup.disk`` plan (default: ``./offload``, 3, 0).
+      disk: the disk tier's ``{"directory", "keep", "every", "checkpoints"}`` (offload directory,
+        ``train.keep_checkpoints``, ``train.checkpoint_every``, the checkpoints' directory: space the run holds
+        already) for a ``setup.disk`` plan (default: ``./offload``, 3, 0, none).
 
     Returns:
       a `MemoryPlan`.
@@ -699,7 +700,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     limits = dict(limits)
     if "disk" in tiers and "disk" not in limits:
         from revtrain import disk_tier
-        limits["disk"] = disk_tier.disk_free(directory)
+        limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
     if "pinned" in tiers and "pinned" not in limits:
         limits["pinned"] = pinned_limit()
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
@@ -797,7 +798,9 @@ def _disk_spec(run) -> dict:
     """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
     tier = getattr(getattr(run.trainer, "residency", None), "disk", None)
     directory = getattr(tier, "directory", None) or os.path.join(os.getcwd(), "offload")
-    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every}
+    workdir = getattr(tier, "workdir", None)
+    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
+            "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
 
 
 def _eval_spec(run) -> dict | None:

@@ -240,15 +240,21 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
 
 def test_disk_too_small_is_refused_at_start_up(tmp_path):
     """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
-    anything is written."""
+    anything is written; without the plan, the full disk stops the run in one line (exit 1)."""
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--workdir", str(small / "run"))
+        # Without the plan the disk fills while the layers are written: one line, exit 1, nothing half-kept.
+        unplanned = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 5", "--gin", "train.memory_plan = False",
+                              "--workdir", str(small / "run"))
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
+    assert unplanned.returncode == 1, unplanned.stderr[-2000:]
+    last = unplanned.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in last and "training stopped" in last, unplanned.stderr[-2000:]
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
