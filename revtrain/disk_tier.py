@@ -339,16 +339,20 @@ class DiskTier:
 
 
 class Bounded:
-    """Wraps the trainer's ``DispatchLimiter``: keeps the outputs of the last `IN_FLIGHT` programs and waits
-    for the oldest before a newer one is dispatched further, so the host never runs more than that many
-    layers ahead of the device (each dispatched program holds its layer's state)."""
+    """Wraps the trainer's ``DispatchLimiter``: keeps one small output of each of the last `IN_FLIGHT` programs
+    and waits for the oldest before a newer one is dispatched further, so the host never runs more than that
+    many layers ahead of the device (each dispatched program holds its layer's state). Only the smallest
+    output leaf is kept (a program's outputs are ready together): keeping the updated weights would hold
+    them after the writer has written and released them."""
 
     def __init__(self, inner):
         self.inner, self._recent = inner, deque()
 
     def __call__(self, outputs):
         outputs = self.inner(outputs)
-        self._recent.append(outputs)
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        if leaves:
+            self._recent.append(min(leaves, key=lambda x: x.size))
         if len(self._recent) > IN_FLIGHT:
             _wait(self._recent.popleft())
         return outputs
