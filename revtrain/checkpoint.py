@@ -18,6 +18,12 @@ on a file system every process sees. A checkpoint written by N processes can be 
 number of processes when every process saved the same iterator position (revtrain's pipelines: each
 process is at the same global batch).
 
+A disk-tier state (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) is saved as the item
+``disk_state`` instead of ``state``: a hard link to each layer's file (complete and never written again),
+the layouts and the small layer state (`DiskStateHandler`): no bytes copied and nothing of the state in
+memory. It restores as layer files (a disk-tier trainer's template), into memory for the other tiers, or as
+numpy weights alone (``optimizer_state=False``: ``revtrain eval``, ``sample``, ``export``, ``check``).
+
 Sharded state (``ReversibleTrainer.shard_state``): each leaf is saved with its own sharding, so every
 process writes only its devices' pieces (measured with 2 processes: about half of the state in each
 ``ocdbt.process_<i>``; nothing is gathered through one host), and `Checkpointer.restore` reads into the
@@ -42,6 +48,7 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
+from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
 from revtrain.allocator import release_free_memory
 from revtrain.errors import InputError, RunFailure
@@ -169,6 +176,41 @@ class DataRestore(grain.checkpoint.CheckpointRestore):
     """Restores a Grain iterator's position (in place) with `DataHandler`."""
 
 
+class DiskStateHandler(ocp.CheckpointHandler):
+    """The ``disk_state`` item: a disk-tier state as hard links to its layer files (`disk_tier.save_links`)."""
+
+    def save(self, directory, args=None):
+        disk_tier.save_links(str(directory), args.refs, args.layer_state, args.step)
+
+    def restore(self, directory, args=None):
+        return disk_tier.load_links(str(directory))
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+
+@ocp.args.register_with_handler(DiskStateHandler, for_save=True)
+@dataclasses.dataclass
+class DiskStateSave(ocp.args.CheckpointArgs):
+    """Saves a disk-tier state: its layers' `disk_tier.DiskLayer` refs, the layer states and the step."""
+
+    refs: list
+    layer_state: list
+    step: int
+
+
+@ocp.args.register_with_handler(DiskStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DiskStateRestore(ocp.args.CheckpointArgs):
+    """Restores a disk-tier state's item (the files stay where they are)."""
+
+
 def _ignore_late_tensorstore_callbacks() -> None:
     """Keeps a failed restore or save to one error line.
 
@@ -225,6 +267,20 @@ def state_bytes(ts: TrainState) -> int:
                for sh in x.addressable_shards)
 
 
+def _shapes_of(layout) -> object:
+    """The params tree of a `disk_tier.Layout` as ``jax.ShapeDtypeStruct`` leaves."""
+    leaves = [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.region("params")]
+    return jax.tree.unflatten(layout.params_def, leaves)
+
+
+def _placed(tree, template):
+    """Numpy ``tree`` placed as ``template``'s leaves are (their shardings; as it is without one)."""
+    def one(x, t):
+        sharding = getattr(t, "sharding", None)
+        return jax.device_put(x, sharding) if sharding is not None else x
+    return jax.tree.map(one, tree, template)
+
+
 def _tree(ts: TrainState) -> dict:
     ts = ts.per_layer()  # one layout on disk, whichever executor made the state (stacked runs copied out)
     return {"params": ts.params, "opt_state": ts.opt_state, "layer_state": ts.layer_state}
@@ -258,7 +314,7 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save, read_only=read_only,
                                                create=not read_only, cleanup_tmp_directories=not read_only)
         handlers = {"state": _bounded_handler(), "meta": ocp.JsonCheckpointHandler(),
-                    "data": DataHandler()}
+                    "data": DataHandler(), "disk_state": DiskStateHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         _ignore_late_tensorstore_callbacks()  # a failed save or restore: one error line
         self._in_flight: int | None = None  # step of the newest save not known to be complete
@@ -309,7 +365,12 @@ class Checkpointer:
           CheckpointWriteError: this save, or the previous asynchronous one, could not be written.
         """
         self.wait()
-        args = {"state": ocp.args.StandardSave(_tree(ts)), "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
+        on_disk = disk_tier.on_disk(ts)
+        if on_disk:  # hard links to the layer files: written at once (the tier removes them after the next step)
+            state = {"disk_state": DiskStateSave(list(ts.params), list(ts.layer_state), ts.step)}
+        else:
+            state = {"state": ocp.args.StandardSave(_tree(ts))}
+        args = {**state, "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
         if data_iterator is not None:
             args["data"] = DataSave(data_iterator)
         try:
@@ -318,7 +379,9 @@ class Checkpointer:
             raise self._write_failed(ts.step, e) from e
         if started:
             self._in_flight = ts.step
-            if state_bytes(ts) > self.async_max_bytes:
+            if on_disk:
+                self.wait()
+            elif state_bytes(ts) > self.async_max_bytes:
                 self.wait()  # synchronous: the next step may donate every buffer (see the class note)
                 gc.collect()  # the write's views of the buffers sit in reference cycles: drop them now
                 release_free_memory()  # tensorstore's staging buffers, freed in its threads' arenas
@@ -338,6 +401,16 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self._manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
+        disk_template = disk_tier.on_disk(template)
+        if os.path.isdir(os.path.join(self.directory, str(step), "disk_state")):
+            return self._restore_disk(template, step, data_iterator, optimizer_state)
+        if disk_template and optimizer_state:
+            raise CheckpointError(f"the checkpoint at step {step} in {self.directory} holds its state in memory "
+                                  "tiers' format: resume it with ReversibleTrainer.offload = False or True (the "
+                                  "disk tier resumes its own checkpoints), or start a new --workdir")
+        if disk_template:  # weights alone into memory: the shapes of the templates' layouts
+            template = TrainState(template.step, [_shapes_of(r.layout) for r in template.params],
+                                  [None] * len(template.params), template.layer_state)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
         if not optimizer_state:
             return self._restore_weights(abstract, step)
@@ -349,6 +422,45 @@ class Checkpointer:
             tree = out["state"]
             return TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
+            raise DamagedCheckpoint(step, damage_reason(e)) from e
+
+    def _restore_disk(self, template: TrainState, step: int, data_iterator, optimizer_state: bool) -> TrainState:
+        """`restore` of a ``disk_state`` item: layer files (`disk_tier.DiskLayer`) for a disk-tier template,
+        else read layer by layer into the template's placements (``optimizer_state=False``: the weights as
+        numpy arrays, the optimizer state not read)."""
+        args = {"disk_state": DiskStateRestore(), "meta": ocp.args.JsonRestore()}
+        if data_iterator is not None and optimizer_state:
+            args["data"] = DataRestore(data_iterator)
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(**args))
+            saved, n = out["disk_state"], len(template.held()[0])
+            entries = saved["index"]["layers"]
+            if len(entries) != n:
+                raise ValueError(f"{len(entries)} layer files for a model of {n} layers")
+            params, opt_state, layer_state = [], [], []
+            for g in range(n):
+                p_t, o_t = template.held()[0][g], template.held()[1][g]
+                layout = p_t.layout if isinstance(p_t, disk_tier.DiskLayer) else disk_tier.Layout.of(p_t, o_t if o_t is not None else ())
+                if isinstance(p_t, disk_tier.DiskLayer) or o_t is not None:
+                    disk_tier.check_layout(entries[g], layout, g)
+                path = os.path.join(saved["directory"], entries[g]["file"])
+                ref = disk_tier.DiskLayer(layout, path)
+                if isinstance(p_t, disk_tier.DiskLayer) and optimizer_state:
+                    params.append(ref)
+                    opt_state.append(ref)
+                elif not optimizer_state:
+                    params.append(disk_tier.read_tree(path, layout, "params"))
+                    opt_state.append(None)
+                else:
+                    params.append(_placed(disk_tier.read_tree(path, layout, "params"), p_t))
+                    opt_state.append(_placed(disk_tier.read_tree(path, layout, "opt"), o_t))
+                s_t = template.layer_state[g]
+                leaves = [saved["layer_state"][f"l{g}_{k}"] for k in range(len(jax.tree.leaves(s_t)))]
+                layer_state.append(_placed(jax.tree.unflatten(jax.tree.structure(s_t), leaves), s_t))
+            return TrainState(int(out["meta"]["step"]), params, opt_state, layer_state)
+        except CheckpointError:
+            raise
+        except Exception as e:  # a missing or short file, a garbled index
             raise DamagedCheckpoint(step, damage_reason(e)) from e
 
     def _restore_weights(self, abstract: dict, step: int) -> TrainState:

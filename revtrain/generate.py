@@ -428,7 +428,7 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
     keys = sample_keys(opts.seed, batch)[first:first + local]
     inputs = global_batch({"prompt": rows, "keys": keys}, mesh)
     compile_seconds = 0.0
-    if trainer.residency.offloaded:
+    if trainer.residency.tier == "host":  # (the disk tier reads each layer's weights into memory once, below)
         start = time.perf_counter()
         out = _generate_layerwise(trainer, ts, inputs["prompt"], inputs["keys"], context, opts)
         out = _gather(out)

@@ -27,6 +27,7 @@ from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
 from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import ByteLMTask, Task
+from revtrain.disk_tier import DiskTierError
 from revtrain.errors import ConfigError, RunFailure  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, host_resident, host_state_bytes
 from revtrain.models import contract
@@ -272,6 +273,8 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: 
     if (cfg.batch_size // mesh.size) % m:
         raise ConfigError(microbatch_error(cfg.batch_size, mesh.size, m))
     trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed, microbatches=m)
+    if trainer.residency.disk is not None and workdir:  # the disk tier's files: <workdir>/offload by default
+        trainer.residency.disk.attach(workdir)
     try:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:
@@ -619,6 +622,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                             values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
                     values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
+                    values.update(getattr(trainer, "disk_stats", None) or {})  # the disk tier's last step's I/O
                     if run.plan is not None and not last:  # the first record of this process's run
                         values.update(run.plan.record())
                     writer.write("train", step, values)
@@ -659,7 +663,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                               "skips up to N such steps") from None
     except oom.OutOfMemory as e:
         raise oom.OutOfMemory(f"{e}; {kept()}") from e.__cause__
-    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError) as e:
+    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError, DiskTierError) as e:
         if writer is not None:
             writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
         raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "

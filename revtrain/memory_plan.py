@@ -28,6 +28,15 @@ from shapes alone, after the model is built and before the trainer places its st
   between steps; each layer's evaluation program on the evaluation batch), so that the total is the
   peak over the phases of a run (docs/memory.md, "Accuracy").
 
+With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) memory holds only the layers
+in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
+state), and a third tier, **disk**, holds two steps' layer files (a step writes new files beside the ones it
+reads) plus the kept checkpoints the tier has moved past (`disk_tier.disk_need`), against the free space of
+the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
+(`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
+On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
+by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).
+
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
 there, 1/N each with ``shard_state``). On the CPU backend device memory *is* host memory: one tier, host,
@@ -46,7 +55,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from typing import Any
 
@@ -208,6 +216,7 @@ class Setup:
       batch_size: the global batch, in examples.
       microbatches: M (each device's share runs as M microbatches).
       offload: reversible: weights, optimizer state and saved inputs in host memory.
+      disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
@@ -221,6 +230,7 @@ class Setup:
     batch_size: int
     microbatches: int = 1
     offload: bool = False
+    disk: bool = False
     shard_state: bool = False
     deferred: bool = False
     remat: bool = False
@@ -235,8 +245,10 @@ def setup_of(trainer, batch_size: int) -> Setup:
         remat = bool(getattr(trainer, "scan_layers", False) and getattr(trainer, "remat_layers", False))
         return Setup("standard", trainer.tx, batch_size, trainer.microbatches, remat=remat,
                      label="StandardTrainer" + (" (scan + remat)" if remat else ""))
+    disk = getattr(getattr(trainer, "residency", None), "tier", None) == "disk"
     label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
-    return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload),
+    label += " + offload='disk'" if disk else ""
+    return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload), disk=disk,
                  shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
                  rebuild=getattr(trainer, "rebuild", "exact"), label=label)
 
@@ -261,9 +273,14 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
     out.append(base_rev)
     if host_offload and not base_rev.offload:
-        out.append(dataclasses.replace(base_rev, offload=True, label=base_rev.label + " + offload",
+        label = "ReversibleTrainer + offload" if base_rev.disk else base_rev.label + " + offload"
+        out.append(dataclasses.replace(base_rev, offload=True, disk=False, label=label,
                                        settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
     head = out[-1]  # the leanest so far: the next choices add to it
+    if not base_rev.disk and not base_rev.deferred and not base_rev.shard_state:  # the disk tier (per-layer, fused)
+        out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
+                                       settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",
+                                                                     "ReversibleTrainer.scan_layers = False")))
     ada = optax.adafactor(1e-3)
     out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
                                    deferred=head.deferred or head.shard_state,
@@ -481,6 +498,7 @@ class MemoryPlan:
     sources: dict
     method: str
     num_params: int
+    io: dict | None = None  # the disk tier's step I/O (`_io`): bytes read, written, bandwidth, seconds
 
     def total(self, tier: str) -> int:
         """Estimated peak bytes of ``tier``."""
@@ -505,7 +523,17 @@ class MemoryPlan:
         """One log line: the choice, each tier's total, limit and parts, and whether it fits."""
         verdict = "fits" if self.fits else "does NOT fit"
         return (f"memory plan ({self.setup.label}, {self.num_params:,} params, batch {self.setup.batch_size}): "
-                + "; ".join(self._tier_text(t) for t in self.tiers) + f"; {verdict}")
+                + "; ".join(self._tier_text(t) for t in self.tiers) + self._io_text() + f"; {verdict}")
+
+    def _io_text(self) -> str:
+        io = self.io
+        if io is None:
+            return ""
+        text = f"; disk I/O a step: reads {gib(io['read_bytes'])}, writes {gib(io['write_bytes'])}"
+        if io["seconds"] is not None:
+            text += (f" at {io['read_bandwidth'] / 1e9:.2f} / {io['write_bandwidth'] / 1e9:.2f} GB/s "
+                     f"({io['bandwidth_source']}): at least {io['seconds']:.1f} s a step")
+        return text
 
     def record(self) -> dict:
         """A flat dict for the first ``train.jsonl`` record: ``plan_<tier>_bytes``, ``plan_<tier>_<part>_bytes``,
@@ -517,6 +545,8 @@ class MemoryPlan:
                 out[f"plan_{tier}_{part}_bytes"] = int(v)
             if self.limits.get(tier) is not None:
                 out[f"{tier}_limit_bytes"] = int(self.limits[tier])
+        for k, v in (self.io or {}).items():
+            out[f"plan_io_{k}"] = v
         return out
 
     def shortfall(self) -> str:
@@ -527,7 +557,7 @@ class MemoryPlan:
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
          programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True,
-         global_devices: int | None = None, eval_spec: dict | None = None) -> MemoryPlan:
+         global_devices: int | None = None, eval_spec: dict | None = None, disk: dict | None = None) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -543,6 +573,9 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
       global_devices: devices of every process (default ``num_devices``): the batch is split over them.
       eval_spec: ``{key: jax.ShapeDtypeStruct}`` of a global evaluation batch (None: no evaluation counted).
+      disk: the disk tier's ``{"directory", "keep", "every", "checkpoints"}`` (offload directory,
+        ``train.keep_checkpoints``, ``train.checkpoint_every``, the checkpoints' directory: space the run holds
+        already) for a ``setup.disk`` plan (default: ``./offload``, 3, 0, none).
 
     Returns:
       a `MemoryPlan`.
@@ -617,7 +650,16 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     host = dict.fromkeys(PARTS, 0)
     host["runtime"] = RUNTIME_BYTES
     offload = setup.trainer == "reversible" and setup.offload
-    if offload:
+    on_disk = setup.trainer == "reversible" and setup.disk
+    if on_disk:
+        # The layers in flight: the one computing and the one read ahead (on the device), the one being written
+        # (its host copy). The saved inputs and the current activation stay on the device.
+        lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+        device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
+        host["weights"], host["optimizer_state"] = lw, lo
+        device["gradients"] = one_layer
+        device["activations"] = acts
+    elif offload:
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
         # deferred gradient buffer (it lives where the state lives). Device: the program's layer (two
         # slices of a scanned run), one layer's gradient, the current activation, temporaries.
@@ -638,17 +680,56 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         tiers = {"host": host}
     else:
         tiers = {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
-    _phases(tiers, state_bytes=(weights + opt) * n, largest_layer=max(layer_state), n=n,
+    _phases(tiers, state_bytes=0 if on_disk else (weights + opt) * n, largest_layer=max(layer_state), n=n,
             state_tier="host" if one_tier or offload else "device",
             evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
 
+    io = None
+    if on_disk:  # two steps' layer files, the kept checkpoints beyond them; the step's reads and writes
+        from revtrain import disk_tier
+        spec = disk or {}
+        directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
+        _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
+        tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
+        # Reads: every layer's weights in the forward (but the head's), every layer's state in the backward.
+        io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
+    elif offload and not one_tier:  # the state in XLA's pinned host pool
+        tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
     if limits is None:
         limits = {"host": host_limit()}
         if not one_tier:
             limits["device"] = device_limit()
+    limits = dict(limits)
+    if "disk" in tiers and "disk" not in limits:
+        from revtrain import disk_tier
+        limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
+    if "pinned" in tiers and "pinned" not in limits:
+        limits["pinned"] = pinned_limit()
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
     return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
-                      num_params)
+                      num_params, io)
+
+
+def _io(read: int, write: int, bandwidth: dict) -> dict:
+    """A disk-tier step's I/O: bytes read and written, the disk's bandwidth, the seconds I/O alone takes."""
+    r, w = bandwidth.get("read"), bandwidth.get("write")
+    seconds = read / r + write / w if r and w else None
+    return {"read_bytes": read, "write_bytes": write, "read_bandwidth": r, "write_bandwidth": w,
+            "seconds": seconds, "bandwidth_source": bandwidth.get("source", "")}
+
+
+# XLA's pinned host pool on a GPU (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, GB; its default).
+PINNED_DEFAULT_GB = 64
+
+
+def pinned_limit() -> tuple[int, str]:
+    """The size of XLA's pinned host pool on a GPU: ``(bytes, where from)``."""
+    raw = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    try:
+        gb = float(raw) if raw else PINNED_DEFAULT_GB
+    except ValueError:
+        gb = PINNED_DEFAULT_GB
+    return int(gb * 2**30), ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" if raw else f"XLA's pinned host pool default, {gb:g} GB")
 
 
 def _evaluation_bytes(model, programs: _Programs, spec: dict, n: int, global_devices: int | None) -> int:
@@ -713,7 +794,16 @@ def plan_run(run, limits: dict | None = None, programs: _Programs | None = None)
         raise MemoryPlanError(f"{type(run.task).__name__} has no input_spec: the memory plan needs the batch's "
                               "shapes (train.memory_plan = False skips it)")
     return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
-                programs=programs, global_devices=run.mesh.size, eval_spec=_eval_spec(run))
+                programs=programs, global_devices=run.mesh.size, eval_spec=_eval_spec(run), disk=_disk_spec(run))
+
+
+def _disk_spec(run) -> dict:
+    """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
+    tier = getattr(getattr(run.trainer, "residency", None), "disk", None)
+    directory = getattr(tier, "directory", None) or os.path.join(os.getcwd(), "offload")
+    workdir = getattr(tier, "workdir", None)
+    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
+            "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
 
 
 def _eval_spec(run) -> dict | None:
@@ -744,7 +834,7 @@ def choices(run, limits: dict | None = None, programs: _Programs | None = None,
         setups.insert(0, Setup("standard", own.setup.optimizer, own.setup.batch_size, own.setup.microbatches,
                                label="StandardTrainer", settings=("train.trainer = @StandardTrainer",)))
     others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
-                   eval_spec=_eval_spec(run))
+                   eval_spec=_eval_spec(run), disk=_disk_spec(run))
               for s in setups]
     return [own] + others
 
@@ -761,12 +851,18 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     """The one-line refusal: what does not fit, by how much, its parts, and the settings that would fit."""
     tier = next(t for t in own.tiers if not own.fits_tier(t))
     parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in own.tiers[tier].items() if v)
+    if tier == "disk":
+        return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}: two steps' layer "
+                "files and the kept checkpoints beyond them); free disk space, lower train.keep_checkpoints, set "
+                "train.checkpoint_every = 1 (the newest checkpoint then shares the live files) or put "
+                "ReversibleTrainer.offload_dir on a larger disk; train.memory_plan = False skips this check")
     fitting = [p for p in others if p.fits]
     # The least that fits: a choice that adds settings to one that fits already is left out.
     fitting = [p for p in fitting if not any(q is not p and set(q.setup.settings) < set(p.setup.settings)
                                              for q in fitting)]
     if fitting:
-        ways = "; ".join(f"{', '.join(p.setup.settings)} ({gib(p.total(tier))})" for p in fitting[:4])
+        ways = "; ".join(f"{', '.join(p.setup.settings)} ({gib(p.total(tier) if tier in p.tiers else 0)})"
+                         for p in fitting[:4])
         hint = f"these settings would fit: {ways}"
     elif own.limits.get("host") is not None and own.limits["host"] <= RUNTIME_BYTES * 5 // 4:
         # The runtime alone (imports, backend, data pipeline) takes 80% of the limit or more: no model fits.
@@ -780,24 +876,28 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
 
 def table(plans: list[MemoryPlan]) -> str:
     """A table of plans (one row per trainer choice, one column per part of each tier, GiB)."""
-    tiers = list(plans[0].tiers)
+    tiers = list(dict.fromkeys(t for pl in plans for t in pl.tiers))
     head = ["choice"]
     for t in tiers:
-        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers[t].get(p) for pl in plans)] + [f"{t}:total"]
+        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers.get(t, {}).get(p) for pl in plans)] + [f"{t}:total"]
     head += ["fits"]
     rows = []
     for pl in plans:
         row = [pl.setup.label]
         for t in tiers:
-            row += [f"{pl.tiers[t].get(p, 0) / 2**30:.3f}" for p in PARTS if any(q.tiers[t].get(p) for q in plans)]
-            row += [f"{pl.total(t) / 2**30:.3f}"]
+            row += [f"{pl.tiers.get(t, {}).get(p, 0) / 2**30:.3f}" for p in PARTS
+                    if any(q.tiers.get(t, {}).get(p) for q in plans)]
+            row += [f"{pl.total(t) / 2**30:.3f}" if t in pl.tiers else "-"]
         row += ["yes" if pl.fits else "no"]
         rows.append(row)
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in [head] + rows]
-    limit = "; ".join(f"{t} limit {gib(plans[0].limits[t])} ({plans[0].sources[t]})" if plans[0].limits[t] is not None
-                      else f"{t} limit unknown ({plans[0].sources[t]})" for t in tiers)
+    def limit_of(t):
+        pl = next(q for q in plans if t in q.tiers)
+        return (f"{t} limit {gib(pl.limits[t])} ({pl.sources[t]})" if pl.limits[t] is not None
+                else f"{t} limit unknown ({pl.sources[t]})")
+    limit = "; ".join(limit_of(t) for t in tiers)
     return "\n".join(lines + [f"(GiB; {limit}; temporaries: {plans[0].method})"])
 
 

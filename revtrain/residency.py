@@ -6,6 +6,9 @@ A trainer holds each layer's weights and optimizer state in one *tier* between t
 * ``"host"``: host memory (JAX memory kind ``pinned_host``; ``ReversibleTrainer.offload = True``): each program
   moves its layer's state to the device and the updated state back (ZeRO-Offload, Ren et al. 2021, keeps the
   same state in CPU memory);
+* ``"disk"``: files, one per layer (``ReversibleTrainer.offload = 'disk'``; `revtrain.disk_tier`, whose
+  `DiskTier` is this object's ``disk``): each layer is read ahead of its program into device memory and
+  written back after its update, so memory holds only the layers in flight;
 
 and either replicated on every device (pmap semantics) or, with ``shard_state``, each large leaf split over the
 ``"data"`` devices (`placement.shard_spec`; ZeRO-3). The trainer, checkpoint restore templates, generation and
@@ -27,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import HOST_MEMORY, shard_spec
 
-TIERS = ("device", "host")
+TIERS = ("device", "host", "disk")
 
 
 class Residency:
@@ -35,17 +38,20 @@ class Residency:
 
     Args:
       mesh: the data mesh.
-      tier: ``"device"`` or ``"host"`` (``pinned_host`` memory).
+      tier: ``"device"``, ``"host"`` (``pinned_host`` memory) or ``"disk"`` (layer files).
       sharded: split each large leaf over the ``"data"`` axis (``shard_state``) instead of replicating it.
+      disk: the `revtrain.disk_tier.DiskTier` of the ``"disk"`` tier (its files' directory and threads).
 
     Raises:
       ValueError: an unknown tier.
     """
 
-    def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False):
+    def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False, disk=None):
         if tier not in TIERS:
             raise ValueError(f"residency tier must be one of {', '.join(map(repr, TIERS))}, got {tier!r}")
-        self.mesh, self.tier, self.sharded = mesh, tier, sharded
+        if (tier == "disk") != (disk is not None):
+            raise ValueError("the disk tier needs its DiskTier (and only it has one)")
+        self.mesh, self.tier, self.sharded, self.disk = mesh, tier, sharded, disk
 
     @property
     def offloaded(self) -> bool:
@@ -54,7 +60,8 @@ class Residency:
 
     @property
     def memory_kind(self) -> str | None:
-        """The JAX memory kind of the state (None: the device's default)."""
+        """The JAX memory kind of the state (None: the device's default; the disk tier's programs compute on
+        device arrays read from its files)."""
         return HOST_MEMORY if self.tier == "host" else None
 
     def specs(self, shapes, leading: int = 0):
@@ -111,7 +118,8 @@ class Residency:
 
     def describe(self) -> str:
         """A few words for logs and the memory plan, e.g. ``"host memory, replicated"``."""
-        where = {"device": "device memory", "host": "host memory (pinned_host)"}[self.tier]
+        where = {"device": "device memory", "host": "host memory (pinned_host)",
+                 "disk": f"layer files in {getattr(self.disk, 'directory', None) or 'the offload directory'}"}[self.tier]
         return f"{where}, {'split over the devices' if self.sharded else 'replicated'}"
 
 

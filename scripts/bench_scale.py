@@ -60,6 +60,8 @@ TRAINERS = {
     "standard": ("StandardTrainer", ["train.trainer = @StandardTrainer"]),
     "reversible": ("ReversibleTrainer", ["train.trainer = @ReversibleTrainer"]),
     "offload": ("ReversibleTrainer + offload", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = True"]),
+    "disk": ("ReversibleTrainer + offload='disk'", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = 'disk'",
+                                                    "ReversibleTrainer.scan_layers = False"]),
 }
 OPTIMIZERS = {
     "adamw": ("AdamW", []),  # the config's own: optax.adamw, float32 moments
@@ -265,6 +267,14 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
                    events={"train": first["events"], "resume": second["events"], "eval": evaluation["events"]})
         if out["plan_host_bytes"]:
             out["plan_over_peak"] = round(out["plan_host_bytes"] / peak, 3)
+        last = _records(workdir)[-1]
+        if "disk_write_bytes" in last:  # the disk tier: a step's I/O against the disk's bandwidth (the plan's)
+            io = {k: last[k] for k in last if k.startswith("disk_")}
+            io.update({k: record[k] for k in record if k.startswith("plan_io_")})
+            io["step_seconds"] = 1 / last["steps_per_sec"] if last.get("steps_per_sec") else None
+            if io["step_seconds"]:
+                io["achieved_bytes_per_sec"] = (io["disk_read_bytes"] + io["disk_write_bytes"]) / io["step_seconds"]
+            out["disk"] = io
         return out
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

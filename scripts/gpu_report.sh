@@ -17,7 +17,10 @@
 #      Llama (d 2048, 32 blocks, 16 / 4 heads, SwiGLU 5632; SCALE_SIZE) with ReversibleTrainer + offload,
 #      AdamW float32, batch 2 x 128, 3 steps, the final save and evaluation: the host's peak RSS by phase
 #      (VmHWM) against the memory plan, and the device's peak_bytes_in_use (memory_stats). It runs first, in
-#      SCALE_LIMIT_S seconds (default 300).
+#      SCALE_LIMIT_S seconds (default 300);
+#   5. the disk tier (docs/disk.md): the same `revtrain train` with ReversibleTrainer.offload = 'disk' (per-layer
+#      executor; DISK_SIZE, default 1.44B): disk -> pageable host buffers -> device, a layer at a time; the
+#      host's and device's peaks, each step's bytes read and written and the I/O time against the plan's.
 # Budget: BUDGET_S seconds in all (default 480); a configuration that would start after the budget is
 # recorded as skipped, and each process is limited to POINT_LIMIT_S seconds (default 100).
 # Environment: PYTHON (default .venv/bin/python, else python3).
@@ -42,6 +45,7 @@ else
   BIG_D=${BIG_D:-2048}; BIG_LAYERS=${BIG_LAYERS:-16}; SCALE_SIZE=${SCALE_SIZE:-1.44B}
 fi
 SCALE_LIMIT_S=${SCALE_LIMIT_S:-300}
+[ "${DRY_RUN:-0}" = 1 ] && DISK_SIZE=tiny || DISK_SIZE=${DISK_SIZE:-1.44B}
 
 n=0
 point() {  # [SCRIPT=scripts/X.py] point NAME [env assignments --] the script's arguments (default bench_trainers.py)
@@ -78,6 +82,8 @@ point() {  # [SCRIPT=scripts/X.py] point NAME [env assignments --] the script's 
 
 POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$SCALE_SIZE Llama, reversible + offload (host and device peaks)" -- \
   --sizes "$SCALE_SIZE" --trainers offload --optimizers adamw --quick --timeout "$SCALE_LIMIT_S" --out "$TMP/bench_scale.out"
+POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$DISK_SIZE Llama, reversible + offload='disk'" -- \
+  --sizes "$DISK_SIZE" --trainers disk --optimizers adamw --quick --timeout "$SCALE_LIMIT_S" --out "$TMP/bench_disk.out"
 
 COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 --warmup 1 --steps 3)
 [ "${DRY_RUN:-0}" = 1 ] && COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 4 --compute_dtype bfloat16 --warmup 1 --steps 2)

@@ -113,10 +113,12 @@ def test_standard_and_deferred_parts(model):
     expected = 2 * sum(x.nbytes // 2 if memory_plan_shard(x.shape) else x.nbytes
                        for layer in model.layers for x in jax.tree.leaves(layer.init_params))
     assert weights <= sharded["weights"] == expected < two["weights"]
-    # An accelerator: two tiers; offload moves the state to the host and leaves two layers on the device.
+    # An accelerator: two tiers; offload moves the state to the host and leaves two layers on the device. The
+    # host state lives in XLA's pinned host pool: a third tier, checked against its size (64 GB by default).
     gpu = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="o"), _spec(B), 1,
                            limits={"host": (2**50, "t"), "device": (2**40, "t")}, platform="gpu")
-    assert set(gpu.tiers) == {"device", "host"}
+    assert set(gpu.tiers) == {"device", "host", "pinned"}
+    assert gpu.tiers["pinned"]["weights"] == weights and gpu.limits["pinned"] == 64 * 2**30
     assert gpu.tiers["host"]["weights"] == weights and gpu.tiers["device"]["weights"] == 2 * largest
     assert gpu.tiers["device"]["gradients"] == largest
 

@@ -532,6 +532,10 @@ class TrainerBase:
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
 
+    def _eval_grouped(self, grouped: Stacked) -> Stacked:
+        """``grouped`` as the evaluation reads it (a trainer whose state lives in files streams it)."""
+        return grouped
+
     def _fetch(self, tree):
         """A single layer's params as device arrays (trainers that offload override this)."""
         return tree
@@ -584,7 +588,7 @@ class TrainerBase:
           ``correct``.
         """
         check_batch(batch, self.num_devices)
-        grouped = self.grouped(ts)
+        grouped = self._eval_grouped(self.grouped(ts))
         x = batch[self.model.input_key]
         for g, fn in enumerate(self._eval_fns(grouped.groups)):  # with offload each program moves its weights
             x = fn(grouped.params[g], grouped.layer_state[g], x)

@@ -68,6 +68,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
                                 replicated, shard_spec, spec_axis)
@@ -92,7 +93,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     Args:
       model, optimizer, mesh, seed: see ``TrainerBase``.
-      offload: keep weights, optimizer state and saved standard-layer inputs in host memory between uses.
+      offload: where weights and optimizer state live between uses (`revtrain.residency`): False, device
+        memory; True, host memory (with the saved standard-layer inputs); ``'disk'``, one file per layer in
+        ``offload_dir``, read ahead of each program and written back after each update (`revtrain.disk_tier`;
+        the per-layer executor, ``scan_layers = False``, and the fused update only).
+      offload_dir: the disk tier's directory (default: ``<workdir>/offload``, set by the train command).
       scan_layers: run each run of consecutive identical reversible layers as one ``lax.scan`` per pass
         (the scanned executor; see the module note). Same results as the per-layer executor.
       shard_state: split every large leaf of the weights and optimizer state over the ``"data"`` devices
@@ -149,10 +154,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     name = "reversible"
     REBUILD_MODES = ("exact", "fused", "fenced")
 
-    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool = False, scan_layers: bool = True,
-                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1):
-        check_flags("ReversibleTrainer", offload=offload, scan_layers=scan_layers, shard_state=shard_state,
-                    fuse_top=fuse_top)
+    def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool | str = False, scan_layers: bool = True,
+                 shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1,
+                 offload_dir: str | None = None):
+        if not (offload is True or offload is False or offload == "disk"):
+            raise TrainerError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
+        check_flags("ReversibleTrainer", scan_layers=scan_layers, shard_state=shard_state, fuse_top=fuse_top)
         if rebuild not in self.REBUILD_MODES:
             raise TrainerError(f"ReversibleTrainer.rebuild must be one of {', '.join(map(repr, self.REBUILD_MODES))}, "
                                f"got {rebuild!r}")
@@ -169,10 +176,18 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                          or (shard_state and not is_elementwise(optimizer)))
         self._acc_key, self._acc_clean = None, False
         self._specs: dict = {}  # id(layer) -> (params specs, optimizer state specs), per layer
-        if offload and not host_memory_supported(mesh):
+        if offload is True and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
-        self.residency = Residency(mesh, "host" if offload else "device", shard_state)
         self.scan_layers = scan_layers
+        self._stream, self.disk_stats = None, {}  # the disk tier's step in progress; its last step's I/O
+        if offload == "disk":
+            self.residency = Residency(mesh, "disk", shard_state, disk=disk_tier.DiskTier(offload_dir))
+            why = disk_tier.refusal(self)
+            if why:
+                raise TrainerError(why)
+            self._limit = self.residency.disk.bounded(self._limit)  # the layers in flight, bounded
+        else:
+            self.residency = Residency(mesh, "host" if offload else "device", shard_state)
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
         num_layers = len(model.layers)
@@ -191,8 +206,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @property
     def offload(self) -> bool:
-        """Whether weights and optimizer state live in host memory between uses (``self.residency``)."""
-        return self.residency.offloaded
+        """Whether weights and optimizer state live in host memory between uses (``self.residency``; the disk
+        tier's programs compute on device arrays, as without offload)."""
+        return self.residency.tier == "host"
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether weights and optimizer state live in layer files (``offload = 'disk'``)."""
+        return self.residency.tier == "disk"
 
     @staticmethod
     def _check_ties(model, shard_state: bool, fuse_top: bool) -> None:
@@ -308,9 +329,37 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def _fetch(self, tree):
         """A single layer's params on the device, whole (a copy from host memory with offload; gathered
         from the devices' pieces with ``shard_state``)."""
+        if isinstance(tree, disk_tier.DiskLayer):  # the disk tier: the weights read from the layer's file
+            return disk_tier.read_tree(tree.path, tree.layout, "params", disk_tier.placer(self.mesh))
         if not self.offload and not self.shard_state:
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
+
+    def _streamed(self, grouped: Stacked, plan, step: int):
+        """The step's ``(params, opt_state)`` lists: the groups' own, or with the disk tier the views of a
+        `disk_tier.StepStream` that reads each layer ahead and writes each update back."""
+        if not self.on_disk:
+            return list(grouped.params), list(grouped.opt_state)
+        self._stream = self.residency.disk.stream(grouped.params, step + 1, disk_tier.train_schedule(plan.kinds),
+                                                  disk_tier.placer(self.mesh))
+        return self._stream.params, self._stream.opt_state
+
+    def _stored(self, params, opt_state):
+        """The step's updated ``(params, opt_state)`` lists: as they are, or with the disk tier the new files'
+        `disk_tier.DiskLayer` of each group once every write is done."""
+        if not self.on_disk:
+            return params, opt_state
+        stream, self._stream = self._stream, None
+        refs = stream.finish()
+        self._limit.clear()
+        self.disk_stats = stream.stats()
+        return refs, list(refs)
+
+    def _eval_grouped(self, grouped: Stacked) -> Stacked:
+        if not self.on_disk:
+            return grouped
+        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh))
+        return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
     def init(self) -> TrainState:
         """Initial state, replicated or split over the devices (``shard_state``), in host memory when
@@ -322,6 +371,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         the numpy copies dropped, so host memory holds one copy of the state plus one layer's (or one stacked
         leaf's) values."""
         residency = self.residency
+        if self.on_disk:  # each layer written to its file as it is made (`disk_tier.init_layers`)
+            refs, states = disk_tier.init_layers(self)
+            return TrainState(0, refs, list(refs), states)
         params, opt_state, layer_state = [], [], []
         for start, count in self.groups:
             pspec, ospec = self._group_specs(self.model.layers[start], count)
@@ -350,7 +402,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         gives them: a checkpoint is restored straight into place from it, without building a state first."""
         residency, params, opt_state = self.residency, [], []
         shapes = self.model.param_shapes()
-        for i, layer in enumerate(self.model.layers):
+        if self.on_disk:  # templates of the layer files (`revtrain.checkpoint` restores a disk state into them)
+            params = disk_tier.template_layers(self)
+            opt_state = list(params)
+        for i, layer in enumerate(self.model.layers if not self.on_disk else ()):
             pspec, ospec = self.layer_specs(layer)
             opt = jax.eval_shape(self.tx.init, shapes[i])
             params.append(residency.abstract(shapes[i], None if isinstance(pspec, P) else pspec))
@@ -724,7 +779,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         plan = self._plan(grouped.groups)
         kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
         skey = step_key(self.seed, ts.step)
-        params, opt_state = list(grouped.params), list(grouped.opt_state)
+        params, opt_state = self._streamed(grouped, plan, ts.step)  # (the disk tier: read ahead, written back)
         states = grouped.layer_state
         new_states = list(states)
         saved = {}
@@ -768,6 +823,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                 y, dy, params[g], opt_state[g], finite[g], sq[g] = plan.backward[g](
                     params[g], opt_state[g], states[g], y, dy, skey, index[g])
         metrics = dict(metrics, grad_norm=grad_norm(sq))
+        params, opt_state = self._stored(params, opt_state)
         groups = grouped.groups
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,

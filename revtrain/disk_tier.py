@@ -1,0 +1,726 @@
+"""The disk tier: each layer's weights and optimizer state live in files between uses (``offload = 'disk'``).
+
+With ``ReversibleTrainer.offload = 'disk'`` (per-layer executor) nothing of the weights or optimizer state
+stays in memory between the programs that use it. Each layer's state is one file: its weight leaves, then its
+optimizer state's leaves, in ``jax.tree.flatten`` order, each raw (C order) at an offset aligned to 4 KiB
+(`Layout`). A step reads each layer ahead of the program that needs it, on a background thread, while the
+previous layer computes (the forward reads the weights, the backward weights and optimizer state), and
+writes each updated layer back on a second thread while the next one computes (`StepStream`). A bounded
+dispatch (at most `IN_FLIGHT` programs ahead of the device) and a bounded read-ahead (one layer's state)
+keep resident memory at the layers in flight: the one computing, the one being read, the one being written.
+
+**Files, never rewritten.** Step ``s`` writes every layer to ``<offload_dir>/step_<s>/layer_<i>.bin``, new
+files; the previous step's directory is removed only once every file of the new one is written and
+``fdatasync``-ed. A file, once complete, never changes. So a checkpoint of a disk-tier state is a set of
+hard links to the step's files (`DiskStateHandler`, an Orbax item ``disk_state`` beside ``meta`` and
+``data``): no copy, no state in memory, milliseconds. A ``kill -9`` at any moment leaves every committed
+checkpoint intact (its inodes are never written again); the resumed run reads the checkpoint's files and
+writes its next step into the tier, exactly as the uninterrupted run would have (the programs are the
+device tier's: bit for bit the same numbers as ``offload = False`` and ``True``). Leftover step directories
+of a killed run are removed when the next run starts.
+
+Disk space (`disk_need`): two steps' files during a step (the step being written beside the one it reads),
+plus each kept checkpoint whose step the tier has moved past (a checkpoint of the live step shares its
+files). Checked by the memory plan at start-up (`revtrain.memory_plan`).
+
+I/O: plain files with large sequential ``readinto`` / ``pwrite`` per leaf (the largest leaves are tens to
+hundreds of MB), ``fdatasync`` after each layer's write and ``posix_fadvise(DONTNEED)`` after each read and
+write, so the page cache (which a memory cgroup charges) does not grow with the model. Why not the others
+(measured with ``scripts/bench_disk_io.py``, docs/disk.md): a ``numpy.memmap`` reads lazily, page fault by page
+fault inside whatever touches it (XLA's compute threads: the read no longer overlaps the previous layer, it
+stalls this one), its written pages are flushed when the kernel chooses, and its pages stay mapped (resident)
+until unmapped; TensorStore adds a chunked format and its own cache to what is one sequential read per leaf,
+and measured no faster here. Explicit reads on a thread of their own make the overlap and the bytes in
+memory exactly what the plan counts.
+
+ZeRO-Infinity (Rajbhandari et al. 2021) and Fuyou (Liao et al. 2024) keep optimizer state on NVMe in
+PyTorch; this module follows the same read-ahead / write-behind idea per reversible layer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections import deque
+
+import jax
+import numpy as np
+
+from revtrain.errors import ConfigError, RunFailure
+
+ALIGN = 4096
+IN_FLIGHT = 2  # programs dispatched ahead of the device at most (each holds its layer's state)
+STEP_PREFIX = "step_"
+
+
+class DiskTierError(RunFailure, OSError):
+    """A layer file cannot be read or written (one line: the path and the OS's reason)."""
+
+
+# -- the file layout --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each leaf of one layer's ``(params, opt_state)`` lies in its file.
+
+    Attributes:
+      params_def, opt_def: the trees' structures (``jax.tree.structure``).
+      shapes, dtypes: per leaf, params' leaves first.
+      offsets: byte offset of each leaf (multiples of `ALIGN`).
+      num_params_leaves: how many of the leaves are weights.
+      size: the file's size in bytes.
+    """
+
+    params_def: object
+    opt_def: object
+    shapes: tuple
+    dtypes: tuple
+    offsets: tuple
+    num_params_leaves: int
+    size: int
+
+    @classmethod
+    def of(cls, params, opt_state) -> "Layout":
+        """The layout of trees of arrays or ``jax.ShapeDtypeStruct``."""
+        p_leaves, p_def = jax.tree.flatten(params)
+        o_leaves, o_def = jax.tree.flatten(opt_state)
+        shapes, dtypes, offsets, at = [], [], [], 0
+        for x in p_leaves + o_leaves:
+            shapes.append(tuple(np.shape(x)))
+            dtypes.append(np.dtype(x.dtype))
+            offsets.append(at)
+            at += -(-_nbytes(shapes[-1], dtypes[-1]) // ALIGN) * ALIGN
+        return cls(p_def, o_def, tuple(shapes), tuple(dtypes), tuple(offsets), len(p_leaves), at)
+
+    def region(self, part: str) -> range:
+        """Leaf indices of ``part`` (``"params"`` or ``"opt"``)."""
+        n = self.num_params_leaves
+        return range(n) if part == "params" else range(n, len(self.shapes))
+
+    def nbytes(self, part: str | None = None) -> int:
+        """Bytes of the leaves of ``part`` (both parts: None)."""
+        idx = range(len(self.shapes)) if part is None else self.region(part)
+        return sum(_nbytes(self.shapes[i], self.dtypes[i]) for i in idx)
+
+    def describe(self) -> list:
+        """JSON form (shapes, dtypes, offsets) saved beside a checkpoint's files."""
+        return [[list(s), str(d), o] for s, d, o in zip(self.shapes, self.dtypes, self.offsets)]
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+class DiskLayer:
+    """One layer's weights and optimizer state in a file (a `TrainState` leaf of a disk-tier state: the
+    same object is the layer's ``params`` and ``opt_state``). ``path`` None: a template (shapes only)."""
+
+    def __init__(self, layout: Layout, path: str | None = None):
+        self.layout, self.path = layout, path
+
+    def __repr__(self) -> str:
+        return f"DiskLayer({self.path or 'template'}, {self.layout.size} bytes)"
+
+
+def on_disk(ts) -> bool:
+    """Whether a `TrainState` keeps its layers in files (its first layer's params is a `DiskLayer`)."""
+    params = ts.held()[0]
+    return bool(params) and isinstance(params[0], DiskLayer)
+
+
+# -- reading and writing one file -------------------------------------------------------------------
+
+def _drop_cache(fd: int) -> None:
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+
+
+def read_leaves(path: str, layout: Layout, part: str, place=None) -> list:
+    """The leaves of ``part`` read from ``path``, each into a fresh numpy buffer (one ``readinto`` per
+    leaf), passed through ``place`` (e.g. ``jax.device_put``) as soon as it is read, so at most one leaf
+    exists twice.
+
+    Raises:
+      DiskTierError: the file is missing, short or unreadable.
+    """
+    out = []
+    try:
+        with open(path, "rb", buffering=0) as f:
+            for i in layout.region(part):
+                buf = np.empty(layout.shapes[i], layout.dtypes[i])
+                view = memoryview(buf.reshape(-1).view(np.uint8))
+                f.seek(layout.offsets[i])
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise DiskTierError(f"{path} is shorter than its layout ({layout.size} bytes)")
+                    got += n
+                out.append(place(buf) if place is not None else buf)
+                del buf, view
+            _drop_cache(f.fileno())
+    except DiskTierError:
+        raise
+    except OSError as e:
+        raise DiskTierError(f"cannot read {path}: {e.strerror or e}") from None
+    return out
+
+
+def read_tree(path: str, layout: Layout, part: str, place=None):
+    """`read_leaves` as the tree of ``part``."""
+    treedef = layout.params_def if part == "params" else layout.opt_def
+    return jax.tree.unflatten(treedef, read_leaves(path, layout, part, place))
+
+
+def write_layer(path: str, layout: Layout, params, opt_state) -> None:
+    """Writes a layer's trees (numpy or jax arrays; a jax array is waited for here) to a new file ``path``,
+    one ``pwrite`` per leaf, then ``fdatasync``: when this returns the file is complete on disk.
+
+    Raises:
+      DiskTierError: the write failed (e.g. the disk is full); the partial file is removed.
+    """
+    leaves = jax.tree.leaves(params) + jax.tree.leaves(opt_state)
+    if len(leaves) != len(layout.shapes):
+        raise ValueError(f"{len(leaves)} leaves for a layout of {len(layout.shapes)}")
+    fd = None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, layout.size)
+        for i, leaf in enumerate(leaves):
+            data = np.asarray(leaf, order="C")
+            if data.shape != layout.shapes[i] or data.dtype != layout.dtypes[i]:
+                raise ValueError(f"leaf {i}: {data.shape} {data.dtype}, layout {layout.shapes[i]} {layout.dtypes[i]}")
+            view, done = memoryview(data.reshape(-1).view(np.uint8)), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], layout.offsets[i] + done)
+            del data, view
+            leaves[i] = None  # the device buffer can go as soon as it is written
+        os.fdatasync(fd)
+        _drop_cache(fd)
+    except OSError as e:
+        if fd is not None:
+            os.close(fd)
+            fd = None
+            _remove(path)
+        raise DiskTierError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def link_or_copy(source: str, target: str) -> None:
+    """``target`` as a hard link to ``source`` (the same inode: no bytes written), or a copy where the file
+    system has no hard links or the two are on different file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+# -- the tier -------------------------------------------------------------------------------------
+
+class DiskTier:
+    """The directory of a run's layer files and the threads that read and write them.
+
+    Args:
+      directory: ``ReversibleTrainer.offload_dir``; None until `attach` names one (the run's
+        ``<workdir>/offload``).
+    """
+
+    def __init__(self, directory: str | None = None):
+        self.directory = os.path.abspath(directory) if directory else None
+        self.workdir = None
+        self._layouts: dict = {}
+        self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-read")
+        self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-write")
+        self._prepared = False
+
+    def attach(self, workdir: str) -> None:
+        """Names the default directory, ``<workdir>/offload``, unless one was given (and the run's workdir,
+        whose checkpoints the plan counts as space the run holds already)."""
+        self.workdir = os.path.abspath(workdir)
+        if self.directory is None:
+            self.directory = os.path.join(os.path.abspath(workdir), "offload")
+
+    def _dir(self) -> str:
+        if self.directory is None:
+            raise ConfigError("ReversibleTrainer.offload = 'disk' needs ReversibleTrainer.offload_dir (the "
+                              "train command sets it to <workdir>/offload)")
+        return self.directory
+
+    def layout(self, key, params, opt_state) -> Layout:
+        """The (cached) `Layout` of trees of shapes, under ``key`` (e.g. the layer)."""
+        if key not in self._layouts:
+            self._layouts[key] = Layout.of(params, opt_state)
+        return self._layouts[key]
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self._dir(), f"{STEP_PREFIX}{step:08d}")
+
+    def prepare(self, keep=()) -> None:
+        """Creates the directory and removes the step directories a killed run left there (but those holding
+        the files of ``keep``: `DiskLayer`s still in use)."""
+        if self._prepared:
+            return
+        root = self._dir()
+        os.makedirs(root, exist_ok=True)
+        used = {os.path.dirname(os.path.abspath(r.path)) for r in keep if isinstance(r, DiskLayer) and r.path}
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if name.startswith(STEP_PREFIX) and path not in used:
+                shutil.rmtree(path, ignore_errors=True)
+        self._prepared = True
+
+    def write_initial(self, step: int, index: int, layout: Layout, params, opt_state) -> DiskLayer:
+        """Layer ``index``'s initial state written (synchronously) as step ``step``'s file."""
+        self.prepare()
+        folder = self.step_dir(step)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"layer_{index:05d}.bin")
+        write_layer(path, layout, params, opt_state)
+        return DiskLayer(layout, path)
+
+    def seal(self, step: int) -> None:
+        """Makes the directory entries of step ``step``'s files durable."""
+        _fsync_dir(self.step_dir(step))
+        _fsync_dir(self._dir())
+
+    def stream(self, refs: list, step: int, schedule: list, place) -> "StepStream":
+        """A `StepStream` over ``refs`` (one `DiskLayer` per group) for the step that makes ``step``."""
+        self.prepare(keep=refs)
+        return StepStream(self, refs, step, schedule, place)
+
+    def reader(self, refs: list, place) -> "StepStream":
+        """A read-only `StepStream` that reads every layer's weights in order (evaluation)."""
+        schedule = [(g, "params") for g in range(len(refs))]
+        return StepStream(self, refs, None, schedule, place)
+
+    def bounded(self, limit) -> "Bounded":
+        """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device."""
+        return Bounded(limit)
+
+    def submit_read(self, fn, *args):
+        return self._readers.submit(fn, *args)
+
+    def submit_write(self, fn, *args):
+        return self._writers.submit(fn, *args)
+
+    def remove_step(self, refs: list) -> None:
+        """Removes the step directories of ``refs`` that lie inside the tier's directory (a checkpoint's
+        hard links keep their bytes)."""
+        root = self._dir()
+        for folder in {os.path.dirname(os.path.abspath(r.path)) for r in refs if isinstance(r, DiskLayer) and r.path}:
+            if os.path.dirname(folder) == root and os.path.basename(folder).startswith(STEP_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+class Bounded:
+    """Wraps the trainer's ``DispatchLimiter``: keeps one small output of each of the last `IN_FLIGHT` programs
+    and waits for the oldest before a newer one is dispatched further, so the host never runs more than that
+    many layers ahead of the device (each dispatched program holds its layer's state). Only the smallest
+    output leaf is kept (a program's outputs are ready together): keeping the updated weights would hold
+    them after the writer has written and released them."""
+
+    def __init__(self, inner):
+        self.inner, self._recent = inner, deque()
+
+    def __call__(self, outputs):
+        outputs = self.inner(outputs)
+        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
+        if leaves:
+            self._recent.append(min(leaves, key=lambda x: x.size))
+        if len(self._recent) > IN_FLIGHT:
+            _wait(self._recent.popleft())
+        return outputs
+
+    def clear(self) -> None:
+        self._recent.clear()
+
+
+def _wait(tree) -> None:
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.block_until_ready()
+
+
+class _View:
+    """A list-like view of a `StepStream`: ``params`` or ``opt_state`` (``view[g]`` reads, ``view[g] = v``
+    stores an update)."""
+
+    def __init__(self, stream: "StepStream", part: str):
+        self.stream, self.part = stream, part
+
+    def __getitem__(self, g):
+        return self.stream.get(g, self.part)
+
+    def __setitem__(self, g, value):
+        self.stream.put(g, self.part, value)
+
+    def __len__(self):
+        return len(self.stream.refs)
+
+
+class StepStream:
+    """One step's reads and writes of a disk-tier state (or an evaluation's reads).
+
+    ``schedule``: the expected accesses, ``(group, "params" | "opt")`` in order. Reads run ahead on the
+    reader thread (at most one layer's state of bytes read but not yet used); an access that is not the
+    next expected one is read on demand (the result is the same, only slower). ``put`` of a group's params
+    and optimizer state hands both to the writer thread (the file of ``step``), waiting first for the
+    previous layer's write, so at most one layer is being written while the next computes. `finish` waits
+    for every write and returns the new `DiskLayer` of each group.
+    """
+
+    def __init__(self, tier: DiskTier, refs: list, step: int | None, schedule: list, place):
+        self.tier, self.refs, self.step, self.place = tier, list(refs), step, place
+        self.schedule, self._next = list(schedule), 0
+        self._pending: dict = {}  # (g, part) -> Future of the tree
+        self._updates: dict = {}  # g -> {part: value}
+        self._writes: deque = deque()
+        self._new: dict = {}
+        self.budget = max((r.layout.nbytes() for r in refs if isinstance(r, DiskLayer)), default=0)
+        self.read_bytes = self.write_bytes = 0
+        self.read_seconds = self.write_seconds = 0.0
+        if step is not None:
+            os.makedirs(tier.step_dir(step), exist_ok=True)
+        self.params, self.opt_state = _View(self, "params"), _View(self, "opt")
+        self._refill()
+
+    def _read(self, g: int, part: str):
+        ref = self.refs[g]
+        start = time.perf_counter()
+        tree = read_tree(ref.path, ref.layout, part, self.place)
+        self.read_seconds += time.perf_counter() - start
+        self.read_bytes += ref.layout.nbytes(part)
+        return tree
+
+    def _refill(self) -> None:
+        ahead = sum(self.refs[g].layout.nbytes(p) for g, p in self._pending)
+        k = self._next
+        while k < len(self.schedule):
+            g, part = self.schedule[k]
+            ref = self.refs[g]
+            if not isinstance(ref, DiskLayer) or (g, part) in self._pending or g in self._updates:
+                k += 1
+                continue
+            size = ref.layout.nbytes(part)
+            if self._pending and ahead + size > self.budget:
+                break
+            self._pending[(g, part)] = self.tier.submit_read(self._read, g, part)
+            ahead += size
+            k += 1
+
+    def get(self, g: int, part: str):
+        """Group ``g``'s ``part`` as device arrays (an update stored this step, if any)."""
+        if part in self._updates.get(g, {}):
+            return self._updates[g][part]
+        ref = self.refs[g]
+        if not isinstance(ref, DiskLayer):  # a state held in memory (e.g. a weights-only restore)
+            return ref
+        try:
+            k = self.schedule.index((g, part), self._next)
+            self._next = k + 1
+        except ValueError:
+            pass
+        future = self._pending.pop((g, part), None)
+        tree = future.result() if future is not None else self._read(g, part)
+        self._refill()
+        return tree
+
+    def put(self, g: int, part: str, value) -> None:
+        """Stores group ``g``'s updated ``part``; once both parts are in, the layer's file is written."""
+        self._updates.setdefault(g, {})[part] = value
+        if len(self._updates[g]) < 2 or self.step is None:
+            return
+        while self._writes:  # one layer written at a time: wait for the previous one
+            self._done(self._writes.popleft())
+        ref = self.refs[g]
+        path = os.path.join(self.tier.step_dir(self.step), f"layer_{g:05d}.bin")
+        update = self._updates[g]
+        self._writes.append((g, path, self.tier.submit_write(self._write, path, ref.layout, update["params"],
+                                                                update["opt"])))
+        self._updates[g] = {}  # the writer holds the arrays now (released leaf by leaf as written)
+        self._new[g] = DiskLayer(ref.layout, path)
+
+    def _write(self, path, layout, params, opt_state):
+        start = time.perf_counter()
+        write_layer(path, layout, params, opt_state)
+        self.write_seconds += time.perf_counter() - start
+        self.write_bytes += layout.nbytes()
+
+    def _done(self, entry) -> None:
+        entry[2].result()
+
+    def finish(self) -> list:
+        """Waits for every write; links the file of a group that was not updated (same bytes) into the new
+        step; makes the new step durable and removes the previous step's files from the tier. Returns the
+        new `DiskLayer` of each group.
+
+        Raises:
+          DiskTierError: a write failed.
+        """
+        try:
+            while self._writes:
+                self._done(self._writes.popleft())
+        finally:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
+        new = []
+        for g, ref in enumerate(self.refs):
+            if g in self._new:
+                new.append(self._new[g])
+            elif isinstance(ref, DiskLayer):
+                path = os.path.join(self.tier.step_dir(self.step), f"layer_{g:05d}.bin")
+                link_or_copy(ref.path, path)
+                new.append(DiskLayer(ref.layout, path))
+            else:
+                raise DiskTierError(f"group {g} of a disk-tier step was neither read from a file nor written")
+        self.tier.seal(self.step)
+        self.tier.remove_step([r for r in self.refs if isinstance(r, DiskLayer)])
+        return new
+
+    def stats(self) -> dict:
+        """Bytes and seconds of this step's reads and writes (background threads' busy time)."""
+        return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes,
+                "disk_read_seconds": self.read_seconds, "disk_write_seconds": self.write_seconds}
+
+
+def train_schedule(kinds: list) -> list:
+    """The accesses of one reversible step (`ReversibleTrainer.train_step` over a plan's ``kinds``): the
+    forward's weights, the head's (and with ``fuse_top`` the layer under it) weights and optimizer state,
+    then the backward's, newest first."""
+    last = len(kinds) - 1
+    top = last > 0 and kinds[last - 1] == "top"
+    forward = range(last - 1 if top else last)
+    out = [(g, "params") for g in forward]
+    for g in ((last - 1, last) if top else (last,)):
+        out += [(g, "params"), (g, "opt")]
+    for g in range(last - 2 if top else last - 1, -1, -1):
+        out += [(g, "params"), (g, "opt")]
+    return out
+
+
+# -- checkpoints: hard links to a step's files -------------------------------------------------------
+
+INDEX = "index.json"
+
+
+def save_links(directory: str, refs: list, layer_state: list, step: int) -> None:
+    """Writes a checkpoint item of a disk-tier state into ``directory``: a hard link per layer file, the
+    layouts (``index.json``) and the small layer state (``layer_state.npz``)."""
+    os.makedirs(directory, exist_ok=True)
+    index = {"step": step, "layers": []}
+    for g, ref in enumerate(refs):
+        name = f"layer_{g:05d}.bin"
+        link_or_copy(ref.path, os.path.join(directory, name))
+        index["layers"].append({"file": name, "size": ref.layout.size, "leaves": ref.layout.describe(),
+                                "params_leaves": ref.layout.num_params_leaves})
+    arrays = {f"l{g}_{k}": np.asarray(x) for g, s in enumerate(layer_state) for k, x in enumerate(jax.tree.leaves(s))}
+    with open(os.path.join(directory, "layer_state.npz"), "wb") as f:
+        np.savez(f, **arrays)
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump(index, f)
+    _fsync_dir(directory)
+
+
+def load_links(directory: str) -> dict:
+    """The item `save_links` wrote: ``{"directory", "index", "layer_state": {name: array}}``.
+
+    Raises:
+      ValueError: the index is missing or garbled, or a file is missing or of the wrong size.
+    """
+    with open(os.path.join(directory, INDEX)) as f:
+        index = json.load(f)
+    for entry in index["layers"]:
+        path = os.path.join(directory, entry["file"])
+        size = os.path.getsize(path)
+        if size != entry["size"]:
+            raise ValueError(f"{path} holds {size} bytes, its layout {entry['size']}")
+    with np.load(os.path.join(directory, "layer_state.npz")) as z:
+        layer_state = {k: z[k] for k in z.files}
+    return {"directory": str(directory), "index": index, "layer_state": layer_state}
+
+
+def check_layout(saved: dict, layout: Layout, g: int) -> None:
+    """Raises ValueError when layer ``g``'s saved layout is not ``layout`` (another model or optimizer)."""
+    if saved["leaves"] != layout.describe() or saved["params_leaves"] != layout.num_params_leaves:
+        raise ValueError(f"layer {g}'s file does not match the model's shapes")
+
+
+# -- disk space and bandwidth ----------------------------------------------------------------------
+
+def disk_need(state_bytes: int, keep: int | None, every: int) -> tuple[int, int]:
+    """``(live bytes, checkpoint bytes)`` on disk at a disk-tier run's peak: two steps' files during a step,
+    plus each kept checkpoint the tier has moved past (``keep`` newest, None: all counted as 100 ...; with
+    ``every == 1`` the newest is the live step's files, shared)."""
+    kept = 100 if keep is None else max(int(keep), 1)
+    beyond = kept - 1 if every == 1 else kept
+    return 2 * state_bytes, beyond * state_bytes
+
+
+def disk_free(directory: str, held=()) -> tuple[int, str]:
+    """The bytes a disk-tier run may occupy: free space on the file system of ``directory`` (its nearest
+    existing parent) plus what the run holds there already (each file once, hard links counted once): its
+    layer files in ``directory`` and the other directories in ``held`` (its checkpoints, which the plan's
+    need includes). ``(bytes, description)``."""
+    probe = os.path.abspath(directory)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    owned, seen = 0, set()
+    for top in (directory, *held):
+        for root, _, files in os.walk(top):
+            for f in files:
+                try:
+                    st = os.stat(os.path.join(root, f))
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    owned += st.st_blocks * 512
+    return free + owned, f"free on {probe}" + (f" + {owned / 2**30:.2f} GiB the run holds" if owned >= 2**20 else "")
+
+
+BANDWIDTH_BYTES = 128 * 2**20
+_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "revtrain", "disk_bandwidth.json")
+
+
+def bandwidth(directory: str, cache: str | None = _CACHE, nbytes: int = BANDWIDTH_BYTES) -> dict:
+    """The sequential bandwidth of the disk holding ``directory``: ``{"read": B/s, "write": B/s, "source"}``.
+    Measured once (write ``nbytes`` with ``fdatasync``, drop it from the page cache, read it back) and cached
+    per file system (``st_dev``) in ``cache`` (None: always measure)."""
+    probe = os.path.abspath(directory)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    key = str(os.stat(probe).st_dev)
+    cached = {}
+    if cache:
+        try:
+            with open(cache) as f:
+                cached = json.load(f)
+            if key in cached:
+                return dict(cached[key], source="cached")
+        except (OSError, ValueError):
+            cached = {}
+    path = os.path.join(probe, f".revtrain-bandwidth-{os.getpid()}")
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    try:
+        start = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            done = 0
+            while done < nbytes:
+                done += os.write(fd, memoryview(data)[done:])
+            os.fdatasync(fd)
+            _drop_cache(fd)
+        finally:
+            os.close(fd)
+        write = nbytes / (time.perf_counter() - start)
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            buf, got = bytearray(nbytes), 0
+            view = memoryview(buf)
+            while got < nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            _drop_cache(f.fileno())
+        read = nbytes / (time.perf_counter() - start)
+    except OSError:
+        return {"read": None, "write": None, "source": "not measured"}
+    finally:
+        _remove(path)
+    result = {"read": read, "write": write}
+    if cache:
+        try:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            cached[key] = result
+            with open(cache + ".tmp", "w") as f:
+                json.dump(cached, f)
+            os.replace(cache + ".tmp", cache)
+        except OSError:
+            pass
+    return dict(result, source=f"measured ({nbytes >> 20} MiB)")
+
+
+# -- the reversible trainer's hooks (`revtrain.trainers.reversible`) ----------------------------------
+
+def refusal(trainer) -> str | None:
+    """Why ``trainer`` (a `ReversibleTrainer` asked for ``offload = 'disk'``) cannot run the disk tier, in one
+    line, or None."""
+    if trainer.scan_layers:
+        return ("ReversibleTrainer.offload = 'disk' runs the per-layer executor: set ReversibleTrainer.scan_layers "
+                "= False")
+    if trainer.shard_state:
+        return "ReversibleTrainer.offload = 'disk' cannot be combined with ReversibleTrainer.shard_state yet"
+    if trainer.deferred:
+        return ("ReversibleTrainer.offload = 'disk' needs the fused per-layer update: no microbatches, global-norm "
+                "clipping, whole-model optimizer or tied parameters (the deferred update) yet")
+    if jax.process_count() > 1:
+        return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
+    return None
+
+
+def layer_layout(trainer, i: int) -> Layout:
+    """The `Layout` of layer ``i``'s (params, optimizer state) under ``trainer``'s optimizer."""
+    layer = trainer.model.layers[i]
+    tier = trainer.residency.disk
+    key = ("layout", layer)
+    if key not in tier._layouts:
+        shapes = layer.param_shapes  # (the disk tier has no tied leaves)
+        tier._layouts[key] = Layout.of(shapes, jax.eval_shape(trainer.tx.init, shapes))
+    return tier._layouts[key]
+
+
+def init_layers(trainer) -> tuple[list, list]:
+    """Every layer's initial state written to step 0's files one layer at a time (the values are made,
+    written and dropped): returns ``(refs, layer states)``; the refs are each layer's params and opt_state."""
+    tier, refs, states = trainer.residency.disk, [], []
+    for i in range(len(trainer.model.layers)):
+        p, s = trainer.model.init_layer(i)
+        opt = jax.tree.map(np.asarray, trainer.tx.init(p))
+        refs.append(tier.write_initial(0, i, layer_layout(trainer, i), jax.tree.map(np.asarray, p), opt))
+        states.append(trainer.replicate(s))
+        del p, s, opt
+    tier.seal(0)
+    return refs, states
+
+
+def template_layers(trainer) -> list:
+    """A `DiskLayer` template (no file) per layer: what `revtrain.checkpoint` restores a disk state into."""
+    return [DiskLayer(layer_layout(trainer, i)) for i in range(len(trainer.model.layers))]
+
+
+def placer(mesh):
+    """The function that places one read leaf replicated over ``mesh`` (device memory)."""
+    from revtrain.placement import replicated
+    sharding = replicated(mesh)
+    return lambda x: jax.device_put(x, sharding)

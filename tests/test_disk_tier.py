@@ -1,0 +1,260 @@
+"""The disk tier (revtrain/disk_tier.py, ``ReversibleTrainer.offload = 'disk'``): bit for bit the host and device
+tiers' numbers, its refusals, checkpoints as hard links, an exact resume after ``kill -9`` in a step, the plan's
+disk check, and a model larger than its memory cgroup."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import checkpoint as ckpt_lib
+from revtrain import disk_tier
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.common import TrainerError
+from revtrain.trainers.reversible import ReversibleTrainer
+
+from helpers import REPO, env, revtrain
+from helpers import losses as logged_losses
+
+LLAMA = str(REPO / "configs" / "llama_small.gin")
+T = 16
+
+
+def _model(layers=4):
+    return ReversibleTransformerLM(T, num_layers=layers, d_model=32, num_heads=2, dropout_rate=0.1)
+
+
+def _batches(steps):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (4, T)).astype(np.int32) for _ in range(steps)]
+
+
+def _train(offload, directory=None, steps=3, fuse_top=False):
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload, scan_layers=False,
+                                fuse_top=fuse_top, offload_dir=directory)
+    ts, losses = trainer.init(), []
+    for x in _batches(steps):
+        batch = global_batch({"inputs": x, "targets": x}, trainer.mesh)
+        ts, m = trainer.train_step(ts, batch)
+        losses.append(float(m["loss"]))
+    scores = {k: float(v) for k, v in trainer.eval_step(ts, batch).items()}
+    params = [jax.tree.map(np.asarray, trainer.layer_params(ts, i)) for i in range(len(trainer.model.layers))]
+    return trainer, ts, losses, params, scores
+
+
+def _same(a, b):
+    return all(np.array_equal(u, v) for p, q in zip(a, b) for u, v in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
+
+
+@pytest.mark.parametrize("fuse_top", [False, True])
+def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
+    _, _, dev_losses, dev_params, dev_scores = _train(False, fuse_top=fuse_top)
+    _, _, host_losses, host_params, _ = _train(True, fuse_top=fuse_top)
+    trainer, ts, losses, params, scores = _train("disk", str(tmp_path / "tier"), fuse_top=fuse_top)
+    assert losses == dev_losses == host_losses
+    assert _same(params, dev_params) and _same(params, host_params)
+    assert scores == dev_scores
+    # Only the newest step's files are left; the state holds no arrays, only the layer files.
+    assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
+    assert all(isinstance(r, disk_tier.DiskLayer) for r in ts.params)
+    assert trainer.disk_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
+    # Each layer read once in the forward (weights; not the head, nor with fuse_top the layer under it) and once in
+    # the backward (weights and optimizer state): the read-ahead never reads a layer twice.
+    forward = ts.params[:-2] if fuse_top else ts.params[:-1]
+    assert trainer.disk_stats["disk_read_bytes"] == (sum(r.layout.nbytes("params") for r in forward)
+                                                     + trainer.disk_stats["disk_write_bytes"])
+
+
+def test_refusals(tmp_path):
+    mesh, tx = make_mesh(), optax.adamw(1e-3)
+    with pytest.raises(TrainerError, match="scan_layers = False"):
+        ReversibleTrainer(_model(), tx, mesh, offload="disk", offload_dir=str(tmp_path))
+    with pytest.raises(TrainerError, match="fused per-layer update"):
+        ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False, microbatches=2, offload_dir=str(tmp_path))
+    with pytest.raises(TrainerError, match="False, True or 'disk'"):
+        ReversibleTrainer(_model(), tx, mesh, offload="nvme")
+    trainer = ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False)
+    with pytest.raises(disk_tier.DiskTierError, match="offload_dir"):
+        trainer.init()
+
+
+def test_checkpoint_is_hard_links_and_restores(tmp_path):
+    trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=2)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    item = tmp_path / "run" / "checkpoints" / "2" / "disk_state"
+    for g, ref in enumerate(ts.params):
+        linked = os.stat(item / f"layer_{g:05d}.bin")
+        assert linked.st_ino == os.stat(ref.path).st_ino and linked.st_nlink == 2  # no byte copied
+    restored = checkpointer.restore(trainer.abstract_state())
+    assert restored.step == 2 and all(isinstance(r, disk_tier.DiskLayer) for r in restored.params)
+    assert _same([trainer.layer_params(restored, i) for i in range(len(params))], params)
+    weights = checkpointer.restore(trainer.abstract_state(), optimizer_state=False)
+    assert _same(weights.params, params) and weights.opt_state == [None] * len(params)
+    # A damaged file (a truncated layer) is one line naming the step.
+    os.truncate(item / "layer_00001.bin", 100)
+    with pytest.raises(ckpt_lib.DamagedCheckpoint, match="at step 2"):
+        checkpointer.restore(trainer.abstract_state())
+    checkpointer.close()
+
+
+def _revtrain(*args, script=None, prefix=(), timeout=300):
+    if script is None:
+        return revtrain(*args, prefix=prefix, timeout=timeout)
+    return subprocess.run([*prefix, sys.executable, script, *args], capture_output=True, text=True, env=env(),
+                          timeout=timeout)
+
+
+DISK = ["--gin", "train.trainer = @ReversibleTrainer", "--gin", "ReversibleTrainer.offload = 'disk'",
+        "--gin", "ReversibleTrainer.scan_layers = False", "--gin", "LlamaModel.form = 'exact'",
+        "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
+        "--gin", "evaluate.max_batches = 1", "--gin", "train.sample_every = 0", "--gin", "train.checkpoint_every = 1",
+        "--gin", "train.keep_checkpoints = 2", "--gin", "LlamaModel.d_model = 64", "--gin", "LlamaModel.d_ff = 128"]
+
+
+def _final_params(workdir, step):
+    item = workdir / "checkpoints" / str(step) / "disk_state"
+    return {name: (item / name).read_bytes() for name in sorted(os.listdir(item)) if name.endswith(".bin")}
+
+
+@pytest.mark.slow
+def test_kill_9_in_a_step_resumes_bit_exact(tmp_path):
+    """A run killed (SIGKILL) while step 3 writes its layers (one file half written) resumes from the step-2
+    checkpoint and ends with the uninterrupted run's losses and layer files, byte for byte."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    steps = ["--gin", "STEPS = 4"]
+    result = _revtrain("train", "--config", LLAMA, *DISK, *steps, "--workdir", str(whole))
+    assert result.returncode == 0, result.stderr[-2000:]
+    layers = len([n for n in os.listdir(whole / "offload" / "step_00000004")])
+    killed = _revtrain(str(3 * layers + layers // 2), "--", "train", "--config", LLAMA, *DISK, *steps, "--workdir",
+                       str(broken), script=str(REPO / "tests" / "_kill_inside.py"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(os.listdir(broken / "checkpoints")) == ["1", "2"]
+    assert os.path.isdir(broken / "offload" / "step_00000003")  # the killed step's partial files
+    resumed = _revtrain("train", "--config", LLAMA, *DISK, *steps, "--workdir", str(broken))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from checkpoint at step 2" in resumed.stderr
+    assert logged_losses(broken) == logged_losses(whole)
+    assert _final_params(broken, 4) == _final_params(whole, 4)
+    assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]  # the leftovers removed
+
+
+def _make_cgroup(limit: int):
+    base = pathlib.Path("/sys/fs/cgroup/memory")
+    group = base / f"revtrain-disk-{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
+            raise OSError("limit not applied")
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
+    return group
+
+
+# A 126 M-parameter Llama of 20 exact reversible blocks: 1.41 GiB of weights and AdamW state.
+BIG = ["--gin", "LlamaModel.d_model = 768", "--gin", "LlamaModel.num_layers = 20", "--gin", "LlamaModel.d_ff = 2048",
+       "--gin", "LlamaModel.num_heads = 12", "--gin", "LlamaModel.num_kv_heads = 4", "--gin", "train.keep_checkpoints = 1"]
+
+
+@pytest.mark.slow
+def test_state_larger_than_its_memory_cgroup(tmp_path):
+    """Inside a 1.25 GiB memory cgroup, a model with 1.41 GiB of weights and optimizer state trains with the disk
+    tier (peak resident well below the limit), is killed (SIGKILL) in its second step and resumes exactly; the host tier there is refused by the plan
+    (exit 2, one line naming the disk tier), never killed."""
+    group = _make_cgroup(1280 * 2**20)
+    wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+    try:
+        def train(workdir, *extra, script=None):
+            args = ("train", "--config", LLAMA, *DISK, *BIG, "--gin", "STEPS = 2", *extra, "--workdir", str(workdir))
+            return _revtrain(*((str(22 + 22 + 11), "--") if script else ()), *args, script=script, prefix=wrapper,
+                             timeout=600)
+        whole = train(tmp_path / "whole")
+        assert whole.returncode == 0, whole.stderr[-2000:]
+        killed = train(tmp_path / "split", script=str(REPO / "tests" / "_kill_inside.py"))  # in step 2
+        assert killed.returncode in (-9, 137), killed.stderr[-2000:]
+        second = train(tmp_path / "split")
+        assert second.returncode == 0, second.stderr[-2000:]
+        host = train(tmp_path / "host", "--gin", "ReversibleTrainer.offload = True",
+                     "--gin", "ReversibleTrainer.scan_layers = True")
+        failcnt = int((group / "memory.failcnt").read_text())
+    finally:
+        group.rmdir()
+    assert "resumed from checkpoint at step 1" in second.stderr
+    assert logged_losses(tmp_path / "split") == logged_losses(tmp_path / "whole")
+    assert _final_params(tmp_path / "split", 2) == _final_params(tmp_path / "whole", 2)
+    with open(tmp_path / "whole" / "metrics" / "train.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert records[0]["plan_disk_bytes"] > 1280 * 2**20 > max(r["host_peak_bytes"] for r in records)
+    assert records[-1]["disk_write_bytes"] == records[0]["plan_io_write_bytes"]
+    assert records[-1]["disk_read_bytes"] == records[0]["plan_io_read_bytes"]
+    assert failcnt == 0  # the kernel never had to reclaim to keep the group under its limit
+    assert host.returncode == 2, host.stderr[-2000:]
+    lines = host.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("revtrain: error: the memory plan does not fit"), host.stderr
+    assert "ReversibleTrainer.offload = 'disk'" in lines[0]
+    assert not (tmp_path / "host").exists()
+
+
+def test_plan_parts_of_the_disk_tier(tmp_path):
+    from revtrain import memory_plan
+    model, tx = _model(), optax.adamw(1e-3)
+    spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
+    limits = {"host": (2**50, "test")}
+    disk = {"directory": str(tmp_path / "offload"), "keep": 2, "every": 5}
+    plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                            limits=limits, platform="cpu", disk=disk)
+    layers = [disk_tier.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
+    weights = sum(lay.nbytes("params") for lay in layers)
+    opt = sum(lay.nbytes("opt") for lay in layers)
+    host = plan.tiers["host"]
+    # In memory: three layers in flight (computing, read ahead, written), never the model.
+    assert host["weights"] == 3 * max(lay.nbytes("params") for lay in layers)
+    assert host["optimizer_state"] == 3 * (max(lay.nbytes() for lay in layers) - max(lay.nbytes("params") for lay in layers))
+    assert host["checkpoint"] == 0  # a checkpoint is hard links
+    # On disk: two steps' files, and two kept checkpoints the tier has moved past.
+    assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
+    assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
+    assert plan.io["write_bytes"] == weights + opt
+    assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
+    every_step = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                                  limits=limits, platform="cpu", disk=dict(disk, every=1))
+    assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
+    short = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+                             limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
+    assert not short.fits and "keep_checkpoints" in memory_plan.refusal(short, [])
+
+
+def test_disk_too_small_is_refused_at_start_up(tmp_path):
+    """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
+    anything is written; without the plan, the full disk stops the run in one line (exit 1)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--workdir", str(small / "run"))
+        # Without the plan the disk fills while the layers are written: one line, exit 1, nothing half-kept.
+        unplanned = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 5", "--gin", "train.memory_plan = False",
+                              "--workdir", str(small / "run"))
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
+    assert unplanned.returncode == 1, unplanned.stderr[-2000:]
+    last = unplanned.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in last and "training stopped" in last, unplanned.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("revtrain: error: the memory plan does not fit: ReversibleTrainer + offload='disk' "
+                               "disk needs"), lines[0]
+    assert f"free on {small}" in lines[0]
