@@ -162,3 +162,27 @@ def test_check_is_exact_on_a_run_mixing_all_three_modes(text_batches):
             assert rebuild == 0.0, (name, rebuild)
         else:
             assert rebuild is None, (name, rebuild)
+
+
+def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
+    """``revtrain train`` with a budget below the least plan's peak: exit 2, one error line naming the least
+    budget, before the state is placed (no checkpoint, the new workdir removed)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    env.pop("XLA_FLAGS", None)
+    args = ["--config", str(repo / "configs" / "enwik_small.gin"), "--workdir", str(tmp_path / "w"),
+            "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
+            "--gin", "train.batch_size = 8", "--gin", "train.trainer = @ReversibleTrainer",
+            "--gin", "ReversibleTrainer.memory_budget = '64KiB'"]
+    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("revtrain: error: ")]
+    assert len(errors) == 1 and "memory_budget 0.1 MiB" in errors[0], errors
+    assert "is below the least this step needs" in errors[0] and "raise it to at least" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "w").exists()

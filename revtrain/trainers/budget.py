@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -196,7 +197,9 @@ class _Analysis:
 
     def _read(self, key, program, args, moved: int) -> Cost:
         if key not in self.cache:
-            compiled = program.lower(*args).compile()
+            with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
+                warnings.simplefilter("ignore")
+                compiled = program.lower(*args).compile()
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
             try:
@@ -335,9 +338,11 @@ def plan_budget(trainer, batch_spec: dict, budget: int) -> BudgetPlan:
     least = min(p for p, _ in table.values())
     most = min(table.values(), key=lambda v: (v[1], v[0]))[0]
     if budget < least:
+        k, r = min(table, key=lambda kr: table[kr][0])
+        how = "every block rebuilt" if k == r == 0 else f"{k} blocks backprop, {r} remat, the rest rebuilt"
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
-                           f"{gib(least)} ({budget:,} < {least:,} bytes, every block rebuilt); raise it to at "
-                           f"least {least:,} bytes or shrink the batch")
+                           f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
+                           f"{least:,} bytes or shrink the batch")
     checked = set()
     while True:
         fits = [(f, p, k, r) for (k, r), (p, f) in table.items() if p <= budget]

@@ -124,6 +124,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
       microbatches: gradient accumulation (``TrainerBase``): M forward/backward passes per step, then the
         deferred update (`revtrain.trainers.deferred`).
+      memory_budget: device bytes a step may peak at (an int, a size such as ``'2GiB'``, or ``'auto'``: an
+        accelerator's ``bytes_limit`` less 10%); None (default): every reversible block rebuilt. With a budget
+        the trainer chooses each block's backward mode (`revtrain.trainers.modes`: backprop inside the head's
+        program, remat from its kept input, or rebuild) for the fewest FLOPs whose planned peak fits
+        (`revtrain.trainers.budget`; ``plan_budget``, before the state is placed by ``revtrain train``, else at
+        the first step), logs the plan in one line and refuses a budget below the least plan's peak
+        (`TrainerError` naming it). Overrides ``fuse_top``. Every plan's gradients equal backprop's as the
+        rebuild's do (docs/budget.md).
 
     Any optax optimizer: a separable one (each layer's update needs only that layer: Adam, AdamW, Lion,
     SGD, LAMB, Adafactor) keeps the fused per-layer update; one whose whole-model update combines layers
@@ -134,8 +142,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     Raises:
       TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer
         at a time), offload was asked for on a backend without a ``pinned_host`` memory space, ``rebuild``
-        is not a known mode, ``microbatches`` is not a positive integer, or tied parameters that cannot be
-        shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
+        is not a known mode, ``memory_budget`` is not a size, ``microbatches`` is not a positive integer, or
+        tied parameters that cannot be shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
         or ``fuse_top``).
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
