@@ -237,8 +237,6 @@ def setup_of(trainer, batch_size: int) -> Setup:
                      label="StandardTrainer" + (" (scan + remat)" if remat else ""))
     label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
     budget = getattr(trainer, "budget_plan", None)
-    if budget is not None:
-        label += f" (memory budget {gib(budget.budget)})"
     return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload),
                  shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
                  rebuild=getattr(trainer, "rebuild", "exact"), label=label,

@@ -214,3 +214,19 @@ def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatc
     assert mixed[1] == base[1]
     for a, b in zip(jax.tree.leaves(base[0]), jax.tree.leaves(mixed[0])):
         assert np.array_equal(a, b)
+
+
+def test_the_budget_plan_is_part_of_the_memory_plan():
+    """A budgeted trainer's memory plan carries the budget plan's expected peak (a floor under the step's
+    device parts: on the CPU the host tier holds them) and its alternatives do not."""
+    from revtrain import memory_plan
+    model = ReversibleTransformerLM(64, num_layers=3, d_model=32, num_heads=4)
+    spec = {"inputs": jax.ShapeDtypeStruct((8, 64), np.int32), "targets": jax.ShapeDtypeStruct((8, 64), np.int32)}
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
+    plan = trainer.plan_budget(spec)
+    setup = memory_plan.setup_of(trainer, 8)
+    assert setup.budget_peak == plan.peak > 0
+    host = memory_plan.plan(model, setup, spec, 1, limits={"host": (2**40, "test")}, platform="cpu").tiers["host"]
+    step = sum(host[k] for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"))
+    assert step >= plan.peak
+    assert all(a.budget_peak == 0 for a in memory_plan.alternatives(setup, model, 1, False))
