@@ -326,10 +326,10 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         layers_per_chunk = 1
     base_dtype = _model_dtype(cfg)
     mode = _rebuild_mode(run.trainer)
-    block_modes = None  # a memory budget's plan: each block backprop'd, recomputed or rebuilt as in training
+    block_modes, budget = None, None  # a memory budget's plan: each block backprop'd, recomputed or rebuilt
     if isinstance(run.trainer, ReversibleTrainer) and run.trainer.memory_budget is not None:
-        run.trainer.plan_budget(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
-        block_modes = [m.name if not m.rebuilds else "rebuild" for m in run.trainer.block_modes]
+        budget = run.trainer.plan_budget(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
+        block_modes = budget.names()
     other_mode = next(m for m in ReversibleTrainer.REBUILD_MODES if m != mode)
     results, alternative = {}, None
     done = {"text": None}
@@ -364,19 +364,18 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
                  f"backprop {layers_per_chunk} layers at a time")
     print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
           f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'"
-          f"{_plan_text(block_modes)}; "
+          f"{_plan_text(budget)}; "
           f"update: {_update_mode(run.trainer)}", file=out)
     note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
             or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
     return _report(results, base_dtype, out, note=note, alternative=alternative)
 
 
-def _plan_text(block_modes) -> str:
-    """`` (memory budget: 4 backprop, 3 remat, 5 rebuild)`` for a budgeted run, else ``""``."""
-    if not block_modes:
+def _plan_text(budget) -> str:
+    """`` (memory budget: 4 backprop, 3 remat, 5 rebuild)`` (reversible blocks) for a budgeted run, else ``""``."""
+    if budget is None:
         return ""
-    counts = {m: block_modes.count(m) for m in ("backprop", "remat", "rebuild")}
-    return " (memory budget: " + ", ".join(f"{v} {k}" for k, v in counts.items()) + ")"
+    return " (memory budget: " + ", ".join(f"{v} {k}" for k, v in budget.counts().items()) + ")"
 
 
 def _fused_hint(mode: str, rows, alternative) -> str | None:

@@ -230,3 +230,21 @@ def test_the_budget_plan_is_part_of_the_memory_plan():
     step = sum(host[k] for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"))
     assert step >= plan.peak
     assert all(a.budget_peak == 0 for a in memory_plan.alternatives(setup, model, 1, False))
+
+
+@pytest.mark.slow  # make test-all: `revtrain check` of a budgeted run (the walk itself: test_check_is_exact_...)
+def test_revtrain_check_follows_the_budget_plan(capsys):
+    """`revtrain check` on a run with a memory budget checks the blocks in the plan's modes and says so."""
+    import pathlib
+
+    from revtrain import cli
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    code = cli.main(["check", "--config", str(repo / "configs" / "enwik_small.gin"),
+                     "--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
+                     "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
+                     "--gin", "train.trainer = @ReversibleTrainer", "--gin", "ReversibleTrainer.memory_budget = '1GiB'",
+                     "--gin", "check.layers_per_chunk = 1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(memory budget: 3 backprop, 0 remat, 0 rebuild)" in out
+    assert "every layer bit-identical to backprop" in out
