@@ -144,7 +144,7 @@ def plot(records, path) -> None:
         for r in rows:
             if r["budget"] is None:  # a fixed trainer: its speed from its own peak on
                 ys = [r["tokens_per_sec"] if b >= r["peak_device_bytes"] else np.nan for b in budgets]
-                ax.plot(xs, ys, "--", label=r["config"])
+                ax.plot(xs, ys, "x--", label=r["config"])
         for name, _ in BUDGETED:
             pts = sorted((r["budget"], r["tokens_per_sec"]) for r in rows if r["config"] == name)
             ax.plot([b / 2**20 for b, _ in pts], [t for _, t in pts], "o-", lw=2, label=name)
