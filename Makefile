@@ -4,6 +4,7 @@
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
+#   make bench-budget
 #   make bench-long
 #   make bench-recipe
 #   make bench-scale [SIZES=25M,57M,136M,309M,1.44B,3B]
@@ -17,7 +18,7 @@ CONFIG ?= configs/enwik_modern.gin
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 GIN ?=
 
-.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-long bench-recipe bench-scale clean sample bench-sample check-sample
+.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-budget bench-long bench-recipe bench-scale clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +77,12 @@ bench-scale: data
 bench-gpu: venv
 	PYTHON=$(PY) scripts/gpu_report.sh gpu_report.json
 
+# Tokens/s against the device-memory budget (docs/budget.md): standard, remat, remat + offload, reversible
+# exact and fused, and ReversibleTrainer.memory_budget at budgets from exact's peak to standard's, depths 8 and
+# 32 (d_model 256, T 512, batch 8): bench_budget.json, .png and a table. Needs both cores for a while.
+bench-budget: data
+	$(PY) scripts/bench_budget.py --depths 8,32
+
 # Steps/s and start-up time against depth (8..256 tiny blocks) for both executors of both trainers.
 bench-depth: data
 	$(PY) scripts/bench_depth.py
@@ -102,7 +109,7 @@ check-sample: data
 
 clean:
 	rm -rf $(VENV) runs bench.json bench.png bench_depth.json bench_depth.png bench_long.json bench_long.png \
-	  bench_sample.json bench_recipe.json gpu_report.json bench_scale.json bench_scale.png
+	  bench_sample.json bench_recipe.json gpu_report.json bench_scale.json bench_scale.png bench_budget.json bench_budget.png
 
 # Fashion-MNIST image classifiers: the RevNet (configs/revnet_fashion_mnist.gin) and the reversible ViT
 # (RevViT, configs/revvit_fashion_mnist.gin; docs/modern.md). The data is the Debian package

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
+from revtrain.trainers.modes import BACKPROP, REBUILDS, mode_named
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -99,12 +100,14 @@ class _Checker:
         if done % every == 0 or done == total:
             self.progress(f"{what}: {done} of {total} layers")
 
-    def _forward_program(self, layer, rebuild: str = "exact"):
-        """The trainer's forward of ``layer``: with ``rebuild = 'fenced'`` a reversible layer's is `apply_fenced`,
-        whose residuals the program outputs (and this drops) as the trainer's does."""
-        if layer.reversible and rebuild == "fenced":
-            program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: layer.apply_fenced(
-                p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
+    def _forward_program(self, layer, mode=REBUILDS["exact"]):
+        """The trainer's forward of ``layer`` in ``mode`` (a `modes.BackwardMode`; a fenced rebuild's forward
+        is `apply_fenced`, whose residuals the program outputs and this drops, as the trainer's does)."""
+        if isinstance(mode, str):
+            mode = REBUILDS[mode]
+        if layer.reversible and mode.name == "fenced" and layer.has_half_residuals:
+            program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: mode.forward(
+                layer, p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
             return lambda *args: program(*args)[0]
         return self._sharded(("forward", layer), lambda p, s, x, i: layer.apply(p, s, x, self._keys(i, x), True)[0],
                              (_R, _R, _D, _R), _D)
@@ -122,39 +125,66 @@ class _Checker:
         self._tell("forward", n, n)  # (the head's input is the last forward output)
         return inputs
 
-    def reversible(self, params, states, batch, rebuild: str = "exact"):
+    def block_modes(self, rebuild: str = "exact", modes=None) -> list:
+        """Each layer's (but the head's) backward mode: ``modes`` (names of a budget plan: ``"backprop"``,
+        ``"remat"``, ``"rebuild"``) with ``"rebuild"`` meaning ``rebuild``; by default a reversible block is
+        rebuilt and a standard layer recomputed (the trainer's default)."""
+        if modes is None:
+            modes = ["rebuild" if layer.reversible else "remat" for layer in self.layers[:-1]]
+        names = [m if isinstance(m, str) else "rebuild" if m.rebuilds else m.name for m in modes]
+        return [mode_named(m, rebuild) for m in names]
+
+    def reversible(self, params, states, batch, rebuild: str = "exact", modes=None):
         """Yields ``(i, forward input or None, rebuilt input or None, grads)`` for every layer, top layer
-        first, from the reversible trainer's passes with the given ``ReversibleTrainer.rebuild`` mode (its
-        forward is that mode's: `_forward_program`). One layer's gradients exist at a time."""
+        first, from the reversible trainer's passes with the given ``ReversibleTrainer.rebuild`` mode and
+        per-block modes (``modes``: see `block_modes`; a budgeted trainer's). Each mode's forward and
+        reverse-and-grad are the trainer's (`revtrain.trainers.modes`); the backprop blocks under the head
+        run in the head's program, as in the trainer. One layer's gradients exist at a time (the backprop
+        blocks' and the head's together)."""
         layers, n = self.layers, len(self.layers)
+        modes = self.block_modes(rebuild, modes)
+        top = 0
+        while top < n - 1 and modes[n - 2 - top] is BACKPROP:
+            top += 1
+        below = n - 1 - top
         x = batch[self.model.input_key]
         saved, seen = {}, []
-        for i, layer in enumerate(layers[:-1]):
-            if not layer.reversible:
+        for i, layer in enumerate(layers[:below]):
+            mode = modes[i]
+            if mode.keeps_input:
                 saved[i] = x
-            seen.append(jax.tree.map(np.asarray, x) if layer.reversible else None)
-            x = self._forward_program(layer, rebuild)(params[i], states[i], x, np.int32(i))
-        seen.append(None)
+            seen.append(jax.tree.map(np.asarray, x) if mode.rebuilds else None)
+            x = self._forward_program(layer, mode)(params[i], states[i], x, np.int32(i))
         head_layer = layers[-1]
-        head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
-            head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
-        grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
-        yield n - 1, None, None, grads
+        if top:
+            tops = tuple(layers[below:n - 1])
+            head = self._sharded(("top_head", tops, head_layer), lambda tp, ts, p, s, x, b, i: ReversibleTrainer.top_head_grads(
+                tops, head_layer, tp, ts, p, s, x, b, [self._keys(i + k, x) for k in range(len(tops))],
+                self._keys(i + len(tops), x))[1:4], (_R, _R, _R, _R, _D, _D, _R), (_R, _R, _D))
+            top_grads, grads, dy = head(tuple(params[below:n - 1]), tuple(states[below:n - 1]), params[-1],
+                                        states[-1], x, batch, np.int32(below))
+            yield n - 1, None, None, grads
+            for k in range(top - 1, -1, -1):
+                yield below + k, None, None, top_grads[k]
+            del top_grads
+        else:
+            head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
+                head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
+            grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
+            yield n - 1, None, None, grads
         y = x
-        for i in range(n - 2, -1, -1):
-            layer = layers[i]
-            if layer.reversible:
-                fn = self._sharded(("reverse", layer, rebuild), lambda p, s, y, dy, i, layer=layer: ReversibleTrainer.reverse_grads(
-                    layer, p, s, y, dy, self._keys(i, y), rebuild=rebuild), (_R, _R, _D, _D, _R), (_D, _D, _R))
+        for i in range(below - 1, -1, -1):
+            layer, mode = layers[i], modes[i]
+            fn = self._sharded(("grads", layer, mode.name), lambda p, s, start, dy, i, layer=layer, mode=mode:
+                               mode.grads(layer, p, s, start, dy, self._keys(i, start)),
+                               (_R, _R, _D, _D, _R), (_D, _D, _R))
+            if mode.rebuilds:
                 y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
                 item = (i, seen[i], jax.tree.map(np.asarray, y), grads)
                 seen[i] = None
             else:
                 xs = saved.pop(i)
-                fn = self._sharded(("recompute", layer), lambda p, s, x, dy, i, layer=layer:
-                                   ReversibleTrainer.recompute_grads(layer, p, s, x, dy, self._keys(i, x)),
-                                   (_R, _R, _D, _D, _R), (_D, _R))
-                dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
+                _, dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
                 item = (i, None, None, grads)
                 y = xs
             self._tell("reversible backward", n - i, n)
@@ -201,12 +231,13 @@ class _Checker:
                 yield idx[k], g[k]
             del g
 
-    def rows(self, params, states, batch, inputs, chunk: int | None, modes: tuple) -> list:
+    def rows(self, params, states, batch, inputs, chunk: int | None, modes: tuple, block_modes=None) -> list:
         """Per rebuild mode in ``modes``, one row per layer ``(name, reversible, rebuild error or None,
-        gradient difference)`` against `backprop`'s gradients. The passes walk down the layers together,
-        so only the current layer's (or backprop chunk's) gradients exist: the check's memory is the
-        parameters plus one layer's, whatever the depth."""
-        walks = [self.reversible(params, states, batch, mode) for mode in modes]
+        gradient difference)`` against `backprop`'s gradients (``block_modes``: each block's mode, see
+        `block_modes`). The passes walk down the layers together, so only the current layer's (or backprop
+        chunk's) gradients exist: the check's memory is the parameters plus one layer's, whatever the
+        depth."""
+        walks = [self.reversible(params, states, batch, mode, block_modes) for mode in modes]
         out = [[None] * len(self.layers) for _ in modes]
         ref = {}
         reference = self.backprop(params, states, batch, inputs, chunk)
@@ -295,6 +326,10 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         layers_per_chunk = 1
     base_dtype = _model_dtype(cfg)
     mode = _rebuild_mode(run.trainer)
+    block_modes, budget = None, None  # a memory budget's plan: each block backprop'd, recomputed or rebuilt
+    if isinstance(run.trainer, ReversibleTrainer) and run.trainer.memory_budget is not None:
+        budget = run.trainer.plan_budget(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
+        block_modes = budget.names()
     other_mode = next(m for m in ReversibleTrainer.REBUILD_MODES if m != mode)
     results, alternative = {}, None
     done = {"text": None}
@@ -319,7 +354,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         # bfloat16 itself costs. The configured dtype also runs the other rebuild mode, for comparison
         # (what switching would give).
         modes = (mode, other_mode) if dtype == base_dtype else (mode,)
-        rows = checker.rows(params, states, batch, inputs, layers_per_chunk, modes)
+        rows = checker.rows(params, states, batch, inputs, layers_per_chunk, modes, block_modes)
         results[dtype] = rows[0]
         if dtype == base_dtype:
             alternative = (other_mode, rows[1])
@@ -328,11 +363,19 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
                  "backprop one layer at a time" if layers_per_chunk == 1 else
                  f"backprop {layers_per_chunk} layers at a time")
     print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
-          f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'; "
+          f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'"
+          f"{_plan_text(budget)}; "
           f"update: {_update_mode(run.trainer)}", file=out)
     note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
             or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
     return _report(results, base_dtype, out, note=note, alternative=alternative)
+
+
+def _plan_text(budget) -> str:
+    """`` (memory budget: 4 backprop, 3 remat, 5 rebuild)`` (reversible blocks) for a budgeted run, else ``""``."""
+    if budget is None:
+        return ""
+    return " (memory budget: " + ", ".join(f"{v} {k}" for k, v in budget.counts().items()) + ")"
 
 
 def _fused_hint(mode: str, rows, alternative) -> str | None:

@@ -514,15 +514,17 @@ class StepStream:
 
 def train_schedule(kinds: list) -> list:
     """The accesses of one reversible step (`ReversibleTrainer.train_step` over a plan's ``kinds``): the
-    forward's weights, the head's (and with ``fuse_top`` the layer under it) weights and optimizer state,
-    then the backward's, newest first."""
+    forward's weights, the head's (and those of the backprop blocks inside its program, ``"top"``) weights
+    and optimizer state, then the backward's, newest first."""
     last = len(kinds) - 1
-    top = last > 0 and kinds[last - 1] == "top"
-    forward = range(last - 1 if top else last)
-    out = [(g, "params") for g in forward]
-    for g in ((last - 1, last) if top else (last,)):
+    top = 0
+    while top < last and kinds[last - 1 - top] == "top":
+        top += 1
+    below = last - top
+    out = [(g, "params") for g in range(below)]
+    for g in range(below, last + 1):
         out += [(g, "params"), (g, "opt")]
-    for g in range(last - 2 if top else last - 1, -1, -1):
+    for g in range(below - 1, -1, -1):
         out += [(g, "params"), (g, "opt")]
     return out
 

@@ -479,6 +479,10 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
+            if getattr(run.trainer, "memory_budget", None) is not None:  # each block's mode, before trainer.init
+                spec = run.task.input_spec(run.cfg.batch_size)
+                if spec is not None:  # (else the first step plans from its batch)
+                    run.trainer.plan_budget(spec)
             if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
                 from revtrain import memory_plan
                 run.plan = memory_plan.check_everywhere(run)  # (its line follows the run's first line)

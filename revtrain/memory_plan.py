@@ -223,6 +223,8 @@ class Setup:
       rebuild: reversible: ``"exact"``, ``"fused"`` or ``"fenced"`` (the backward program compiled).
       label: how a table names it (``"ReversibleTrainer + offload"``).
       settings: the gin bindings that select it, beyond the run's own.
+      budget_peak: reversible with ``memory_budget``: the budget plan's expected peak device bytes of a step
+        (`revtrain.trainers.budget`; 0: none), a floor under the device parts of the step.
     """
 
     trainer: str
@@ -237,6 +239,7 @@ class Setup:
     rebuild: str = "exact"
     label: str = ""
     settings: tuple = ()
+    budget_peak: int = 0
 
 
 def setup_of(trainer, batch_size: int) -> Setup:
@@ -248,9 +251,11 @@ def setup_of(trainer, batch_size: int) -> Setup:
     disk = getattr(getattr(trainer, "residency", None), "tier", None) == "disk"
     label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
     label += " + offload='disk'" if disk else ""
+    budget = getattr(trainer, "budget_plan", None)
     return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload), disk=disk,
                  shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
-                 rebuild=getattr(trainer, "rebuild", "exact"), label=label)
+                 rebuild=getattr(trainer, "rebuild", "exact"), label=label,
+                 budget_peak=budget.peak if budget is not None else 0)
 
 
 def _separable(tx, model) -> bool:
@@ -304,7 +309,7 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         key = (s.label, s.settings)
         if key not in seen and s != setup:
             seen.add(key)
-            unique.append(s)
+            unique.append(dataclasses.replace(s, budget_peak=0))  # (the budget is the run's own)
     return unique
 
 
@@ -645,6 +650,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         acts = saved_std + 2 * largest_act + batch_bytes
         temp = max(temps)
         method = "compiled one-layer programs (forward, backward, head)"
+        if setup.budget_peak:  # the budget plan's step (backprop residuals, kept inputs) as a floor
+            on_device = (0 if setup.offload else weights + opt + grads) + acts - (saved_std if setup.offload else 0)
+            temp = max(temp, setup.budget_peak - on_device)
+            method += "; the memory budget's plan of the step (revtrain.trainers.budget) as a floor"
     one_tier = platform == "cpu"
     device = dict.fromkeys(PARTS, 0)
     host = dict.fromkeys(PARTS, 0)

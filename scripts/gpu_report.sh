@@ -13,6 +13,9 @@
 #   3. a model whose weights + Adam state are at least 3x the device memory it may use
 #      (XLA_PYTHON_CLIENT_MEM_FRACTION): the standard trainer (expected: out of memory) and the reversible
 #      trainer with offload (expected: trains), and the ratio state_bytes / device_bytes_limit in the record;
+#   5. the memory-budget curve (scripts/bench_budget.py --point, docs/budget.md): ReversibleTrainer.memory_budget
+#      (fused rebuild for its rebuilt blocks) at the sizes of 1 and each budget of GPU_BUDGETS (default 1, 2, 4
+#      and 8 GiB), its tokens/s, allocator peak and plan, beside 1.'s fixed trainers;
 #   4. the large-model point (scripts/bench_scale.py --quick, docs/memory.md): `revtrain train` of the 1.44 B
 #      Llama (d 2048, 32 blocks, 16 / 4 heads, SwiGLU 5632; SCALE_SIZE) with ReversibleTrainer + offload,
 #      AdamW float32, batch 2 x 128, 3 steps, the final save and evaluation: the host's peak RSS by phase
@@ -90,6 +93,15 @@ COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat1
 for depth in $DEPTHS; do
   for cfg in "standard" "remat" "remat + offload" "reversible fused" "reversible fused + offload"; do
     point "$cfg, depth $depth" -- --point "$cfg" --depth "$depth" "${COMMON[@]}"
+  done
+done
+BUDGETS=${GPU_BUDGETS:-1GiB 2GiB 4GiB 8GiB}
+[ "${DRY_RUN:-0}" = 1 ] && BUDGETS="8MiB 64MiB"
+for depth in $DEPTHS; do
+  for budget in $BUDGETS; do
+    SCRIPT=scripts/bench_budget.py point "budgeted fused $budget, depth $depth" -- --point "budgeted fused" \
+      --budget "$budget" --depth "$depth" --d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 \
+      --rounds 3
   done
 done
 point "T $LONG_T blockwise, reversible fused + offload" -- --point "reversible fused + offload" --depth 4 \

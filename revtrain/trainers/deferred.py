@@ -53,11 +53,12 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import DATA_AXIS, HOST_MEMORY, put_replicated, put_sharded, spec_axis
+from revtrain.placement import DATA_AXIS, put_replicated, put_sharded, spec_axis
 from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import fence, fenced_update
+from revtrain.trainers.modes import REMAT, ProgramSpec
 from revtrain.trainers.stacking import Stacked
 
 _R, _D = P(), P(DATA_AXIS)
@@ -94,47 +95,48 @@ class DeferredUpdates:
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, acc, new_state, sums, tie_acc
 
-    def _top_head_acc(self, layers, top_params, top_acc, top_state, head_params, head_acc, head_state, x, batch,
+    def _top_head_acc(self, layers, top_params, top_acc, top_states, head_params, head_acc, head_state, x, batch,
                       ctx, top_index, head_index):
-        """`_head_acc` through the reversible layer under the head (``fuse_top``): one vjp from that layer's
-        input, both gradients added to their buffers. Returns ``(dx, top_acc, new top state, head_acc, new
-        head state, sums)``."""
-        top, head = layers
+        """`_head_acc` through the backprop blocks under the head (tuples ``top_*``, bottom first): one vjp
+        from the lowest one's input, every gradient added to its buffer. Returns ``(dx, top_acc, new top
+        states, head_acc, new head state, sums)``."""
+        tops, head = layers
         n = batch_size_of(x)
         normalize = self.microbatches == 1
 
-        def objective(tp, hp, x):
-            y, new_top_state = top.apply(tp, top_state, x, example_keys(ctx, top_index, n), True)
-            loss_sum, stats, new_head_state = head.loss(hp, head_state, y, batch, example_keys(ctx, head_index, n), True)
+        def objective(tps, hp, x):
+            new_states = []
+            for layer, p, s, i in zip(tops, tps, top_states, top_index):
+                x, new_state = layer.apply(p, s, x, example_keys(ctx, i, n), True)
+                new_states.append(new_state)
+            loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, example_keys(ctx, head_index, n), True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
-            return (loss_sum / total if normalize else loss_sum), (stats, new_top_state, new_head_state, total)
+            return (loss_sum / total if normalize else loss_sum), (stats, tuple(new_states), new_head_state, total)
 
-        obj, vjp_fn, (stats, new_top_state, new_head_state, total) = jax.vjp(
-            objective, per_device(self._whole(top, top_params)), per_device(self._whole(head, head_params)), x,
-            has_aux=True)
+        obj, vjp_fn, (stats, new_top_states, new_head_state, total) = jax.vjp(
+            objective, tuple(per_device(self._whole(t, p)) for t, p in zip(tops, top_params)),
+            per_device(self._whole(head, head_params)), x, has_aux=True)
         top_grads, head_grads, dx = vjp_fn(jnp.ones_like(obj))
-        top_acc = _add(top_acc, reduce_grads(top_grads, self._grad_specs(top)))
+        top_acc = tuple(_add(a, reduce_grads(g, self._grad_specs(t))) for t, a, g in zip(tops, top_acc, top_grads))
         head_acc = _add(head_acc, reduce_grads(head_grads, self._grad_specs(head)))
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
-        return dx, top_acc, new_top_state, head_acc, new_head_state, sums
+        return dx, top_acc, new_top_states, head_acc, new_head_state, sums
 
-    def _top_head_acc_fn(self, top, head):
-        tspec, hspec = self.layer_specs(top)[0], self.layer_specs(head)[0]
+    def _top_head_acc_fn(self, tops, head):
+        tspec, hspec = tuple(self.layer_specs(t)[0] for t in tops), self.layer_specs(head)[0]
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
-        return self._per_layer_compiled("top_head_acc", (top, head), self._top_head_acc, in_specs, out_specs,
+        return self._per_layer_compiled("top_head_acc", (tops, head), self._top_head_acc, in_specs, out_specs,
                                         (1, 4), (0, 1, 3, 4), (1, 3))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(y))
-        x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
-                                          self._grad_specs(layer), self.rebuild)
+        x, dx, grads = self._block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
         return x, dx, _add(acc, grads)
 
     def _recompute_acc(self, layer, params, acc, state, x, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(x))
-        dx, grads = self.recompute_grads(layer, self._whole(layer, params), state, x, dy, keys,
-                                         self._grad_specs(layer))
+        _, dx, grads = self._block_grads(REMAT, layer, params, state, x, dy, keys)
         return dx, _add(acc, grads)
 
     def _reverse_run_acc(self, layer, params, acc, states, y, dy, ctx, start):
@@ -160,10 +162,12 @@ class DeferredUpdates:
     # arguments moved to the device and results moved back to host memory with offload). "A" marks the
     # layer's params/gradient specs (the gradient buffer is split like the params with shard_state).
     _ACC = {
-        "head_acc": ("_head_acc", ("A", "A", _R, _D, _D, _R, _R, _R, _R), (_D, "A", _R, _R, _R), (1, 8),
-                     (0, 1, 7, 8), (1, 4)),
-        "reverse_acc": ("_reverse_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, _D, "A"), (1, 3, 4), (0, 1), (2,)),
-        "recompute_acc": ("_recompute_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, "A"), (1, 4), (0, 1), (1,)),
+        "head_acc": ProgramSpec("_head_acc", ("A", "A", _R, _D, _D, _R, _R, _R, _R), (_D, "A", _R, _R, _R), (1, 8),
+                                (0, 1, 7, 8), (1, 4)),
+        "reverse_acc": ProgramSpec("_reverse_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, _D, "A"), (1, 3, 4), (0, 1),
+                                   (2,)),
+        "recompute_acc": ProgramSpec("_recompute_acc", ("A", "A", _R, _D, _D, _R, _R), (_D, "A"), (1, 4), (0, 1),
+                                     (1,)),
     }
 
     def _acc_fn(self, kind, layer):
@@ -326,7 +330,7 @@ class DeferredUpdates:
     def _deferred_step(self, ts, batch: dict):
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
-        kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
+        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         groups = grouped.groups
         skey = step_key(self.seed, ts.step)
         params, opt_state = list(grouped.params), list(grouped.opt_state)
@@ -338,34 +342,32 @@ class DeferredUpdates:
         borrowed = self.model.tied_leaves(len(self.model.layers) - 1, owners)
         m_count = self.microbatches
         local = batch_size_of(batch) // self.num_devices
-        current, sums = list(states), None
+        current, sums, held = list(states), None, {"tie": tie_acc}
         for m in range(m_count):
             mb = batch if m_count == 1 else self._microbatch(batch, m)
             ctx = skey if m_count == 1 else (skey, self._where(m, local))
-            x, saved, new_states = mb[self.model.input_key], {}, list(current)
-            for g in range(last - 1 if kinds[last - 1] == "top" else last):
-                if kinds[g] == "std":
-                    saved[g] = self._act_to_host(x)
-                x, new_states[g] = plan.forward[g](params[g], current[g], x, ctx, index[g])
-            top = kinds[last - 1] == "top" if last else False
-            if top:  # fuse_top: the reversible layer under the head runs inside the head's program
-                t = last - 1
-                dy, acc[t], new_states[t], acc[last], new_states[last], s = plan.head(
-                    params[t], acc[t], current[t], params[last], acc[last], current[last], x, mb, ctx, index[t],
-                    index[last])
-            else:
-                dy, acc[last], new_states[last], s, tie_acc = plan.head(params[last], acc[last], current[last], x,
-                                                                        mb, ctx, index[last], borrowed, tie_acc)
-            sums = s if sums is None else self._add_sums(sums, s)
-            y = x
-            for g in range(last - 2 if top else last - 1, -1, -1):
-                if kinds[g] == "std":
-                    xs = self._act_to_device(saved.pop(g))
-                    dy, acc[g] = plan.backward[g](params[g], acc[g], current[g], xs, dy, ctx, index[g])
-                    y = xs
+            new_states = list(current)
+
+            def head(x, mb=mb, ctx=ctx, new_states=new_states, current=current):
+                if top:  # the backprop blocks under the head run inside its program
+                    t = slice(last - top, last)
+                    dy, top_acc, top_states, acc[last], new_states[last], s = plan.head(
+                        tuple(params[t]), tuple(acc[t]), tuple(current[t]), params[last], acc[last], current[last],
+                        x, mb, ctx, tuple(index[t]), index[last])
+                    acc[t], new_states[t] = top_acc, top_states
                 else:
-                    y, dy, acc[g] = plan.backward[g](params[g], acc[g], current[g], y, dy, ctx, index[g])
+                    dy, acc[last], new_states[last], s, held["tie"] = plan.head(
+                        params[last], acc[last], current[last], x, mb, ctx, index[last], borrowed, held["tie"])
+                held["sums"] = s
+                return dy
+
+            def store(g, rest):
+                acc[g], = rest
+
+            self._walk(plan, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
+            sums = held["sums"] if sums is None else self._add_sums(sums, held["sums"])
             current = new_states
+        tie_acc = held["tie"]
         loss_sum, correct, total = sums
         if m_count == 1:  # the head's loss is the mean already, its gradient normalised
             loss, scale = loss_sum, None

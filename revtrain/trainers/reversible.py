@@ -78,13 +78,10 @@ from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, bat
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
 from revtrain.trainers.deferred import DeferredUpdates, split_leaf_squares
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, StepKind
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
-
-
-def _is_float_tree(tree) -> bool:
-    return all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(tree))
 
 
 @gin.configurable
@@ -132,6 +129,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
       microbatches: gradient accumulation (``TrainerBase``): M forward/backward passes per step, then the
         deferred update (`revtrain.trainers.deferred`).
+      memory_budget: device bytes a step may peak at (an int, a size such as ``'2GiB'``, or ``'auto'``: an
+        accelerator's ``bytes_limit`` less 10%); None (default): every reversible block rebuilt. With a budget
+        the trainer chooses each block's backward mode (`revtrain.trainers.modes`: backprop inside the head's
+        program, remat from its kept input, or rebuild) for the fewest FLOPs whose planned peak fits
+        (`revtrain.trainers.budget`; ``plan_budget``, before the state is placed by ``revtrain train``, else at
+        the first step), logs the plan in one line and refuses a budget below the least plan's peak
+        (`TrainerError` naming it). Overrides ``fuse_top``. Every plan's gradients equal backprop's as the
+        rebuild's do (docs/budget.md).
 
     Any optax optimizer: a separable one (each layer's update needs only that layer: Adam, AdamW, Lion,
     SGD, LAMB, Adafactor) keeps the fused per-layer update; one whose whole-model update combines layers
@@ -142,8 +147,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     Raises:
       TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer
         at a time), offload was asked for on a backend without a ``pinned_host`` memory space, ``rebuild``
-        is not a known mode, ``microbatches`` is not a positive integer, or tied parameters that cannot be
-        shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
+        is not a known mode, ``memory_budget`` is not a size, ``microbatches`` is not a positive integer, or
+        tied parameters that cannot be shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
         or ``fuse_top``).
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
@@ -156,7 +161,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool | str = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1,
-                 offload_dir: str | None = None):
+                 offload_dir: str | None = None, memory_budget=None):
         if not (offload is True or offload is False or offload == "disk"):
             raise TrainerError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
         check_flags("ReversibleTrainer", scan_layers=scan_layers, shard_state=shard_state, fuse_top=fuse_top)
@@ -164,6 +169,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             raise TrainerError(f"ReversibleTrainer.rebuild must be one of {', '.join(map(repr, self.REBUILD_MODES))}, "
                                f"got {rebuild!r}")
         self.rebuild = rebuild
+        self.rebuild_mode = REBUILDS[rebuild]  # the strategy object of the rebuilt blocks (`modes`)
         super().__init__(model, optimizer, mesh, seed, microbatches)
         try:
             self.layerwise = LayerwiseUpdate(optimizer, model.param_shapes())
@@ -192,17 +198,61 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # any run it ends.
         num_layers = len(model.layers)
         self.fuse_top = fuse_top and num_layers >= 2 and model.layers[-2].reversible
-        runs = find_runs(model.layers) if scan_layers else []
+        # Each block's backward mode (`modes`): a standard layer's is remat, a reversible block's the rebuild;
+        # with fuse_top the block under the head is backprop'd; a memory budget chooses per block.
+        self.block_modes = [self.rebuild_mode if layer.reversible else REMAT for layer in model.layers[:-1]]
         if self.fuse_top:
-            runs = [(start, count - (start + count == num_layers - 1)) for start, count in runs]
-            runs = [(start, count) for start, count in runs if count >= 2]
+            self.block_modes[-1] = BACKPROP
+        self._plans: dict = {}
+        self.memory_budget, self.budget_plan = None, None
+        if memory_budget is not None:
+            from revtrain.trainers import budget as budget_lib
+            self.memory_budget = budget_lib.parse_budget(memory_budget, mesh)
+        self.groups = self._layout()
+        if shard_state:
+            metrics_lib.log(self.shard_summary())
+
+    @property
+    def num_top(self) -> int:
+        """How many blocks under the head run inside the head's program (backprop; ``fuse_top``: one)."""
+        k = 0
+        while k < len(self.block_modes) and self.block_modes[-1 - k] is BACKPROP:
+            k += 1
+        return k
+
+    def _layout(self) -> tuple:
+        """The groups of this trainer's working layout: with ``scan_layers`` each maximal run of identical
+        reversible blocks that are all rebuilt (`block_modes`) is stacked, every other layer alone."""
+        runs = find_runs(self.model.layers) if self.scan_layers else []
+        split = []
+        for start, count in runs:  # sub-runs by mode: only rebuilt blocks scan
+            j = start
+            while j < start + count:
+                k = j
+                while k < start + count and self.block_modes[k].rebuilds:
+                    k += 1
+                if k - j >= 2:
+                    split.append((j, k - j))
+                j = k + 1
+        runs = split
         if self.deferred and not self.layerwise.separable:  # a run's layers must share one update program
             runs = [(start, count) for start, count in runs
                     if len({self.layerwise.signature(start + j) for j in range(count)}) == 1]
-        self.groups = groups_of(num_layers, runs)  # this trainer's working layout
-        self._plans: dict = {}
-        if shard_state:
-            metrics_lib.log(self.shard_summary())
+        return groups_of(len(self.model.layers), runs)
+
+    def set_block_modes(self, modes: list) -> None:
+        """Sets each block's backward mode (`modes`: one strategy object per layer but the head) and the
+        working layout it implies. Backprop blocks must be the ones directly under the head."""
+        modes = list(modes)
+        k = 0
+        while k < len(modes) and modes[-1 - k] is BACKPROP:
+            k += 1
+        if any(m is BACKPROP for m in modes[:len(modes) - k]):
+            raise TrainerError("backprop blocks must be the blocks directly under the head")
+        if any(m is not REMAT and not self.model.layers[i].reversible for i, m in enumerate(modes)):
+            raise TrainerError("a standard layer can only be recomputed (remat)")
+        self.block_modes = modes
+        self.groups = self._layout()
 
     @property
     def offload(self) -> bool:
@@ -434,11 +484,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     # are gathered whole at entry (`_whole`), the gradients reduce-scattered back to pieces (``specs``), and
     # the update runs on the pieces.
     def _forward(self, layer, params, state, x, skey, index):
+        """The forward of a rebuilt block (the rebuild mode's: `_fenced` ones also return residuals)."""
         keys = example_keys(skey, index, batch_size_of(x))
-        if self._fenced(layer):  # (y, new state, residuals): the program outputs the residuals
-            y, new_state, residuals = layer.apply_fenced(self._whole(layer, params), state, x, keys)
-            return y, new_state, per_device(residuals)  # each device's own (a scan carry's type)
-        return layer.apply(self._whole(layer, params), state, x, keys, True)
+        return self.rebuild_mode.forward(layer, self._whole(layer, params), state, x, keys)
+
+    def _forward_kept(self, layer, params, state, x, skey, index):
+        """The forward of a block whose input is kept (a standard layer, a remat block)."""
+        keys = example_keys(skey, index, batch_size_of(x))
+        return REMAT.forward(layer, self._whole(layer, params), state, x, keys)
 
     def _fenced(self, layer) -> bool:
         """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
@@ -464,46 +517,46 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         return obj, reduce_grads(grads, specs), dx, stats, new_state, total
 
     @staticmethod
-    def top_head_grads(top, head, top_params, top_state, head_params, head_state, x, batch, top_keys, head_keys,
+    def top_head_grads(tops, head, top_params, top_states, head_params, head_state, x, batch, top_keys, head_keys,
                        top_specs=None, head_specs=None):
-        """`head_grads` through the reversible layer ``top`` under the head, from ``top``'s input ``x``:
-        one ``vjp`` of the head's loss of ``top``'s output with respect to (``top``'s params, the head's
-        params, ``x``). Returns ``(mean loss, top grads, head grads, dx, stats, new top state, new head
-        state, total weight)``, gradients summed over devices (reduce-scattered with the specs)."""
-        def objective(tp, hp, x):
-            y, new_top_state = top.apply(tp, top_state, x, top_keys, True)
-            loss_sum, stats, new_head_state = head.loss(hp, head_state, y, batch, head_keys, True)
+        """`head_grads` through the backprop blocks ``tops`` under the head (`modes.Backprop`, bottom first),
+        from the lowest one's input ``x``: one ``vjp`` of the head's loss of their output with respect to
+        (every top block's params, the head's params, ``x``). ``top_params``, ``top_states``, ``top_keys``,
+        ``top_specs`` (None or one per block) are sequences like ``tops``. Returns ``(mean loss, top grads
+        (a tuple), head grads, dx, stats, new top states (a tuple), new head state, total weight)``,
+        gradients summed over devices (reduce-scattered with the specs)."""
+        def objective(tps, hp, x):
+            new_states = []
+            for layer, p, s, k in zip(tops, tps, top_states, top_keys):
+                x, new_state = layer.apply(p, s, x, k, True)
+                new_states.append(new_state)
+            loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, head_keys, True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
-            return loss_sum / total, (stats, new_top_state, new_head_state, total)
+            return loss_sum / total, (stats, tuple(new_states), new_head_state, total)
 
-        obj, vjp_fn, (stats, new_top_state, new_head_state, total) = jax.vjp(
-            objective, per_device(top_params), per_device(head_params), x, has_aux=True)
+        obj, vjp_fn, (stats, new_top_states, new_head_state, total) = jax.vjp(
+            objective, tuple(per_device(p) for p in top_params), per_device(head_params), x, has_aux=True)
         top_grads, head_grads, dx = vjp_fn(jnp.ones_like(obj))
-        return (obj, reduce_grads(top_grads, top_specs), reduce_grads(head_grads, head_specs), dx, stats,
-                new_top_state, new_head_state, total)
+        top_specs = top_specs or (None,) * len(tops)
+        return (obj, tuple(reduce_grads(g, sp) for g, sp in zip(top_grads, top_specs)),
+                reduce_grads(head_grads, head_specs), dx, stats, new_top_states, new_head_state, total)
 
     @staticmethod
     def reverse_grads(layer, params, state, y, dy, keys, specs=None, rebuild: str = "exact"):
         """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
-        given weights (`ReversibleLayer.reverse_vjp`): returns ``(x, dx, grads)``, gradients summed over
-        devices (reduce-scattered to the local pieces with ``specs``, see ``reduce_grads``). ``rebuild``:
-        ``"exact"`` (inverse, then the vjp of the whole layer) or ``"fused"`` (one vjp per half-residual, whose
-        primal output rebuilds that half's input); see ``REBUILD_MODES``."""
-        x, dx, grads = layer.reverse_vjp(per_device(params), state, y, dy, keys, fused=rebuild != "exact",
-                                         fenced=rebuild == "fenced")
-        return x, dx, reduce_grads(grads, specs)
+        given weights (`ReversibleLayer.reverse_vjp`, the rebuild mode's `modes.Rebuild.grads`): returns
+        ``(x, dx, grads)``, gradients summed over devices (reduce-scattered to the local pieces with
+        ``specs``, see ``reduce_grads``). ``rebuild``: a name of ``REBUILD_MODES``."""
+        return REBUILDS[rebuild].grads(layer, params, state, y, dy, keys, specs)
 
     @staticmethod
     def recompute_grads(layer, params, state, x, dy, keys, specs=None):
-        """Recomputes a standard layer from its saved input under ``vjp``: returns ``(dx, grads)``; ``dx``
-        is None for integer inputs (token ids have no cotangent)."""
-        if _is_float_tree(x):
-            _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], per_device(params), x)
-            grads, dx = vjp_fn(dy)
-        else:
-            _, vjp_fn = jax.vjp(lambda p: layer.apply(p, state, x, keys, True)[0], per_device(params))
-            (grads,), dx = vjp_fn(dy), None
-        return dx, reduce_grads(grads, specs)
+        """Recomputes a layer from its kept input under ``vjp`` (`modes.Remat.grads`): returns ``(dx,
+        grads)``; ``dx`` is None for integer inputs (token ids have no cotangent)."""
+        return REMAT.grads(layer, params, state, x, dy, keys, specs)[1:]
+
+    def _block_grads(self, mode, layer, params, state, start, dy, keys):
+        return mode.grads(layer, self._whole(layer, params), state, start, dy, keys, self._grad_specs(layer))
 
     def _head(self, layer, params, opt_state, state, x, batch, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
@@ -515,35 +568,44 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
         return dx, new_params, new_opt, new_state, metrics, finite, self._sq(layer, grads)
 
-    def _top_head(self, layers, top_params, top_opt, top_state, head_params, head_opt, head_state, x, batch, skey,
-                  top_index, head_index):
-        """`_head` through the reversible layer under it (``fuse_top``): loss, one vjp, both updates."""
-        top, head = layers
+    def _top_grads(self, layers, top_params, top_states, head_params, head_state, x, batch, ctx, top_index,
+                   head_index):
+        """`top_head_grads` of the trainer's layers (``layers = (tops, head)``), its weights gathered whole."""
+        tops, head = layers
         n = batch_size_of(x)
-        obj, top_grads, head_grads, dx, stats, new_top_state, new_head_state, total = self.top_head_grads(
-            top, head, self._whole(top, top_params), top_state, self._whole(head, head_params), head_state, x,
-            batch, example_keys(skey, top_index, n), example_keys(skey, head_index, n), self._grad_specs(top),
-            self._grad_specs(head))
+        return self.top_head_grads(
+            tops, head, [self._whole(t, p) for t, p in zip(tops, top_params)], top_states,
+            self._whole(head, head_params), head_state, x, batch, [example_keys(ctx, i, n) for i in top_index],
+            example_keys(ctx, head_index, n), [self._grad_specs(t) for t in tops], self._grad_specs(head))
+
+    def _top_head(self, layers, top_params, top_opt, top_states, head_params, head_opt, head_state, x, batch, skey,
+                  top_index, head_index):
+        """`_head` through the backprop blocks under it (tuples ``top_*``, bottom first): loss, one vjp, every
+        block's update."""
+        tops, head = layers
+        obj, top_grads, head_grads, dx, stats, new_top_states, new_head_state, total = self._top_grads(
+            layers, top_params, top_states, head_params, head_state, x, batch, skey, top_index, head_index)
         loss = lax.psum(obj, DATA_AXIS)
         new_head, new_head_opt, head_finite = guarded_update(self.tx, head_grads, head_opt, head_params,
                                                              ok=jnp.isfinite(loss), across=self._across)
-        new_top, new_top_opt, top_finite = guarded_update(self.tx, top_grads, top_opt, top_params,
-                                                          across=self._across)
+        new_top, new_top_opt, top_finite = [], [], []
+        for t, g, o, p in zip(tops, top_grads, top_opt, top_params):
+            new_p, new_o, fin = guarded_update(self.tx, g, o, p, across=self._across)
+            new_top.append(new_p), new_top_opt.append(new_o), top_finite.append(fin)
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
-        return (dx, new_top, new_top_opt, new_top_state, new_head, new_head_opt, new_head_state, metrics,
-                top_finite, head_finite, self._sq(top, top_grads), self._sq(head, head_grads))
+        return (dx, tuple(new_top), tuple(new_top_opt), new_top_states, new_head, new_head_opt, new_head_state,
+                metrics, tuple(top_finite), head_finite, tuple(self._sq(t, g) for t, g in zip(tops, top_grads)),
+                self._sq(head, head_grads))
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
-        x, dx, grads = self.reverse_grads(layer, self._whole(layer, params), state, y, dy, keys,
-                                          self._grad_specs(layer), self.rebuild)
+        x, dx, grads = self._block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
         return x, dx, new_params, new_opt, finite, self._sq(layer, grads)
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        dx, grads = self.recompute_grads(layer, self._whole(layer, params), state, x, dy, keys,
-                                         self._grad_specs(layer))
+        _, dx, grads = self._block_grads(REMAT, layer, params, state, x, dy, keys)
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self._across)
         return dx, new_params, new_opt, finite, self._sq(layer, grads)
 
@@ -638,16 +700,16 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
         return moved
 
-    # Per-layer programs: (function, in_specs, out_specs, donated arguments, arguments moved to the device
-    # and results moved back to host memory with offload).
+    # Per-layer programs, by name (`modes.ProgramSpec`; each mode's ``program_kinds`` name its own).
     _PER_LAYER = {
-        "forward_rev": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (2,), (0,), ()),
-        "forward_std": ("_forward", (_R, _R, _D, _R, _R), (_D, _R), (), (0,), ()),
-        "head": ("_head", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R, _R, _R), (0, 1), (0, 1), (1, 2)),
-        "reverse": ("_reverse_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _D, _R, _R, _R, _R), (0, 1, 3, 4),
-                    (0, 1), (2, 3)),
-        "recompute": ("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R), (0, 1, 4), (0, 1),
-                      (1, 2)),
+        "forward_rev": ProgramSpec("_forward", (_R, _R, _D, _R, _R), (_D, _R), (2,), (0,), ()),
+        "forward_std": ProgramSpec("_forward_kept", (_R, _R, _D, _R, _R), (_D, _R), (), (0,), ()),
+        "head": ProgramSpec("_head", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R, _R, _R), (0, 1), (0, 1),
+                            (1, 2)),
+        "reverse": ProgramSpec("_reverse_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _D, _R, _R, _R, _R),
+                               (0, 1, 3, 4), (0, 1), (2, 3)),
+        "recompute": ProgramSpec("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R),
+                                 (0, 1, 4), (0, 1), (1, 2)),
     }
 
     def _with_specs(self, specs: tuple, positions: tuple, state_specs: tuple) -> tuple:
@@ -668,6 +730,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                      for i, spec in enumerate(specs))
 
     def _fn(self, kind, layer):
+        """The compiled per-layer program ``kind`` (a name of ``_PER_LAYER``) of ``layer``."""
         name, in_specs, out_specs, donate, inputs, outputs = self._PER_LAYER[kind]
         fn = getattr(self, name)
         state_specs = self.layer_specs(layer)
@@ -689,17 +752,22 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     TOP_HEAD_MOVED = (0, 1, 3, 4)  # `_top_head`'s arguments in host memory with offload (weights, opt state)
 
-    def _top_head_fn(self, top, head):
-        """The compiled `_top_head` of ``top`` (the reversible layer under the head) and ``head``."""
+    def _top_specs(self, tops, head):
+        """(top params specs, top optimizer state specs) as tuples over ``tops``, and the head's."""
+        top_specs = tuple(self.layer_specs(t) for t in tops)
+        return (tuple(p for p, _ in top_specs), tuple(o for _, o in top_specs)), self.layer_specs(head)
+
+    def _top_head_fn(self, tops, head):
+        """The compiled `_top_head` of the backprop blocks ``tops`` (a tuple, bottom first) and ``head``."""
         in_specs = (_R, _R, _R, _R, _R, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R)
-        top_specs, head_specs = self.layer_specs(top), self.layer_specs(head)
+        top_specs, head_specs = self._top_specs(tops, head)
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
         inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
-        return self._per_layer_compiled("top_head", (top, head), self._top_head, in_specs, out_specs, donate, inputs,
-                                        outputs)
+        return self._per_layer_compiled("top_head", (tops, head), self._top_head, in_specs, out_specs, donate,
+                                        inputs, outputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
@@ -721,38 +789,64 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         raise KeyError(kind)
 
     def _plan(self, groups) -> "_Plan":
-        """The compiled functions of every group, looked up once per layout (not per call)."""
-        plan = self._plans.get(groups)
+        """The compiled functions of every group, looked up once per layout and block modes (not per call)."""
+        key = (groups, tuple(self.block_modes))
+        plan = self._plans.get(key)
         if plan is None:
-            layers, kinds, forward, backward = self.model.layers, [], [], []
-            top = self.fuse_top and groups[-2] == (len(layers) - 2, 1)
-            acc = self.deferred  # the accumulating backward programs (revtrain.trainers.deferred)
-            for start, count in groups[:-2] if top else groups[:-1]:
-                layer = layers[start]
+            layers, acc, blocks = self.model.layers, self.deferred, []
+            top = self.num_top
+            below = len(groups) - 1 - top  # the groups with programs of their own (the top ones are singles)
+            for start, count in groups[:below]:
+                layer, mode = layers[start], self.block_modes[start]
+                forward_kind, backward_kind, acc_kind = mode.program_kinds
                 if count > 1:
-                    kinds.append("run")
-                    forward.append(self._run_fn("forward_run", layer, count))
-                    backward.append(self._acc_run_fn(layer, count) if acc else self._run_fn("reverse_run", layer, count))
-                elif layer.reversible:
-                    kinds.append("rev")
-                    forward.append(self._fn("forward_rev", layer))
-                    backward.append(self._acc_fn("reverse_acc", layer) if acc else self._fn("reverse", layer))
+                    blocks.append(_Block(StepKind.RUN, mode, self._run_fn("forward_run", layer, count),
+                                         self._acc_run_fn(layer, count) if acc else
+                                         self._run_fn("reverse_run", layer, count), np.int32(start)))
                 else:
-                    kinds.append("std")
-                    forward.append(self._fn("forward_std", layer))
-                    backward.append(self._acc_fn("recompute_acc", layer) if acc else self._fn("recompute", layer))
+                    blocks.append(_Block(mode.kind, mode, self._fn(forward_kind, layer),
+                                         self._acc_fn(acc_kind, layer) if acc else self._fn(backward_kind, layer),
+                                         np.int32(start)))
+            for start, _ in groups[below:-1]:
+                blocks.append(_Block(StepKind.TOP, BACKPROP, None, None, np.int32(start)))
             if top:
-                kinds.append("top")
-                forward.append(None)
-                backward.append(None)
-                head = (self._top_head_acc_fn if acc else self._top_head_fn)(layers[-2], layers[-1])
+                tops = tuple(layers[s] for s, _ in groups[below:-1])
+                head = (self._top_head_acc_fn if acc else self._top_head_fn)(tops, layers[-1])
             else:
                 head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
-            kinds.append("head")
-            plan = self._plans[groups] = _Plan(kinds, forward, backward, head,
-                                               [np.int32(start) for start, _ in groups])
+            blocks.append(_Block(StepKind.HEAD, None, head, None, np.int32(groups[-1][0])))
+            plan = self._plans[key] = _Plan(blocks)
         return plan
 
+    # -- the walk: one forward and one backward over the plan's blocks ---------------------------------
+    def _walk(self, plan: "_Plan", params: list, slot: list, states, new_states: list, x, ctx, head, store) -> None:
+        """One forward and backward pass over the plan (the fused step and the deferred one alike).
+
+        Forward: each group below the head's program runs its forward program (keeping its input when its
+        mode does: `modes.BackwardMode.keeps_input`, in host memory with offload). ``head(x)`` runs the
+        head's program (with the backprop blocks) and returns the cotangent of its input. Backward, newest
+        first: each group's backward program takes ``(params, slot, state, start, dy, ctx, index)``, ``slot``
+        being the optimizer state (fused update) or the gradient buffer (deferred), ``start`` the output a
+        rebuild starts from or the kept input; ``store(g, results)`` takes the program's results after the
+        activations (updated params and state, finite flags and squares; or the buffer)."""
+        blocks, kept = plan.blocks, {}
+        below = len(blocks) - 1 - plan.top
+        for g in range(below):
+            block = blocks[g]
+            if block.mode.keeps_input:
+                kept[g] = self._act_to_host(x)
+            x, new_states[g] = block.forward(params[g], states[g], x, ctx, block.index)
+        dy = head(x)
+        y = x
+        for g in range(below - 1, -1, -1):
+            block = blocks[g]
+            if block.mode.keeps_input:  # recomputed from its kept input; the walk goes on from that input
+                xs = self._act_to_device(kept.pop(g))
+                out = block.backward(params[g], slot[g], states[g], xs, dy, ctx, block.index)
+                dy, rest, y = out[0], out[1:], xs
+            else:
+                y, dy, *rest = block.backward(params[g], slot[g], states[g], y, dy, ctx, block.index)
+            store(g, rest)
 
     # -- one step --------------------------------------------------------------------------------
     def train_step(self, ts: TrainState, batch: dict):
@@ -768,21 +862,24 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
         Raises:
           TrainerError: the batch size is not divisible by the number of devices (and each device's share by
-            the number of microbatches).
+            the number of microbatches); a ``memory_budget`` below the least this step needs.
           NonFiniteError: a non-finite loss or gradient (its ``state`` skips the non-finite updates; with
             deferred updates no layer is updated).
         """
         check_batch(batch, self.num_devices, self.microbatches)
+        if self.memory_budget is not None and self.budget_plan is None:
+            self.plan_budget(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
         if self.deferred:
             return self._deferred_step(ts, batch)
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
-        kinds, index, last = plan.kinds, plan.index, len(plan.kinds) - 1
+        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         skey = step_key(self.seed, ts.step)
         params, opt_state = self._streamed(grouped, plan, ts.step)  # (the disk tier: read ahead, written back)
         states = grouped.layer_state
         new_states = list(states)
-        saved = {}
+        finite, sq = [None] * (last + 1), [None] * (last + 1)
+        out = {}
 
         # With offload every program takes its layer's weights and optimizer state where they live (host
         # memory), moves them to the device itself and writes the updated ones back to host memory (a
@@ -790,39 +887,25 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # on the device, so the device holds at most the layers of the program it runs, however far
         # asynchronous dispatch runs ahead: the loop never waits. The step's one host sync is the final
         # check of non-finite values.
-
-        # Forward: keep only the current activation (+ the inputs of standard layers).
-        top = kinds[last - 1] == "top" if last else False
-        x = batch[self.model.input_key]
-        for g in range(last - 1 if top else last):
-            if kinds[g] == "std":
-                saved[g] = self._act_to_host(x)
-            x, new_states[g] = plan.forward[g](params[g], states[g], x, skey, index[g])
-
-        # Head: loss, vjp and update in one call (through the reversible layer under it with fuse_top).
-        finite, sq = [None] * (last + 1), [None] * (last + 1)
-        if top:
-            t = last - 1
-            (dy, params[t], opt_state[t], new_states[t], params[last], opt_state[last], new_states[last], metrics,
-             finite[t], finite[last], sq[t], sq[last]) = plan.head(
-                params[t], opt_state[t], states[t], params[last], opt_state[last], states[last], x, batch, skey,
-                index[t], index[last])
-        else:
-            dy, params[last], opt_state[last], new_states[last], metrics, finite[last], sq[last] = plan.head(
-                params[last], opt_state[last], states[last], x, batch, skey, index[last])
-
-        # Backward: reverse-and-update each layer (each run in one scan), newest first.
-        y = x
-        for g in range(last - 2 if top else last - 1, -1, -1):
-            if kinds[g] == "std":
-                xs = self._act_to_device(saved.pop(g))
-                dy, params[g], opt_state[g], finite[g], sq[g] = plan.backward[g](
-                    params[g], opt_state[g], states[g], xs, dy, skey, index[g])
-                y = xs
+        def head(x):
+            # Loss, vjp and update in one call (through the backprop blocks under the head).
+            if top:
+                t = slice(last - top, last)
+                (dy, tp, to, ts_, params[last], opt_state[last], new_states[last], out["metrics"], tf, finite[last],
+                 tsq, sq[last]) = plan.head(
+                    tuple(params[t]), tuple(opt_state[t]), tuple(states[t]), params[last], opt_state[last],
+                    states[last], x, batch, skey, tuple(index[t]), index[last])
+                params[t], opt_state[t], new_states[t], finite[t], sq[t] = tp, to, ts_, tf, tsq
             else:
-                y, dy, params[g], opt_state[g], finite[g], sq[g] = plan.backward[g](
-                    params[g], opt_state[g], states[g], y, dy, skey, index[g])
-        metrics = dict(metrics, grad_norm=grad_norm(sq))
+                dy, params[last], opt_state[last], new_states[last], out["metrics"], finite[last], sq[last] = \
+                    plan.head(params[last], opt_state[last], states[last], x, batch, skey, index[last])
+            return dy
+
+        def store(g, rest):
+            params[g], opt_state[g], finite[g], sq[g] = rest
+
+        self._walk(plan, params, opt_state, states, new_states, batch[self.model.input_key], skey, head, store)
+        metrics = dict(out["metrics"], grad_norm=grad_norm(sq))
         params, opt_state = self._stored(params, opt_state)
         groups = grouped.groups
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
@@ -830,16 +913,64 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                      self.model.layers)
         return new_ts, metrics
 
+    # -- the memory budget (`revtrain.trainers.budget`) ---------------------------------------------
+    def plan_budget(self, batch_spec: dict):
+        """Chooses each block's backward mode within ``memory_budget`` for batches shaped like
+        ``batch_spec`` (``{key: jax.ShapeDtypeStruct}``, the global batch), sets them (`set_block_modes`),
+        logs the plan's line and returns the `budget.BudgetPlan`. Called by ``revtrain train`` before the
+        state is placed, else by the first ``train_step``.
+
+        Raises:
+          TrainerError: the budget is below the least any plan needs (the message names that least budget).
+        """
+        from revtrain.trainers import budget as budget_lib
+        self.budget_plan = budget_lib.plan_budget(self, batch_spec, self.memory_budget)
+        self.set_block_modes(self.budget_plan.modes)
+        metrics_lib.log(self.budget_plan.line())
+        return self.budget_plan
+
+
+@dataclasses.dataclass
+class _Block:
+    """One group of a plan: its walk kind, backward mode, compiled programs and first layer index."""
+
+    kind: StepKind
+    mode: object  # a `modes.BackwardMode` (None for the head)
+    forward: object
+    backward: object
+    index: np.int32  # a host scalar: nothing per layer stays on the device
+
 
 @dataclasses.dataclass
 class _Plan:
-    """A layout's compiled functions, one per group (the head's apart) and the groups' first indices."""
+    """A layout's blocks (`_Block`, one per group, the head last) and the views the step reads."""
 
-    kinds: list  # "run", "rev", "std" or "top" (run inside the head's program) per group, then "head"
-    forward: list
-    backward: list
-    head: object
-    index: list  # np.int32 first layer index per group (a host scalar: nothing per layer stays on the device)
+    blocks: list
+
+    @property
+    def top(self) -> int:
+        """The backprop blocks inside the head's program."""
+        return sum(b.kind is StepKind.TOP for b in self.blocks)
+
+    @property
+    def kinds(self) -> list:
+        return [b.kind for b in self.blocks]
+
+    @property
+    def forward(self) -> list:
+        return [b.forward for b in self.blocks[:-1]]
+
+    @property
+    def backward(self) -> list:
+        return [b.backward for b in self.blocks[:-1]]
+
+    @property
+    def head(self):
+        return self.blocks[-1].forward
+
+    @property
+    def index(self) -> list:
+        return [b.index for b in self.blocks]
 
 
 class _Dropping:

@@ -1,0 +1,356 @@
+"""The memory budget: each block backpropagated, rematerialised or rebuilt, the fewest FLOPs within a budget.
+
+``ReversibleTrainer.memory_budget`` (bytes, ``'2GiB'``, or ``'auto'`` on an accelerator) makes the trainer
+choose each block's backward mode (`revtrain.trainers.modes`) so that the step's peak device memory stays
+within the budget with the fewest FLOPs:
+
+* **backprop**: the block runs inside the head's program, its vjp residuals held there (no recompute);
+* **remat**: its input is kept (in host memory with offload) and it is recomputed under its vjp;
+* **rebuild**: nothing is kept; its input is rebuilt from its output (the trainer's ``rebuild`` flavour).
+
+Every mode gives the same gradients (the depth-12 bitwise test against `StandardTrainer` mixes all three),
+so the budget trades only speed against memory.
+
+**Costs.** For each distinct block (structurally identical blocks share one answer) the trainer's own
+per-layer programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call adds to
+what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
+optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for
+its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks; k blocks are extrapolated
+linearly from those (the residuals of k identical blocks), and the chosen k is then compiled and
+checked.
+
+**The plan.** Backprop blocks must be the ones directly under the head (they run in its program), so a
+plan is ``(k, r)``: the top k reversible blocks backprop'd, the lowest r of the other reversible blocks
+rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for a stack of identical
+blocks this enumeration is the whole knapsack (which r blocks are kept does not change what is held when
+the head runs, where the step peaks). The peak of each ``(k, r)`` is simulated call by call over the walk
+(live arrays before each call plus what the call adds, the meter's own rule); the plan is the one with
+the fewest FLOPs whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
+the trainer refuses, naming that least budget (exit 2 from the CLI).
+
+Limits: the scanned executor's runs are estimated from the per-layer programs (a run's scan body is one
+block's call); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
+programs plus its gradient buffer; tied parameters keep backprop off (the tie's owner would need the
+head's program); a stack of different blocks is planned with the same (k, r) rule, k limited to the blocks
+under the head that equal the top one.
+
+Lineage: checkpointing planners choose what to save under a budget (Chen et al. 2016, "Training Deep Nets
+with Sublinear Memory Cost"; Jain et al. 2020, "Checkmate"); MaxText's per-tensor remat policies; here the
+third option (a rebuild) keeps nothing at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from revtrain.placement import DATA_AXIS
+from revtrain.trainers.common import TrainerError
+from revtrain.trainers.modes import BACKPROP, REMAT
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+# Beyond the state, batch and activations a step holds small arrays (metrics, finite flags, squares, keys):
+# planned as this much (the meter saw 258 bytes over a plan without it at depth 6).
+SLACK_BYTES = 1 << 16
+AUTO_MARGIN = 0.10  # 'auto': the device's bytes_limit less this share (the runtime's own, fragmentation)
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def parse_budget(value, mesh=None) -> int:
+    """Bytes of a memory budget: an int (bytes), a string with a unit (``'2GiB'``, ``'500MB'``, ``'1.5 GiB'``)
+    or ``'auto'`` (an accelerator's ``bytes_limit`` less `AUTO_MARGIN`).
+
+    Raises:
+      TrainerError: not a positive size, or ``'auto'`` on a backend without a device memory limit (CPU).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
+            try:
+                limit = (device.memory_stats() or {}).get("bytes_limit")
+            except Exception:  # noqa: BLE001 (CPU: no memory stats)
+                limit = None
+            if not limit:
+                raise TrainerError(f"ReversibleTrainer.memory_budget='auto' needs a device with a bytes_limit "
+                                   f"({device.platform} has none); give the budget in bytes, e.g. '4GiB'")
+            return int(limit * (1 - AUTO_MARGIN))
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)\s*([kmgt]?i?b?)", text)
+        if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise TrainerError(f"ReversibleTrainer.memory_budget must be a positive number of bytes, a size such as '2GiB', "
+                       f"or 'auto'; got {value!r}")
+
+
+@dataclasses.dataclass
+class Cost:
+    """What one program call adds to the live device bytes (``extra``, the meter's rule) and its FLOPs."""
+
+    extra: int
+    flops: float
+
+
+@dataclasses.dataclass
+class BudgetPlan:
+    """The chosen backward mode of every block and what the step is expected to need.
+
+    Attributes:
+      modes: one `modes.BackwardMode` per layer but the head.
+      budget: the budget, bytes.
+      peak: the expected peak device bytes of a step (the meter's estimate rule).
+      least: the least peak of any plan (bytes): the smallest budget that trains.
+      most: the peak of the fastest plan (every block it can backprop'd).
+      flops: expected FLOPs of a step; ``rebuild_flops``: of the plan rebuilding every block.
+      rebuild: the trainer's rebuild flavour (``"exact"``, ...).
+    """
+
+    modes: list
+    budget: int
+    peak: int
+    least: int
+    most: int
+    flops: float
+    rebuild_flops: float
+    rebuild: str
+    reversible: list  # per layer but the head: whether it is a reversible block (the counts' blocks)
+
+    def counts(self) -> dict:
+        """Reversible blocks per mode: ``{"backprop": k, "remat": r, "rebuild": n}``."""
+        out = {"backprop": 0, "remat": 0, "rebuild": 0}
+        for m, rev in zip(self.modes, self.reversible):
+            if not rev:
+                continue
+            if m is BACKPROP:
+                out["backprop"] += 1
+            elif m.rebuilds:
+                out["rebuild"] += 1
+            elif m is REMAT:
+                out["remat"] += 1
+        return out
+
+    def names(self) -> list:
+        """Each block's mode as a plan's name (``"backprop"``, ``"remat"``, ``"rebuild"``)."""
+        return ["rebuild" if m.rebuilds else m.name for m in self.modes]
+
+    def line(self) -> str:
+        """One log line: the blocks of each mode, the expected peak against the budget, FLOPs."""
+        c = self.counts()
+        ratio = self.flops / self.rebuild_flops if self.rebuild_flops else 1.0
+        return (f"memory budget {gib(self.budget)}: {c['backprop']} blocks backprop, {c['remat']} remat, "
+                f"{c['rebuild']} rebuild ({self.rebuild}); expected peak {gib(self.peak)} (least {gib(self.least)}, "
+                f"fastest plan {gib(self.most)}); {self.flops:.3g} FLOPs a step, {ratio:.2f}x of rebuilding every "
+                "block")
+
+    def record(self) -> dict:
+        """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
+        c = self.counts()
+        return {"budget_bytes": self.budget, "budget_peak_bytes": self.peak, "budget_least_bytes": self.least,
+                "budget_backprop": c["backprop"], "budget_remat": c["remat"], "budget_rebuild": c["rebuild"]}
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of the leaves of an abstract tree not placed in host memory."""
+    return sum(_nbytes(x) for x in jax.tree.leaves(tree)
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
+
+
+class _Analysis:
+    """Compiles the trainer's own programs on shapes and reads their costs (cached per distinct layer)."""
+
+    def __init__(self, trainer, batch_spec: dict):
+        self.trainer = t = trainer
+        self.mesh = t.mesh
+        data = NamedSharding(self.mesh, P(DATA_AXIS))
+        self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
+        self.abstract = t.abstract_state()
+        self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
+        self.cache: dict = {}
+        self.offload = t.offload
+        layers = t.model.layers
+        self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
+        # Each layer's input shapes (global, split over "data").
+        x = self.batch[t.model.input_key]
+        self.inputs = []
+        for i, layer in enumerate(layers[:-1]):
+            self.inputs.append(x)
+            out = t._fn("forward_std", layer).eval_shape(self.abstract.params[i], self.abstract.layer_state[i], x,
+                                                         self.skey, np.int32(i))[0]
+            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
+        self.inputs.append(x)
+
+    def _read(self, key, program, args, moved: int) -> Cost:
+        if key not in self.cache:
+            with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
+                warnings.simplefilter("ignore")
+                compiled = program.lower(*args).compile()
+            mem = compiled.memory_analysis()
+            extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
+            try:
+                cost = compiled.cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                flops = float(cost.get("flops", 0.0))
+            except Exception:  # noqa: BLE001 (a backend without cost analysis)
+                flops = 0.0
+            self.cache[key] = Cost(extra + (moved if self.offload else 0), flops)
+        return self.cache[key]
+
+    def forward(self, i: int, kind: str) -> Cost:
+        t, layer = self.trainer, self.trainer.model.layers[i]
+        a = self.abstract
+        args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
+        return self._read(("fwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+
+    def backward(self, i: int, kind: str) -> Cost:
+        t, layer = self.trainer, self.trainer.model.layers[i]
+        a = self.abstract
+        start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
+        args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
+        return self._read(("bwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+
+    def head(self, k: int) -> Cost:
+        """The head's program with the ``k`` blocks under it inside (backprop)."""
+        t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
+        n = len(layers) - 1
+        if k == 0:
+            args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
+            return self._read(("head", 0, layers[n]), t._fn("head", layers[n]), args, self.moved[n])
+        tops = tuple(range(n - k, n))
+        args = (tuple(a.params[i] for i in tops), tuple(a.opt_state[i] for i in tops),
+                tuple(a.layer_state[i] for i in tops), a.params[n], a.opt_state[n], a.layer_state[n],
+                self.inputs[n - k], self.batch, self.skey, tuple(np.int32(i) for i in tops), np.int32(n))
+        program = t._top_head_fn(tuple(layers[i] for i in tops), layers[n])
+        return self._read(("head", k, layers[n], layers[n - 1]), program, args,
+                          sum(self.moved[i] for i in tops) + self.moved[n])
+
+
+def _head_cost(costs: list, k: int) -> Cost:
+    """The head's cost with k backprop blocks: measured for k <= 2, extrapolated linearly beyond."""
+    if k < len(costs):
+        return costs[k]
+    step_extra = max(0, costs[2].extra - costs[1].extra)
+    step_flops = max(0.0, costs[2].flops - costs[1].flops)
+    return Cost(costs[1].extra + (k - 1) * step_extra, costs[1].flops + (k - 1) * step_flops)
+
+
+def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float]:
+    """(peak device bytes, FLOPs) of one step with ``modes`` (per layer but the head), call by call."""
+    n = len(modes)
+    below = n
+    while below > 0 and modes[below - 1] is BACKPROP:
+        below -= 1
+    act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
+    live, peak, flops = base, base, head.flops
+    costs = []
+    for i in range(below):
+        mode = modes[i]
+        fk, bk, _ = mode.program_kinds
+        f, b = an.forward(i, fk), an.backward(i, bk)
+        costs.append((f, b))
+        flops += f.flops + b.flops
+        peak = max(peak, live + f.extra)
+        kept = mode.keeps_input and not an.offload
+        live += act(i + 1) - (0 if kept else act(i))  # the input kept on the device, or freed / moved out
+    peak = max(peak, live + head.extra)
+    live += act(below)  # the head's input cotangent beside the input (y)
+    for i in range(below - 1, -1, -1):
+        mode, (_, b) = modes[i], costs[i]
+        if mode.keeps_input:
+            if an.offload:
+                live += act(i)  # the kept input back on the device
+            peak = max(peak, live + b.extra)
+            live += act(i) - 2 * act(i + 1)  # dx replaces dy; y (the output) gives way to the kept input
+        else:
+            peak = max(peak, live + b.extra)
+            live += 2 * act(i) - 2 * act(i + 1)
+    return peak, flops
+
+
+class Candidates:
+    """Every ``(k, r)`` plan of a trainer on a batch shape (see the module note) with its expected peak and
+    FLOPs: ``table[(k, r)] = (peak bytes, FLOPs)``; `modes` gives a plan's modes."""
+
+    def __init__(self, trainer, batch_spec: dict):
+        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec)
+        layers = trainer.model.layers
+        self.n = n = len(layers) - 1
+        self.reversible = [i for i in range(n) if layers[i].reversible]
+        # Backprop: the blocks directly under the head, equal to the top one (one extrapolation), no ties.
+        self.max_top = 0
+        if not trainer.model.ties:
+            while (self.max_top < n and layers[n - 1 - self.max_top].reversible
+                   and layers[n - 1 - self.max_top] == layers[n - 1]):
+                self.max_top += 1
+        self.heads = [self.an.head(k) for k in range(min(self.max_top, 2) + 1)]
+        a = self.an.abstract
+        self.base = _device_bytes((a.params, a.opt_state, a.layer_state)) + _nbytes(self.an.batch) + SLACK_BYTES
+        if trainer.deferred and not trainer.offload:
+            self.base += _device_bytes(a.params)  # the gradient buffers, beside the weights
+        self.table = {(k, r): self.evaluate(k, r) for k in range(self.max_top + 1)
+                      for r in range(len([j for j in self.reversible if j < n - k]) + 1)}
+
+    def modes(self, k: int, r: int) -> list:
+        """The top ``k`` blocks backprop, the lowest ``r`` other reversible blocks remat, the rest rebuilt."""
+        layers, t = self.trainer.model.layers, self.trainer
+        modes = [REMAT if not layers[i].reversible else t.rebuild_mode for i in range(self.n)]
+        for i in range(self.n - k, self.n):
+            modes[i] = BACKPROP
+        for i in [j for j in self.reversible if j < self.n - k][:r]:
+            modes[i] = REMAT
+        return modes
+
+    def evaluate(self, k: int, r: int, measured: bool = False) -> tuple:
+        """(expected peak, FLOPs) of plan ``(k, r)``; ``measured``: the head's program with k blocks compiled,
+        not extrapolated."""
+        head = self.an.head(k) if measured else _head_cost(self.heads, k)
+        return _simulate(self.an, self.modes(k, r), head, self.base)
+
+
+def plan_budget(trainer, batch_spec: dict, budget: int) -> BudgetPlan:
+    """The fastest plan within ``budget`` bytes for ``trainer`` (a `ReversibleTrainer`) on batches shaped
+    like ``batch_spec`` (the global batch, ``{key: ShapeDtypeStruct}``). See the module note.
+
+    Raises:
+      TrainerError: ``budget`` is below the least peak of any plan (the message names it).
+    """
+    key = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in batch_spec.items()))
+    cache = trainer.__dict__.setdefault("_budget_candidates", {})  # (the compiled analyses, per batch shape)
+    if key not in cache:
+        cache[key] = Candidates(trainer, batch_spec)
+    c = cache[key]
+    table = dict(c.table)
+    least = min(p for p, _ in table.values())
+    most = min(table.values(), key=lambda v: (v[1], v[0]))[0]
+    if budget < least:
+        k, r = min(table, key=lambda kr: table[kr][0])
+        how = "every block rebuilt" if k == r == 0 else f"{k} blocks backprop, {r} remat, the rest rebuilt"
+        raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
+                           f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
+                           f"{least:,} bytes or shrink the batch")
+    checked = set()
+    while True:
+        fits = [(f, p, k, r) for (k, r), (p, f) in table.items() if p <= budget]
+        flops, peak, k, r = min(fits)
+        if k <= 2 or (k, r) in checked:
+            break
+        checked.add((k, r))
+        table[(k, r)] = c.evaluate(k, r, measured=True)  # the extrapolation checked against the compiled one
+    layers = trainer.model.layers
+    return BudgetPlan(c.modes(k, r), budget, int(peak), int(least), int(most), flops, table[(0, 0)][1],
+                      trainer.rebuild, [layer.reversible for layer in layers[:-1]])

@@ -1,0 +1,250 @@
+"""`ReversibleTrainer.memory_budget`: each block backprop'd, rematerialised or rebuilt, exact either way.
+
+Float32 with ``jax_default_matmul_precision="highest"``, real text, dropout on, Adam (as tests/test_exactness.py).
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.tree_util import keystr, tree_flatten_with_path
+
+from revtrain.check import _Checker
+from revtrain.memory import MemoryMeter
+from revtrain.models import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh, put_replicated
+from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers import budget as budget_lib
+from revtrain.trainers.common import TrainerError
+
+SEQ, BATCH, STEPS = 128, 8, 5
+
+
+def _mesh():
+    return make_mesh(jax.devices()[:1])
+
+
+def _spec(batch):
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+
+
+def _train(trainer, batches, mesh):
+    ts, losses = trainer.init(), []
+    for batch in batches:
+        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+        losses.append(float(metrics["loss"]))
+    ts = ts.per_layer() if hasattr(ts, "per_layer") else ts
+    return jax.tree.map(np.asarray, ts.params), losses
+
+
+@pytest.fixture(scope="module")
+def depth12_standard(text_batches):
+    batches = text_batches(BATCH, STEPS)
+    with jax.default_matmul_precision("highest"):
+        model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
+        params, losses = _train(StandardTrainer(model, optax.adam(1e-3), _mesh(), seed=0), batches, _mesh())
+    return model, batches, params, losses
+
+
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_plan_mixing_all_three_modes_is_bitwise_backprop_depth12(depth12_standard, scan_layers):
+    """Depth 12, the budget planner's plan (2, 3): the top 2 blocks backprop'd, the lowest 3 recomputed, 7
+    rebuilt. Losses and every parameter after 5 Adam steps identical to StandardTrainer's bits (both
+    executors: the scanned one stacks the rebuilt blocks only). (A budget's FLOP-optimal plan for identical
+    blocks uses two modes at a time, remat being cheaper per byte than backprop: see
+    test_budget_plans_trade_flops_for_memory; the plan is set here so that all three meet in one step.)"""
+    model, batches, std_params, std_losses = depth12_standard
+    with jax.default_matmul_precision("highest"):
+        trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=scan_layers)
+        modes = budget_lib.Candidates(trainer, _spec(batches[0])).modes(2, 3)
+        trainer.set_block_modes(modes)
+        assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 7 + ["backprop"] * 2
+        if scan_layers:
+            assert (4, 7) in trainer.groups  # the 7 rebuilt blocks in one scan, the others alone
+        params, losses = _train(trainer, batches, _mesh())
+    assert losses == std_losses
+    for (path, a), b in zip(tree_flatten_with_path(std_params)[0], jax.tree.leaves(params)):
+        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
+
+
+def test_budget_plans_trade_flops_for_memory(text_batches):
+    """Depth 6, budgets from the least plan's peak to the fastest plan's: each chosen plan fits its budget,
+    FLOPs never rise with the budget, remat fills before backprop (cheaper per byte: no plan has both
+    backprop and rebuilt blocks), and the ends are every block rebuilt and every block backprop'd."""
+    batch = text_batches(BATCH, 1)[0]
+    model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=64, num_heads=4, dropout_rate=0.1)
+    probe = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False)
+    budget_lib.plan_budget(probe, _spec(batch), 2**40)
+    table = probe._budget_candidates.popitem()[1].table
+    probe._budget_candidates.clear()
+    least, most, remat = min(p for p, _ in table.values()), table[(6, 0)][0], table[(0, 6)][0]
+    plans = []
+    for budget in sorted([*np.linspace(least, most, 4).astype(int), (least + remat) // 2]):
+        plan = budget_lib.plan_budget(probe, _spec(batch), int(budget))
+        assert plan.peak <= budget
+        c = plan.counts()
+        assert c["backprop"] == 0 or c["rebuild"] == 0, c
+        plans.append((plan.flops, c))
+    assert [f for f, _ in plans] == sorted((f for f, _ in plans), reverse=True)
+    assert plans[0][1] == {"backprop": 0, "remat": 0, "rebuild": 6}
+    assert plans[-1][1] == {"backprop": 6, "remat": 0, "rebuild": 0}
+    assert any(c["backprop"] and c["remat"] for _, c in plans) and any(c["remat"] and c["rebuild"] for _, c in plans)
+
+
+def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
+    """Depth 6: at the least plan's peak and half way to the fastest plan's, the meter's measured peak of a
+    step (less the arrays other tests left alive) is within the budget and within 2% of the plan's
+    expected peak (every block rebuilt; some backprop'd); the plan's line is logged."""
+    batches = [global_batch(b, _mesh()) for b in text_batches(4, 2)]
+    model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=64, num_heads=4, dropout_rate=0.1)
+    probe = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False)
+    table = budget_lib.Candidates(probe, _spec(batches[0])).table
+    least, most = min(p for p, _ in table.values()), table[(6, 0)][0]
+    seen = []
+    for budget in (least, (least + most) // 2):
+        trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False,
+                                    memory_budget=budget)
+        ts = trainer.init()
+        ts, _ = trainer.train_step(ts, batches[0])
+        trainer.meter = meter = MemoryMeter()
+        meter.start()
+        own = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state, ts.layer_state, batches[1])))
+        foreign = meter._total - own
+        ts, _ = trainer.train_step(ts, batches[1])
+        measured = meter.stop() - foreign
+        plan = trainer.budget_plan
+        assert measured <= budget, (budget, measured, plan.line())
+        assert abs(measured - plan.peak) <= 0.02 * plan.peak, (measured, plan.peak)
+        seen.append(plan.counts())
+    assert seen[0] == {"backprop": 0, "remat": 0, "rebuild": 6}
+    assert seen[-1]["backprop"] >= 1
+    assert "memory budget" in capsys.readouterr().err
+
+
+def test_budget_below_the_least_is_refused_naming_it(text_batches):
+    batch = text_batches(4, 1)[0]
+    model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, memory_budget="1MiB")
+    with pytest.raises(TrainerError, match=r"memory_budget 1.0 MiB is below the least this step needs: "
+                                           r"[0-9.]+ MiB \([0-9,]+ < [0-9,]+ bytes"):
+        trainer.plan_budget(_spec(batch))
+
+
+@pytest.mark.parametrize("value, nbytes", [("2GiB", 2 * 2**30), ("500MB", 500 * 10**6), (" 1.5 gib", 3 * 2**29),
+                                           (123456, 123456), ("1e9", 10**9)])
+def test_parse_budget(value, nbytes):
+    assert budget_lib.parse_budget(value) == nbytes
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", 0, True])
+def test_parse_budget_refuses(value):
+    with pytest.raises(TrainerError, match="memory_budget must be"):
+        budget_lib.parse_budget(value)
+
+
+def test_check_is_exact_on_a_run_mixing_all_three_modes(text_batches):
+    """`revtrain check`'s reversible walk with a budget's modes (backprop, remat, rebuild): every rebuild
+    0.0 and every layer's gradient equal to backprop one layer at a time (0.0)."""
+    mesh = _mesh()
+    batch = global_batch(text_batches(4, 1)[0], mesh)
+    with jax.default_matmul_precision("highest"):
+        model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=32, num_heads=4, dropout_rate=0.1)
+        values = [put_replicated(model.init_layer(i), mesh) for i in range(len(model.layers))]
+        params, states = [p for p, _ in values], [s for _, s in values]
+        checker = _Checker(model, mesh, seed=0)
+        inputs = checker.forward_inputs(params, states, batch)
+        modes = ["remat", "remat", "rebuild", "rebuild", "remat", "backprop", "backprop"]
+        rows = checker.rows(params, states, batch, inputs, 1, ("exact",), modes)[0]
+    kinds = dict(zip(range(7), modes))
+    for i, (name, reversible, rebuild, gdiff) in enumerate(rows):
+        assert gdiff == 0.0, (name, gdiff)
+        if i < 7 and kinds[i] == "rebuild":
+            assert rebuild == 0.0, (name, rebuild)
+        else:
+            assert rebuild is None, (name, rebuild)
+
+
+def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
+    """``revtrain train`` with a budget below the least plan's peak: exit 2, one error line naming the least
+    budget, before the state is placed (no checkpoint, the new workdir removed)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    env.pop("XLA_FLAGS", None)
+    args = ["--config", str(repo / "configs" / "enwik_small.gin"), "--workdir", str(tmp_path / "w"),
+            "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
+            "--gin", "train.batch_size = 8", "--gin", "train.trainer = @ReversibleTrainer",
+            "--gin", "ReversibleTrainer.memory_budget = '64KiB'"]
+    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("revtrain: error: ")]
+    assert len(errors) == 1 and "memory_budget 0.1 MiB" in errors[0], errors
+    assert "is below the least this step needs" in errors[0] and "raise it to at least" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatches):
+    """The deferred update (clip_by_global_norm + Adam; 2 microbatches too) through the one walk: a plan of
+    2 blocks backprop'd, 1 rematerialised and 2 rebuilt gives the all-rebuild trainer's parameters and losses
+    bit for bit after 3 steps (the all-rebuild trainer's own match with StandardTrainer: docs/recipe.md)."""
+    mesh = _mesh()
+    rng = np.random.default_rng(0)
+    batches = [{"inputs": rng.integers(0, 256, (8, 64)).astype(np.int32),
+                "targets": rng.integers(0, 256, (8, 64)).astype(np.int32)} for _ in range(3)]
+
+    def tx():
+        return optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-3))
+
+    with jax.default_matmul_precision("highest"):
+        model = ReversibleTransformerLM(64, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.1)
+        base = _train(ReversibleTrainer(model, tx(), mesh, seed=0, microbatches=microbatches, scan_layers=False),
+                      batches, mesh)
+        trainer = ReversibleTrainer(model, tx(), mesh, seed=0, microbatches=microbatches, scan_layers=False)
+        assert trainer.deferred
+        modes = budget_lib.Candidates(trainer, _spec(batches[0])).modes(2, 1)
+        trainer.set_block_modes(modes)
+        assert [m.name for m in modes] == ["remat", "remat", "exact", "backprop", "backprop"]
+        mixed = _train(trainer, batches, mesh)
+    assert mixed[1] == base[1]
+    for a, b in zip(jax.tree.leaves(base[0]), jax.tree.leaves(mixed[0])):
+        assert np.array_equal(a, b)
+
+
+def test_the_budget_plan_is_part_of_the_memory_plan():
+    """A budgeted trainer's memory plan carries the budget plan's expected peak (a floor under the step's
+    device parts: on the CPU the host tier holds them) and its alternatives do not."""
+    from revtrain import memory_plan
+    model = ReversibleTransformerLM(64, num_layers=3, d_model=32, num_heads=4)
+    spec = {"inputs": jax.ShapeDtypeStruct((8, 64), np.int32), "targets": jax.ShapeDtypeStruct((8, 64), np.int32)}
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
+    plan = trainer.plan_budget(spec)
+    setup = memory_plan.setup_of(trainer, 8)
+    assert setup.budget_peak == plan.peak > 0
+    host = memory_plan.plan(model, setup, spec, 1, limits={"host": (2**40, "test")}, platform="cpu").tiers["host"]
+    step = sum(host[k] for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"))
+    assert step >= plan.peak
+    assert all(a.budget_peak == 0 for a in memory_plan.alternatives(setup, model, 1, False))
+
+
+@pytest.mark.slow  # make test-all: `revtrain check` of a budgeted run (the walk itself: test_check_is_exact_...)
+def test_revtrain_check_follows_the_budget_plan(capsys):
+    """`revtrain check` on a run with a memory budget checks the blocks in the plan's modes and says so."""
+    import pathlib
+
+    from revtrain import cli
+    repo = pathlib.Path(__file__).resolve().parent.parent
+    code = cli.main(["check", "--config", str(repo / "configs" / "enwik_small.gin"),
+                     "--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
+                     "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
+                     "--gin", "train.trainer = @ReversibleTrainer", "--gin", "ReversibleTrainer.memory_budget = '1GiB'",
+                     "--gin", "check.layers_per_chunk = 1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(memory budget: 3 backprop, 0 remat, 0 rebuild)" in out
+    assert "every layer bit-identical to backprop" in out
