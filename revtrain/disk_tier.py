@@ -377,9 +377,15 @@ class _View:
         self.stream, self.part = stream, part
 
     def __getitem__(self, g):
+        if isinstance(g, slice):  # the backprop blocks inside the head's program, as a list
+            return [self.stream.get(k, self.part) for k in range(*g.indices(len(self)))]
         return self.stream.get(g, self.part)
 
     def __setitem__(self, g, value):
+        if isinstance(g, slice):
+            for k, v in zip(range(*g.indices(len(self))), value, strict=True):
+                self.stream.put(k, self.part, v)
+            return
         self.stream.put(g, self.part, value)
 
     def __len__(self):

@@ -130,7 +130,7 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
         checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
         try:
             checkpointer.chosen_step(step)
-            run = loop.build(cfg)
+            run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
             ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
         finally:
             checkpointer.close()

@@ -67,6 +67,7 @@ def test_a_plan_mixing_all_three_modes_is_bitwise_backprop_depth12(depth12_stand
         assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
 
 
+@pytest.mark.slow  # make test-all (about 2 min on 2 cores)
 def test_budget_plans_trade_flops_for_memory(text_batches):
     """Depth 6, budgets from the least plan's peak to the fastest plan's: each chosen plan fits its budget,
     FLOPs never rise with the budget, remat fills before backprop (cheaper per byte: no plan has both
@@ -91,6 +92,7 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     assert any(c["backprop"] and c["remat"] for _, c in plans) and any(c["remat"] and c["rebuild"] for _, c in plans)
 
 
+@pytest.mark.slow  # make test-all (about 2 min on 2 cores)
 def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
     """Depth 6: at the least plan's peak and half way to the fastest plan's, the meter's measured peak of a
     step (less the arrays other tests left alive) is within the budget and within 2% of the plan's
@@ -188,7 +190,7 @@ def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("microbatches", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatches):
     """The deferred update (clip_by_global_norm + Adam; 2 microbatches too) through the one walk: a plan of
     2 blocks backprop'd, 1 rematerialised and 2 rebuilt gives the all-rebuild trainer's parameters and losses
@@ -216,6 +218,7 @@ def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatc
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow  # make test-all
 def test_the_budget_plan_is_part_of_the_memory_plan():
     """A budgeted trainer's memory plan carries the budget plan's expected peak (a floor under the step's
     device parts: on the CPU the host tier holds them) and its alternatives do not."""

@@ -73,6 +73,25 @@ def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
                                                      + trainer.disk_stats["disk_write_bytes"])
 
 
+def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path):
+    """The disk tier's read-ahead follows a budget's plan: 1 block rematerialised, 1 rebuilt, 2 backprop'd
+    inside the head's program give the device tier's losses and weights bit for bit."""
+    from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT
+    runs = []
+    for offload, directory in ((False, None), ("disk", str(tmp_path / "tier"))):
+        trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload,
+                                    scan_layers=False, offload_dir=directory)
+        trainer.set_block_modes([REMAT, REMAT, REBUILDS["exact"], BACKPROP, BACKPROP])
+        ts, losses = trainer.init(), []
+        for x in _batches(3):
+            ts, m = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, trainer.mesh))
+            losses.append(float(m["loss"]))
+        runs.append((losses, [jax.tree.map(np.asarray, trainer.layer_params(ts, i))
+                              for i in range(len(trainer.model.layers))]))
+    assert runs[0][0] == runs[1][0]
+    assert _same(runs[0][1], runs[1][1])
+
+
 def test_refusals(tmp_path):
     mesh, tx = make_mesh(), optax.adamw(1e-3)
     with pytest.raises(TrainerError, match="scan_layers = False"):

@@ -149,7 +149,7 @@ class BudgetPlan:
         """One log line: the blocks of each mode, the expected peak against the budget, FLOPs."""
         c = self.counts()
         ratio = self.flops / self.rebuild_flops if self.rebuild_flops else 1.0
-        return (f"memory budget {gib(self.budget)}: {c['backprop']} blocks backprop, {c['remat']} remat, "
+        return (f"memory budget {gib(self.budget)}: blocks {c['backprop']} backprop, {c['remat']} remat, "
                 f"{c['rebuild']} rebuild ({self.rebuild}); expected peak {gib(self.peak)} (least {gib(self.least)}, "
                 f"fastest plan {gib(self.most)}); {self.flops:.3g} FLOPs a step, {ratio:.2f}x of rebuilding every "
                 "block")
