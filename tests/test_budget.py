@@ -190,7 +190,8 @@ def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("microbatches", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test-all (the three-mode depth-12 test covers the walk in make test)
+@pytest.mark.parametrize("microbatches", [1, 2])
 def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatches):
     """The deferred update (clip_by_global_norm + Adam; 2 microbatches too) through the one walk: a plan of
     2 blocks backprop'd, 1 rematerialised and 2 rebuilt gives the all-rebuild trainer's parameters and losses
