@@ -133,3 +133,26 @@ def run_worker(script: str, devices: int, out: pathlib.Path, *args, data_dir: st
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"worker failed (status {proc.returncode}):\n{proc.stderr[-4000:]}"
     return json.loads(pathlib.Path(out).read_text())
+
+
+def make_memory_cgroup(limit: int) -> pathlib.Path:
+    """A new cgroup v1 memory group limited to ``limit`` bytes (root; ``/sys/fs/cgroup/memory``); the test is
+    skipped where one cannot be made or the limit is not applied. The caller removes it (``rmdir``) when its
+    processes are gone."""
+    import pytest
+    group = pathlib.Path("/sys/fs/cgroup/memory") / f"revtrain-test-{os.getpid()}-{os.urandom(3).hex()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
+            raise OSError("limit not applied")
+    except OSError as e:
+        if group.exists():
+            group.rmdir()
+        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
+    return group
+
+
+def in_cgroup(group: pathlib.Path) -> list:
+    """Command words that run the rest of a command line inside ``group`` (`revtrain`'s ``prefix``)."""
+    return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]

@@ -4,7 +4,6 @@ disk check, and a model larger than its memory cgroup."""
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.reversible import ReversibleTrainer
 
-from helpers import REPO, env, revtrain
+from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain
 from helpers import losses as logged_losses
 
 LLAMA = str(REPO / "configs" / "llama_small.gin")
@@ -167,21 +166,6 @@ def test_kill_9_in_a_step_resumes_bit_exact(tmp_path):
     assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]  # the leftovers removed
 
 
-def _make_cgroup(limit: int):
-    base = pathlib.Path("/sys/fs/cgroup/memory")
-    group = base / f"revtrain-disk-{os.getpid()}-{os.urandom(3).hex()}"
-    try:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
-            raise OSError("limit not applied")
-    except OSError as e:
-        if group.exists():
-            group.rmdir()
-        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
-    return group
-
-
 # A 126 M-parameter Llama of 20 exact reversible blocks: 1.41 GiB of weights and AdamW state.
 BIG = ["--gin", "LlamaModel.d_model = 768", "--gin", "LlamaModel.num_layers = 20", "--gin", "LlamaModel.d_ff = 2048",
        "--gin", "LlamaModel.num_heads = 12", "--gin", "LlamaModel.num_kv_heads = 4", "--gin", "train.keep_checkpoints = 1"]
@@ -192,8 +176,8 @@ def test_state_larger_than_its_memory_cgroup(tmp_path):
     """Inside a 1.25 GiB memory cgroup, a model with 1.41 GiB of weights and optimizer state trains with the disk
     tier (peak resident well below the limit), is killed (SIGKILL) in its second step and resumes exactly; the host tier there is refused by the plan
     (exit 2, one line naming the disk tier), never killed."""
-    group = _make_cgroup(1280 * 2**20)
-    wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+    group = make_memory_cgroup(1280 * 2**20)
+    wrapper = in_cgroup(group)
     try:
         def train(workdir, *extra, script=None):
             args = ("train", "--config", LLAMA, *DISK, *BIG, "--gin", "STEPS = 2", *extra, "--workdir", str(workdir))

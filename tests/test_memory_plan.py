@@ -2,8 +2,6 @@
 memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
 
 import json
-import pathlib
-import uuid
 
 import jax
 import numpy as np
@@ -13,7 +11,7 @@ import pytest
 from revtrain import memory, memory_plan
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
-from helpers import REPO, revtrain
+from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain
 
 LLAMA = str(REPO / "configs" / "llama_small.gin")
 SHORT = ["--gin", "STEPS = 2", "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
@@ -173,29 +171,14 @@ def test_host_resident_reads_rss_and_peak():
     assert memory_plan.host_limit()[0] > rss
 
 
-def _make_cgroup(limit: int):
-    base = pathlib.Path("/sys/fs/cgroup/memory")
-    group = base / f"revtrain-test-{uuid.uuid4().hex[:8]}"
-    try:
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        if int((group / "memory.limit_in_bytes").read_text()) > 2 * limit:
-            raise OSError("limit not applied")
-    except OSError as e:
-        if group.exists():
-            group.rmdir()
-        pytest.skip(f"cannot make a cgroup v1 memory group: {e}")
-    return group
-
-
 def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
     """StandardTrainer on a 51 M-parameter Llama (measured peak 2.2 GiB) inside a 1 GiB memory cgroup: the
     plan refuses it in one line with exit status 2 before the state is placed (the kernel would kill it:
     137), naming the settings that fit and writing nothing."""
-    group = _make_cgroup(2**30)
+    group = make_memory_cgroup(2**30)
     workdir = tmp_path / "run"
     try:
-        wrapper = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"]
+        wrapper = in_cgroup(group)
         result = revtrain("train", "--config", LLAMA, *SHORT, "--gin", "LlamaModel.d_model = 768",
                           "--gin", "LlamaModel.num_layers = 8", "--gin", "LlamaModel.d_ff = 2048",
                           "--gin", "LlamaModel.num_heads = 12", "--gin", "LlamaModel.num_kv_heads = 4",
