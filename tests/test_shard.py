@@ -262,7 +262,9 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
     """2 processes x 2 devices (gloo), sharded with offload, each process holding its devices' pieces: the
     losses equal 1 process x 4 devices replicated within 1e-6 relative; then the two-process run's step-2
     checkpoint resumes in one process (4 devices, sharded) within 1e-5 of the straight run."""
-    from test_multihost import _env, _free_port, _Procs
+    from test_multihost import _Procs
+
+    from helpers import free_port
 
     reference, multi, single = tmp_path / "reference", tmp_path / "multi", tmp_path / "single"
     # Three blocks: with offload, a stacked run of exactly two blocks fails on 4 replicated CPU devices
@@ -270,11 +272,11 @@ def test_two_processes_sharded_equal_one_process_replicated(byte_lm_data_dir, tm
     tiny = [*TINY, "--gin", "ReversibleTransformerLM.num_layers = 3"]
     proc = _cli(["train", *tiny, "--workdir", str(reference)], 4, byte_lm_data_dir, tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    procs, port = _Procs(tmp_path), _free_port()
+    procs, port = _Procs(tmp_path), free_port()
     for i in range(2):
         procs.start(f"multi.p{i}", ["train", *tiny, *SHARD, "--workdir", str(multi), "--coordinator_address",
                                     f"127.0.0.1:{port}", "--num_processes", "2", "--process_id", str(i)],
-                    _env(2, byte_lm_data_dir))
+                    env(2, byte_lm_data_dir, isolated=True))
     results = procs.wait(600)
     for i, (code, log) in enumerate(results):
         assert code == 0, f"process {i} exited {code}:\n{log[-4000:]}"
