@@ -375,6 +375,7 @@ _BITWISE_CASES = {
     "default_adamw": (_default_model, lambda: optax.adamw(1e-3, weight_decay=0.01), {}),
     "default_clip": (_default_model, _clip_adamw, {}),
     "default_microbatches": (_default_model, lambda: optax.adamw(3e-3, weight_decay=0.01), {"microbatches": 2}),
+    "default_clip_microbatches": (_default_model, _clip_adamw, {"microbatches": 2}),
     "default_per_layer": (_default_model, lambda: optax.adamw(1e-3, weight_decay=0.01), {"scan_layers": False}),
     "llama_adamw": (_llama_model, lambda: optax.adamw(1e-3, weight_decay=0.01), {}),
     "llama_clip": (_llama_model, _clip_adamw, {}),
@@ -384,8 +385,8 @@ _BITWISE_CASES = {
 @pytest.mark.parametrize("case", list(_BITWISE_CASES))
 def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
     """The default run's model and the Llama model, 10 steps: losses and every parameter leaf of
-    ReversibleTrainer equal StandardTrainer's bit for bit, with AdamW, a clipped chain (the deferred update)
-    and 2 microbatches. Both token embeddings are layers with a single leaf, whose per-layer update once
+    ReversibleTrainer equal StandardTrainer's bit for bit, with AdamW, a clipped chain (the deferred update),
+    2 microbatches, and both (the quotients by the batch's weight fenced before the clip divides them). Both token embeddings are layers with a single leaf, whose per-layer update once
     compiled to a reciprocal multiply where the whole-model update divides (`layerwise.fence`)."""
     make_model, make_tx, kwargs = _BITWISE_CASES[case]
     model, mesh, batches, runs = make_model(), _mesh(), text_batches(BATCH, 10), {}

@@ -91,22 +91,26 @@ def _worker(out_path: str, executors: str = "scan") -> None:
         out["two_block_run"] = {"groups": [list(g) for g in trainer.groups], "loss": float(metrics["loss"])}
 
         # The default run's model (a single-leaf token embedding layer, `layerwise.fence`), sharded state
-        # against StandardTrainer (AdamW), both on 4 devices.
-        from test_exactness import _default_model
+        # against StandardTrainer, both on 4 devices, 8 steps (the clipped chain once differed from step 4):
+        # AdamW (the fused update) and a clipped chain (the deferred update, its global norm built from each
+        # sharded leaf's sum of squares).
+        from test_exactness import _clip_adamw, _default_model
 
         from revtrain.trainers import StandardTrainer
-        model, runs = _default_model(), {}
-        for name, cls, kwargs in [("standard", StandardTrainer, {}),
-                                  ("sharded", ReversibleTrainer, {"shard_state": True})]:
-            trainer = cls(model, optax.adamw(1e-3, weight_decay=0.01), mesh, seed=0, **kwargs)
-            ts, losses = trainer.init(), []
-            for batch in batches:
-                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-                losses.append(float(metrics["loss"]))
-            runs[name] = (losses, [np.asarray(x) for x in jax.tree.leaves(ts.per_layer().params)])
-        (std_losses, std), (losses, leaves) = runs["standard"], runs["sharded"]
-        out["default_model"] = {"losses": losses, "reference_losses": std_losses,
-                                "differing": sum(int((a != b).sum()) for a, b in zip(std, leaves))}
+        model, longer = _default_model(), batches + [next(it) for _ in range(5)]
+        for case, make_tx in [("adamw", lambda: optax.adamw(1e-3, weight_decay=0.01)), ("clip", _clip_adamw)]:
+            runs = {}
+            for name, cls, kwargs in [("standard", StandardTrainer, {}),
+                                      ("sharded", ReversibleTrainer, {"shard_state": True})]:
+                trainer = cls(model, make_tx(), mesh, seed=0, **kwargs)
+                ts, losses = trainer.init(), []
+                for batch in longer:
+                    ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
+                    losses.append(float(metrics["loss"]))
+                runs[name] = (losses, [np.asarray(x) for x in jax.tree.leaves(ts.per_layer().params)])
+            (std_losses, std), (losses, leaves) = runs["standard"], runs["sharded"]
+            out[f"default_model_{case}"] = {"losses": losses, "reference_losses": std_losses,
+                                            "differing": sum(int((a != b).sum()) for a, b in zip(std, leaves))}
 
     reference = train()
     out["runs"] = {}
@@ -152,10 +156,12 @@ def test_offloaded_run_of_two_blocks_on_four_devices(per_layer_results):
 
 
 @pytest.mark.slow  # in the per-layer executor's process
-def test_default_model_sharded_equals_backprop_bit_for_bit(per_layer_results):
-    """The default run's model with sharded state on 4 devices, 3 steps of AdamW: losses and every
-    parameter equal StandardTrainer's bit for bit (the fenced update inside ``shard_map``)."""
-    run = per_layer_results["default_model"]
+@pytest.mark.parametrize("case", ["adamw", "clip"])
+def test_default_model_sharded_equals_backprop_bit_for_bit(per_layer_results, case):
+    """The default run's model with sharded state on 4 devices, 8 steps of AdamW, and of a clipped chain:
+    losses and every parameter equal StandardTrainer's bit for bit (the fenced update inside
+    ``shard_map``; the clip's sums of squares over each whole leaf)."""
+    run = per_layer_results[f"default_model_{case}"]
     assert run["losses"] == run["reference_losses"], run
     assert run["differing"] == 0, run
 
