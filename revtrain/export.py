@@ -34,15 +34,34 @@ class ExportError(InputError, ValueError):
     """Export cannot proceed (a run of another model, an output that exists); one line, exit status 2."""
 
 
-def _write_tokenizer(directory: str, tokenizer) -> None:
+def _first(token_id):
+    """An id of ``config.json`` (an int, a list of ints: several end ids, or None) -> its first int or None."""
+    if isinstance(token_id, (list, tuple)):
+        return int(token_id[0]) if token_id else None
+    return None if token_id is None else int(token_id)
+
+
+def _write_tokenizer(directory: str, tokenizer, model_config: dict | None = None) -> None:
     """Copies ``tokenizer`` (a `revtrain.data.tokenizer.Tokenizer`) into ``directory`` with its
-    ``tokenizer_config.json`` (Hugging Face files); nothing for bytes."""
+    ``tokenizer_config.json`` (Hugging Face files); nothing for bytes.
+
+    The special tokens named there (what ``AutoTokenizer`` reports as ``bos_token``, ``eos_token``,
+    ``unk_token``, ``pad_token``) are the strings of ``model_config``'s ``bos_token_id`` / ``eos_token_id``
+    (the first of a list) / ``pad_token_id`` (the exported ``config.json``, so the two files agree), the
+    end-of-text token when the config names no end, and the tokenizer model's own unknown token."""
     if tokenizer is None or tokenizer.save(directory) is None or tokenizer.kind != "huggingface":
         return
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    eot = tokenizer.token_string(tokenizer.eot_id) if tokenizer.eot_id is not None else None
-    if eot is not None:
-        config["eos_token"] = eot
+    ids = {k: _first((model_config or {}).get(f"{k}_id")) for k in ("bos_token", "eos_token", "pad_token")}
+    if ids["eos_token"] is None:
+        ids["eos_token"] = tokenizer.eot_id
+    for name, i in ids.items():
+        token = tokenizer.token_string(i) if i is not None and 0 <= i < tokenizer.vocab_size else None
+        if token is not None:
+            config[name] = token
+    unk = tokenizer.unknown_token()
+    if unk is not None:
+        config["unk_token"] = unk
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -127,7 +146,7 @@ def write_checkpoint(out: str, spec, tensors, dtype: str = "float32", tokenizer=
                 weight_map.update(dict.fromkeys(names, file))
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        _write_tokenizer(tmp, tokenizer)
+        _write_tokenizer(tmp, tokenizer, config)
         # The permissions of an ordinary directory and files (mkdtemp made the directory 0700; the umask
         # applies), so a shared upload or another user can read the checkpoint.
         umask = os.umask(0)

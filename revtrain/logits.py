@@ -114,6 +114,7 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
 
     from revtrain import checkpoint as ckpt_lib
     from revtrain import cli, loop
+    from revtrain import metrics as metrics_lib
     workdir = os.path.abspath(workdir)
     config = os.path.join(workdir, "config.gin")
     if not os.path.isfile(config):
@@ -130,7 +131,8 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
         checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
         try:
             checkpointer.chosen_step(step)
-            run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
+            with metrics_lib.silenced():  # a library call: no progress lines (the shard_state summary)
+                run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
             ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
         finally:
             checkpointer.close()

@@ -7,6 +7,7 @@ and ``DIR/tensorboard/`` (scalars under ``train/...`` and ``eval/...``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -238,7 +239,21 @@ def eval_text(result: dict) -> str:
     return ", ".join(f"{k}{unit.get(k, '')} {v:.4f}" for k, v in result.items())
 
 
+_SILENT = [0]  # > 0 inside `silenced`
+
+
+@contextlib.contextmanager
+def silenced():
+    """Within the block `log` prints nothing: a library call (``revtrain.logits.load``) builds a run's
+    trainer without the lines a command prints. Errors are raised as always."""
+    _SILENT[0] += 1
+    try:
+        yield
+    finally:
+        _SILENT[0] -= 1
+
+
 def log(line: str, enabled: bool = True) -> None:
-    """Prints one line to stderr (process 0 only)."""
-    if enabled and jax.process_index() == 0:
+    """Prints one line to stderr (process 0 only; nothing inside `silenced`)."""
+    if enabled and not _SILENT[0] and jax.process_index() == 0:
         print(line, file=sys.stderr, flush=True)

@@ -23,8 +23,9 @@ def _train(workdir, extra):
 
 
 @pytest.mark.parametrize("tie, offload", [(False, False), (True, True)])
-def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, byte_lm_data_dir):
-    """The tied + offloaded run (host-memory weights: they failed under jit before) and a plain one: the
+def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, byte_lm_data_dir, capsys):
+    """The tied + offloaded run (host-memory weights: they failed under jit before) and a plain one (loaded
+    with ``shard_state``, which once printed its summary line): the
     mean negative log-probability of the first evaluation batch equals ``eval.jsonl``'s loss within 1e-5,
     and the logits are those of the model's forward (greedy next bytes of a prefix agree position by
     position with the logits of the whole sequence)."""
@@ -32,7 +33,10 @@ def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, by
     from revtrain.data import byte_lm
     workdir = tmp_path / "run"
     _train(workdir, [f"RMSNormLanguageModelHead.tie_embedding = {tie}", f"ReversibleTrainer.offload = {offload}"])
-    run = logits.load(str(workdir))
+    capsys.readouterr()
+    # Untied: loaded with sharded state too, silently (a library call prints no shard_state summary line).
+    run = logits.load(str(workdir), bindings=[] if tie else ["ReversibleTrainer.shard_state = True"])
+    assert capsys.readouterr().err == ""
     assert run.step == 3 and run.vocab_size == 256 and run.sequence_length == 128
     builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, 128, byte_lm_data_dir)
     from revtrain.data import pipeline

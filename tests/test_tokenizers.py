@@ -2,6 +2,7 @@
 TokenLMTask): the same tokens from every corpus format, user-brought tokenizers that train, evaluate and
 sample, bits per byte, and bad input (one line, exit 2, nothing left behind)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -368,6 +369,13 @@ def test_an_imported_checkpoint_tokenizes_with_its_own_tokenizer_and_exports_it(
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast" and config["eos_token"] == "</s>"
     exported = json.loads((out / "config.json").read_text())
     assert exported["vocab_size"] == 400 and exported["eos_token_id"] == tok.eot_id == 1
+    # revtrain.logits on the fine-tuned run: built with the workdir's kept tokenizer (it raised DataError once).
+    from revtrain import logits
+    loaded = logits.load(str(workdir))
+    ids = tok.encode(corpora[1][0])[:12]
+    log_probs = loaded.log_probs(ids)
+    assert loaded.vocab_size == 400 and log_probs.shape == (1, len(ids) - 1)
+    assert np.all(np.isfinite(log_probs)) and np.all(log_probs < 0)
 
 
 def test_a_checkpoint_smaller_than_the_tokenizer_is_refused(capsys, tmp_path, corpora, user_tokenizer):
@@ -395,3 +403,34 @@ def test_an_exported_tokenizer_loads_in_transformers(tmp_path, user_tokenizer, c
     assert hf.encode(text) == tok.encode(text).tolist()
     assert hf.eos_token_id == tok.eot_id
     assert hf.decode(hf.encode(text)).encode("utf-8") == tok.decode(tok.encode(text))
+
+
+def test_exported_tokenizer_config_names_the_checkpoint_special_tokens(tmp_path, corpora):
+    """A Llama-style tokenizer ('<unk>' 0, '<s>' 1, '</s>' 2; BPE with unk_token) and a source config.json
+    with bos 1 / eos 2 / pad 0: the exported tokenizer_config.json names '<s>', '</s>', '<unk>' and the pad
+    token, as the config's ids (the source's bos and unk tokens were dropped before issue 40)."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from revtrain.export import write_checkpoint
+    from revtrain.models.llama import LlamaModel, model_tensors
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpora[1][:10], trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    (tmp_path / "src").mkdir()
+    tok.save(str(tmp_path / "src" / "tokenizer.json"))
+    loaded = tokenizer_lib.load(str(tmp_path / "src"))
+    model = LlamaModel(None, sequence_length=8, vocab_size=loaded.vocab_size, d_model=16, num_layers=1,
+                       num_heads=2, num_kv_heads=1, d_ff=32)
+    spec = dataclasses.replace(model.llama_spec, bos_token_id=1, eos_token_id=[2], pad_token_id=0)
+    write_checkpoint(str(tmp_path / "out"), spec, model_tensors(model, model.init()[0]), tokenizer=loaded)
+    config = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["unk_token"], config["pad_token"]) == (
+        "<s>", "</s>", "<unk>", "<unk>"), config
+    try:
+        import transformers
+    except ImportError:
+        return
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert (hf.bos_token_id, hf.eos_token_id, hf.unk_token_id) == (1, 2, 0)

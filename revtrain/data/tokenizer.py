@@ -159,6 +159,18 @@ class Tokenizer:
         SentencePiece, or an id appended after the vocabulary)."""
         return self._backend.id_to_token(int(i)) if self.kind == "huggingface" else None
 
+    def unknown_token(self) -> str | None:
+        """A Hugging Face tokenizer model's unknown token (``"<unk>"``: the ``unk_token`` of a BPE or
+        WordPiece model, the ``unk_id`` piece of a Unigram one), else None."""
+        if self.kind != "huggingface":
+            return None
+        model = json.loads(self._backend.to_str()).get("model") or {}
+        if model.get("unk_token"):
+            return str(model["unk_token"])
+        if model.get("unk_id") is not None:
+            return self._backend.id_to_token(int(model["unk_id"]))
+        return None
+
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of each text (no end-of-text token added): a list of int64 arrays."""
         if self.kind == BYTES:
