@@ -52,12 +52,11 @@ class LoadedRun:
         return x
 
     def _check(self, tokens) -> np.ndarray:
-        tokens = np.asarray(tokens)
-        if tokens.ndim == 1:
-            tokens = tokens[None]
+        given = np.asarray(tokens)
+        tokens = given[None] if given.ndim == 1 else given
         if tokens.ndim != 2 or tokens.shape[1] == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise LogitsError(f"token ids must be a non-empty integer array [B, T] (or [T]), got dtype {tokens.dtype} "
-                              f"shape {tokens.shape}")
+            raise LogitsError(f"token ids must be a non-empty integer array [B, T] (or [T]), got dtype {given.dtype} "
+                              f"shape {given.shape}")
         if tokens.min() < 0 or tokens.max() >= self.vocab_size:
             raise LogitsError(f"token ids must be in [0, {self.vocab_size}), got {tokens.min()}..{tokens.max()}")
         if tokens.shape[1] > self.sequence_length:
@@ -128,14 +127,15 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
             cfg = loop.TrainConfig()
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e).splitlines()[0]) from e
-        checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
-        try:
-            checkpointer.chosen_step(step)
-            with metrics_lib.silenced():  # a library call: no progress lines (the shard_state summary)
+        # A library call: no progress lines (the shard_state summary), no Orbax warnings of a read-only restore.
+        with metrics_lib.silenced():
+            checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
+            try:
+                checkpointer.chosen_step(step)
                 run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
-            ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
-        finally:
-            checkpointer.close()
+                ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
+            finally:
+                checkpointer.close()
     finally:
         gin.clear_config()
     trainer, layers, device = run.trainer, run.model.layers, jax.local_devices()[0]

@@ -242,15 +242,28 @@ def eval_text(result: dict) -> str:
 _SILENT = [0]  # > 0 inside `silenced`
 
 
+# Libraries whose warnings a command silences for good (`revtrain.cli`) and a library call only inside
+# `silenced` (Orbax's read-only checkpoint manager warns through absl on every restore).
+_CHATTY_LOGGERS = ("absl", "orbax")
+
+
 @contextlib.contextmanager
 def silenced():
-    """Within the block `log` prints nothing: a library call (``revtrain.logits.load``) builds a run's
-    trainer without the lines a command prints. Errors are raised as always."""
+    """Within the block `log` prints nothing and the absl / Orbax loggers only errors: a library call
+    (``revtrain.logits.load``) restores a checkpoint and builds a run's trainer without the lines a command
+    prints. Errors are raised as always; the loggers' levels are restored afterwards."""
+    import logging
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [lg.level for lg in loggers]
     _SILENT[0] += 1
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.ERROR))
     try:
         yield
     finally:
         _SILENT[0] -= 1
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def log(line: str, enabled: bool = True) -> None:

@@ -23,7 +23,7 @@ def _train(workdir, extra):
 
 
 @pytest.mark.parametrize("tie, offload", [(False, False), (True, True)])
-def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, byte_lm_data_dir, capsys):
+def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, byte_lm_data_dir, capsys, caplog):
     """The tied + offloaded run (host-memory weights: they failed under jit before) and a plain one (loaded
     with ``shard_state``, which once printed its summary line): the
     mean negative log-probability of the first evaluation batch equals ``eval.jsonl``'s loss within 1e-5,
@@ -33,10 +33,17 @@ def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, by
     from revtrain.data import byte_lm
     workdir = tmp_path / "run"
     _train(workdir, [f"RMSNormLanguageModelHead.tie_embedding = {tie}", f"ReversibleTrainer.offload = {offload}"])
+    import logging
     capsys.readouterr()
-    # Untied: loaded with sharded state too, silently (a library call prints no shard_state summary line).
-    run = logits.load(str(workdir), bindings=[] if tie else ["ReversibleTrainer.shard_state = True"])
+    for name in ("absl", "orbax"):  # as in a fresh Python session (the CLI run above silenced them for good)
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    # Untied: loaded with sharded state too, silently (a library call prints no shard_state summary line and
+    # no warnings of Orbax's read-only checkpoint manager, which reach stderr through absl).
+    with caplog.at_level(logging.INFO):
+        run = logits.load(str(workdir), bindings=[] if tie else ["ReversibleTrainer.shard_state = True"])
     assert capsys.readouterr().err == ""
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert logging.getLogger("absl").level == logging.NOTSET  # the level is restored
     assert run.step == 3 and run.vocab_size == 256 and run.sequence_length == 128
     builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, 128, byte_lm_data_dir)
     from revtrain.data import pipeline
@@ -65,7 +72,8 @@ def test_bad_input_is_one_line(tmp_path):
     run = logits.LoadedRun(str(tmp_path), 0, None, [], [], sequence_length=4, vocab_size=10)
     for tokens, message in [(np.zeros((1, 5), int), "more than the model's sequence length 4"),
                             (np.array([[3, 10]]), r"must be in \[0, 10\)"),
-                            (np.zeros((1, 2), np.float32), "non-empty integer array")]:
+                            (np.zeros((1, 2), np.float32), "non-empty integer array"),
+                            (np.zeros(2, np.float32), r"got dtype float32 shape \(2,\)")]:
         with pytest.raises(logits.LogitsError, match=message):
             run.logits(tokens)
     with pytest.raises(logits.LogitsError, match="at least two tokens"):
