@@ -21,8 +21,10 @@ process is at the same global batch).
 A disk-tier state (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) is saved as the item
 ``disk_state`` instead of ``state``: a hard link to each layer's file (complete and never written again),
 the layouts and the small layer state (`DiskStateHandler`): no bytes copied and nothing of the state in
-memory. It restores as layer files (a disk-tier trainer's template), into memory for the other tiers, or as
-numpy weights alone (``optimizer_state=False``: ``revtrain eval``, ``sample``, ``export``, ``check``).
+memory. It restores as layer files (a disk-tier trainer's template), into memory for the other tiers, as
+numpy weights alone (``optimizer_state=False``: ``revtrain check``), or as the weights' layer files, read by
+whoever uses them and never written (``optimizer_state=False, files=True``: ``revtrain eval``, ``sample`` and
+``export`` stream them layer by layer).
 
 Sharded state (``ReversibleTrainer.shard_state``): each leaf is saved with its own sharding, so every
 process writes only its devices' pieces (measured with 2 processes: about half of the state in each
@@ -388,12 +390,16 @@ class Checkpointer:
         return started
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None, *,
-                optimizer_state: bool = True) -> TrainState:
+                optimizer_state: bool = True, files: bool = False) -> TrainState:
         """Restores the checkpoint of ``step`` (default: newest) into the shapes and placements of
         ``template`` (so offloaded weights land straight in host memory), in the per-layer layout (a
         trainer regroups it on its first step). Restores the data iterator's position in place when given.
         ``optimizer_state=False`` reads the weights and layer state alone (the optimizer state's leaves are
         Orbax placeholders in the result, never read: ``revtrain check`` needs a third of the memory).
+        ``files=True`` with ``optimizer_state=False`` and a disk-tier checkpoint restored into a disk-tier
+        template: each layer's weights as its checkpoint file (`disk_tier.DiskLayer`, opened read-only by
+        whoever reads it: the checkpoint's inodes are never written), nothing of them read here; the offload
+        directory is not touched. Otherwise ignored.
 
         Raises:
           CheckpointError: no such step, or the checkpoint is unreadable or does not match the model.
@@ -403,7 +409,7 @@ class Checkpointer:
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
         disk_template = disk_tier.on_disk(template)
         if os.path.isdir(os.path.join(self.directory, str(step), "disk_state")):
-            return self._restore_disk(template, step, data_iterator, optimizer_state)
+            return self._restore_disk(template, step, data_iterator, optimizer_state, files)
         if disk_template and optimizer_state:
             raise CheckpointError(f"the checkpoint at step {step} in {self.directory} holds its state in memory "
                                   "tiers' format: resume it with ReversibleTrainer.offload = False or True (the "
@@ -424,10 +430,11 @@ class Checkpointer:
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
             raise DamagedCheckpoint(step, damage_reason(e)) from e
 
-    def _restore_disk(self, template: TrainState, step: int, data_iterator, optimizer_state: bool) -> TrainState:
-        """`restore` of a ``disk_state`` item: layer files (`disk_tier.DiskLayer`) for a disk-tier template,
-        else read layer by layer into the template's placements (``optimizer_state=False``: the weights as
-        numpy arrays, the optimizer state not read)."""
+    def _restore_disk(self, template: TrainState, step: int, data_iterator, optimizer_state: bool,
+                      files: bool = False) -> TrainState:
+        """`restore` of a ``disk_state`` item: layer files (`disk_tier.DiskLayer`) for a disk-tier template
+        (``optimizer_state=False``: the weights' files with ``files``, else the weights as numpy arrays; the
+        optimizer state not read), else read layer by layer into the template's placements."""
         args = {"disk_state": DiskStateRestore(), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None and optimizer_state:
             args["data"] = DataRestore(data_iterator)
@@ -445,9 +452,9 @@ class Checkpointer:
                     disk_tier.check_layout(entries[g], layout, g)
                 path = os.path.join(saved["directory"], entries[g]["file"])
                 ref = disk_tier.DiskLayer(layout, path)
-                if isinstance(p_t, disk_tier.DiskLayer) and optimizer_state:
+                if isinstance(p_t, disk_tier.DiskLayer) and (optimizer_state or files):
                     params.append(ref)
-                    opt_state.append(ref)
+                    opt_state.append(ref if optimizer_state else None)
                 elif not optimizer_state:
                     params.append(disk_tier.read_tree(path, layout, "params"))
                     opt_state.append(None)
@@ -497,7 +504,7 @@ class Checkpointer:
     def restore_newest(self, template: TrainState, step: int | None = None, data_iterator=None,
                        accept: Callable[[int, dict], None] | None = None,
                        on_skip: Callable[[DamagedCheckpoint], None] | None = None,
-                       optimizer_state: bool = True) -> tuple[TrainState, int]:
+                       optimizer_state: bool = True, files: bool = False) -> tuple[TrainState, int]:
         """Restores the newest checkpoint that restores (or exactly ``step``); what every reader uses.
 
         Without ``step``, tries the complete checkpoints newest first; one that cannot be read (a truncated
@@ -512,6 +519,8 @@ class Checkpointer:
             checkpoint and stops the search (e.g. it was made by another model).
           on_skip: called with the `DamagedCheckpoint` of each skipped checkpoint instead of the line.
           optimizer_state: False: the weights and layer state alone (see `restore`).
+          files: with ``optimizer_state=False``, a disk-tier state's weights as its checkpoint files (see
+            `restore`).
 
         Returns:
           ``(state, step)``.
@@ -525,7 +534,7 @@ class Checkpointer:
             try:
                 if accept is not None:
                     accept(step, self.meta(step))
-                return self.restore(template, step, data_iterator, optimizer_state=optimizer_state), step
+                return self.restore(template, step, data_iterator, optimizer_state=optimizer_state, files=files), step
             except DamagedCheckpoint as e:
                 others = [s for s in self.steps() if s != step]
                 hint = (f" (without --step the newest checkpoint that restores is used; others: "
@@ -538,7 +547,8 @@ class Checkpointer:
                 meta = self.meta(candidate)
                 if accept is not None:
                     accept(candidate, meta)
-                return self.restore(template, candidate, data_iterator, optimizer_state=optimizer_state), candidate
+                return (self.restore(template, candidate, data_iterator, optimizer_state=optimizer_state, files=files),
+                        candidate)
             except DamagedCheckpoint as e:
                 failures.append(e)
                 if on_skip is not None:

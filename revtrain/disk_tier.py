@@ -283,12 +283,27 @@ class DiskTier:
     def step_dir(self, step: int) -> str:
         return os.path.join(self._dir(), f"{STEP_PREFIX}{step:08d}")
 
+    def check_directory(self) -> None:
+        """Refuses an ``offload_dir`` whose parent directory does not exist (a typo would otherwise create a
+        whole new tree). The default, ``<workdir>/offload``, passes: the train command creates the workdir.
+
+        Raises:
+          ConfigError: one line naming the directory and its missing parent.
+        """
+        if self.directory is None or (self.workdir is not None and self.directory == os.path.join(self.workdir, "offload")):
+            return
+        parent = os.path.dirname(self.directory)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"ReversibleTrainer.offload_dir = {self.directory!r}: its parent directory {parent} does "
+                              "not exist (create it, or leave offload_dir unset for <workdir>/offload)")
+
     def prepare(self, keep=()) -> None:
-        """Creates the directory and removes the step directories a killed run left there (but those holding
-        the files of ``keep``: `DiskLayer`s still in use)."""
+        """Creates the directory (its parent must exist, `check_directory`) and removes the step directories a
+        killed run left there (but those holding the files of ``keep``: `DiskLayer`s still in use)."""
         if self._prepared:
             return
         root = self._dir()
+        self.check_directory()
         os.makedirs(root, exist_ok=True)
         used = {os.path.dirname(os.path.abspath(r.path)) for r in keep if isinstance(r, DiskLayer) and r.path}
         for name in os.listdir(root):
@@ -317,9 +332,12 @@ class DiskTier:
         return StepStream(self, refs, step, schedule, place)
 
     def reader(self, refs: list, place) -> "StepStream":
-        """A read-only `StepStream` that reads every layer's weights in order (evaluation)."""
+        """A read-only `StepStream` that reads every layer's weights in order (evaluation): at most one layer's
+        weights read ahead. It never creates, writes or removes a file, so ``refs`` may be a checkpoint's
+        files (`revtrain.checkpoint` restores them read-only, ``files=True``)."""
         schedule = [(g, "params") for g in range(len(refs))]
-        return StepStream(self, refs, None, schedule, place)
+        budget = max((r.layout.nbytes("params") for r in refs if isinstance(r, DiskLayer)), default=0)
+        return StepStream(self, refs, None, schedule, place, budget=budget)
 
     def bounded(self, limit) -> "Bounded":
         """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device."""
@@ -403,14 +421,16 @@ class StepStream:
     for every write and returns the new `DiskLayer` of each group.
     """
 
-    def __init__(self, tier: DiskTier, refs: list, step: int | None, schedule: list, place):
+    def __init__(self, tier: DiskTier, refs: list, step: int | None, schedule: list, place, budget: int | None = None):
         self.tier, self.refs, self.step, self.place = tier, list(refs), step, place
         self.schedule, self._next = list(schedule), 0
         self._pending: dict = {}  # (g, part) -> Future of the tree
         self._updates: dict = {}  # g -> {part: value}
         self._writes: deque = deque()
         self._new: dict = {}
-        self.budget = max((r.layout.nbytes() for r in refs if isinstance(r, DiskLayer)), default=0)
+        if budget is None:  # bytes read ahead at most (beyond the first read): one layer's state
+            budget = max((r.layout.nbytes() for r in refs if isinstance(r, DiskLayer)), default=0)
+        self.budget = budget
         self.read_bytes = self.write_bytes = 0
         self.read_seconds = self.write_seconds = 0.0
         if step is not None:
@@ -516,6 +536,31 @@ class StepStream:
         """Bytes and seconds of this step's reads and writes (background threads' busy time)."""
         return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes,
                 "disk_read_seconds": self.read_seconds, "disk_write_seconds": self.write_seconds}
+
+
+class LayerWeights:
+    """A list-like view of a state's layers whose ``[i]`` is layer ``i``'s weights as numpy arrays, read from
+    its file at that moment (a layer held in memory: its arrays as numpy), never cached: a reader that visits
+    the layers in turn and drops each (``revtrain export``'s shards) holds one layer, not the model.
+
+    Args:
+      refs: one entry per layer, a `DiskLayer` or a tree of arrays.
+
+    Raises (on ``[i]``):
+      DiskTierError: the file is missing, short or unreadable.
+    """
+
+    def __init__(self, refs: list):
+        self.refs = list(refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int):
+        ref = self.refs[i]
+        if isinstance(ref, DiskLayer):
+            return read_tree(ref.path, ref.layout, "params")
+        return jax.tree.map(np.asarray, ref)
 
 
 def train_schedule(kinds: list) -> list:

@@ -194,12 +194,13 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     try:
         checkpointer.chosen_step(step)
         run = loop.build(cfg, workdir)
-        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
+                                                 files=True)  # a disk-tier state: its layer files, unread
     finally:
         checkpointer.close()
-    import jax
-    import numpy as np
-    params = [jax.tree.map(np.asarray, p) for p in ts.params]
-    write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, params), dtype,
+    from revtrain.disk_tier import LayerWeights
+    # Each layer's weights as numpy when its tensors are reached (read from its file for the disk tier), dropped
+    # once converted: the export holds one shard's tensors and one layer, not the model beside them.
+    write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, LayerWeights(ts.params)), dtype,
                      tokenizer=run.task.tokenizer)
     return chosen

@@ -28,7 +28,9 @@ How a sample is made (context ``T`` = the model's sequence length, window ``W = 
 Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
 samples); the sampling settings are runtime values. With ``ReversibleTrainer.offload``, weights stay in host
 memory and every byte runs layer by layer, each layer's program moving its weights to the device itself, as
-in training (no host wait between layers). Samples are split over the ``"data"``
+in training (no host wait between layers). With the disk tier (``offload = 'disk'``) the weights are read
+from their files once and held when they fit beside the run, else streamed layer by layer, each layer read
+from its file per use (`revtrain.disk_generate`). Samples are split over the ``"data"``
 mesh (all devices of all processes); their count is padded up to a multiple of the device count (the extra
 rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the same text.
 
@@ -326,8 +328,10 @@ def _settings(opts: Options):
     return (np.float32(opts.temperature), np.int32(opts.top_k), np.float32(opts.top_p))
 
 
-def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
-    """The schedule of `_fused_program`, one compiled call per layer and step (for offload)."""
+def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options, fetch=None, limit=None):
+    """The schedule of `_fused_program`, one compiled call per layer and step (for offload). ``fetch(i)``: layer
+    ``i``'s params at each call (default: the state's own, in host memory); ``limit``: the dispatch bound
+    (default: a `DispatchLimiter`)."""
     layers, mesh = trainer.model.layers, trainer.mesh
     batch, prompt_len = prompt.shape
     window = _window(context)
@@ -338,13 +342,15 @@ def _generate_layerwise(trainer, ts, prompt, keys, context: int, opts: Options):
     # a tied embedding/head) gets its tied leaves from their owner's params (`Model.merge_tied`), also in
     # host memory: the layer's program moves them with its own.
     model = trainer.model
-    params = [model.merge_tied(i, p, ts.params) if model.ties_of(i) else p for i, p in enumerate(ts.params)]
-    limit = DispatchLimiter(mesh)  # bounded asynchronous dispatch on a multi-device CPU (placement.py)
+    if fetch is None:
+        params = [model.merge_tied(i, p, ts.params) if model.ties_of(i) else p for i, p in enumerate(ts.params)]
+        fetch = params.__getitem__
+    limit = limit or DispatchLimiter(mesh)  # bounded asynchronous dispatch on a multi-device CPU (placement.py)
 
     def run(tokens, caches, pos):
         x = tokens
         for i, layer in enumerate(layers):
-            x, caches[i] = limit(_layer_program(layer, mesh)(params[i], trainer.layer_state(ts, i), x, caches[i],
+            x, caches[i] = limit(_layer_program(layer, mesh)(fetch(i), trainer.layer_state(ts, i), x, caches[i],
                                                              np.int32(pos)))
         return x, caches
 
@@ -391,7 +397,7 @@ class Result:
         return sum(len(s) for s in self.samples) / max(self.seconds, 1e-9)
 
 
-def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
+def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=None, weights: str | None = None) -> Result:
     """Samples ``opts.num_samples`` continuations of ``prompt`` from the model of ``trainer`` at ``ts``.
 
     Every process of a multi-process run must call it (the samples are split over all devices); every
@@ -406,6 +412,10 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
         the same units.
       context: the model's sequence length (its learned positions).
       opts: sampling settings (checked here).
+      plan: the training run's `revtrain.memory_plan.MemoryPlan` (a disk-tier state: the weights are held only
+        when they fit beside it; `revtrain.disk_generate.choose`).
+      weights: a disk-tier state: ``"hold"`` or ``"stream"`` its weights whatever the plan says (None: the
+        plan decides; one line says which and why).
 
     Returns:
       a `Result`.
@@ -428,10 +438,22 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options) -> Result:
     keys = sample_keys(opts.seed, batch)[first:first + local]
     inputs = global_batch({"prompt": rows, "keys": keys}, mesh)
     compile_seconds = 0.0
-    if trainer.residency.tier == "host":  # (the disk tier reads each layer's weights into memory once, below)
+    stream = fetch = limit = None
+    if trainer.residency.tier == "disk":  # hold the weights (below) when they fit, else stream them from the files
+        from revtrain import disk_generate, disk_tier
+        choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights)
+        metrics_lib.log(choice.line)
+        if choice.mode == disk_generate.STREAM:
+            stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, disk_tier.placer(mesh))
+            fetch, limit = stream.get, disk_tier.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
+    if trainer.residency.tier == "host" or stream is not None:
         start = time.perf_counter()
-        out = _generate_layerwise(trainer, ts, inputs["prompt"], inputs["keys"], context, opts)
-        out = _gather(out)
+        try:
+            out = _generate_layerwise(trainer, ts, inputs["prompt"], inputs["keys"], context, opts, fetch, limit)
+            out = _gather(out)
+        finally:
+            if stream is not None:
+                stream.close()
     else:
         params = [trainer.layer_params(ts, i) for i in range(len(trainer.model.layers))]
         states = [trainer.layer_state(ts, i) for i in range(len(trainer.model.layers))]
@@ -483,7 +505,7 @@ def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
     prompt = run.cfg.sample_prompt.encode("utf-8")
     tokenized = run.task.tokenized  # a tokenizer's ids: the prompt encoded, the sample decoded (bytes: as they are)
     result = generate(run.trainer, ts, run.task.encode(prompt), run.task.sequence_length,
-                      Options(length=run.cfg.sample_length, temperature=0.0))
+                      Options(length=run.cfg.sample_length, temperature=0.0), plan=getattr(run, "plan", None))
     text = show(run.task.decode(result.samples[0]))
     record = {"prompt": run.cfg.sample_prompt, "text": text}
     writer.write("samples", ts.step, record)

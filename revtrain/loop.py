@@ -470,6 +470,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
+        if run.trainer.residency.disk is not None:  # an offload_dir whose parent is missing: before anything is made
+            run.trainer.residency.disk.check_directory()
         if run.task.data_prepared:  # (after the last configuration check)
             metrics_lib.log(run.task.data_status)
         created = _writable(workdir)
@@ -835,7 +837,8 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
         pc = jax.process_count()
         for s in todo:
             try:
-                ts, s = checkpointer.restore_newest(template, step if s is None else s, optimizer_state=False)
+                ts, s = checkpointer.restore_newest(template, step if s is None else s, optimizer_state=False,
+                                                    files=True)  # a disk-tier state: its files, streamed
             except ckpt_lib.DamagedCheckpoint as e:
                 if not all_steps:
                     raise

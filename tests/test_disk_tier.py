@@ -262,3 +262,164 @@ def test_disk_too_small_is_refused_at_start_up(tmp_path):
     assert lines[0].startswith("revtrain: error: the memory plan does not fit: ReversibleTrainer + offload='disk' "
                                "disk needs"), lines[0]
     assert f"free on {small}" in lines[0]
+
+
+# -- the readers of a disk-tier checkpoint: streamed from its files, read-only --------------------------------
+
+def _files_state(directory):
+    """(name, inode, size, mtime_ns, bytes) of every file under ``directory``: what a reader must not change."""
+    out = []
+    for root, _, names in sorted(os.walk(directory)):
+        for name in sorted(names):
+            path = os.path.join(root, name)
+            st = os.stat(path)
+            with open(path, "rb") as f:
+                out.append((os.path.relpath(path, directory), st.st_ino, st.st_size, st.st_mtime_ns, f.read()))
+    return out
+
+
+def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
+    """``files=True``: the weights as the checkpoint's own files, nothing of them read; the streamed evaluation
+    and the held / streamed samples equal those of the weights read into memory (today's readers) bit for bit,
+    and no file of the checkpoint or of the tier changes."""
+    from revtrain import disk_generate, generate
+    trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=2)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    before = _files_state(tmp_path / "run"), _files_state(tmp_path / "tier")
+    weights = checkpointer.restore(trainer.abstract_state(), optimizer_state=False)  # in memory (numpy)
+    files = checkpointer.restore(trainer.abstract_state(), optimizer_state=False, files=True)
+    item = str(tmp_path / "run" / "checkpoints" / "2" / "disk_state")
+    assert [os.path.dirname(r.path) for r in files.params] == [item] * len(params)
+    assert files.opt_state == [None] * len(params)
+    x = _batches(1)[0]
+    batch = global_batch({"inputs": x, "targets": x}, trainer.mesh)
+    streamed = {k: float(v) for k, v in trainer.eval_step(files, batch).items()}
+    assert streamed == {k: float(v) for k, v in trainer.eval_step(weights, batch).items()}
+    # Greedy and seeded samples, past the context (T = 16: re-encoded windows): held and streamed are the same.
+    opts = generate.Options(length=24, temperature=0.0)
+    seeded = generate.Options(length=24, temperature=1.0, top_k=20, num_samples=2, seed=3)
+    device = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload=False)
+    in_memory = type(ts)(2, [trainer.replicate(p) for p in params], [None] * len(params), files.layer_state)
+    for o in (opts, seeded):
+        held = generate.generate(trainer, files, b"hello", T, o, weights=disk_generate.HOLD).samples
+        assert generate.generate(trainer, files, b"hello", T, o, weights=disk_generate.STREAM).samples == held
+        assert generate.generate(device, in_memory, b"hello", T, o).samples == held
+    # The checkpoint's and the tier's files are as they were; the layer files still have their two links.
+    assert (_files_state(tmp_path / "run"), _files_state(tmp_path / "tier")) == before
+    assert all(os.stat(r.path).st_nlink == 2 for r in files.params)
+    checkpointer.close()
+
+
+def test_layer_cycle_reads_each_layer_per_pass_and_one_ahead(tmp_path):
+    trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=1)
+    from revtrain.disk_generate import LayerCycle
+    cycle = LayerCycle(trainer.residency.disk, ts.params, None)
+    order = [0, 1, 2, 3, 4, 5, 0, 1, 3, 4]  # (3 out of order: read on demand, the read ahead dropped)
+    got = [cycle.get(i) for i in order]
+    cycle.close()
+    assert all(_same([g], [params[i]]) for g, i in zip(got, order))
+    per_layer = [r.layout.nbytes("params") for r in ts.params]
+    # Every layer handed over was read once (read ahead or on demand); at most one read ahead beyond them.
+    handed = sum(per_layer[i] for i in order)
+    assert handed <= cycle.read_bytes <= handed + per_layer[2] + per_layer[0]
+
+
+def test_the_plan_decides_to_hold_or_stream(tmp_path):
+    from revtrain import disk_generate
+    trainer, ts, _, _, _ = _train("disk", str(tmp_path / "tier"), steps=1)
+    weights = disk_generate.weight_bytes(ts.params)
+    assert weights == sum(int(np.prod(x.shape)) * 4 for layer in trainer.model.layers
+                          for x in jax.tree.leaves(layer.param_shapes))  # float32 weights
+    caches = disk_generate.cache_bytes(trainer.model, 2, T)
+    assert caches > 0
+    roomy = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "test")})
+    assert roomy.mode == disk_generate.HOLD and "holds the disk tier's weights in host memory" in roomy.line
+    tight = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (roomy.need - 1, "a test limit")})
+    assert tight.mode == disk_generate.STREAM and tight.need == roomy.need
+    assert "streams the disk tier's weights layer by layer" in tight.line and "a test limit" in tight.line
+    # Beside a training run: its planned peak is the base; an accelerator's device limit is the one that counts.
+    class Plan:
+        tiers = {"host": {}}
+        def total(self, tier):
+            return 10 * 2**30
+    planned = disk_generate.choose(ts.params, trainer.model, 2, T, plan=Plan(), limits={"host": (11 * 2**30, "t")})
+    assert planned.need == 10 * 2**30 + weights + caches + max(r.layout.nbytes("params") for r in ts.params)
+    assert planned.mode == disk_generate.HOLD and "the run's planned peak 10.00 GiB" in planned.line
+    device = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "t"), "device": (1, "gpu")})
+    assert device.mode == disk_generate.STREAM and "device" in device.line
+    forced = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "t")}, mode="stream")
+    assert forced.mode == disk_generate.STREAM and "as asked" in forced.line
+
+
+@pytest.fixture(scope="module")
+def disk_run(tmp_path_factory):
+    """A small disk-tier Llama run of 2 steps, its final step checkpointed, sampled (greedy) during training."""
+    workdir = tmp_path_factory.mktemp("disk_run") / "run"
+    result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin", "train.sample_every = 2",
+                       "--gin", "train.sample_length = 12", "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "sampling holds the disk tier's weights in host memory" in result.stderr
+    return workdir
+
+
+def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tmp_path, monkeypatch, capsys):
+    """``revtrain eval``, ``export`` and ``sample`` of a disk-tier checkpoint read its files (read-only), after the
+    run's offload directory is gone: the evaluation equals the run's own to the last digit, the export is byte
+    for byte what the weights read into memory give, and a streamed sample is the held sample of training."""
+    import shutil
+
+    from revtrain import cli, disk_generate, export, loop
+    from revtrain.models.llama import iter_model_tensors
+    shutil.rmtree(disk_run / "offload")  # no training runs; the checkpoint's hard links keep the bytes
+    before = _files_state(disk_run / "checkpoints")
+    result = _revtrain("eval", "--workdir", str(disk_run), "--name", "again")
+    assert result.returncode == 0, result.stderr[-2000:]
+    own = json.loads((disk_run / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
+    again = json.loads((disk_run / "metrics" / "eval_again.jsonl").read_text().splitlines()[-1])
+    assert again == own and own["step"] == 2
+    out = tmp_path / "hf"
+    result = _revtrain("export", "--workdir", str(disk_run), "--to", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    # Today's export: every layer's weights read into memory as numpy, then written.
+    cli._parse_gin([str(disk_run / "config.gin")], [], workdir=str(disk_run))
+    try:
+        run = loop.build(workdir=str(disk_run))
+        checkpointer = ckpt_lib.Checkpointer(str(disk_run), read_only=True)
+        ts = checkpointer.restore(run.trainer.abstract_state(), optimizer_state=False)
+        checkpointer.close()
+        assert all(isinstance(p, dict) for p in ts.params)
+        export.write_checkpoint(str(tmp_path / "old"), run.model.llama_spec, iter_model_tensors(run.model, ts.params),
+                                tokenizer=run.task.tokenizer)
+    finally:
+        import gin
+        gin.clear_config()
+    assert sorted(os.listdir(out)) == sorted(os.listdir(tmp_path / "old"))
+    for name in os.listdir(out):
+        assert (out / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+    # A sample that streams (the plan's host limit made too small to hold the weights): the training's sample.
+    trained = json.loads((disk_run / "metrics" / "samples.jsonl").read_text().splitlines()[-1])
+    monkeypatch.setattr(disk_generate, "host_limit", lambda: (1, "a test limit"))
+    code = cli.main(["sample", "--workdir", str(disk_run), "--temperature", "0", "--length", "12",
+                     "--prompt", trained["prompt"], "--output", str(tmp_path / "sample.txt")])
+    assert code == 0
+    assert "sampling streams the disk tier's weights layer by layer" in capsys.readouterr().err
+    assert (tmp_path / "sample.txt").read_bytes().decode("utf-8", "replace") == trained["prompt"] + trained["text"]
+    assert _files_state(disk_run / "checkpoints") == before
+    assert not (disk_run / "offload").exists()  # the readers made no offload directory
+
+
+def test_offload_dir_without_its_parent_is_refused(tmp_path):
+    """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir)."""
+    missing = tmp_path / "no" / "such"
+    result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
+                       f"ReversibleTrainer.offload_dir = '{missing}/offload'", "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ReversibleTrainer.offload_dir" in lines[0] and f"{missing} does not exist" in lines[0]
+    assert not (tmp_path / "no").exists() and not (tmp_path / "run").exists()
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload="disk", scan_layers=False,
+                                offload_dir=str(missing / "offload"))
+    with pytest.raises(ConfigError, match="parent directory"):
+        trainer.init()

@@ -1,0 +1,174 @@
+"""Sampling from a disk-tier state: hold the weights in memory when they fit beside the run, else stream them.
+
+Generation (`revtrain.generate`) runs every layer for every new token. A disk-tier state
+(``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) keeps each layer's weights in a file, so a sample
+can either
+
+* **hold** the weights: read every layer's weights once into memory (device memory; host RAM on the CPU
+  backend), 4 bytes a float32 parameter, and run the fused program (`generate._fused_program`); or
+* **stream** them: run the layer-by-layer schedule (`generate._generate_layerwise`: the prompt, then each token,
+  through one layer at a time, the key/value caches kept in memory) and read each layer's weights from its file
+  when its program is dispatched, the next layer read ahead on the tier's reader thread (`LayerCycle`). Memory
+  holds the caches and the layers in flight; every token reads the whole model's weights from disk.
+
+`choose` decides, from the memory plan's figures: hold when the weights, the caches and one layer's margin fit
+beside what the run holds (its planned peak while training, `revtrain.memory_plan.MemoryPlan`, else what the
+process holds now) within the limit the plan uses (`memory_plan.host_limit` on the CPU backend, the device's
+``bytes_limit`` on an accelerator); else stream. Its one line says which and why. Both run the same layers'
+``decode`` on the same inputs: greedy samples are equal either way (tests/test_disk_tier.py).
+
+The same trade-off appears in FlexGen (Sheng et al. 2023), which streams weights from disk through a
+layer-by-layer schedule when they do not fit; here the choice is made per sample from the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from revtrain import disk_tier
+from revtrain.memory_plan import device_limit, gib, host_limit
+
+HOLD, STREAM = "hold", "stream"
+MODES = (HOLD, STREAM)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """How a sample reads a disk-tier state's weights.
+
+    Attributes:
+      mode: `HOLD` (every layer's weights read once into memory) or `STREAM` (each layer read per use).
+      weights: bytes of the weights held in files (what holding them adds).
+      need: bytes of the tier (``tier``) that holding them would take at the peak.
+      limit: bytes the process may use there (None: unknown).
+      line: the one log line saying which and why.
+    """
+
+    mode: str
+    weights: int
+    need: int
+    limit: int | None
+    line: str
+
+
+def weight_bytes(refs: list) -> int:
+    """Bytes of the weights of the `disk_tier.DiskLayer` entries of ``refs`` (a state's ``params``)."""
+    return sum(r.layout.nbytes("params") for r in refs if isinstance(r, disk_tier.DiskLayer))
+
+
+def cache_bytes(model, batch_size: int, context: int) -> int:
+    """Bytes of every layer's key/value cache (``Layer.init_cache``) for ``batch_size`` rows of ``context``
+    positions, from shapes."""
+    total = 0
+    for layer in model.layers:
+        for x in jax.tree.leaves(jax.eval_shape(lambda layer=layer: layer.init_cache(batch_size, context))):
+            total += int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _device_in_use() -> int:
+    try:
+        return int((jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use", 0))
+    except Exception:  # noqa: BLE001 (a backend without memory stats)
+        return 0
+
+
+def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: dict | None = None,
+           mode: str | None = None) -> Choice:
+    """Whether a sample of ``batch_size`` rows holds or streams the weights of ``refs`` (see the module note).
+
+    Args:
+      refs: the state's ``params``, one `disk_tier.DiskLayer` (or tree held in memory) per layer.
+      model: the run's model (its layers' caches).
+      batch_size: rows sampled (padded to the devices).
+      context: the model's sequence length (cache positions).
+      plan: the training run's `memory_plan.MemoryPlan` (None: ``revtrain sample``, or a run without a plan:
+        what the process holds now is the base).
+      limits: ``{tier: (bytes or None, source)}`` instead of `memory_plan.host_limit` / `device_limit`.
+      mode: `HOLD` or `STREAM` to force one (the line says so); None: decide.
+
+    Returns:
+      a `Choice`.
+
+    Raises:
+      ValueError: an unknown ``mode``.
+    """
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    from revtrain.memory import host_resident
+    weights = weight_bytes(refs)
+    largest = max((r.layout.nbytes("params") for r in refs if isinstance(r, disk_tier.DiskLayer)), default=0)
+    caches = cache_bytes(model, batch_size, context)
+    device = device_limit() if limits is None else limits.get("device", (None, ""))
+    if device[0] is not None:  # an accelerator: held weights live in device memory
+        tier, (limit, source) = "device", device
+        planned = plan is not None and "device" in plan.tiers
+        base = plan.total("device") if planned else _device_in_use()
+    else:  # the CPU backend: device memory is host memory
+        tier, (limit, source) = "host", host_limit() if limits is None else limits["host"]
+        planned = plan is not None and "host" in plan.tiers
+        base = plan.total("host") if planned else host_resident()[0]
+    what = f"the run's planned peak {gib(base)}" if planned else f"the {gib(base)} in use now"
+    need = base + weights + caches + largest  # (one layer's margin: its program's temporaries)
+    fits = limit is None or need <= limit
+    of = f"of {gib(limit)} ({source})" if limit is not None else f"(limit unknown: {source})"
+    chosen = mode or (HOLD if fits else STREAM)
+    why = "as asked" if mode is not None else ("they fit" if fits else "they do not fit")
+    if chosen == HOLD:
+        line = (f"sampling holds the disk tier's weights in {tier} memory ({gib(weights)}), {why}: {gib(need)} with "
+                f"{what} and {gib(caches)} of caches, {of}")
+    else:
+        line = (f"sampling streams the disk tier's weights layer by layer from their files, {why}: holding them "
+                f"({gib(weights)}) would take {tier} {gib(need)} with {what} and {gib(caches)} of caches, {of}; "
+                f"each token reads {gib(weights)} from disk")
+    return Choice(chosen, weights, need, limit, line)
+
+
+class LayerCycle:
+    """Layer ``i``'s weights placed (``place``: e.g. `disk_tier.placer`), for layers visited in a cycle
+    ``0 .. L-1, 0 ..`` (every token of a layer-by-layer generation): each `get` hands over layer ``i`` and
+    starts reading layer ``(i + 1) % L`` on the tier's reader thread, so one layer is read while the one
+    before it computes. A layer held in memory (not a `disk_tier.DiskLayer`) is returned as it is. Files are
+    only read.
+
+    Attributes:
+      read_bytes: bytes read from the files so far.
+
+    Raises (from `get`):
+      disk_tier.DiskTierError: a file is missing, short or unreadable.
+    """
+
+    def __init__(self, tier: disk_tier.DiskTier, refs: list, place):
+        self.tier, self.refs, self.place = tier, list(refs), place
+        self._ahead = None  # (layer, Future of its placed weights)
+        self.read_bytes = 0
+
+    def _read(self, i: int):
+        ref = self.refs[i]
+        if not isinstance(ref, disk_tier.DiskLayer):
+            return ref
+        tree = disk_tier.read_tree(ref.path, ref.layout, "params", self.place)
+        self.read_bytes += ref.layout.nbytes("params")
+        return tree
+
+    def get(self, i: int):
+        """Layer ``i``'s weights (read ahead when ``i`` was expected, else read now)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == i:
+            tree = ahead[1].result()
+        else:
+            if ahead is not None and not ahead[1].cancel():
+                ahead[1].result()  # (an unexpected order: the read in progress finishes, then is dropped)
+            tree = self._read(i)
+        nxt = (i + 1) % len(self.refs)
+        self._ahead = (nxt, self.tier.submit_read(self._read, nxt))
+        return tree
+
+    def close(self) -> None:
+        """Waits for (or cancels) the read ahead and drops it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and not ahead[1].cancel():
+            ahead[1].exception()
