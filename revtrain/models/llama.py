@@ -504,7 +504,7 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
       gamma: the exact form's ``|g|`` (training draws ``g = +-gamma`` per example and block): ``2**-j``, ``j``
         in 1 .. 8 (0.5, 0.25, 0.125, ...); ``j`` side bits per element per block (``j / 32`` of a float32
         stream). Smaller trains closer to the standard model it evaluates; 1/8, 3 bits, is the measured
-        choice (within 0.4% of backprop's quality on the Python fine-tune, 1/2 4-5%: docs/exact_residual.md).
+        choice (within 0.4% of backprop's quality on the Python fine-tune, 1/2 3.7-5.3%: docs/exact_residual.md).
       chunk: the head's logits and loss this many positions at a time (None: all).
       vocab_size: the task's vocabulary (passed by the loop): a new model's (default 256, bytes); with a
         checkpoint, it must not exceed the checkpoint's ``vocab_size``.
@@ -530,10 +530,11 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
         raise LlamaFormatError(f"LlamaModel.compute_dtype must be 'float32' or 'bfloat16', got {compute_dtype!r}")
     if not (isinstance(grid_bits, int) and not isinstance(grid_bits, bool) and 1 <= grid_bits <= 60):
         raise LlamaFormatError(f"LlamaModel.grid_bits must be an integer in [1, 60], got {grid_bits!r}")
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or float(gamma) not in GAMMAS:
+    try:
+        low_bits = gamma_low_bits(gamma)
+    except ValueError:
         raise LlamaFormatError(f"LlamaModel.gamma must be 2**-j with j in 1..8 (0.5, 0.25, 0.125, ..., "
-                               f"0.00390625), got {gamma!r}")
-    low_bits = gamma_low_bits(gamma)
+                               f"{GAMMAS[-1]}), got {gamma!r}") from None
     if path is not None:
         if not isinstance(path, str):
             raise LlamaFormatError(f"LlamaModel.path must be a directory name, got {path!r}")
