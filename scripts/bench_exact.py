@@ -1,6 +1,6 @@
 """Peak device memory against depth of a Llama-style model of standard blocks, three ways.
 
-  python scripts/bench_exact.py [--depths 8,32] [--out docs/bench_exact.json]
+  python scripts/bench_exact.py [--depths 8,32] [--gamma 0.125] [--out docs/bench_exact.json]
 
 Each configuration runs in its own process: a `LlamaModel` (d_model 64, 4 heads, 2 key/value heads, d_ff 192,
 random bytes as tokens, batch 8 x 128, Adam), one warm-up step, then one measured step with the memory meter
@@ -9,7 +9,8 @@ estimate on the CPU):
 
 * ``standard``: StandardTrainer (scanned layers), form 'standard' (ordinary backprop);
 * ``saved_inputs``: ReversibleTrainer with offload, form 'standard' (each block's input saved in host memory);
-* ``exact``: ReversibleTrainer with offload, form 'exact' (BDIA blocks; the side bits ride with the
+* ``exact``: ReversibleTrainer with offload, form 'exact' (BDIA blocks, ``LlamaModel.gamma`` ``--gamma``, the
+  model's default unless given; the side bits, ``-log2 gamma`` per element per block, ride with the
   activation on the device).
 
 Host bytes of saved activations are counted from the forward's shapes: the inputs of the standard layers
@@ -29,7 +30,7 @@ SIZES = dict(vocab_size=256, d_model=64, num_heads=4, num_kv_heads=2, d_ff=192)
 BATCH, T = 8, 128
 
 
-def one(kind: str, depth: int) -> dict:
+def one(kind: str, depth: int, gamma: float | None = None) -> dict:
     import jax
     import numpy as np
     import optax
@@ -41,7 +42,8 @@ def one(kind: str, depth: int) -> dict:
     from revtrain.trainers.standard import StandardTrainer
 
     form = "exact" if kind == "exact" else "standard"
-    model = LlamaModel(None, sequence_length=T, form=form, num_layers=depth, **SIZES)
+    extra = {"gamma": gamma} if gamma is not None and form == "exact" else {}
+    model = LlamaModel(None, sequence_length=T, form=form, num_layers=depth, **SIZES, **extra)
     mesh = make_mesh(jax.devices()[:1])
     if kind == "standard":
         trainer = StandardTrainer(model, optax.adam(1e-3), mesh, scan_layers=True)
@@ -78,17 +80,19 @@ def one(kind: str, depth: int) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--depths", default="8,32")
+    p.add_argument("--gamma", type=float, default=None, help="the exact form's |g| (default: LlamaModel's)")
     p.add_argument("--out", default=None)
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         kind, depth = args.one.split(",")
-        print(json.dumps(one(kind, int(depth))))
+        print(json.dumps(one(kind, int(depth), args.gamma)))
         return
     rows = []
     for depth in [int(d) for d in args.depths.split(",")]:
         for kind in KINDS:
-            out = subprocess.run([sys.executable, __file__, "--one", f"{kind},{depth}"], check=True,
+            out = subprocess.run([sys.executable, __file__, "--one", f"{kind},{depth}"]
+                                 + ([] if args.gamma is None else ["--gamma", str(args.gamma)]), check=True,
                                  capture_output=True, text=True).stdout.strip().splitlines()[-1]
             row = json.loads(out)
             rows.append(row)

@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain.layers.exact_residual import gamma_signs, pack, split_low_bit, unpack
+from revtrain.layers.exact_residual import ExactResidual, gamma_signs, pack, split_low_bit, split_low_bits, unpack
 from revtrain.models.llama import LlamaModel, forward_logits
 from revtrain.placement import make_mesh
 from revtrain.trainers.reversible import ReversibleTrainer
@@ -46,6 +46,33 @@ def test_low_bit_split_and_packing_are_exact():
     np.testing.assert_array_equal(unpack(packed, 40), s)
 
 
+@pytest.mark.parametrize("j", [2, 3, 8])
+def test_low_bits_split_and_packing_are_exact(j):
+    """|g| = 2**-j: x = 2**j * scaled + s * u with s in [0, 2**j) (all occur for j <= 3; negative x too);
+    scaled on the grid, its derivative exactly 2**-j; j bit-planes pack to j * ceil(D / 8) bytes and
+    round-trip."""
+    u = 2.0 ** -18
+    x = jnp.asarray(np.random.RandomState(j).randint(-2 ** 22, 2 ** 22, (3, 5, 41)) * u, jnp.float32)
+    scaled, s = split_low_bits(x, 18, j)
+    assert s.dtype == jnp.uint8
+    np.testing.assert_array_equal(2.0 ** j * scaled + s.astype(jnp.float32) * u, x)
+    values = set(np.unique(np.asarray(s)).tolist())
+    assert values <= set(range(2 ** j)) and len(values) >= min(2 ** j, 200)  # 615 draws of 2**j values
+    assert jnp.all(jnp.abs(scaled / u - jnp.round(scaled / u)) == 0)
+    _, tangent = jax.jvp(lambda v: split_low_bits(v, 18, j)[0], (x,), (jnp.ones_like(x),))
+    np.testing.assert_array_equal(tangent, 2.0 ** -j)
+    packed = pack(s, j)
+    assert packed.shape == (3, 5, 6 * j) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(unpack(packed, 41, j), s)
+
+
+def test_gamma_is_a_power_of_two():
+    """ExactResidual refuses a |g| that is not 2**-j, j in 1..8 (its inverse would not be exact)."""
+    for bad in (0.3, 1.0, 0.0, 2.0 ** -9, "0.5"):
+        with pytest.raises(ValueError, match="gamma must be a power of two"):
+            ExactResidual(None, slot=0, gamma=bad)
+
+
 def test_gamma_draws_replay_from_keys():
     """sign(g) is a function of the per-example keys: the same keys give the same draws; over 64 examples
     both signs occur."""
@@ -54,12 +81,13 @@ def test_gamma_draws_replay_from_keys():
     assert set(np.unique(np.asarray(a)).tolist()) == {-1.0, 1.0}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rebuild_is_bit_exact(dtype):
+@pytest.mark.parametrize("dtype,gamma", [("float32", 0.5), ("bfloat16", 0.5), ("float32", 0.25),
+                                         ("bfloat16", 0.125)])
+def test_rebuild_is_bit_exact(dtype, gamma):
     """Four blocks forward in training mode, then each rebuilt from its output: every stream and the
-    side-bits stack equal to the forward's input bit for bit (float32 and bfloat16 compute), and the
-    streams move (the blocks are not near-identity)."""
-    model = _model("exact", compute_dtype=dtype)
+    side-bits stack equal to the forward's input bit for bit (float32 and bfloat16 compute; |g| = 1/2, 1/4,
+    1/8), and the streams move (the blocks are not near-identity)."""
+    model = _model("exact", compute_dtype=dtype, gamma=gamma)
     params, states = model.init()
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 256, (3, 16)), jnp.int32)
     keys = _keys(7, 3)
@@ -100,14 +128,15 @@ def test_first_block_is_the_euler_step_and_later_blocks_draw_g():
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_side_bits_are_one_thirty_second_of_a_stream_per_block():
-    """The bits stack of an exact model of 4 blocks, width 32: 4 x B x T x 4 bytes = 1/32 of a float32
-    stream per block."""
-    model = _model("exact")
+@pytest.mark.parametrize("gamma,j", [(0.5, 1), (0.25, 2), (0.125, 3)])
+def test_side_bits_are_j_thirty_seconds_of_a_stream_per_block(gamma, j):
+    """The bits stack of an exact model of 4 blocks, width 32, |g| = 2**-j: 4 x B x T x 4j bytes = j/32 of
+    a float32 stream per block (1/32 at |g| = 1/2, 3/32 at 1/8)."""
+    model = _model("exact", gamma=gamma)
     params, states = model.init()
     a, b, bits = model.layers[0].apply(params[0], states[0], jnp.zeros((2, 16), jnp.int32), None, True)[0]
-    assert bits.dtype == jnp.uint8 and bits.shape == (2, 4, 16, 4)
-    assert bits.nbytes == 4 * a.nbytes // 32
+    assert bits.dtype == jnp.uint8 and bits.shape == (2, 4, 16, 4 * j)
+    assert bits.nbytes == 4 * j * a.nbytes // 32
 
 
 def test_evaluation_is_the_standard_model_bit_for_bit():

@@ -249,7 +249,8 @@ def test_missing_files_and_bad_settings(tmp_path):
     with pytest.raises(LlamaFormatError, match="model.layers.1.mlp.up_proj.weight is missing"):
         LlamaModel(str(tmp_path / "d"))
     for knob, value, message in (("form", "bdia", "LlamaModel.form"), ("compute_dtype", "float16", "compute_dtype"),
-                                 ("grid_bits", 0, "grid_bits"), ("num_layers", 0, "num_layers"),
+                                 ("grid_bits", 0, "grid_bits"), ("gamma", 0.3, "LlamaModel.gamma must be 2..-j"),
+                                 ("gamma", 1.0, "gamma"), ("gamma", True, "gamma"), ("num_layers", 0, "num_layers"),
                                  ("d_model", 30, "not divisible"), ("num_kv_heads", 3, "not divisible"),
                                  ("chunk", 0, "chunk"), ("path", 3, "LlamaModel.path")):
         with pytest.raises(LlamaFormatError if knob != "chunk" else ValueError, match=message):

@@ -61,7 +61,7 @@ from flax import nnx
 from revtrain.errors import InputError
 from revtrain.layers.base import HeadLayer, Layer, ReversibleLayer, cross_entropy_sums, snap_to_grid, split_keys
 from revtrain.layers.chunked import check_chunk, sum_chunks
-from revtrain.layers.exact_residual import ExactResidual, empty_bits
+from revtrain.layers.exact_residual import GAMMAS, ExactResidual, empty_bits, gamma_low_bits
 from revtrain.layers.modern import GroupedQueryAttention, PositionWise, RMSNorm, SwiGLU, compute_dtype_of
 from revtrain.models.base import Model, Tie
 
@@ -302,13 +302,14 @@ class LlamaEmbedding(PositionWise, nnx.Module):
     Input int32 ``[B, T]`` ids in ``[0, vocab_size)``. Output: the float32 stream ``[B, T, D]``; with
     ``exact_blocks = n > 0`` (the exact form) the triple ``(x, x, bits)`` that `ExactResidual` blocks take:
     two copies of the stream (rounded to the ``2**-grid_bits`` grid in training, unrounded in evaluation)
-    and the empty side-bits stack ``[B, n, T, ceil(D / 8)]`` uint8.
+    and the empty side-bits stack ``[B, n, T, low_bits * ceil(D / 8)]`` uint8 (``low_bits`` per element and
+    block: ``-log2 |g|``, `revtrain.layers.exact_residual.gamma_low_bits`).
     """
 
     def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, exact_blocks: int = 0,
-                 grid_bits: int = 18):
+                 grid_bits: int = 18, low_bits: int = 1):
         self.tokens = nnx.Embed(vocab_size, d_model, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.exact_blocks, self.grid_bits = exact_blocks, grid_bits
+        self.exact_blocks, self.grid_bits, self.low_bits = exact_blocks, grid_bits, low_bits
 
     def __call__(self, x, *, keys, train):
         del keys
@@ -317,7 +318,7 @@ class LlamaEmbedding(PositionWise, nnx.Module):
             return h
         if train:
             h = snap_to_grid(h, self.grid_bits)
-        return (h, jnp.copy(h), empty_bits(self.exact_blocks, *h.shape))
+        return (h, jnp.copy(h), empty_bits(self.exact_blocks, *h.shape, self.low_bits))
 
 
 class LlamaBlock(nnx.Module):
@@ -482,7 +483,7 @@ def _check_int(name, value, minimum=1):
 
 @gin.configurable
 def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int | None = None,
-               form: str = "standard", compute_dtype: str = "float32", grid_bits: int = 18,
+               form: str = "standard", compute_dtype: str = "float32", grid_bits: int = 18, gamma: float = 0.125,
                chunk: int | None = None, vocab_size: int | None = None, d_model: int = 128, num_layers: int = 4,
                num_heads: int = 4, num_kv_heads: int = 2, d_ff: int | None = None, rms_norm_eps: float = 1e-5,
                rope_theta: float = 10000.0, tie_embeddings: bool = False, load_weights: bool = True) -> Model:
@@ -500,6 +501,10 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
       compute_dtype: "float32" or "bfloat16" for the matmuls (parameters stay float32).
       grid_bits: the exact form's fixed-point grid ``2**-grid_bits`` (streams exact below
         ``2**(24 - grid_bits)`` in float32).
+      gamma: the exact form's ``|g|`` (training draws ``g = +-gamma`` per example and block): ``2**-j``, ``j``
+        in 1 .. 8 (0.5, 0.25, 0.125, ...); ``j`` side bits per element per block (``j / 32`` of a float32
+        stream). Smaller trains closer to the standard model it evaluates; 1/8, 3 bits, is the measured
+        choice (within 0.4% of backprop's quality on the Python fine-tune, 1/2 3.7-5.3%: docs/exact_residual.md).
       chunk: the head's logits and loss this many positions at a time (None: all).
       vocab_size: the task's vocabulary (passed by the loop): a new model's (default 256, bytes); with a
         checkpoint, it must not exceed the checkpoint's ``vocab_size``.
@@ -525,6 +530,11 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
         raise LlamaFormatError(f"LlamaModel.compute_dtype must be 'float32' or 'bfloat16', got {compute_dtype!r}")
     if not (isinstance(grid_bits, int) and not isinstance(grid_bits, bool) and 1 <= grid_bits <= 60):
         raise LlamaFormatError(f"LlamaModel.grid_bits must be an integer in [1, 60], got {grid_bits!r}")
+    try:
+        low_bits = gamma_low_bits(gamma)
+    except ValueError:
+        raise LlamaFormatError(f"LlamaModel.gamma must be 2**-j with j in 1..8 (0.5, 0.25, 0.125, ..., "
+                               f"{GAMMAS[-1]}), got {gamma!r}") from None
     if path is not None:
         if not isinstance(path, str):
             raise LlamaFormatError(f"LlamaModel.path must be a directory name, got {path!r}")
@@ -563,7 +573,8 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
     # trainer places that layer, so the whole model never exists as numpy beside its placed copy.
     def embedding():
         embed = LlamaEmbedding(spec.vocab_size, spec.hidden_size, rngs=rngs(0),
-                               exact_blocks=spec.num_layers if exact else 0, grid_bits=grid_bits)
+                               exact_blocks=spec.num_layers if exact else 0, grid_bits=grid_bits,
+                               low_bits=low_bits)
         if weights is not None:
             _set(embed.tokens.embedding, weights["model.embed_tokens.weight"])
         return embed
@@ -574,7 +585,7 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
                        rope_theta=spec.rope_theta, compute_dtype=compute_dtype)
         if weights is not None:
             load_block(b, weights, i)
-        return ExactResidual(b, slot=i, grid_bits=grid_bits) if wrap else b
+        return ExactResidual(b, slot=i, grid_bits=grid_bits, gamma=gamma) if wrap else b
 
     def head():
         h = LlamaHead(spec.vocab_size, spec.hidden_size, rngs=rngs(1 + spec.num_layers), eps=spec.rms_norm_eps,
