@@ -566,6 +566,10 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
             + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
             f"({sum(layer.reversible for layer in run.model.layers)} reversible), "
             f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+        from revtrain.layers.exact_residual import side_bits_line
+        side = side_bits_line(run.model, cfg.batch_size, run.task.sequence_length)
+        if side:
+            metrics_lib.log(side)
         if run.plan is not None:  # made before the first allocation; said once the run has started
             metrics_lib.log(run.plan.line())
         if changes:

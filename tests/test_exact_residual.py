@@ -221,3 +221,16 @@ def test_two_devices_reversible_equals_backprop():
     r = subprocess.run([sys.executable, "-c", _TWO_DEVICES.format(tests=os.path.dirname(__file__))],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_run_log_names_the_side_bits():
+    """The run's side-bits line (`side_bits_line`): |g| 1/8 -> 3 bits per element and block; 2 blocks at
+    batch 4 x 16 positions, d_model 32: 4 * 2 * 16 * 3 * 4 = 1,536 bytes, 2 x 3/32 = 0.19 of one float32
+    stream; the standard form has none."""
+    from revtrain.layers.exact_residual import side_bits_line
+    from revtrain.models.llama import LlamaModel
+    sizes = dict(sequence_length=16, vocab_size=256, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48)
+    line = side_bits_line(LlamaModel(None, form="exact", **sizes), 4, 16)
+    assert line.startswith("exact form: |g| = 0.125, 3 side bit(s) per element per block (3/32"), line
+    assert f"{1536 / 2**20:.2f} MiB of side bits a step at batch 4 (0.19x one" in line, line
+    assert side_bits_line(LlamaModel(None, **sizes), 4, 16) is None

@@ -227,3 +227,21 @@ class ExactResidual(nnx.Module):
         del a
         y, cache = self.block.decode(b, cache, pos)
         return (b, y, bits), cache
+
+
+def side_bits_line(model, batch_size: int, sequence_length: int) -> str | None:
+    """The run log's line on the exact form's side bits, or None for a model without `ExactResidual` blocks:
+    ``|g|``, the bits per element and block, and the bytes of the side-bits stack a step of ``batch_size``
+    rows of ``sequence_length`` positions carries (``[B, blocks, T, low_bits * ceil(D / 8)]`` uint8), against
+    one float32 stream ``[B, T, D]``."""
+    blocks = [m for m in (layer.abstract_module() for layer in model.layers) if isinstance(m, ExactResidual)]
+    spec = getattr(model, "llama_spec", None)
+    if not blocks or spec is None:
+        return None
+    first, d_model = blocks[0], spec.hidden_size
+    stack = batch_size * len(blocks) * sequence_length * bits_width(d_model, first.low_bits)
+    stream = batch_size * sequence_length * d_model * 4
+    return (f"exact form: |g| = {first.gamma:g}, {first.low_bits} side bit(s) per element per block "
+            f"({first.low_bits}/32 of a float32 stream), {len(blocks)} blocks: {stack / 2**20:.2f} MiB of side bits "
+            f"a step at batch {batch_size} ({stack / stream:.2f}x one {stream / 2**20:.2f} MiB stream)")
+
