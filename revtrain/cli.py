@@ -426,6 +426,7 @@ def _run(args) -> int:
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+        _check_macros_used(args.gin)
         kind = "eval"
         if args.split:  # scores of another split than the run's own go to metrics/eval_<split>.jsonl
             try:
@@ -454,6 +455,7 @@ def _run(args) -> int:
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+        _check_macros_used(args.gin)
         sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
         return 0
     if args.command == "check":
@@ -470,6 +472,7 @@ def _run(args) -> int:
         elif args.step is not None:
             raise UsageError("--step needs --workdir")
         _parse_gin(configs, args.gin, workdir=args.workdir)
+        _check_macros_used(args.gin)
         if args.workdir is None:
             return check.run_check()
         with workdir_lib.locked(args.workdir, "check"):
@@ -491,6 +494,7 @@ def _run(args) -> int:
         if not os.path.isfile(config):
             raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+        _check_macros_used(args.gin)
         step = export.export_workdir(args.workdir, args.to, step=args.step, dtype=args.dtype)
         from revtrain import metrics as metrics_lib
         metrics_lib.log(f"exported step {step} of {os.path.abspath(args.workdir)} to {os.path.abspath(args.to)}")

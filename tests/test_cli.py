@@ -213,3 +213,20 @@ def test_resuming_on_another_device_count_says_so(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     assert ("devices changed since the checkpoint at step 40: 1 device(s) in 1 process(es) -> 2 device(s) in 1 "
             "process(es)") in result.stderr
+
+
+@pytest.mark.parametrize("command", [["eval"], ["sample", "--prompt", "a"], ["export", "--to", "out"], ["check"]])
+def test_a_macro_no_binding_uses_is_refused_by_every_workdir_command(tmp_path, monkeypatch, capsys, command):
+    """``--gin 'STEP = 5'`` on a workdir's eval / sample / export / check: one line, exit 2, as for train
+    (they accepted it silently before), and nothing is read or written."""
+    from revtrain import cli
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    shutil.copy(CONFIG, workdir / "config.gin")  # (a run's config.gin is a gin file of the same bindings)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    code = cli.main([command[0], "--workdir", str(workdir), *command[1:], "--gin", "STEP = 5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "macro STEP is set but no binding uses %STEP (did you mean 'STEPS'?)" in err[0], err
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.gin"] and not (tmp_path / "out").exists()

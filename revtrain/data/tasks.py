@@ -157,8 +157,9 @@ class TokenLMTask(Task):
             raise byte_lm.DataError(
                 f"the checkpoint {checkpoint} has no tokenizer ({tokenizer_lib.HF_FILE} or {tokenizer_lib.SP_FILE}) "
                 "and TokenLMTask.tokenizer is unset: set TokenLMTask.tokenizer to the tokenizer it was trained "
-                "with (a file, or a directory holding one), to 'bytes' for byte ids, or to 'bpe' to train a new one "
-                "on the corpus")
+                "with (a file, or a directory holding one), to 'bytes' for byte ids (257 with the end-of-text id; "
+                "a 256-id byte-level checkpoint trains with train.task = @ByteLMTask instead), or to 'bpe' to train "
+                "a new one on the corpus")
         return {"tokenizer": file}
 
     def __init__(self, source: str = byte_lm.GENSIM_SOURCE, sequence_length: int = 64, tokenizer: str = "bpe",

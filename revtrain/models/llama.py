@@ -544,8 +544,8 @@ def LlamaModel(path: str | None = None, *, seed: int = 0, sequence_length: int |
                 f"the task's vocabulary ({vocab_size!r} ids) is larger than the checkpoint's in {path} "
                 f"({spec.vocab_size}): ids past its embedding table have no row; tokenize with at most "
                 f"{spec.vocab_size} ids (TokenLMTask.tokenizer: the tokenizer the checkpoint was trained with; "
-                "left unset, the checkpoint's own tokenizer.json / tokenizer.model when it has one, else a new BPE "
-                "of TokenLMTask.vocab_size)")
+                "left unset, the checkpoint's own tokenizer.json / tokenizer.model; for a byte-level checkpoint of "
+                "256 ids, train.task = @ByteLMTask)")
         if not isinstance(load_weights, bool):
             raise LlamaFormatError(f"LlamaModel.load_weights must be True or False, got {load_weights!r}")
         weights = read_weights(os.path.expanduser(path), spec) if load_weights else None
