@@ -505,7 +505,7 @@ def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
     prompt = run.cfg.sample_prompt.encode("utf-8")
     tokenized = run.task.tokenized  # a tokenizer's ids: the prompt encoded, the sample decoded (bytes: as they are)
     result = generate(run.trainer, ts, run.task.encode(prompt), run.task.sequence_length,
-                      Options(length=run.cfg.sample_length, temperature=0.0), plan=getattr(run, "plan", None))
+                      Options(length=run.cfg.sample_length, temperature=0.0), plan=run.plan)
     text = show(run.task.decode(result.samples[0]))
     record = {"prompt": run.cfg.sample_prompt, "text": text}
     writer.write("samples", ts.step, record)
