@@ -412,8 +412,10 @@ def test_a_busy_workdir_is_refused_at_once_naming_the_holder(base, tmp_path, cap
 
 def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_train(base, tmp_path, capfd):
     workdir = _copy(base, tmp_path)
-    for f in (workdir / "checkpoints" / "4" / "state").glob("ocdbt.process_0/d/*"):  # truncate its array data
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    # Truncate every array data file to its first bytes: the readers restore only what they need (eval the
+    # weights), and the order arrays take inside a file varies between runs, so half a file can keep them all.
+    for f in (workdir / "checkpoints" / "4" / "state").glob("ocdbt.process_0/d/*"):
+        f.write_bytes(f.read_bytes()[:8])
 
     code, lines = run(capfd, "eval", "--workdir", workdir)
     assert code == 0, lines
