@@ -239,29 +239,38 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     assert not short.fits and "keep_checkpoints" in memory_plan.refusal(short, [])
 
 
-def test_disk_too_small_is_refused_at_start_up(tmp_path):
-    """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
-    anything is written; without the plan, the full disk stops the run in one line (exit 1)."""
+def _on_small_tmpfs(tmp_path, *argvs):
+    """Each ``revtrain train`` argv run with its workdir on an 8 MiB tmpfs (skips where none can be mounted)."""
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(small)], capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
-        result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--workdir", str(small / "run"))
-        # Without the plan the disk fills while the layers are written: one line, exit 1, nothing half-kept.
-        unplanned = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 5", "--gin", "train.memory_plan = False",
-                              "--workdir", str(small / "run"))
+        return small, [_revtrain("train", "--config", LLAMA, *DISK, *argv, "--workdir", str(small / "run"))
+                       for argv in argvs]
     finally:
         subprocess.run(["umount", str(small)], capture_output=True)
-    assert unplanned.returncode == 1, unplanned.stderr[-2000:]
-    last = unplanned.stderr.strip().splitlines()[-1]
-    assert "No space left on device" in last and "training stopped" in last, unplanned.stderr[-2000:]
+
+
+def test_disk_too_small_is_refused_at_start_up(tmp_path):
+    """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
+    anything is written."""
+    small, (result,) = _on_small_tmpfs(tmp_path, ["--gin", "STEPS = 2"])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("revtrain: error: the memory plan does not fit: ReversibleTrainer + offload='disk' "
                                "disk needs"), lines[0]
     assert f"free on {small}" in lines[0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_without_the_plan_stops_in_one_line(tmp_path):
+    """Without the plan the disk fills while the layers are written: one line, exit 1, nothing half-kept."""
+    _, (unplanned,) = _on_small_tmpfs(tmp_path, ["--gin", "STEPS = 5", "--gin", "train.memory_plan = False"])
+    assert unplanned.returncode == 1, unplanned.stderr[-2000:]
+    last = unplanned.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in last and "training stopped" in last, unplanned.stderr[-2000:]
 
 
 # -- the readers of a disk-tier checkpoint: streamed from its files, read-only --------------------------------

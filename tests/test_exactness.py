@@ -113,7 +113,8 @@ def depth12(text_batches):
     return _Depth12Runs(text_batches(BATCH, STEPS))
 
 
-@pytest.mark.parametrize("executor", ["reversible", "per_layer"])
+# (the scanned executor's bitwise run is in the slow tier: test_recipe, test_modern and test_budget keep it fast)
+@pytest.mark.parametrize("executor", [pytest.param("reversible", marks=pytest.mark.slow), "per_layer"])
 def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     """Every parameter leaf within 1e-5 (max |difference| / max |value|) after 5 Adam steps."""
     std, rev = depth12["standard"], depth12[executor]
@@ -382,7 +383,9 @@ _BITWISE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(_BITWISE_CASES))
+# default_clip_microbatches covers clip and microbatches together in make test; each alone in the slow tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("default_clip", "default_microbatches")
+                                  else c for c in _BITWISE_CASES])
 def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
     """The default run's model and the Llama model, 10 steps: losses and every parameter leaf of
     ReversibleTrainer equal StandardTrainer's bit for bit, with AdamW, a clipped chain (the deferred update),

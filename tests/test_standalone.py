@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 from revtrain import cli
 from revtrain.data import tokenizer as tokenizer_lib
