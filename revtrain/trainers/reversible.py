@@ -82,6 +82,7 @@ from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, Step
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
+_SD = P(None, DATA_AXIS)  # a stack of activations (a leading layer axis)
 
 
 @gin.configurable
@@ -225,20 +226,27 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         reversible blocks that are all rebuilt (`block_modes`) is stacked, every other layer alone."""
         runs = find_runs(self.model.layers) if self.scan_layers else []
         split = []
-        for start, count in runs:  # sub-runs by mode: only rebuilt blocks scan
+        for start, count in runs:  # sub-runs by mode: consecutive blocks of one mode that scans
             j = start
             while j < start + count:
-                k = j
-                while k < start + count and self.block_modes[k].rebuilds:
+                mode, k = self.block_modes[j], j
+                while k < start + count and self.block_modes[k] is mode:
                     k += 1
-                if k - j >= 2:
+                if k - j >= 2 and self._scans(mode):
                     split.append((j, k - j))
-                j = k + 1
+                j = k
         runs = split
         if self.deferred and not self.layerwise.separable:  # a run's layers must share one update program
             runs = [(start, count) for start, count in runs
                     if len({self.layerwise.signature(start + j) for j in range(count)}) == 1]
         return groups_of(len(self.model.layers), runs)
+
+    def _scans(self, mode) -> bool:
+        """Whether a run of identical blocks in ``mode`` is one ``lax.scan`` per pass: rebuilt runs always;
+        rematerialised runs with the fused update and the weights on the device (the scan keeps its blocks'
+        inputs as one stack on the device: with offload the walk keeps each in host memory, and the deferred
+        update's accumulating programs are per layer); backprop blocks run inside the head's program."""
+        return mode.rebuilds or (mode is REMAT and not self.offload and not self.on_disk and not self.deferred)
 
     def set_block_modes(self, modes: list) -> None:
         """Sets each block's backward mode (`modes`: one strategy object per layer but the head) and the
@@ -689,6 +697,39 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                                                     reverse=True)
         return x, dx, stacks[0], stacks[1], finite, sq
 
+    def _remat_forward_run(self, layer, params, states, x, skey, start):
+        """The forward of a rematerialised run of identical blocks: one ``lax.scan`` that keeps each block's
+        input. Returns ``(x, new states, inputs)``, ``inputs`` stacked along a leading layer axis."""
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def body(x, slices):
+            p, s, j = slices
+            y, new_state = self._forward_kept(layer, p, s, x, skey, start + j)
+            return y, (new_state, x)
+
+        x, (new_states, inputs) = lax.scan(body, x, (params, states, jnp.arange(count, dtype=jnp.int32)))
+        return x, new_states, inputs
+
+    def _remat_backward_run(self, layer, params, opt_state, states, inputs, dy, skey, start):
+        """``_recompute_and_update`` of every block of a rematerialised run from its kept input (``inputs``,
+        stacked), last first: one reverse ``lax.scan`` writing each slice of the stacks back in place (as
+        `_reverse_run`). Returns ``(dx, the run's first input, new params, new optimizer state, finite
+        [count], squares [count])``: the first input is the output the block below rebuilds from."""
+        count = jax.tree.leaves(params)[0].shape[0]
+
+        def body(carry, slices):
+            stacks, dy = carry
+            s, x, j = slices
+            p, o = jax.tree.map(lambda a: a[j], stacks)
+            dx, p, o, finite, sq = self._recompute_and_update(layer, p, o, s, x, dy, skey, start + j)
+            stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks, (p, o))
+            return (stacks, dx), (finite, sq)
+
+        first = jax.tree.map(lambda a: a[0], inputs)
+        ((params, opt_state), dx), (finite, sq) = lax.scan(
+            body, ((params, opt_state), dy), (states, inputs, jnp.arange(count, dtype=jnp.int32)), reverse=True)
+        return dx, first, params, opt_state, finite, sq
+
     def _moved(self, fn, inputs: tuple, outputs: tuple):
         """``fn`` (a per-layer function) moving its arguments at positions ``inputs`` (weights, optimizer
         state: in host memory) to the device inside the program and its results at positions ``outputs``
@@ -786,6 +827,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                              "in_shardings": self._offload_shardings(in_specs, (0, 1))}
             return self._compiled(kind, layer, self._reverse_run, in_specs, out_specs, donate=(0, 1, 3, 4), key=key,
                                   **shardings)
+        if kind == "remat_forward_run":
+            return self._compiled(kind, layer, self._remat_forward_run, (pspec, _R, _D, _R, _R), (_D, _R, _SD),
+                                  key=key)  # (x is copied into the stack: nothing to donate)
+        if kind == "remat_backward_run":
+            return self._compiled(kind, layer, self._remat_backward_run, (pspec, ospec, _R, _SD, _D, _R, _R),
+                                  (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 4), key=key)
         raise KeyError(kind)
 
     def _plan(self, groups) -> "_Plan":
@@ -799,7 +846,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             for start, count in groups[:below]:
                 layer, mode = layers[start], self.block_modes[start]
                 forward_kind, backward_kind, acc_kind = mode.program_kinds
-                if count > 1:
+                if count > 1 and mode.keeps_input:  # (`_scans`: the fused update only)
+                    blocks.append(_Block(StepKind.RUN, mode, self._run_fn("remat_forward_run", layer, count),
+                                         self._run_fn("remat_backward_run", layer, count), np.int32(start)))
+                elif count > 1:
                     blocks.append(_Block(StepKind.RUN, mode, self._run_fn("forward_run", layer, count),
                                          self._acc_run_fn(layer, count) if acc else
                                          self._run_fn("reverse_run", layer, count), np.int32(start)))
@@ -833,6 +883,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         below = len(blocks) - 1 - plan.top
         for g in range(below):
             block = blocks[g]
+            if block.kind is StepKind.RUN and block.mode.keeps_input:  # the run's scan keeps its inputs
+                x, new_states[g], kept[g] = block.forward(params[g], states[g], x, ctx, block.index)
+                continue
             if block.mode.keeps_input:
                 kept[g] = self._act_to_host(x)
             x, new_states[g] = block.forward(params[g], states[g], x, ctx, block.index)
@@ -840,7 +893,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         y = x
         for g in range(below - 1, -1, -1):
             block = blocks[g]
-            if block.mode.keeps_input:  # recomputed from its kept input; the walk goes on from that input
+            if block.kind is StepKind.RUN and block.mode.keeps_input:  # (its first input comes back as y)
+                dy, y, *rest = block.backward(params[g], slot[g], states[g], kept.pop(g), dy, ctx, block.index)
+            elif block.mode.keeps_input:  # recomputed from its kept input; the walk goes on from that input
                 xs = self._act_to_device(kept.pop(g))
                 out = block.backward(params[g], slot[g], states[g], xs, dy, ctx, block.index)
                 dy, rest, y = out[0], out[1:], xs
