@@ -78,7 +78,7 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     budget_lib.plan_budget(probe, _spec(batch), 2**40)
     table = probe._budget_candidates.popitem()[1].table
     probe._budget_candidates.clear()
-    least, most, remat = min(p for p, _ in table.values()), table[(6, 0)][0], table[(0, 6)][0]
+    least, most, remat = min(v[0] for v in table.values()), table[(6, 0)][0], table[(0, 6)][0]
     plans = []
     for budget in sorted([*np.linspace(least, most, 4).astype(int), (least + remat) // 2]):
         plan = budget_lib.plan_budget(probe, _spec(batch), int(budget))
@@ -92,6 +92,24 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     assert any(c["backprop"] and c["remat"] for _, c in plans) and any(c["remat"] and c["rebuild"] for _, c in plans)
 
 
+def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys):
+    """``budget_objective='time'`` (the default), scanned executor, depth 4, a budget every plan fits: the plan
+    is the one of the fewest measured seconds; a scanned plan's seconds come from its runs' scans (timed at 2 blocks), not
+    from the per-layer programs; the plan's line gives the expected seconds."""
+    spec = _spec(text_batches(BATCH, 1)[0])
+    model = ReversibleTransformerLM(SEQ, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.0)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, memory_budget="1GiB")
+    plan = trainer.plan_budget(spec)
+    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    # (plans of more than 2 backprop blocks are extrapolated, then checked compiled: compared among the others)
+    assert plan.objective == "time" and 0 < plan.seconds <= min(v[2] for (k, _), v in table.items() if k <= 2)
+    assert all(v[2] > 0 for v in table.values())
+    an = trainer._budget_candidates[next(iter(trainer._budget_candidates))].an
+    assert ("bwd_run", "remat_backward_run", model.layers[1]) in an.cache  # the remat scan was timed
+    assert ("bwd_run", "reverse_run", model.layers[1]) in an.cache
+    assert "s a step (its programs timed here)" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # make test-all (about 2 min on 2 cores)
 def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
     """Depth 6: at the least plan's peak and half way to the fastest plan's, the meter's measured peak of a
@@ -101,11 +119,11 @@ def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
     model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=64, num_heads=4, dropout_rate=0.1)
     probe = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False)
     table = budget_lib.Candidates(probe, _spec(batches[0])).table
-    least, most = min(p for p, _ in table.values()), table[(6, 0)][0]
+    least, most = min(v[0] for v in table.values()), table[(6, 0)][0]
     seen = []
     for budget in (least, (least + most) // 2):
         trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False,
-                                    memory_budget=budget)
+                                    memory_budget=budget, budget_objective="flops")
         ts = trainer.init()
         ts, _ = trainer.train_step(ts, batches[0])
         trainer.meter = meter = MemoryMeter()

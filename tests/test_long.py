@@ -155,6 +155,7 @@ def test_check_passes_with_blockwise_attention(capsys):
     ("ReversibleTrainer.shard_state = 'yes'", "ReversibleTrainer.shard_state must be True or False, got 'yes'"),
     ("ReversibleTrainer.fuse_top = 'yes'", "ReversibleTrainer.fuse_top must be True or False, got 'yes'"),
     ("ReversibleTrainer.rebuild = 'inverse'", "ReversibleTrainer.rebuild must be one of 'exact', 'fused', 'fenced', got 'inverse'"),
+    ("ReversibleTrainer.budget_objective = 'speed'", "ReversibleTrainer.budget_objective must be one of 'time', 'flops', got 'speed'"),
     ("train.sample_every = -1", "train.sample_every"),
     ("train.sample_length = 0", "train.sample_length must be a positive integer"),
 ])

@@ -1,8 +1,8 @@
-"""The memory budget: each block backpropagated, rematerialised or rebuilt, the fewest FLOPs within a budget.
+"""The memory budget: each block backpropagated, rematerialised or rebuilt, the fastest step within a budget.
 
 ``ReversibleTrainer.memory_budget`` (bytes, ``'2GiB'``, or ``'auto'`` on an accelerator) makes the trainer
 choose each block's backward mode (`revtrain.trainers.modes`) so that the step's peak device memory stays
-within the budget with the fewest FLOPs:
+within the budget with the fastest step (``budget_objective``: measured seconds, or FLOPs):
 
 * **backprop**: the block runs inside the head's program, its vjp residuals held there (no recompute);
 * **remat**: its input is kept (in host memory with offload) and it is recomputed under its vjp;
@@ -17,7 +17,11 @@ what is live (temporaries, results not aliased to donated arguments, and with of
 optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for
 its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks; k blocks are extrapolated
 linearly from those (the residuals of k identical blocks), and the chosen k is then compiled and
-checked.
+checked. With ``objective='time'`` each of those programs is also run on zeros and timed (`time_call`),
+and with the scanned executor so are the scans of each scanning mode at two blocks (their seconds per
+block stand for a run of any length): FLOPs rank the modes wrongly where a program's speed is not its
+FLOPs' (a block inside the head's program, or one per-layer call, runs slower per FLOP than a scan's
+body on XLA:CPU; see docs/budget.md).
 
 **The plan.** Backprop blocks must be the ones directly under the head (they run in its program), so a
 plan is ``(k, r)``: the top k reversible blocks backprop'd, the lowest r of the other reversible blocks
@@ -25,11 +29,12 @@ rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for
 blocks this enumeration is the whole knapsack (which r blocks are kept does not change what is held when
 the head runs, where the step peaks). The peak of each ``(k, r)`` is simulated call by call over the walk
 (live arrays before each call plus what the call adds, the meter's own rule); the plan is the one with
-the fewest FLOPs whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
+the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-Limits: the scanned executor's runs are estimated from the per-layer programs (a run's scan body is one
-block's call); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
+Limits: the peaks of the scanned executor's runs are estimated from the per-layer programs (a run's scan
+body is one block's call); measured seconds vary from start to start by a few percent, so two plans that
+close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
 programs plus its gradient buffer; tied parameters keep backprop off (the tie's owner would need the
 head's program); a stack of different blocks is planned with the same (k, r) rule, k limited to the blocks
 under the head that equal the top one.
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import warnings
 
 import jax
@@ -97,10 +103,37 @@ def parse_budget(value, mesh=None) -> int:
 
 @dataclasses.dataclass
 class Cost:
-    """What one program call adds to the live device bytes (``extra``, the meter's rule) and its FLOPs."""
+    """What one program call adds to the live device bytes (``extra``, the meter's rule), its FLOPs and
+    (``objective='time'``) its measured seconds per block."""
 
     extra: int
     flops: float
+    seconds: float = 0.0
+
+
+OBJECTIVES = ("time", "flops")
+TIMED_CALLS = 2  # timed calls of each program after one warm-up call (their minimum is taken)
+
+
+def _zeros_like_args(compiled, args):
+    """Zero-filled arguments for ``compiled`` (placed as its input shardings say) shaped like ``args``."""
+    shardings = compiled.input_shardings[0]
+    return jax.tree.map(lambda a, s: jax.device_put(np.zeros(np.shape(a), a.dtype), s), tuple(args), tuple(shardings))
+
+
+def time_call(compiled, args, calls: int = TIMED_CALLS) -> float:
+    """Seconds of one call of ``compiled`` (a compiled program) on zero-filled arguments shaped like
+    ``args`` (abstract): the least of ``calls`` timed calls after a warm-up call. Fresh arguments each call
+    (a program may donate them); the clock covers the call and waiting for its results only."""
+    best = float("inf")
+    for c in range(calls + 1):
+        inputs = _zeros_like_args(compiled, args)
+        jax.block_until_ready(inputs)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        if c:
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 @dataclasses.dataclass
@@ -126,6 +159,9 @@ class BudgetPlan:
     rebuild_flops: float
     rebuild: str
     reversible: list  # per layer but the head: whether it is a reversible block (the counts' blocks)
+    objective: str = "flops"  # what the plan minimised (`OBJECTIVES`)
+    seconds: float = 0.0  # ``objective='time'``: the step's expected seconds (its programs measured)
+    rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
 
     def counts(self) -> dict:
         """Reversible blocks per mode: ``{"backprop": k, "remat": r, "rebuild": n}``."""
@@ -149,10 +185,14 @@ class BudgetPlan:
         """One log line: the blocks of each mode, the expected peak against the budget, FLOPs."""
         c = self.counts()
         ratio = self.flops / self.rebuild_flops if self.rebuild_flops else 1.0
+        cost = f"{self.flops:.3g} FLOPs a step, {ratio:.2f}x of rebuilding every block"
+        if self.objective == "time":
+            ratio = self.seconds / self.rebuild_seconds if self.rebuild_seconds else 1.0
+            cost = (f"expected {self.seconds:.3g} s a step (its programs timed here), {ratio:.2f}x of rebuilding "
+                    f"every block; {self.flops:.3g} FLOPs")
         return (f"memory budget {gib(self.budget)}: blocks {c['backprop']} backprop, {c['remat']} remat, "
                 f"{c['rebuild']} rebuild ({self.rebuild}); expected peak {gib(self.peak)} (least {gib(self.least)}, "
-                f"fastest plan {gib(self.most)}); {self.flops:.3g} FLOPs a step, {ratio:.2f}x of rebuilding every "
-                "block")
+                f"fastest plan {gib(self.most)}); {cost}")
 
     def record(self) -> dict:
         """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
@@ -174,14 +214,16 @@ def _device_bytes(tree) -> int:
 class _Analysis:
     """Compiles the trainer's own programs on shapes and reads their costs (cached per distinct layer)."""
 
-    def __init__(self, trainer, batch_spec: dict):
+    def __init__(self, trainer, batch_spec: dict, timed: bool = False):
         self.trainer = t = trainer
+        self.timed = timed
         self.mesh = t.mesh
         data = NamedSharding(self.mesh, P(DATA_AXIS))
         self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
         self.abstract = t.abstract_state()
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
+        self.compiled: dict = {}  # untimed programs, kept to be timed if `Candidates.time` asks
         self.offload = t.offload
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
@@ -195,11 +237,20 @@ class _Analysis:
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
         self.inputs.append(x)
 
-    def _read(self, key, program, args, moved: int) -> Cost:
-        if key not in self.cache:
+    def _read(self, key, program, args, moved: int, blocks: int = 1) -> Cost:
+        """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
+        (a scanned run's), its seconds given per block."""
+        if key in self.cache:
+            if self.timed and key in self.compiled:  # compiled untimed (the refusal's check), timed when asked
+                compiled, args, blocks = self.compiled.pop(key)
+                self.cache[key].seconds = time_call(compiled, args) / blocks
+        else:
             with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
                 warnings.simplefilter("ignore")
                 compiled = program.lower(*args).compile()
+            seconds = time_call(compiled, args) / blocks if self.timed else 0.0
+            if not self.timed:
+                self.compiled[key] = (compiled, args, blocks)
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
             try:
@@ -208,8 +259,25 @@ class _Analysis:
                 flops = float(cost.get("flops", 0.0))
             except Exception:  # noqa: BLE001 (a backend without cost analysis)
                 flops = 0.0
-            self.cache[key] = Cost(extra + (moved if self.offload else 0), flops)
+            self.cache[key] = Cost(extra + (moved if self.offload else 0), flops, seconds)
         return self.cache[key]
+
+    RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
+    RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
+
+    def run_seconds(self, i: int, backward_kind: str) -> float:
+        """Seconds per block of a scanned run of blocks like ``i`` in the mode whose per-layer backward is
+        ``backward_kind`` (forward and backward scans, timed at `RUN_LENGTH` blocks)."""
+        t, layer, a, n = self.trainer, self.trainer.model.layers[i], self.abstract, self.RUN_LENGTH
+        stack = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), tree)  # noqa: E731
+        params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
+        fwd, bwd = self.RUN_KINDS[backward_kind]
+        f = self._read(("fwd_run", fwd, layer), t._run_fn(fwd, layer, n),
+                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n)
+        start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
+        b = self._read(("bwd_run", bwd, layer), t._run_fn(bwd, layer, n),
+                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n)
+        return f.seconds + b.seconds
 
     def forward(self, i: int, kind: str) -> Cost:
         t, layer = self.trainer, self.trainer.model.layers[i]
@@ -244,19 +312,23 @@ def _head_cost(costs: list, k: int) -> Cost:
     """The head's cost with k backprop blocks: measured for k <= 2, extrapolated linearly beyond."""
     if k < len(costs):
         return costs[k]
-    step_extra = max(0, costs[2].extra - costs[1].extra)
-    step_flops = max(0.0, costs[2].flops - costs[1].flops)
-    return Cost(costs[1].extra + (k - 1) * step_extra, costs[1].flops + (k - 1) * step_flops)
+    step = [max(0, getattr(costs[2], f) - getattr(costs[1], f)) for f in ("extra", "flops", "seconds")]
+    return Cost(costs[1].extra + (k - 1) * step[0], costs[1].flops + (k - 1) * step[1],
+                costs[1].seconds + (k - 1) * step[2])
 
 
-def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float]:
-    """(peak device bytes, FLOPs) of one step with ``modes`` (per layer but the head), call by call."""
+def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float, float]:
+    """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
+    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block."""
     n = len(modes)
     below = n
     while below > 0 and modes[below - 1] is BACKPROP:
         below -= 1
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
-    live, peak, flops = base, base, head.flops
+    live, peak, flops, seconds = base, base, head.flops, head.seconds
+    scanned = set()
+    if an.timed and an.trainer.scan_layers and not an.trainer.deferred:
+        scanned = {j for start, count in an.trainer.layout(modes) if count > 1 for j in range(start, start + count)}
     costs = []
     for i in range(below):
         mode = modes[i]
@@ -264,6 +336,7 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
         f, b = an.forward(i, fk), an.backward(i, bk)
         costs.append((f, b))
         flops += f.flops + b.flops
+        seconds += an.run_seconds(i, bk) if i in scanned else f.seconds + b.seconds
         peak = max(peak, live + f.extra)
         kept = mode.keeps_input and not an.offload
         live += act(i + 1) - (0 if kept else act(i))  # the input kept on the device, or freed / moved out
@@ -279,15 +352,16 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
         else:
             peak = max(peak, live + b.extra)
             live += 2 * act(i) - 2 * act(i + 1)
-    return peak, flops
+    return peak, flops, seconds
 
 
 class Candidates:
-    """Every ``(k, r)`` plan of a trainer on a batch shape (see the module note) with its expected peak and
-    FLOPs: ``table[(k, r)] = (peak bytes, FLOPs)``; `modes` gives a plan's modes."""
+    """Every ``(k, r)`` plan of a trainer on a batch shape (see the module note) with its expected peak,
+    FLOPs and seconds: ``table[(k, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``: the
+    trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
 
-    def __init__(self, trainer, batch_spec: dict):
-        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec)
+    def __init__(self, trainer, batch_spec: dict, timed: bool = False):
+        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec, timed)
         layers = trainer.model.layers
         self.n = n = len(layers) - 1
         self.reversible = [i for i in range(n) if layers[i].reversible]
@@ -305,6 +379,14 @@ class Candidates:
         self.table = {(k, r): self.evaluate(k, r) for k in range(self.max_top + 1)
                       for r in range(len([j for j in self.reversible if j < n - k]) + 1)}
 
+    def time(self) -> None:
+        """Times the programs (``timed`` from now on) and re-evaluates the table with their seconds: a
+        budget below the least is refused from the untimed table, before any program runs."""
+        if not self.an.timed:
+            self.an.timed = True
+            self.heads = [self.an.head(k) for k in range(len(self.heads))]
+            self.table = {kr: self.evaluate(*kr) for kr in self.table}
+
     def modes(self, k: int, r: int) -> list:
         """The top ``k`` blocks backprop, the lowest ``r`` other reversible blocks remat, the rest rebuilt."""
         layers, t = self.trainer.model.layers, self.trainer
@@ -316,27 +398,34 @@ class Candidates:
         return modes
 
     def evaluate(self, k: int, r: int, measured: bool = False) -> tuple:
-        """(expected peak, FLOPs) of plan ``(k, r)``; ``measured``: the head's program with k blocks compiled,
-        not extrapolated."""
+        """(expected peak, FLOPs, seconds) of plan ``(k, r)``; ``measured``: the head's program with k blocks
+        compiled, not extrapolated."""
         head = self.an.head(k) if measured else _head_cost(self.heads, k)
         return _simulate(self.an, self.modes(k, r), head, self.base)
 
 
-def plan_budget(trainer, batch_spec: dict, budget: int) -> BudgetPlan:
+def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
     """The fastest plan within ``budget`` bytes for ``trainer`` (a `ReversibleTrainer`) on batches shaped
     like ``batch_spec`` (the global batch, ``{key: ShapeDtypeStruct}``). See the module note.
+    ``objective``: ``'flops'`` minimises the compiled programs' FLOPs (the same plan on every machine),
+    ``'time'`` their seconds measured here (each distinct program run on zeros; a scanned run timed at
+    `_Analysis.RUN_LENGTH` blocks).
 
     Raises:
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
     """
+    timed = objective == "time"
     key = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in batch_spec.items()))
     cache = trainer.__dict__.setdefault("_budget_candidates", {})  # (the compiled analyses, per batch shape)
     if key not in cache:
         cache[key] = Candidates(trainer, batch_spec)
     c = cache[key]
+    least = min(v[0] for v in c.table.values())
+    if budget >= least and timed:
+        c.time()
     table = dict(c.table)
-    least = min(p for p, _ in table.values())
-    most = min(table.values(), key=lambda v: (v[1], v[0]))[0]
+    cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
+    most = min(table.values(), key=cost)[0]
     if budget < least:
         k, r = min(table, key=lambda kr: table[kr][0])
         how = "every block rebuilt" if k == r == 0 else f"{k} blocks backprop, {r} remat, the rest rebuilt"
@@ -345,12 +434,13 @@ def plan_budget(trainer, batch_spec: dict, budget: int) -> BudgetPlan:
                            f"{least:,} bytes or shrink the batch")
     checked = set()
     while True:
-        fits = [(f, p, k, r) for (k, r), (p, f) in table.items() if p <= budget]
-        flops, peak, k, r = min(fits)
+        k, r = min((kr for kr, v in table.items() if v[0] <= budget), key=lambda kr: cost(table[kr]))
         if k <= 2 or (k, r) in checked:
             break
         checked.add((k, r))
         table[(k, r)] = c.evaluate(k, r, measured=True)  # the extrapolation checked against the compiled one
+    peak, flops, seconds = table[(k, r)]
     layers = trainer.model.layers
     return BudgetPlan(c.modes(k, r), budget, int(peak), int(least), int(most), flops, table[(0, 0)][1],
-                      trainer.rebuild, [layer.reversible for layer in layers[:-1]])
+                      trainer.rebuild, [layer.reversible for layer in layers[:-1]], objective, seconds,
+                      table[(0, 0)][2])

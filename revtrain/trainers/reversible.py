@@ -133,11 +133,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
       memory_budget: device bytes a step may peak at (an int, a size such as ``'2GiB'``, or ``'auto'``: an
         accelerator's ``bytes_limit`` less 10%); None (default): every reversible block rebuilt. With a budget
         the trainer chooses each block's backward mode (`revtrain.trainers.modes`: backprop inside the head's
-        program, remat from its kept input, or rebuild) for the fewest FLOPs whose planned peak fits
-        (`revtrain.trainers.budget`; ``plan_budget``, before the state is placed by ``revtrain train``, else at
-        the first step), logs the plan in one line and refuses a budget below the least plan's peak
+        program, remat from its kept input, or rebuild) for the fastest step (``budget_objective``) whose
+        planned peak fits (`revtrain.trainers.budget`; ``plan_budget``, before the state is placed by
+        ``revtrain train``, else at the first step), logs the plan in one line and refuses a budget below the least plan's peak
         (`TrainerError` naming it). Overrides ``fuse_top``. Every plan's gradients equal backprop's as the
         rebuild's do (docs/budget.md).
+      budget_objective: what a budget's plan minimises: ``"time"`` (default), the step's seconds from the
+        trainer's own programs timed once on this machine at start-up (a few calls each on zeros; a scanned
+        run's per block), or ``"flops"``, their compiled FLOPs (the same plan on every machine).
 
     Any optax optimizer: a separable one (each layer's update needs only that layer: Adam, AdamW, Lion,
     SGD, LAMB, Adafactor) keeps the fused per-layer update; one whose whole-model update combines layers
@@ -162,7 +165,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool | str = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1,
-                 offload_dir: str | None = None, memory_budget=None):
+                 offload_dir: str | None = None, memory_budget=None, budget_objective: str = "time"):
         if not (offload is True or offload is False or offload == "disk"):
             raise TrainerError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
         check_flags("ReversibleTrainer", scan_layers=scan_layers, shard_state=shard_state, fuse_top=fuse_top)
@@ -206,8 +209,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             self.block_modes[-1] = BACKPROP
         self._plans: dict = {}
         self.memory_budget, self.budget_plan = None, None
+        from revtrain.trainers import budget as budget_lib
+        if budget_objective not in budget_lib.OBJECTIVES:
+            raise TrainerError(f"ReversibleTrainer.budget_objective must be one of "
+                               f"{', '.join(map(repr, budget_lib.OBJECTIVES))}, got {budget_objective!r}")
+        self.budget_objective = budget_objective
         if memory_budget is not None:
-            from revtrain.trainers import budget as budget_lib
             self.memory_budget = budget_lib.parse_budget(memory_budget, mesh)
         self.groups = self._layout()
         if shard_state:
@@ -222,15 +229,19 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         return k
 
     def _layout(self) -> tuple:
-        """The groups of this trainer's working layout: with ``scan_layers`` each maximal run of identical
-        reversible blocks that are all rebuilt (`block_modes`) is stacked, every other layer alone."""
+        return self.layout(self.block_modes)
+
+    def layout(self, modes: list) -> tuple:
+        """The groups ``((start, count), ...)`` of the working layout under block ``modes`` (one
+        `modes.BackwardMode` per layer but the head): with ``scan_layers`` each maximal run of identical
+        reversible blocks of one mode that scans (`_scans`) is stacked, every other layer alone."""
         runs = find_runs(self.model.layers) if self.scan_layers else []
         split = []
         for start, count in runs:  # sub-runs by mode: consecutive blocks of one mode that scans
             j = start
             while j < start + count:
-                mode, k = self.block_modes[j], j
-                while k < start + count and self.block_modes[k] is mode:
+                mode, k = modes[j], j
+                while k < start + count and modes[k] is mode:
                     k += 1
                 if k - j >= 2 and self._scans(mode):
                     split.append((j, k - j))
@@ -979,7 +990,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
           TrainerError: the budget is below the least any plan needs (the message names that least budget).
         """
         from revtrain.trainers import budget as budget_lib
-        self.budget_plan = budget_lib.plan_budget(self, batch_spec, self.memory_budget)
+        self.budget_plan = budget_lib.plan_budget(self, batch_spec, self.memory_budget, self.budget_objective)
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan
