@@ -89,10 +89,16 @@ def run_depth(depth: int, args, mesh) -> list[dict]:
     lo, hi = fixed_peak["reversible exact"], fixed_peak["standard"]
     budgets = sorted({int(b) for b in np.linspace(lo, hi, args.budgets)} | {p for p in fixed_peak.values() if p >= lo})
     builds = {label: (lambda kind=kind, kw=kw: common.make_trainer(kind, model, mesh, **kw)) for label, kind, kw in FIXED}
+    analyses = {name: {} for name, _ in BUDGETED}  # one plan analysis (compiled, timed) per budgeted trainer kind
+
+    def budgeted(name, kw, b):
+        t = common.make_trainer("reversible", model, mesh, memory_budget=b, **kw)
+        t._budget_candidates = analyses[name]  # the same model and settings but the budget: the same table
+        return t
+
     for name, kw in BUDGETED:
         for b in budgets:
-            builds[f"{name} @ {b}"] = lambda b=b, kw=kw: common.make_trainer("reversible", model, mesh,
-                                                                              memory_budget=b, **kw)
+            builds[f"{name} @ {b}"] = lambda b=b, kw=kw, name=name: budgeted(name, kw, b)
     step_s, trainers = _time(builds, batches, args.rounds)
     plans = {label: t.budget_plan for label, t in trainers.items() if getattr(t, "budget_plan", None) is not None}
     del trainers
@@ -104,7 +110,7 @@ def run_depth(depth: int, args, mesh) -> list[dict]:
     for name, kw in BUDGETED:
         for b in budgets:
             label = f"{name} @ {b}"
-            peak = _peak(common.make_trainer("reversible", model, mesh, memory_budget=b, **kw), batches)
+            peak = _peak(budgeted(name, kw, b), batches)
             gc.collect()
             fits = [r for r in records[:len(FIXED)] if r["peak_device_bytes"] <= b]
             best = max(fits, key=lambda r: r["tokens_per_sec"]) if fits else None

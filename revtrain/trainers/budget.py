@@ -32,8 +32,10 @@ the head runs, where the step peaks). The peak of each ``(k, r)`` is simulated c
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-Limits: the peaks of the scanned executor's runs are estimated from the per-layer programs (a run's scan
-body is one block's call); measured seconds vary from start to start by a few percent, so two plans that
+A scanned run's peak is its scans' (compiled at `_Analysis.RUN_LENGTH` blocks and one more, their extra
+bytes extrapolated to the run's length: a scan's buffers grow with it), counted where each scan starts.
+
+Limits: measured seconds vary from start to start by a few percent, so two plans that
 close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
 programs plus its gradient buffer; tied parameters keep backprop off (the tie's owner would need the
 head's program); a stack of different blocks is planned with the same (k, r) rule, k limited to the blocks
@@ -237,19 +239,20 @@ class _Analysis:
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
         self.inputs.append(x)
 
-    def _read(self, key, program, args, moved: int, blocks: int = 1) -> Cost:
+    def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
         """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
-        (a scanned run's), its seconds given per block."""
+        (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
+        timed = self.timed and timeable
         if key in self.cache:
-            if self.timed and key in self.compiled:  # compiled untimed (the refusal's check), timed when asked
+            if timed and key in self.compiled:  # compiled untimed (the refusal's check), timed when asked
                 compiled, args, blocks = self.compiled.pop(key)
                 self.cache[key].seconds = time_call(compiled, args) / blocks
         else:
             with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
                 warnings.simplefilter("ignore")
                 compiled = program.lower(*args).compile()
-            seconds = time_call(compiled, args) / blocks if self.timed else 0.0
-            if not self.timed:
+            seconds = time_call(compiled, args) / blocks if timed else 0.0
+            if not self.timed and timeable:
                 self.compiled[key] = (compiled, args, blocks)
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
@@ -265,19 +268,29 @@ class _Analysis:
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
     RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
 
-    def run_seconds(self, i: int, backward_kind: str) -> float:
-        """Seconds per block of a scanned run of blocks like ``i`` in the mode whose per-layer backward is
-        ``backward_kind`` (forward and backward scans, timed at `RUN_LENGTH` blocks)."""
-        t, layer, a, n = self.trainer, self.trainer.model.layers[i], self.abstract, self.RUN_LENGTH
+    def run_costs(self, i: int, backward_kind: str, n: int = RUN_LENGTH) -> tuple:
+        """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
+        the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
+        t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
         stack = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), tree)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
         fwd, bwd = self.RUN_KINDS[backward_kind]
-        f = self._read(("fwd_run", fwd, layer), t._run_fn(fwd, layer, n),
-                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n)
+        f = self._read(("fwd_run", fwd, layer, n), t._run_fn(fwd, layer, n),
+                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, n == self.RUN_LENGTH)
         start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
-        b = self._read(("bwd_run", bwd, layer), t._run_fn(bwd, layer, n),
-                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n)
-        return f.seconds + b.seconds
+        b = self._read(("bwd_run", bwd, layer, n), t._run_fn(bwd, layer, n),
+                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n,
+                       n == self.RUN_LENGTH)
+        return f, b
+
+    def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
+        """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
+        compiled at `RUN_LENGTH` and one block more, extrapolated linearly (a scan's buffers grow with its
+        length: the stacked states it updates, a remat run's kept inputs)."""
+        n = self.RUN_LENGTH
+        (f2, b2), (f3, b3) = self.run_costs(i, backward_kind, n), self.run_costs(i, backward_kind, n + 1)
+        grow = lambda a, b: a.extra + max(0, count - n) * max(0, b.extra - a.extra)  # noqa: E731
+        return grow(f2, f3), grow(b2, b3)
 
     def forward(self, i: int, kind: str) -> Cost:
         t, layer = self.trainer, self.trainer.model.layers[i]
@@ -326,17 +339,26 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
         below -= 1
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
     live, peak, flops, seconds = base, base, head.flops, head.seconds
-    scanned = set()
-    if an.timed and an.trainer.scan_layers and not an.trainer.deferred:
-        scanned = {j for start, count in an.trainer.layout(modes) if count > 1 for j in range(start, start + count)}
+    runs = {}  # block -> (its run's start, count): blocks in a scanned run of the layout these modes give
+    if an.trainer.scan_layers and not an.trainer.deferred:
+        runs = {j: (start, count) for start, count in an.trainer.layout(modes) if count > 1
+                for j in range(start, start + count)}
     costs = []
     for i in range(below):
         mode = modes[i]
         fk, bk, _ = mode.program_kinds
         f, b = an.forward(i, fk), an.backward(i, bk)
+        if i in runs:  # inside a run's scans: their seconds per block; the whole run's call at its first block
+            start, count = runs[i]
+            fr, br = an.run_costs(i, bk)
+            seconds += fr.seconds + br.seconds
+            fe, be = an.run_extra(i, bk, count)
+            f = dataclasses.replace(f, extra=fe if i == start else 0)  # (the forward scan starts at the lowest,
+            b = dataclasses.replace(b, extra=be if i == start + count - 1 else 0)  # the backward at the top)
+        else:
+            seconds += f.seconds + b.seconds
         costs.append((f, b))
         flops += f.flops + b.flops
-        seconds += an.run_seconds(i, bk) if i in scanned else f.seconds + b.seconds
         peak = max(peak, live + f.extra)
         kept = mode.keeps_input and not an.offload
         live += act(i + 1) - (0 if kept else act(i))  # the input kept on the device, or freed / moved out
