@@ -477,7 +477,8 @@ def _checkpoint_params(run, workdir: str, step: int | None):
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,
-                                                 optimizer_state=False)  # skips a damaged newest one
+                                                 optimizer_state=False,  # skips a damaged newest one
+                                                 accept=loop.same_model(run, workdir))
     finally:
         checkpointer.close()
     # Offloaded or sharded runs restore into host memory or shards: the check's programs take replicated

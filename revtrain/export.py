@@ -195,7 +195,8 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
         checkpointer.chosen_step(step)
         run = loop.build(cfg, workdir)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
-                                                 files=True)  # a disk-tier state: its layer files, unread
+                                                 files=True,  # a disk-tier state: its layer files, unread
+                                                 accept=loop.same_model(run, workdir))
     finally:
         checkpointer.close()
     from revtrain.disk_tier import LayerWeights

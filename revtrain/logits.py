@@ -133,7 +133,8 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
             try:
                 checkpointer.chosen_step(step)
                 run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
-                ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False)
+                ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
+                                                         accept=loop.same_model(run, workdir))
             finally:
                 checkpointer.close()
     finally:

@@ -350,6 +350,26 @@ def run_signature(run: Run) -> dict:
     }
 
 
+def same_model(run: Run, workdir: str):
+    """The ``accept`` of a checkpoint reader (eval, sample, export, check, `revtrain.logits`): refuses a
+    checkpoint whose saved model (layers and parameter shapes, `run_signature`) is not the one ``run`` built,
+    e.g. when a ``--config`` or ``--gin`` on top of the run's ``config.gin`` changed the model, in one line
+    naming the cause, instead of a restore that fails as if the checkpoint were damaged.
+
+    Raises (when called):
+      ConfigError: the models differ (exit 2).
+    """
+    layers = json.loads(json.dumps(run_signature(run)["layers"]))  # (as saved: tuples become lists)
+
+    def accept(step: int, saved: dict) -> None:
+        theirs = (saved.get("signature") or {}).get("layers")
+        if theirs is not None and theirs != layers:
+            raise ConfigError(f"the checkpoint at step {step} in {workdir} was made by a different model (layers or "
+                              "parameter shapes) than the one configured now: a --config or --gin given here "
+                              "changed it (the run's own config.gin is read first; give only what differs)")
+    return accept
+
+
 def _check_resumable(saved: dict, current: dict, step: int, workdir: str) -> None:
     for key in current:
         if saved.get(key) != current[key]:
@@ -842,7 +862,8 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
         for s in todo:
             try:
                 ts, s = checkpointer.restore_newest(template, step if s is None else s, optimizer_state=False,
-                                                    files=True)  # a disk-tier state: its files, streamed
+                                                    files=True,  # a disk-tier state: its files, streamed
+                                                    accept=same_model(run, workdir))
             except ckpt_lib.DamagedCheckpoint as e:
                 if not all_steps:
                     raise

@@ -105,7 +105,8 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
         check_decodable(run.model)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,  # a damaged newest one is skipped
                                                  optimizer_state=False,  # (weights alone: a third of the bytes)
-                                                 files=True)  # (a disk-tier state: its files, held or streamed)
+                                                 files=True,  # (a disk-tier state: its files, held or streamed)
+                                                 accept=loop.same_model(run, workdir))
     finally:
         checkpointer.close()
     guard.idle = False

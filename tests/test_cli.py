@@ -198,6 +198,17 @@ def test_every_error_class_has_one_of_the_two_exit_statuses():
     assert cli._classify(KeyError("k"))[0] == 1 and "--verbose" in cli._classify(KeyError("k"))[1]
 
 
+def test_readers_refuse_a_model_changed_on_top_of_the_run_in_one_line(trained):
+    """A --gin that changes the model over the run's config.gin (here its width) is named as such by eval,
+    sample and check (exit 2; export and `revtrain.logits` share the check), not reported as a damaged checkpoint."""
+    workdir, _ = trained
+    wider = ("--gin", "ReversibleTransformerLM.d_model = 48")
+    for command in (("eval",), ("sample", "--length", "2"), ("check",)):
+        result = revtrain(*command, "--workdir", str(workdir), *wider)
+        assert_one_line_error(result, 2, "was made by a different model")
+        assert "damaged" not in result.stderr
+
+
 def test_eval_of_missing_step_exits_2(trained):
     workdir, _ = trained
     assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")
