@@ -385,9 +385,10 @@ class _Programs:
     def backward(self, layer, params, opt, state, x, y, keys, tx, rebuild: str) -> int:
         """The reverse-and-update program of a reversible layer (from its output ``y``), or the
         recompute-and-update one of a standard layer (from its input ``x``)."""
-        def update(p, o, grads):
-            updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, updates), o
+        def update(p, o, grads):  # the trainers' own update (fenced, skipped unless finite: one select a leaf)
+            from revtrain.trainers.common import guarded_update
+            new_p, new_o, finite = guarded_update(tx, grads, o, p)
+            return new_p, new_o, finite
 
         if layer.reversible:
             def fn(p, o, s, y, dy, k):
@@ -415,8 +416,9 @@ class _Programs:
                 return loss_sum
             _, vjp = jax.vjp(objective, p, x)
             grads, dx = vjp(jnp.float32(1.0))
-            updates, o = tx.update(grads, o, p)
-            return dx, optax.apply_updates(p, updates), o
+            from revtrain.trainers.common import guarded_update
+            new_p, new_o, finite = guarded_update(tx, grads, o, p)
+            return dx, new_p, new_o, finite
         return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))
 
     def whole_step(self, model, setup: "Setup", params, opt, states, batch) -> int:

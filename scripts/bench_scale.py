@@ -18,6 +18,10 @@ save), seconds per checkpoint (from the step's line to its checkpoint directory:
 host estimate (``plan_host_bytes`` of the first ``train.jsonl`` record). A configuration the plan refuses
 (exit 2, one line) is recorded as refused; larger sizes of the same trainer and optimizer are then skipped.
 
+A disk-tier point (``offload = 'disk'``) also records its step's reads and writes, the disk's sequential
+bandwidth measured once more right after it (`disk_tier.bandwidth`, uncached, 512 MiB) and the ratio of its
+step time to the larger of the same size's in-memory step (the ``offload`` trainer) and that I/O bound.
+
 Outputs: ``--out`` (JSON), the same name with ``.png`` (bytes per parameter by phase and trainer) and a
 markdown table on stdout.
 
@@ -72,6 +76,7 @@ COMMON = ["WARMUP = 1", "train.batch_size = 2", "train.log_every = 1", "train.ch
           "ByteLMTask.sequence_length = 128", "evaluate.max_batches = 1", "train.sample_every = 0",
           "LlamaModel.form = 'standard'"]
 POLL_S = 0.05
+DISK_PROBE_BYTES = 512 * 2**20  # the disk tier's points: the sequential bandwidth probe, written and read back
 
 
 def _hwm(pid: int) -> int | None:
@@ -274,6 +279,11 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
             io["step_seconds"] = 1 / last["steps_per_sec"] if last.get("steps_per_sec") else None
             if io["step_seconds"]:
                 io["achieved_bytes_per_sec"] = (io["disk_read_bytes"] + io["disk_write_bytes"]) / io["step_seconds"]
+            # The disk's sequential bandwidth measured now, in this run, on the workdir's file system (not cached).
+            from revtrain import disk_tier
+            bw = disk_tier.bandwidth(workdir, cache=None, nbytes=DISK_PROBE_BYTES)
+            io.update(measured_read_bytes_per_sec=bw["read"], measured_write_bytes_per_sec=bw["write"])
+            io["io_bound_seconds"] = io["disk_read_bytes"] / bw["read"] + io["disk_write_bytes"] / bw["write"]
             out["disk"] = io
         return out
     finally:
@@ -298,7 +308,37 @@ def table(result: dict) -> str:
                     + " | ".join(g(r["peak_bytes"][p]) for p in PHASES)
                     + f" | {g(r['run_peak_bytes'])} ({r['run_peak_bytes'] / r['num_params']:.1f}) | {r.get('plan_over_peak', '-')} | "
                     f"{r['step_s']} | {r['checkpoint_s']} |")
-    return "\n".join(rows) + "\n(GiB of peak resident memory, VmHWM, by phase; plan: the memory plan's host estimate)"
+    text = "\n".join(rows) + "\n(GiB of peak resident memory, VmHWM, by phase; plan: the memory plan's host estimate)"
+    disk = [r for r in result["runs"] if r.get("status") == "ok" and r.get("disk")]
+    if disk:
+        rows = ["", "| model | optimizer | s/step disk | s/step in memory | I/O a step (GiB read / written) | "
+                "disk read / write GB/s (measured) | achieved GB/s | I/O bound s | disk / max(memory, I/O) |",
+                "|---|---|---:|---:|---|---|---:|---:|---:|"]
+        for r in disk:
+            io, o = r["disk"], r.get("overlap") or {}
+            rows.append(f"| {r['size']} | {r['optimizer']} | {r['step_s']} | {o.get('memory_step_s', '-')} | "
+                        f"{io['disk_read_bytes'] / 2**30:.2f} / {io['disk_write_bytes'] / 2**30:.2f} | "
+                        f"{io['measured_read_bytes_per_sec'] / 1e9:.2f} / {io['measured_write_bytes_per_sec'] / 1e9:.2f} | "
+                        f"{io.get('achieved_bytes_per_sec', 0) / 1e9:.2f} | {io['io_bound_seconds']:.1f} | "
+                        f"{o.get('ratio', '-')} |")
+        text += "\n".join(rows) + ("\n(the disk tier's step against the larger of the same model's step with its "
+                                   "state in memory, ReversibleTrainer + offload, and its bytes over the disk's "
+                                   "sequential bandwidth measured in this run)")
+    return text
+
+
+def overlap(result: dict) -> None:
+    """For each disk-tier point: its step time against the larger of the in-memory step (the same size and
+    optimizer with ``offload = True``) and its I/O bound (``r["overlap"]``; issue 37's target: at most 1.3)."""
+    runs = [r for r in result["runs"] if r.get("status") == "ok"]
+    for r in runs:
+        if not r.get("disk") or not r.get("step_s"):
+            continue
+        mem = next((m for m in runs if m["size"] == r["size"] and m["optimizer"] == r["optimizer"]
+                    and m["trainer"] == TRAINERS["offload"][0] and m.get("step_s")), None)
+        bound = max(mem["step_s"] if mem else 0.0, r["disk"]["io_bound_seconds"])
+        r["overlap"] = {"memory_step_s": mem["step_s"] if mem else None,
+                        "ratio": round(r["step_s"] / bound, 3) if bound else None}
 
 
 def plot(result: dict, png: str) -> None:
@@ -382,6 +422,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in r.items() if k != "events"}), flush=True)  # (gpu_report.sh)
                 result["runs"].append(r)
                 common.write_outputs(result, a.out, lambda _: "", plot, os.path.splitext(a.out)[0] + ".png")
+    overlap(result)
     common.write_outputs(result, a.out, table, plot, os.path.splitext(a.out)[0] + ".png")
 
 
