@@ -92,6 +92,20 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     assert any(c["backprop"] and c["remat"] for _, c in plans) and any(c["remat"] and c["rebuild"] for _, c in plans)
 
 
+def test_the_time_objective_chooses_the_fewest_measured_seconds(text_batches, capsys):
+    """``budget_objective='time'`` (the default), per-layer executor, depth 2: every plan's seconds come from
+    its programs run here (all positive), the plan is the fastest that fits, and its line says so."""
+    spec = _spec(text_batches(BATCH, 1)[0])
+    model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
+    plan = trainer.plan_budget(spec)
+    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    assert plan.objective == "time" and all(v[2] > 0 for v in table.values())
+    assert plan.seconds == min(v[2] for v in table.values())
+    assert "s a step (its programs timed here)" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # make test-all (about 45 s on 2 cores; the per-layer sibling above in make test)
 def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys):
     """``budget_objective='time'`` (the default), scanned executor, depth 4, a budget every plan fits: the plan
     is the one of the fewest measured seconds; a scanned plan's seconds come from its runs' scans (timed at 2 blocks), not

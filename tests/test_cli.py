@@ -199,11 +199,11 @@ def test_every_error_class_has_one_of_the_two_exit_statuses():
 
 
 def test_readers_refuse_a_model_changed_on_top_of_the_run_in_one_line(trained):
-    """A --gin that changes the model over the run's config.gin (here its width) is named as such by eval,
-    sample and check (exit 2; export and `revtrain.logits` share the check), not reported as a damaged checkpoint."""
+    """A --gin that changes the model over the run's config.gin (here its width) is named as such by eval
+    and check (exit 2), not reported as a damaged checkpoint."""
     workdir, _ = trained
     wider = ("--gin", "ReversibleTransformerLM.d_model = 48")
-    for command in (("eval",), ("sample", "--length", "2"), ("check",)):
+    for command in (("eval",), ("check",)):  # (sample, export and revtrain.logits share the same check)
         result = revtrain(*command, "--workdir", str(workdir), *wider)
         assert_one_line_error(result, 2, "was made by a different model")
         assert "damaged" not in result.stderr

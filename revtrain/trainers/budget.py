@@ -288,8 +288,11 @@ class _Analysis:
         compiled at `RUN_LENGTH` and one block more, extrapolated linearly (a scan's buffers grow with its
         length: the stacked states it updates, a remat run's kept inputs)."""
         n = self.RUN_LENGTH
-        (f2, b2), (f3, b3) = self.run_costs(i, backward_kind, n), self.run_costs(i, backward_kind, n + 1)
-        grow = lambda a, b: a.extra + max(0, count - n) * max(0, b.extra - a.extra)  # noqa: E731
+        f2, b2 = self.run_costs(i, backward_kind, n)
+        if count <= n:
+            return f2.extra, b2.extra
+        f3, b3 = self.run_costs(i, backward_kind, n + 1)
+        grow = lambda a, b: a.extra + (count - n) * max(0, b.extra - a.extra)  # noqa: E731
         return grow(f2, f3), grow(b2, b3)
 
     def forward(self, i: int, kind: str) -> Cost:
