@@ -125,6 +125,19 @@ def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys)
     assert "s a step (its programs timed here)" in capsys.readouterr().err
 
 
+def _measured_peak(trainer, batches) -> int:
+    """The memory meter's peak of the second of two steps on ``batches``, less the arrays other tests left
+    alive (what the meter counted at its start beyond this trainer's state and batch)."""
+    ts = trainer.init()
+    ts, _ = trainer.train_step(ts, batches[0])
+    trainer.meter = meter = MemoryMeter()
+    meter.start()
+    own = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state, ts.layer_state, batches[1])))
+    foreign = meter._total - own
+    trainer.train_step(ts, batches[1])
+    return meter.stop() - foreign
+
+
 @pytest.mark.slow  # make test-all (about 2 min on 2 cores)
 def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
     """Depth 6: at the least plan's peak and half way to the fastest plan's, the meter's measured peak of a
@@ -139,14 +152,7 @@ def test_budget_measured_peak_within_budget_and_plan_line(text_batches, capsys):
     for budget in (least, (least + most) // 2):
         trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False,
                                     memory_budget=budget, budget_objective="flops")
-        ts = trainer.init()
-        ts, _ = trainer.train_step(ts, batches[0])
-        trainer.meter = meter = MemoryMeter()
-        meter.start()
-        own = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state, ts.layer_state, batches[1])))
-        foreign = meter._total - own
-        ts, _ = trainer.train_step(ts, batches[1])
-        measured = meter.stop() - foreign
+        measured = _measured_peak(trainer, batches)
         plan = trainer.budget_plan
         assert measured <= budget, (budget, measured, plan.line())
         assert abs(measured - plan.peak) <= 0.02 * plan.peak, (measured, plan.peak)
@@ -167,15 +173,8 @@ def test_a_scanned_remat_run_is_planned_at_its_scans_peak(text_batches):
     budget = budget_lib.Candidates(probe, _spec(batches[0])).table[(1, 5)][0]
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, memory_budget=budget,
                                 budget_objective="flops")
-    ts = trainer.init()
-    ts, _ = trainer.train_step(ts, batches[0])
+    measured = _measured_peak(trainer, batches)
     assert trainer.budget_plan.counts()["remat"] == 5 and (1, 5) in list(trainer.groups)  # (0: the embedding)
-    trainer.meter = meter = MemoryMeter()
-    meter.start()
-    own = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state, ts.layer_state, batches[1])))
-    foreign = meter._total - own
-    ts, _ = trainer.train_step(ts, batches[1])
-    measured = meter.stop() - foreign
     plan = trainer.budget_plan
     assert measured <= budget and abs(measured - plan.peak) <= 0.02 * plan.peak, (budget, measured, plan.line())
 
