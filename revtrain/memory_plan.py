@@ -66,6 +66,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import ConfigError
+from revtrain.trainers.common import guarded_update
 
 # The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
 # step's own parts: imports (JAX, XLA, Flax, optax, Orbax, Grain, TensorBoard), the backend, the data pipeline,
@@ -386,7 +387,6 @@ class _Programs:
         """The reverse-and-update program of a reversible layer (from its output ``y``), or the
         recompute-and-update one of a standard layer (from its input ``x``)."""
         def update(p, o, grads):  # the trainers' own update (fenced, skipped unless finite: one select a leaf)
-            from revtrain.trainers.common import guarded_update
             new_p, new_o, finite = guarded_update(tx, grads, o, p)
             return new_p, new_o, finite
 
@@ -416,7 +416,6 @@ class _Programs:
                 return loss_sum
             _, vjp = jax.vjp(objective, p, x)
             grads, dx = vjp(jnp.float32(1.0))
-            from revtrain.trainers.common import guarded_update
             new_p, new_o, finite = guarded_update(tx, grads, o, p)
             return dx, new_p, new_o, finite
         return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))

@@ -200,13 +200,21 @@ def test_every_error_class_has_one_of_the_two_exit_statuses():
 
 def test_readers_refuse_a_model_changed_on_top_of_the_run_in_one_line(trained):
     """A --gin that changes the model over the run's config.gin (here its width) is named as such by eval
-    and check (exit 2), not reported as a damaged checkpoint."""
+    (exit 2), not reported as a damaged checkpoint."""
     workdir, _ = trained
     wider = ("--gin", "ReversibleTransformerLM.d_model = 48")
-    for command in (("eval",), ("check",)):  # (sample, export and revtrain.logits share the same check)
-        result = revtrain(*command, "--workdir", str(workdir), *wider)
-        assert_one_line_error(result, 2, "was made by a different model")
-        assert "damaged" not in result.stderr
+    result = revtrain("eval", "--workdir", str(workdir), *wider)
+    assert_one_line_error(result, 2, "was made by a different model")
+    assert "damaged" not in result.stderr
+
+
+@pytest.mark.slow  # make test-all (its eval sibling above in make test)
+def test_check_refuses_a_model_changed_on_top_of_the_run_in_one_line(trained):
+    """`revtrain check --workdir` with a --gin that changes the model: exit 2, one line, not 'damaged'."""
+    workdir, _ = trained
+    result = revtrain("check", "--workdir", str(workdir), "--gin", "ReversibleTransformerLM.d_model = 48")
+    assert_one_line_error(result, 2, "was made by a different model")
+    assert "damaged" not in result.stderr
 
 
 def test_eval_of_missing_step_exits_2(trained):

@@ -213,19 +213,25 @@ def _device_bytes(tree) -> int:
                if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
 
 
+def _compile(program, args):
+    with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
+        warnings.simplefilter("ignore")
+        return program.lower(*args).compile()
+
+
 class _Analysis:
     """Compiles the trainer's own programs on shapes and reads their costs (cached per distinct layer)."""
 
-    def __init__(self, trainer, batch_spec: dict, timed: bool = False):
+    def __init__(self, trainer, batch_spec: dict, timed: bool = False, will_time: bool = False):
         self.trainer = t = trainer
-        self.timed = timed
+        self.timed, self.will_time = timed, will_time
         self.mesh = t.mesh
         data = NamedSharding(self.mesh, P(DATA_AXIS))
         self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
         self.abstract = t.abstract_state()
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
-        self.compiled: dict = {}  # untimed programs, kept to be timed if `Candidates.time` asks
+        self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
         self.offload = t.offload
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
@@ -244,15 +250,13 @@ class _Analysis:
         (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
         timed = self.timed and timeable
         if key in self.cache:
-            if timed and key in self.compiled:  # compiled untimed (the refusal's check), timed when asked
-                compiled, args, blocks = self.compiled.pop(key)
+            if timed and not self.cache[key].seconds:  # compiled untimed (the refusal's check), timed when asked
+                compiled, args, blocks = self.compiled.pop(key, None) or (_compile(program, args), args, blocks)
                 self.cache[key].seconds = time_call(compiled, args) / blocks
         else:
-            with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
-                warnings.simplefilter("ignore")
-                compiled = program.lower(*args).compile()
+            compiled = _compile(program, args)
             seconds = time_call(compiled, args) / blocks if timed else 0.0
-            if not self.timed and timeable:
+            if not self.timed and timeable and self.will_time:
                 self.compiled[key] = (compiled, args, blocks)
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
@@ -385,8 +389,8 @@ class Candidates:
     FLOPs and seconds: ``table[(k, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``: the
     trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
 
-    def __init__(self, trainer, batch_spec: dict, timed: bool = False):
-        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec, timed)
+    def __init__(self, trainer, batch_spec: dict, timed: bool = False, will_time: bool = False):
+        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec, timed, will_time)
         layers = trainer.model.layers
         self.n = n = len(layers) - 1
         self.reversible = [i for i in range(n) if layers[i].reversible]
@@ -443,7 +447,7 @@ def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops"
     key = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in batch_spec.items()))
     cache = trainer.__dict__.setdefault("_budget_candidates", {})  # (the compiled analyses, per batch shape)
     if key not in cache:
-        cache[key] = Candidates(trainer, batch_spec)
+        cache[key] = Candidates(trainer, batch_spec, will_time=timed)  # (timed once the budget is known to fit)
     c = cache[key]
     least = min(v[0] for v in c.table.values())
     if budget >= least and timed:
