@@ -178,14 +178,16 @@ def read_tree(path: str, layout: Layout, part: str, place=None):
     return jax.tree.unflatten(treedef, read_leaves(path, layout, part, place))
 
 
-def write_layer(path: str, layout: Layout, params, opt_state) -> None:
-    """Writes a layer's trees (numpy or jax arrays; a jax array is waited for here) to a new file ``path``,
-    one ``pwrite`` per leaf, then ``fdatasync``: when this returns the file is complete on disk.
+def write_layer(path: str, layout: Layout, leaves: list) -> None:
+    """Writes a layer's leaves (its params' then its optimizer state's, in ``jax.tree.leaves`` order; numpy or
+    jax arrays, a jax array waited for here) to a new file ``path``, one ``pwrite`` per leaf, then
+    ``fdatasync``: when this returns the file is complete on disk. ``leaves`` is consumed: each entry is set
+    to None once written, so a leaf the caller holds nowhere else is released then (a layer being written
+    shrinks leaf by leaf instead of staying whole until its last byte).
 
     Raises:
       DiskTierError: the write failed (e.g. the disk is full); the partial file is removed.
     """
-    leaves = jax.tree.leaves(params) + jax.tree.leaves(opt_state)
     if len(leaves) != len(layout.shapes):
         raise ValueError(f"{len(leaves)} leaves for a layout of {len(layout.shapes)}")
     fd = None
@@ -318,7 +320,7 @@ class DiskTier:
         folder = self.step_dir(step)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"layer_{index:05d}.bin")
-        write_layer(path, layout, params, opt_state)
+        write_layer(path, layout, jax.tree.leaves(params) + jax.tree.leaves(opt_state))
         return DiskLayer(layout, path)
 
     def seal(self, step: int) -> None:
@@ -488,15 +490,15 @@ class StepStream:
             self._done(self._writes.popleft())
         ref = self.refs[g]
         path = os.path.join(self.tier.step_dir(self.step), f"layer_{g:05d}.bin")
-        update = self._updates[g]
-        self._writes.append((g, path, self.tier.submit_write(self._write, path, ref.layout, update["params"],
-                                                                update["opt"])))
-        self._updates[g] = {}  # the writer holds the arrays now (released leaf by leaf as written)
+        update, self._updates[g] = self._updates[g], {}
+        leaves = jax.tree.leaves(update.pop("params")) + jax.tree.leaves(update.pop("opt"))
+        # The writer's list is the only reference the stream keeps: each leaf is released once it is written.
+        self._writes.append((g, path, self.tier.submit_write(self._write, path, ref.layout, leaves)))
         self._new[g] = DiskLayer(ref.layout, path)
 
-    def _write(self, path, layout, params, opt_state):
+    def _write(self, path, layout, leaves):
         start = time.perf_counter()
-        write_layer(path, layout, params, opt_state)
+        write_layer(path, layout, leaves)
         self.write_seconds += time.perf_counter() - start
         self.write_bytes += layout.nbytes()
 

@@ -383,11 +383,12 @@ class _Programs:
             return layer.apply(p, s, x, k, True)
         return self._compile(("fwd", layer, _key(x)), fn, (params, state, x, keys))
 
-    def backward(self, layer, params, opt, state, x, y, keys, tx, rebuild: str) -> int:
+    def backward(self, layer, params, opt, state, x, y, keys, tx, rebuild: str, branch: bool = False) -> int:
         """The reverse-and-update program of a reversible layer (from its output ``y``), or the
-        recompute-and-update one of a standard layer (from its input ``x``)."""
-        def update(p, o, grads):  # the trainers' own update (fenced, skipped unless finite: one select a leaf)
-            new_p, new_o, finite = guarded_update(tx, grads, o, p)
+        recompute-and-update one of a standard layer (from its input ``x``); ``branch``: the update's form
+        (`guarded_update`; the disk tier's is the conditional)."""
+        def update(p, o, grads):  # the trainers' own update (fenced, skipped unless finite)
+            new_p, new_o, finite = guarded_update(tx, grads, o, p, branch=branch)
             return new_p, new_o, finite
 
         if layer.reversible:
@@ -407,7 +408,7 @@ class _Programs:
                 _, vjp = jax.vjp(lambda p: layer.apply(p, s, x, k, True)[0], p)
                 return update(p, o, vjp(dy)[0])
             args, donate = (params, opt, state, x, y, keys), (0, 1, 4)
-        return self._compile(("bwd", layer, _key(x), id(tx), rebuild), fn, args, donate)
+        return self._compile(("bwd", layer, _key(x), id(tx), rebuild, branch), fn, args, donate)
 
     def head(self, layer, params, opt, state, x, batch, keys, tx) -> int:
         def fn(p, o, s, x, batch, k):
@@ -614,7 +615,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
             if not layer.reversible:
                 saved_std += _nbytes(x)
             temps.append(programs.forward(layer, p, s, x, keys))
-            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild))
+            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild, branch=setup.disk))
         else:
             residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
             temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, "exact"))

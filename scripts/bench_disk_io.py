@@ -35,7 +35,7 @@ def plain(directory, data):
     layout = disk_tier.Layout.of(data, [])
     path = os.path.join(directory, "layer.bin")
     t = time.perf_counter()
-    disk_tier.write_layer(path, layout, data, [])
+    disk_tier.write_layer(path, layout, list(data))
     w = time.perf_counter() - t
     before, t = rss(), time.perf_counter()
     out = disk_tier.read_leaves(path, layout, "params")

@@ -16,14 +16,14 @@ def main(argv: list[str]) -> int:
     from revtrain import disk_tier
     original, calls = disk_tier.write_layer, [0]
 
-    def patched(path, layout, params, opt_state):
+    def patched(path, layout, leaves):
         calls[0] += 1
         if calls[0] == n:  # a layer file half written, the step's other layers in flight: killed
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.write(fd, b"\0" * (layout.size // 2))
             os.close(fd)
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(path, layout, params, opt_state)
+        return original(path, layout, leaves)
 
     disk_tier.write_layer = patched
     from revtrain import cli
