@@ -260,6 +260,7 @@ class DiskTier:
         self.workdir = None
         self._layouts: dict = {}
         self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-read")
+        self._bounded = None  # the trainer's dispatch limiter (`bounded`): tells a step's stream of each program
         self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-write")
         self._prepared = False
 
@@ -331,7 +332,10 @@ class DiskTier:
     def stream(self, refs: list, step: int, schedule: list, place) -> "StepStream":
         """A `StepStream` over ``refs`` (one `DiskLayer` per group) for the step that makes ``step``."""
         self.prepare(keep=refs)
-        return StepStream(self, refs, step, schedule, place)
+        stream = StepStream(self, refs, step, schedule, place)
+        if self._bounded is not None:
+            self._bounded.listener = stream.dispatched
+        return stream
 
     def reader(self, refs: list, place) -> "StepStream":
         """A read-only `StepStream` that reads every layer's weights in order (evaluation): at most one layer's
@@ -342,8 +346,10 @@ class DiskTier:
         return StepStream(self, refs, None, schedule, place, budget=budget)
 
     def bounded(self, limit) -> "Bounded":
-        """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device."""
-        return Bounded(limit)
+        """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device; it tells the
+        step's stream of each program dispatched (`StepStream.dispatched`)."""
+        self._bounded = Bounded(limit)
+        return self._bounded
 
     def submit_read(self, fn, *args):
         return self._readers.submit(fn, *args)
@@ -369,24 +375,31 @@ class Bounded:
 
     def __init__(self, inner):
         self.inner, self._recent = inner, deque()
+        self.listener = None  # called with each program's kept output (a training step's stream)
 
     def __call__(self, outputs):
         outputs = self.inner(outputs)
         leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
         if leaves:
             self._recent.append(min(leaves, key=lambda x: x.size))
+            if self.listener is not None:
+                self.listener(self._recent[-1])
         if len(self._recent) > IN_FLIGHT:
             _wait(self._recent.popleft())
         return outputs
 
     def clear(self) -> None:
         self._recent.clear()
+        self.listener = None
 
 
 def _wait(tree) -> None:
     for x in jax.tree.leaves(tree):
         if isinstance(x, jax.Array) and not x.is_deleted():
-            x.block_until_ready()
+            try:
+                x.block_until_ready()
+            except RuntimeError:  # (donated to a later program meanwhile: that one ran after it)
+                pass
 
 
 class _View:
@@ -417,7 +430,13 @@ class StepStream:
 
     ``schedule``: the expected accesses, ``(group, "params" | "opt")`` in order. Reads run ahead on the
     reader thread (at most one layer's state of bytes read but not yet used); an access that is not the
-    next expected one is read on demand (the result is the same, only slower). ``put`` of a group's params
+    next expected one is read on demand (the result is the same, only slower). A training step's reads are
+    submitted as each program is dispatched (`dispatched`) and start once that program has run: the next
+    layer is never read while a program's temporaries are live, so a step holds the computing layer, the
+    one being written and that program's temporaries, or those two layers and the one being read, never
+    all of them (peak resident memory three layers or two and one program's temporaries, whichever is
+    more). Where writes bound the step (a disk writing slower than it reads) this costs no time: the
+    read and the compute both fit in the previous layer's write. ``put`` of a group's params
     and optimizer state hands both to the writer thread (the file of ``step``), waiting first for the
     previous layer's write, so at most one layer is being written while the next computes. `finish` waits
     for every write and returns the new `DiskLayer` of each group.
@@ -438,9 +457,18 @@ class StepStream:
         if step is not None:
             os.makedirs(tier.step_dir(step), exist_ok=True)
         self.params, self.opt_state = _View(self, "params"), _View(self, "opt")
+        self._gate = None  # the last program dispatched (training): reads submitted now start after it ran
         self._refill()
 
-    def _read(self, g: int, part: str):
+    def dispatched(self, token) -> None:
+        """A program was dispatched (``token``: one of its outputs): reads ahead are submitted, each to start
+        once that program has run."""
+        self._gate = token
+        self._refill()
+
+    def _read(self, g: int, part: str, gate=None):
+        if gate is not None:
+            _wait(gate)
         ref = self.refs[g]
         start = time.perf_counter()
         tree = read_tree(ref.path, ref.layout, part, self.place)
@@ -460,7 +488,7 @@ class StepStream:
             size = ref.layout.nbytes(part)
             if self._pending and ahead + size > self.budget:
                 break
-            self._pending[(g, part)] = self.tier.submit_read(self._read, g, part)
+            self._pending[(g, part)] = self.tier.submit_read(self._read, g, part, self._gate)
             ahead += size
             k += 1
 
@@ -478,7 +506,8 @@ class StepStream:
             pass
         future = self._pending.pop((g, part), None)
         tree = future.result() if future is not None else self._read(g, part)
-        self._refill()
+        if self.step is None:  # (evaluation: read on at once; a training step reads on at its next program)
+            self._refill()
         return tree
 
     def put(self, g: int, part: str, value) -> None:

@@ -30,7 +30,7 @@ from shapes alone, after the model is built and before the trainer places its st
 
 With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) memory holds only the layers
 in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
-state), and a third tier, **disk**, holds two steps' layer files (a step writes new files beside the ones it
+state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two steps' layer files (a step writes new files beside the ones it
 reads) plus the kept checkpoints the tier has moved past (`disk_tier.disk_need`), against the free space of
 the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
@@ -664,12 +664,16 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     on_disk = setup.trainer == "reversible" and setup.disk
     if on_disk:
         # The layers in flight: the one computing and the one read ahead (on the device), the one being written
-        # (its host copy). The saved inputs and the current activation stay on the device.
+        # (its host copy). The saved inputs and the current activation stay on the device. A layer is read
+        # only once the program before it has run (`disk_tier.StepStream`), so a program's temporaries (its
+        # gradient among them: compiled) and the layer read ahead are never live together: in flight is the
+        # more of three layers and two layers plus the temporaries.
         lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
         device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
         host["weights"], host["optimizer_state"] = lw, lo
-        device["gradients"] = one_layer
+        device["gradients"] = 0
         device["activations"] = acts
+        temp = max(0, temp - max(layer_state))
     elif offload:
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
         # deferred gradient buffer (it lives where the state lives). Device: the program's layer (two
