@@ -65,6 +65,17 @@ def revtrain(*args, cwd=None, timeout: float = 300, devices: int | None = None, 
                           env=child_env if child_env is not None else env(devices, **env_extra))
 
 
+def revtrain_here(capture, *args) -> subprocess.CompletedProcess:
+    """``revtrain ARGS`` in this process (`revtrain.cli.main`, which runs one command after another), with
+    `revtrain`'s result: its output is what ``capture`` (pytest's ``capsys`` or ``capfd``) read meanwhile.
+    No interpreter to start and no JAX to import: what a command compiles stays compiled for the next."""
+    from revtrain import cli
+    capture.readouterr()
+    code = cli.main([str(a) for a in args])
+    out, err = capture.readouterr()
+    return subprocess.CompletedProcess(["revtrain", *map(str, args)], code, out, err)
+
+
 def records(workdir, kind: str = "train") -> list[dict]:
     """The JSON records of ``WORKDIR/metrics/KIND.jsonl`` in file order (blank lines skipped)."""
     path = pathlib.Path(workdir) / "metrics" / f"{kind}.jsonl"

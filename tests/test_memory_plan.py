@@ -11,7 +11,7 @@ import pytest
 from revtrain import memory, memory_plan
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
-from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain
+from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain, revtrain_here
 
 LLAMA = str(REPO / "configs" / "llama_small.gin")
 SHORT = ["--gin", "STEPS = 2", "--gin", "WARMUP = 1", "--gin", "train.batch_size = 2", "--gin", "train.log_every = 1",
@@ -195,9 +195,9 @@ def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
     assert not workdir.exists()
 
 
-def test_plan_command_and_host_fields_in_train_jsonl(tmp_path):
+def test_plan_command_and_host_fields_in_train_jsonl(tmp_path, capsys):
     tiny = ["--gin", "LlamaModel.d_model = 32", "--gin", "LlamaModel.num_layers = 2", "--gin", "LlamaModel.d_ff = 64"]
-    result = revtrain("plan", "--config", LLAMA, *SHORT, *tiny)
+    result = revtrain_here(capsys, "plan", "--config", LLAMA, *SHORT, *tiny)
     assert result.returncode == 0, result.stderr
     out = result.stdout.strip().splitlines()
     assert out[0].startswith("memory plan (StandardTrainer, ") and out[0].endswith("; fits")
@@ -211,13 +211,14 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path):
         total = float(cells[header.index("host:total")])
         assert total == pytest.approx(sum(float(c) for c in cells[1:header.index("host:total")]), abs=0.003)
     assert all(r.endswith("yes") for r in rows)  # a 10 k-parameter model fits anywhere
-    result = revtrain("plan", "--config", LLAMA, *SHORT, *tiny, "--gin", "train.trainer = @ReversibleTrainer")
+    result = revtrain_here(capsys, "plan", "--config", LLAMA, *SHORT, *tiny,
+                           "--gin", "train.trainer = @ReversibleTrainer")
     assert result.returncode == 0, result.stderr
     rows = result.stdout.strip().splitlines()[2:]
     assert [r.split("  ")[0] for r in rows[:2]] == ["ReversibleTrainer", "StandardTrainer"], rows
 
     workdir = tmp_path / "run"
-    result = revtrain("train", "--config", LLAMA, *SHORT, *tiny, "--workdir", str(workdir))
+    result = revtrain_here(capsys, "train", "--config", LLAMA, *SHORT, *tiny, "--workdir", str(workdir))
     assert result.returncode == 0, result.stderr
     assert "memory plan (StandardTrainer, " in result.stderr
     assert "host RSS " in result.stderr
@@ -228,7 +229,7 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path):
     assert all(0 < r["host_resident_bytes"] <= r["host_peak_bytes"] for r in records)
     assert "plan_host_bytes" not in records[1]  # only the first record
     # The same run, planned off: no plan fields.
-    result = revtrain("train", "--config", LLAMA, *SHORT, *tiny, "--gin", "train.memory_plan = False",
-                      "--workdir", str(tmp_path / "off"))
+    result = revtrain_here(capsys, "train", "--config", LLAMA, *SHORT, *tiny, "--gin", "train.memory_plan = False",
+                           "--workdir", str(tmp_path / "off"))
     assert result.returncode == 0, result.stderr
     assert "plan_host_bytes" not in json.loads(open(tmp_path / "off" / "metrics" / "train.jsonl").readline())
