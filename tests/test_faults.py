@@ -29,10 +29,13 @@ _CACHE = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """The subprocesses share JAX's persistent compilation cache (a fresh directory): each compiles the
-    same tiny programs otherwise, which is most of their time (the cache changes no result)."""
-    _CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    """The subprocesses share JAX's persistent compilation cache: each compiles the same tiny programs
+    otherwise, which is most of their time (the cache changes no result). The test session's cache
+    (tests/conftest.py) where there is one, also this process's: what a subprocess compiled, the commands run
+    here find compiled, and the other way round; else a fresh directory for the module."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("xla_cache")),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     yield
     _CACHE.clear()
 
