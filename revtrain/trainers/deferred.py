@@ -97,18 +97,17 @@ class DeferredUpdates:
 
     def _top_head_acc(self, layers, top_params, top_acc, top_states, head_params, head_acc, head_state, x, batch,
                       ctx, top_index, head_index):
-        """`_head_acc` through the blocks under the head in its program (tuples ``top_*``, bottom first, each
-        run in its mode: ``layers = (tops, head, top modes)``): one vjp from the lowest one's input, every
-        gradient added to its buffer. Returns ``(dx, top_acc, new top states, head_acc, new head state,
-        sums)``."""
-        tops, head, modes = layers
+        """`_head_acc` through the backprop blocks under the head (tuples ``top_*``, bottom first): one vjp
+        from the lowest one's input, every gradient added to its buffer. Returns ``(dx, top_acc, new top
+        states, head_acc, new head state, sums)``."""
+        tops, head = layers
         n = batch_size_of(x)
         normalize = self.microbatches == 1
 
         def objective(tps, hp, x):
             new_states = []
-            for layer, mode, p, s, i in zip(tops, modes, tps, top_states, top_index):
-                x, new_state = mode.forward(layer, p, s, x, example_keys(ctx, i, n))
+            for layer, p, s, i in zip(tops, tps, top_states, top_index):
+                x, new_state = layer.apply(p, s, x, example_keys(ctx, i, n), True)
                 new_states.append(new_state)
             loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, example_keys(ctx, head_index, n), True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
@@ -123,12 +122,11 @@ class DeferredUpdates:
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, top_acc, new_top_states, head_acc, new_head_state, sums
 
-    def _top_head_acc_fn(self, tops, head, modes):
+    def _top_head_acc_fn(self, tops, head):
         tspec, hspec = tuple(self.layer_specs(t)[0] for t in tops), self.layer_specs(head)[0]
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
-        return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
-                                        out_specs,
+        return self._per_layer_compiled("top_head_acc", (tops, head), self._top_head_acc, in_specs, out_specs,
                                         (1, 4), (0, 1, 3, 4), (1, 3))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):

@@ -7,11 +7,6 @@ gives its input's cotangent and its parameters' gradient. How it does that is it
   blocks between it and the head), and one ``jax.vjp`` of the head's loss through them gives every
   gradient: its forward is the vjp's, its residuals live in that one program. The cheapest in FLOPs
   (2.75 forwards of a Transformer block per step) and the dearest in memory (its vjp residuals).
-* **checkpoint** (`Checkpoint`): the block runs inside the head's program as backprop does, its forward under
-  ``jax.checkpoint``: the program keeps the block's input and recomputes the block within its vjp. The
-  FLOPs of remat (3.75 forwards) and its memory (one activation kept, one block's residuals at a time)
-  in one program with the head's: a stack of such blocks is the rematerialised standard trainer's step
-  (scan + ``jax.checkpoint``), without a program call per block.
 * **remat** (`Remat`): the forward keeps the block's input (in host memory with offload) and the backward
   recomputes the block under its ``vjp`` from it (rematerialisation; Chen et al. 2016). 3.75 forwards; one
   activation kept. A standard layer always runs this way (its input cannot be rebuilt).
@@ -167,36 +162,23 @@ class FencedRebuild(Rebuild):
 
 class Backprop(BackwardMode):
     """The block inside the head's program: one ``vjp`` of the loss through it (no forward of its own, no
-    recompute, no rebuild). Only blocks directly under the head (or under other blocks in its program) can
-    run so; their forward (`forward`, traced inside the vjp) is compiled there."""
+    recompute, no rebuild). Only blocks directly under the head (or under other backprop blocks) can run
+    so; their forward is compiled inside the vjp."""
 
     name = "backprop"
     kind = StepKind.TOP
 
 
-class Checkpoint(Backprop):
-    """The block inside the head's program (as `Backprop`) under ``jax.checkpoint``: the vjp keeps its input
-    and recomputes its forward (Chen et al. 2016), inside the head's program. Such blocks sit directly
-    under the backprop blocks (or the head)."""
-
-    name = "checkpoint"
-
-    def forward(self, layer, params, state, x, keys):
-        return jax.checkpoint(lambda p, s, x, k: layer.apply(p, s, x, k, True))(params, state, x, keys)
-
-
 REBUILDS = {m.name: m for m in (ExactRebuild(), FusedRebuild(), FencedRebuild())}
-BACKPROP, CHECKPOINT, REMAT = Backprop(), Checkpoint(), Remat()
+BACKPROP, REMAT = Backprop(), Remat()
 # What a memory budget chooses between (`revtrain.trainers.budget`), cheapest in FLOPs first.
-BUDGET_MODES = ("backprop", "checkpoint", "remat", "rebuild")
+BUDGET_MODES = ("backprop", "remat", "rebuild")
 
 
 def mode_named(name: str, rebuild: str = "exact") -> BackwardMode:
     """The mode object of a plan's name (``"rebuild"`` is the trainer's ``rebuild`` flavour)."""
     if name == "backprop":
         return BACKPROP
-    if name == "checkpoint":
-        return CHECKPOINT
     if name == "remat":
         return REMAT
     return REBUILDS[rebuild if name == "rebuild" else name]

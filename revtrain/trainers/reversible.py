@@ -222,9 +222,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @property
     def num_top(self) -> int:
-        """How many blocks under the head run inside the head's program (backprop or checkpoint;
-        ``fuse_top``: one)."""
-        return _num_top(self.block_modes)
+        """How many blocks under the head run inside the head's program (backprop; ``fuse_top``: one)."""
+        k = 0
+        while k < len(self.block_modes) and self.block_modes[-1 - k] is BACKPROP:
+            k += 1
+        return k
 
     def _layout(self) -> tuple:
         return self.layout(self.block_modes)
@@ -259,12 +261,13 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def set_block_modes(self, modes: list) -> None:
         """Sets each block's backward mode (`modes`: one strategy object per layer but the head) and the
-        working layout it implies. Blocks run inside the head's program (backprop, checkpoint) must be the ones
-        directly under the head."""
+        working layout it implies. Backprop blocks must be the ones directly under the head."""
         modes = list(modes)
-        k = _num_top(modes)
-        if any(m.kind is StepKind.TOP for m in modes[:len(modes) - k]):
-            raise TrainerError("backprop and checkpoint blocks must be the blocks directly under the head")
+        k = 0
+        while k < len(modes) and modes[-1 - k] is BACKPROP:
+            k += 1
+        if any(m is BACKPROP for m in modes[:len(modes) - k]):
+            raise TrainerError("backprop blocks must be the blocks directly under the head")
         if any(m is not REMAT and not self.model.layers[i].reversible for i, m in enumerate(modes)):
             raise TrainerError("a standard layer can only be recomputed (remat)")
         self.block_modes = modes
@@ -542,20 +545,17 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @staticmethod
     def top_head_grads(tops, head, top_params, top_states, head_params, head_state, x, batch, top_keys, head_keys,
-                       top_specs=None, head_specs=None, top_modes=None):
-        """`head_grads` through the blocks ``tops`` under the head (bottom first) run in its program, from the
-        lowest one's input ``x``: one ``vjp`` of the head's loss of their output with respect to (every top
-        block's params, the head's params, ``x``), each block's forward its mode's (``top_modes``:
-        `modes.Backprop` or `modes.Checkpoint` per block; None: all backprop). ``top_params``,
-        ``top_states``, ``top_keys``, ``top_specs`` (None or one per block) are sequences like ``tops``.
-        Returns ``(mean loss, top grads (a tuple), head grads, dx, stats, new top states (a tuple), new head
-        state, total weight)``, gradients summed over devices (reduce-scattered with the specs)."""
-        top_modes = top_modes or (BACKPROP,) * len(tops)
-
+                       top_specs=None, head_specs=None):
+        """`head_grads` through the backprop blocks ``tops`` under the head (`modes.Backprop`, bottom first),
+        from the lowest one's input ``x``: one ``vjp`` of the head's loss of their output with respect to
+        (every top block's params, the head's params, ``x``). ``top_params``, ``top_states``, ``top_keys``,
+        ``top_specs`` (None or one per block) are sequences like ``tops``. Returns ``(mean loss, top grads
+        (a tuple), head grads, dx, stats, new top states (a tuple), new head state, total weight)``,
+        gradients summed over devices (reduce-scattered with the specs)."""
         def objective(tps, hp, x):
             new_states = []
-            for layer, mode, p, s, k in zip(tops, top_modes, tps, top_states, top_keys):
-                x, new_state = mode.forward(layer, p, s, x, k)
+            for layer, p, s, k in zip(tops, tps, top_states, top_keys):
+                x, new_state = layer.apply(p, s, x, k, True)
                 new_states.append(new_state)
             loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, head_keys, True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
@@ -597,20 +597,19 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def _top_grads(self, layers, top_params, top_states, head_params, head_state, x, batch, ctx, top_index,
                    head_index):
-        """`top_head_grads` of the trainer's layers (``layers = (tops, head, top modes)``), its weights gathered
-        whole."""
-        tops, head, modes = layers
+        """`top_head_grads` of the trainer's layers (``layers = (tops, head)``), its weights gathered whole."""
+        tops, head = layers
         n = batch_size_of(x)
         return self.top_head_grads(
             tops, head, [self._whole(t, p) for t, p in zip(tops, top_params)], top_states,
             self._whole(head, head_params), head_state, x, batch, [example_keys(ctx, i, n) for i in top_index],
-            example_keys(ctx, head_index, n), [self._grad_specs(t) for t in tops], self._grad_specs(head), modes)
+            example_keys(ctx, head_index, n), [self._grad_specs(t) for t in tops], self._grad_specs(head))
 
     def _top_head(self, layers, top_params, top_opt, top_states, head_params, head_opt, head_state, x, batch, skey,
                   top_index, head_index):
-        """`_head` through the blocks under it in its program (tuples ``top_*``, bottom first): loss, one vjp,
-        every block's update."""
-        tops, head, _ = layers
+        """`_head` through the backprop blocks under it (tuples ``top_*``, bottom first): loss, one vjp, every
+        block's update."""
+        tops, head = layers
         obj, top_grads, head_grads, dx, stats, new_top_states, new_head_state, total = self._top_grads(
             layers, top_params, top_states, head_params, head_state, x, batch, skey, top_index, head_index)
         loss = lax.psum(obj, DATA_AXIS)
@@ -820,10 +819,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         top_specs = tuple(self.layer_specs(t) for t in tops)
         return (tuple(p for p, _ in top_specs), tuple(o for _, o in top_specs)), self.layer_specs(head)
 
-    def _top_head_fn(self, tops, head, modes=None):
-        """The compiled `_top_head` of the blocks ``tops`` (a tuple, bottom first) in the head's program, each
-        run in its mode of ``modes`` (None: backprop), and ``head``."""
-        modes = tuple(modes or (BACKPROP,) * len(tops))
+    def _top_head_fn(self, tops, head):
+        """The compiled `_top_head` of the backprop blocks ``tops`` (a tuple, bottom first) and ``head``."""
         in_specs = (_R, _R, _R, _R, _R, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R)
         top_specs, head_specs = self._top_specs(tops, head)
@@ -831,8 +828,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
         inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
-        return self._per_layer_compiled("top_head", (tops, head, modes), self._top_head, in_specs, out_specs,
-                                        donate, inputs, outputs)
+        return self._per_layer_compiled("top_head", (tops, head), self._top_head, in_specs, out_specs, donate,
+                                        inputs, outputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
@@ -882,11 +879,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                                          self._acc_fn(acc_kind, layer) if acc else self._fn(backward_kind, layer),
                                          np.int32(start)))
             for start, _ in groups[below:-1]:
-                blocks.append(_Block(StepKind.TOP, self.block_modes[start], None, None, np.int32(start)))
+                blocks.append(_Block(StepKind.TOP, BACKPROP, None, None, np.int32(start)))
             if top:
                 tops = tuple(layers[s] for s, _ in groups[below:-1])
-                modes = tuple(self.block_modes[s] for s, _ in groups[below:-1])
-                head = (self._top_head_acc_fn if acc else self._top_head_fn)(tops, layers[-1], modes)
+                head = (self._top_head_acc_fn if acc else self._top_head_fn)(tops, layers[-1])
             else:
                 head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
             blocks.append(_Block(StepKind.HEAD, None, head, None, np.int32(groups[-1][0])))
@@ -1008,14 +1004,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan
-
-
-def _num_top(modes: list) -> int:
-    """How many of ``modes`` (per layer but the head) at the top run inside the head's program."""
-    k = 0
-    while k < len(modes) and modes[-1 - k].kind is StepKind.TOP:
-        k += 1
-    return k
 
 
 @dataclasses.dataclass
