@@ -260,8 +260,8 @@ class DiskTier:
         self.workdir = None
         self._layouts: dict = {}
         self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-read")
-        self._bounded = None  # the trainer's dispatch limiter (`bounded`): tells a step's stream of each program
         self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-write")
+        self._bounded = None  # the trainer's dispatch limiter (`bounded`): tells a step's stream of each program
         self._prepared = False
 
     def attach(self, workdir: str) -> None:

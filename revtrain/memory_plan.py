@@ -30,9 +30,9 @@ from shapes alone, after the model is built and before the trainer places its st
 
 With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) memory holds only the layers
 in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
-state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two steps' layer files (a step writes new files beside the ones it
-reads) plus the kept checkpoints the tier has moved past (`disk_tier.disk_need`), against the free space of
-the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
+state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two
+steps' layer files (a step writes new files beside the ones it reads) plus the kept checkpoints the tier has
+moved past (`disk_tier.disk_need`), against the free space of the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
 by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).
