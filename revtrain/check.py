@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
-from revtrain.trainers.modes import BACKPROP, REBUILDS, mode_named
+from revtrain.trainers.modes import REBUILDS, StepKind, mode_named
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -144,7 +144,7 @@ class _Checker:
         layers, n = self.layers, len(self.layers)
         modes = self.block_modes(rebuild, modes)
         top = 0
-        while top < n - 1 and modes[n - 2 - top] is BACKPROP:
+        while top < n - 1 and modes[n - 2 - top].kind is StepKind.TOP:  # (backprop, checkpoint)
             top += 1
         below = n - 1 - top
         x = batch[self.model.input_key]
@@ -157,10 +157,10 @@ class _Checker:
             x = self._forward_program(layer, mode)(params[i], states[i], x, np.int32(i))
         head_layer = layers[-1]
         if top:
-            tops = tuple(layers[below:n - 1])
-            head = self._sharded(("top_head", tops, head_layer), lambda tp, ts, p, s, x, b, i: ReversibleTrainer.top_head_grads(
+            tops, top_modes = tuple(layers[below:n - 1]), tuple(modes[below:n - 1])
+            head = self._sharded(("top_head", tops, top_modes, head_layer), lambda tp, ts, p, s, x, b, i: ReversibleTrainer.top_head_grads(
                 tops, head_layer, tp, ts, p, s, x, b, [self._keys(i + k, x) for k in range(len(tops))],
-                self._keys(i + len(tops), x))[1:4], (_R, _R, _R, _R, _D, _D, _R), (_R, _R, _D))
+                self._keys(i + len(tops), x), top_modes=top_modes)[1:4], (_R, _R, _R, _R, _D, _D, _R), (_R, _R, _D))
             top_grads, grads, dy = head(tuple(params[below:n - 1]), tuple(states[below:n - 1]), params[-1],
                                         states[-1], x, batch, np.int32(below))
             yield n - 1, None, None, grads

@@ -11,7 +11,7 @@ built on the same model and real batches, warmed up (2 steps), timed in ``--roun
 step of each per round; median), then each one's peak device bytes of one step after a warm-up step is
 measured by the memory meter in this process (the CPU estimate: live arrays + each call's compiled
 temporaries; one trainer alive at a time). For each budget the table gives the budgeted trainer's tokens/s,
-its measured peak, its plan (blocks backprop / remat / rebuild) and its ratio to the fastest fixed trainer
+its measured peak, its plan (blocks backprop / checkpoint / remat / rebuild) and its ratio to the fastest fixed trainer
 whose measured peak is within that budget (the issue's target: >= 0.98x, and a peak within the budget).
 Outputs: ``--out`` (JSON records), ``--plot`` (tokens/s against budget, one line per trainer: a fixed trainer
 is a step at its own peak) and a markdown table on stdout.
@@ -127,11 +127,12 @@ def run_depth(depth: int, args, mesh) -> list[dict]:
 
 
 def table(records) -> str:
-    lines = ["| depth | trainer | budget MiB | plan (backprop/remat/rebuild) | peak MiB | tokens/s | vs fastest fixed within budget |",
+    lines = ["| depth | trainer | budget MiB | plan (backprop/checkpoint/remat/rebuild) | peak MiB | tokens/s | vs fastest fixed within budget |",
              "|---:|---|---:|---|---:|---:|---|"]
     for r in records:
         budget = "-" if r["budget"] is None else f"{r['budget'] / 2**20:.0f}"
-        plan = "-" if "plan" not in r else "/".join(str(r["plan"][k]) for k in ("backprop", "remat", "rebuild"))
+        plan = "-" if "plan" not in r else "/".join(str(r["plan"].get(k, 0))
+                                                    for k in ("backprop", "checkpoint", "remat", "rebuild"))
         vs = "-" if r.get("ratio_to_fastest_within") is None else \
             f"{r['ratio_to_fastest_within']:.2f}x {r['fastest_fixed_within']}"
         lines.append(f"| {r['depth']} | {r['config']} | {budget} | {plan} | {r['peak_device_bytes'] / 2**20:.0f} | "

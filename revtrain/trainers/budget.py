@@ -5,6 +5,8 @@ choose each block's backward mode (`revtrain.trainers.modes`) so that the step's
 within the budget with the fastest step (``budget_objective``: measured seconds, or FLOPs):
 
 * **backprop**: the block runs inside the head's program, its vjp residuals held there (no recompute);
+* **checkpoint**: the block runs inside the head's program under ``jax.checkpoint`` (its input held there,
+  recomputed within the vjp: remat without a program of its own);
 * **remat**: its input is kept (in host memory with offload) and it is recomputed under its vjp;
 * **rebuild**: nothing is kept; its input is rebuilt from its output (the trainer's ``rebuild`` flavour).
 
@@ -15,17 +17,17 @@ so the budget trades only speed against memory.
 per-layer programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call adds to
 what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
 optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for
-its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks; k blocks are extrapolated
-linearly from those (the residuals of k identical blocks), and the chosen k is then compiled and
-checked. With ``objective='time'`` each of those programs is also run on zeros and timed (`time_call`),
+its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks and with 1 and 2 checkpoint
+blocks; k backprop and h checkpoint blocks are extrapolated linearly from those (the residuals of k
+identical blocks, the inputs of h), and the chosen (k, h) is then compiled and checked. With ``objective='time'`` each of those programs is also run on zeros and timed (`time_call`),
 and with the scanned executor so are the scans of each scanning mode at two blocks (their seconds per
 block stand for a run of any length): FLOPs rank the modes wrongly where a program's speed is not its
 FLOPs' (a block inside the head's program, or one per-layer call, runs slower per FLOP than a scan's
 body on XLA:CPU; see docs/budget.md).
 
-**The plan.** Backprop blocks must be the ones directly under the head (they run in its program), so a
-plan is ``(k, r)``: the top k reversible blocks backprop'd, the lowest r of the other reversible blocks
-rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for a stack of identical
+**The plan.** Blocks in the head's program must be the ones directly under the head, so a plan is
+``(k, h, r)``: the top k reversible blocks backprop'd, the h under them checkpointed, the lowest r of the
+other reversible blocks rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for a stack of identical
 blocks this enumeration is the whole knapsack (which r blocks are kept does not change what is held when
 the head runs, where the step peaks). The peak of each ``(k, r)`` is simulated call by call over the walk
 (live arrays before each call plus what the call adds, the meter's own rule); the plan is the one with
@@ -38,8 +40,8 @@ bytes extrapolated to the run's length: a scan's buffers grow with it), counted 
 Limits: measured seconds vary from start to start by a few percent, so two plans that
 close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
 programs plus its gradient buffer; tied parameters keep backprop off (the tie's owner would need the
-head's program); a stack of different blocks is planned with the same (k, r) rule, k limited to the blocks
-under the head that equal the top one.
+head's program); a stack of different blocks is planned with the same (k, h, r) rule, k + h limited to the
+blocks under the head that equal the top one.
 
 Lineage: checkpointing planners choose what to save under a budget (Chen et al. 2016, "Training Deep Nets
 with Sublinear Memory Cost"; Jain et al. 2020, "Checkmate"); MaxText's per-tensor remat policies; here the
@@ -61,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import TrainerError
-from revtrain.trainers.modes import BACKPROP, REMAT
+from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT, StepKind
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
@@ -166,13 +168,15 @@ class BudgetPlan:
     rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
 
     def counts(self) -> dict:
-        """Reversible blocks per mode: ``{"backprop": k, "remat": r, "rebuild": n}``."""
-        out = {"backprop": 0, "remat": 0, "rebuild": 0}
+        """Reversible blocks per mode: ``{"backprop": k, "checkpoint": h, "remat": r, "rebuild": n}``."""
+        out = {"backprop": 0, "checkpoint": 0, "remat": 0, "rebuild": 0}
         for m, rev in zip(self.modes, self.reversible):
             if not rev:
                 continue
             if m is BACKPROP:
                 out["backprop"] += 1
+            elif m is CHECKPOINT:
+                out["checkpoint"] += 1
             elif m.rebuilds:
                 out["rebuild"] += 1
             elif m is REMAT:
@@ -180,7 +184,7 @@ class BudgetPlan:
         return out
 
     def names(self) -> list:
-        """Each block's mode as a plan's name (``"backprop"``, ``"remat"``, ``"rebuild"``)."""
+        """Each block's mode as a plan's name (``"backprop"``, ``"checkpoint"``, ``"remat"``, ``"rebuild"``)."""
         return ["rebuild" if m.rebuilds else m.name for m in self.modes]
 
     def line(self) -> str:
@@ -192,7 +196,8 @@ class BudgetPlan:
             ratio = self.seconds / self.rebuild_seconds if self.rebuild_seconds else 1.0
             cost = (f"expected {self.seconds:.3g} s a step (its programs timed here), {ratio:.2f}x of rebuilding "
                     f"every block; {self.flops:.3g} FLOPs")
-        return (f"memory budget {gib(self.budget)}: blocks {c['backprop']} backprop, {c['remat']} remat, "
+        return (f"memory budget {gib(self.budget)}: blocks {c['backprop']} backprop, {c['checkpoint']} checkpoint, "
+                f"{c['remat']} remat, "
                 f"{c['rebuild']} rebuild ({self.rebuild}); expected peak {gib(self.peak)} (least {gib(self.least)}, "
                 f"fastest plan {gib(self.most)}); {cost}")
 
@@ -200,7 +205,8 @@ class BudgetPlan:
         """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
         c = self.counts()
         return {"budget_bytes": self.budget, "budget_peak_bytes": self.peak, "budget_least_bytes": self.least,
-                "budget_backprop": c["backprop"], "budget_remat": c["remat"], "budget_rebuild": c["rebuild"]}
+                "budget_backprop": c["backprop"], "budget_checkpoint": c["checkpoint"], "budget_remat": c["remat"],
+                "budget_rebuild": c["rebuild"]}
 
 
 def _nbytes(tree) -> int:
@@ -232,6 +238,7 @@ class _Analysis:
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
         self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
+        self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
         self.offload = t.offload
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
@@ -300,41 +307,91 @@ class _Analysis:
         return grow(f2, f3), grow(b2, b3)
 
     def forward(self, i: int, kind: str) -> Cost:
-        t, layer = self.trainer, self.trainer.model.layers[i]
-        a = self.abstract
-        args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
-        return self._read(("fwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+        if ("fwd", i, kind) not in self.blocks:  # (per block index: a plan's walk looks each up without hashing
+            t, layer = self.trainer, self.trainer.model.layers[i]  # the layer's module graph)
+            a = self.abstract
+            args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
+            self.blocks[("fwd", i, kind)] = self._read(("fwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+        return self.blocks[("fwd", i, kind)]
 
     def backward(self, i: int, kind: str) -> Cost:
-        t, layer = self.trainer, self.trainer.model.layers[i]
-        a = self.abstract
-        start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
-        args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
-        return self._read(("bwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+        if ("bwd", i, kind) not in self.blocks:
+            t, layer = self.trainer, self.trainer.model.layers[i]
+            a = self.abstract
+            start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
+            args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
+            self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
+        return self.blocks[("bwd", i, kind)]
 
-    def head(self, k: int) -> Cost:
-        """The head's program with the ``k`` blocks under it inside (backprop)."""
+    def head(self, k: int, h: int = 0) -> Cost:
+        """The head's program with the ``k`` blocks under it inside (backprop) and the ``h`` under those
+        (checkpoint)."""
         t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
         n = len(layers) - 1
-        if k == 0:
+        if k + h == 0:
             args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
             return self._read(("head", 0, layers[n]), t._fn("head", layers[n]), args, self.moved[n])
-        tops = tuple(range(n - k, n))
-        args = (tuple(a.params[i] for i in tops), tuple(a.opt_state[i] for i in tops),
-                tuple(a.layer_state[i] for i in tops), a.params[n], a.opt_state[n], a.layer_state[n],
-                self.inputs[n - k], self.batch, self.skey, tuple(np.int32(i) for i in tops), np.int32(n))
-        program = t._top_head_fn(tuple(layers[i] for i in tops), layers[n])
-        return self._read(("head", k, layers[n], layers[n - 1]), program, args,
-                          sum(self.moved[i] for i in tops) + self.moved[n])
+        # The groups as the layout gives them: with the scanned executor h >= 2 checkpoint blocks are one
+        # stacked run (`ReversibleTrainer._scans`), else every block is a group of its own.
+        stacked = h >= 2 and t.scan_layers and t._scans(CHECKPOINT)
+        groups = ([(n - k - h, h)] if stacked else [(i, 1) for i in range(n - k - h, n - k)]) + \
+            [(i, 1) for i in range(n - k, n)]
+        stack = lambda tree, c: tree if c == 1 else jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct((c, *x.shape), x.dtype), tree)
+        args = (tuple(stack(a.params[i], c) for i, c in groups), tuple(stack(a.opt_state[i], c) for i, c in groups),
+                tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
+                self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
+        program = t._top_head_fn(tuple(layers[i] for i, _ in groups), layers[n],
+                                 tuple(CHECKPOINT if i < n - k else BACKPROP for i, _ in groups),
+                                 tuple(c for _, c in groups))
+        return self._read(("head", k, h, layers[n], layers[n - 1]), program, args,
+                          sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
 
 
-def _head_cost(costs: list, k: int) -> Cost:
-    """The head's cost with k backprop blocks: measured for k <= 2, extrapolated linearly beyond."""
-    if k < len(costs):
-        return costs[k]
-    step = [max(0, getattr(costs[2], f) - getattr(costs[1], f)) for f in ("extra", "flops", "seconds")]
-    return Cost(costs[1].extra + (k - 1) * step[0], costs[1].flops + (k - 1) * step[1],
-                costs[1].seconds + (k - 1) * step[2])
+_FIELDS = ("extra", "flops", "seconds")
+
+
+def _head_cost(costs: dict, k: int, h: int) -> Cost:
+    """The head's cost with k backprop and h checkpoint blocks, from the measured ones in ``costs`` (keys
+    ``(k, h)``: k <= 2 with h = 0, and h = 1, 2, 3 with k = 0).
+
+    Backprop blocks alone: each block past the measured adds what the last measured one added. Checkpoint
+    blocks alone: likewise from h = 2 to 3 (a stacked run is one scan from two blocks on). FLOPs: h times
+    one checkpoint block's (``cost_analysis`` counts a scan's body once). Both: an optimistic estimate (the
+    larger of the two programs' bytes, their seconds and FLOPs added), which `plan_budget` replaces by the
+    compiled program's before choosing such a plan (one program holds one of their peaks at a time, and
+    where they meet is the compiler's)."""
+    if (k, h) in costs:
+        return _scan_flops(costs, k, h, costs[(k, h)])
+    back = _backprop_head(costs, k)
+    if h == 0:
+        return back
+    hm = max(m for (kk, m) in costs if kk == 0 and m <= h)  # the most checkpoint blocks measured, up to h
+    ck = _grown(costs[(0, hm - 1)], costs[(0, hm)], h - hm) if h > hm else costs[(0, hm)]
+    ck = _scan_flops(costs, 0, h, ck)
+    if k == 0:
+        return ck
+    none = costs[(0, 0)]
+    return Cost(max(back.extra, ck.extra), back.flops + ck.flops - none.flops, back.seconds + ck.seconds - none.seconds)
+
+
+def _grown(a: Cost, b: Cost, times: int) -> Cost:
+    """``b`` plus ``times`` steps of (b - a), each step at least 0."""
+    return Cost(*[getattr(b, f) + times * max(0, getattr(b, f) - getattr(a, f)) for f in _FIELDS])
+
+
+def _backprop_head(costs: dict, k: int) -> Cost:
+    """The head with ``k`` backprop blocks: measured up to 2, then each block adds what the second did."""
+    return costs[(k, 0)] if k <= 2 else _grown(costs[(1, 0)], costs[(2, 0)], k - 2)
+
+
+def _scan_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
+    """``cost`` of the head with ``k`` backprop and ``h`` checkpoint blocks with the FLOPs of the ``h``
+    counted h times (their scan's body is counted once by ``cost_analysis``)."""
+    if h < 2:
+        return cost
+    one = costs[(0, 1)].flops - costs[(0, 0)].flops
+    return dataclasses.replace(cost, flops=_backprop_head(costs, k).flops + h * one)
 
 
 def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float, float]:
@@ -342,7 +399,7 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
     call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block."""
     n = len(modes)
     below = n
-    while below > 0 and modes[below - 1] is BACKPROP:
+    while below > 0 and modes[below - 1].kind is StepKind.TOP:
         below -= 1
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
     live, peak, flops, seconds = base, base, head.flops, head.seconds
@@ -385,52 +442,60 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
 
 
 class Candidates:
-    """Every ``(k, r)`` plan of a trainer on a batch shape (see the module note) with its expected peak,
-    FLOPs and seconds: ``table[(k, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``: the
-    trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
+    """Every ``(k, h, r)`` plan of a trainer on a batch shape (see the module note) with its expected peak,
+    FLOPs and seconds: ``table[(k, h, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``:
+    the trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
 
     def __init__(self, trainer, batch_spec: dict, timed: bool = False, will_time: bool = False):
         self.trainer, self.an = trainer, _Analysis(trainer, batch_spec, timed, will_time)
         layers = trainer.model.layers
         self.n = n = len(layers) - 1
         self.reversible = [i for i in range(n) if layers[i].reversible]
-        # Backprop: the blocks directly under the head, equal to the top one (one extrapolation), no ties.
+        # In the head's program: the blocks directly under it, equal to the top one (one extrapolation), no ties.
         self.max_top = 0
         if not trainer.model.ties:
             while (self.max_top < n and layers[n - 1 - self.max_top].reversible
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
-        self.heads = [self.an.head(k) for k in range(min(self.max_top, 2) + 1)]
+        self.heads = self._heads()
         a = self.an.abstract
         self.base = _device_bytes((a.params, a.opt_state, a.layer_state)) + _nbytes(self.an.batch) + SLACK_BYTES
         if trainer.deferred and not trainer.offload:
             self.base += _device_bytes(a.params)  # the gradient buffers, beside the weights
-        self.table = {(k, r): self.evaluate(k, r) for k in range(self.max_top + 1)
-                      for r in range(len([j for j in self.reversible if j < n - k]) + 1)}
+        self.table = {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
+                      for h in range(self.max_top - k + 1)
+                      for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
+
+    def _heads(self) -> dict:
+        """The head's measured programs, ``{(k, h): Cost}`` (see `_head_cost`)."""
+        points = [(k, 0) for k in range(min(self.max_top, 2) + 1)] + [(0, h) for h in range(1, min(self.max_top, 3) + 1)]
+        return {kh: self.an.head(*kh) for kh in points}
 
     def time(self) -> None:
         """Times the programs (``timed`` from now on) and re-evaluates the table with their seconds: a
         budget below the least is refused from the untimed table, before any program runs."""
         if not self.an.timed:
             self.an.timed = True
-            self.heads = [self.an.head(k) for k in range(len(self.heads))]
-            self.table = {kr: self.evaluate(*kr) for kr in self.table}
+            self.an.blocks.clear()  # (looked up again: each program is timed on its first look-up)
+            self.heads = self._heads()
+            self.table = {plan: self.evaluate(*plan) for plan in self.table}
 
-    def modes(self, k: int, r: int) -> list:
-        """The top ``k`` blocks backprop, the lowest ``r`` other reversible blocks remat, the rest rebuilt."""
+    def modes(self, k: int, h: int, r: int) -> list:
+        """The top ``k`` blocks backprop, the ``h`` under them checkpoint, the lowest ``r`` other reversible
+        blocks remat, the rest rebuilt."""
         layers, t = self.trainer.model.layers, self.trainer
         modes = [REMAT if not layers[i].reversible else t.rebuild_mode for i in range(self.n)]
-        for i in range(self.n - k, self.n):
-            modes[i] = BACKPROP
-        for i in [j for j in self.reversible if j < self.n - k][:r]:
+        for i in range(self.n - k - h, self.n):
+            modes[i] = BACKPROP if i >= self.n - k else CHECKPOINT
+        for i in [j for j in self.reversible if j < self.n - k - h][:r]:
             modes[i] = REMAT
         return modes
 
-    def evaluate(self, k: int, r: int, measured: bool = False) -> tuple:
-        """(expected peak, FLOPs, seconds) of plan ``(k, r)``; ``measured``: the head's program with k blocks
-        compiled, not extrapolated."""
-        head = self.an.head(k) if measured else _head_cost(self.heads, k)
-        return _simulate(self.an, self.modes(k, r), head, self.base)
+    def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
+        """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: the head's program with those
+        blocks compiled, not extrapolated."""
+        head = _scan_flops(self.heads, k, h, self.an.head(k, h)) if measured else _head_cost(self.heads, k, h)
+        return _simulate(self.an, self.modes(k, h, r), head, self.base)
 
 
 def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
@@ -456,20 +521,21 @@ def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops"
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
     most = min(table.values(), key=cost)[0]
     if budget < least:
-        k, r = min(table, key=lambda kr: table[kr][0])
-        how = "every block rebuilt" if k == r == 0 else f"{k} blocks backprop, {r} remat, the rest rebuilt"
+        k, h, r = min(table, key=lambda plan: table[plan][0])
+        how = ("every block rebuilt" if k == h == r == 0 else
+               f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
                            f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
                            f"{least:,} bytes or shrink the batch")
     checked = set()
     while True:
-        k, r = min((kr for kr, v in table.items() if v[0] <= budget), key=lambda kr: cost(table[kr]))
-        if k <= 2 or (k, r) in checked:
+        plan = min((p for p, v in table.items() if v[0] <= budget), key=lambda p: cost(table[p]))
+        if plan[:2] in c.heads or plan in checked:
             break
-        checked.add((k, r))
-        table[(k, r)] = c.evaluate(k, r, measured=True)  # the extrapolation checked against the compiled one
-    peak, flops, seconds = table[(k, r)]
-    layers = trainer.model.layers
-    return BudgetPlan(c.modes(k, r), budget, int(peak), int(least), int(most), flops, table[(0, 0)][1],
+        checked.add(plan)
+        table[plan] = c.evaluate(*plan, measured=True)  # the extrapolation checked against the compiled one
+    peak, flops, seconds = table[plan]
+    layers, none = trainer.model.layers, (0, 0, 0)
+    return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
                       trainer.rebuild, [layer.reversible for layer in layers[:-1]], objective, seconds,
-                      table[(0, 0)][2])
+                      table[none][2])

@@ -58,6 +58,7 @@ from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, chec
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import fence, fenced_update
+from revtrain.trainers.modes import forward_in_head
 from revtrain.trainers.modes import REMAT, ProgramSpec
 from revtrain.trainers.stacking import Stacked
 
@@ -97,21 +98,20 @@ class DeferredUpdates:
 
     def _top_head_acc(self, layers, top_params, top_acc, top_states, head_params, head_acc, head_state, x, batch,
                       ctx, top_index, head_index):
-        """`_head_acc` through the backprop blocks under the head (tuples ``top_*``, bottom first): one vjp
-        from the lowest one's input, every gradient added to its buffer. Returns ``(dx, top_acc, new top
-        states, head_acc, new head state, sums)``."""
-        tops, head = layers
+        """`_head_acc` through the blocks under the head in its program (tuples ``top_*``, bottom first, each
+        run in its mode: ``layers = (tops, head, top modes)``): one vjp from the lowest one's input, every
+        gradient added to its buffer. Returns ``(dx, top_acc, new top states, head_acc, new head state,
+        sums)``."""
+        tops, head, modes = layers
         n = batch_size_of(x)
         normalize = self.microbatches == 1
 
         def objective(tps, hp, x):
-            new_states = []
-            for layer, p, s, i in zip(tops, tps, top_states, top_index):
-                x, new_state = layer.apply(p, s, x, example_keys(ctx, i, n), True)
-                new_states.append(new_state)
+            x, new_states = forward_in_head(tops, modes, (1,) * len(tops), tps, top_states, x,
+                                            [example_keys(ctx, i, n) for i in top_index])
             loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, example_keys(ctx, head_index, n), True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
-            return (loss_sum / total if normalize else loss_sum), (stats, tuple(new_states), new_head_state, total)
+            return (loss_sum / total if normalize else loss_sum), (stats, new_states, new_head_state, total)
 
         obj, vjp_fn, (stats, new_top_states, new_head_state, total) = jax.vjp(
             objective, tuple(per_device(self._whole(t, p)) for t, p in zip(tops, top_params)),
@@ -122,11 +122,12 @@ class DeferredUpdates:
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, top_acc, new_top_states, head_acc, new_head_state, sums
 
-    def _top_head_acc_fn(self, tops, head):
+    def _top_head_acc_fn(self, tops, head, modes):
         tspec, hspec = tuple(self.layer_specs(t)[0] for t in tops), self.layer_specs(head)[0]
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
-        return self._per_layer_compiled("top_head_acc", (tops, head), self._top_head_acc, in_specs, out_specs,
+        return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
+                                        out_specs,
                                         (1, 4), (0, 1, 3, 4), (1, 3))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):

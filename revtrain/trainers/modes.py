@@ -7,6 +7,11 @@ gives its input's cotangent and its parameters' gradient. How it does that is it
   blocks between it and the head), and one ``jax.vjp`` of the head's loss through them gives every
   gradient: its forward is the vjp's, its residuals live in that one program. The cheapest in FLOPs
   (2.75 forwards of a Transformer block per step) and the dearest in memory (its vjp residuals).
+* **checkpoint** (`Checkpoint`): the block runs inside the head's program as backprop does, its forward under
+  ``jax.checkpoint``: the program keeps the block's input and recomputes the block within its vjp. The
+  FLOPs of remat (3.75 forwards) and its memory (one activation kept, one block's residuals at a time)
+  in one program with the head's: a stack of such blocks is the rematerialised standard trainer's step
+  (scan + ``jax.checkpoint``), without a program call per block.
 * **remat** (`Remat`): the forward keeps the block's input (in host memory with offload) and the backward
   recomputes the block under its ``vjp`` from it (rematerialisation; Chen et al. 2016). 3.75 forwards; one
   activation kept. A standard layer always runs this way (its input cannot be rebuilt).
@@ -27,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from revtrain.trainers.common import per_device, reduce_grads
 
@@ -162,23 +168,81 @@ class FencedRebuild(Rebuild):
 
 class Backprop(BackwardMode):
     """The block inside the head's program: one ``vjp`` of the loss through it (no forward of its own, no
-    recompute, no rebuild). Only blocks directly under the head (or under other backprop blocks) can run
-    so; their forward is compiled inside the vjp."""
+    recompute, no rebuild). Only blocks directly under the head (or under other blocks in its program) can
+    run so; their forward (`forward`, traced inside the vjp) is compiled there."""
 
     name = "backprop"
     kind = StepKind.TOP
 
 
+class Checkpoint(Backprop):
+    """The block inside the head's program (as `Backprop`) under ``jax.checkpoint``: the vjp keeps its input
+    and recomputes its forward (Chen et al. 2016), inside the head's program. Such blocks sit directly
+    under the backprop blocks (or the head)."""
+
+    name = "checkpoint"
+
+    def forward(self, layer, params, state, x, keys):
+        return jax.checkpoint(lambda p, s, x, k: layer.apply(p, s, x, k, True))(params, state, x, keys)
+
+
 REBUILDS = {m.name: m for m in (ExactRebuild(), FusedRebuild(), FencedRebuild())}
-BACKPROP, REMAT = Backprop(), Remat()
+BACKPROP, CHECKPOINT, REMAT = Backprop(), Checkpoint(), Remat()
 # What a memory budget chooses between (`revtrain.trainers.budget`), cheapest in FLOPs first.
-BUDGET_MODES = ("backprop", "remat", "rebuild")
+BUDGET_MODES = ("backprop", "checkpoint", "remat", "rebuild")
+
+
+def checkpoint_scan(layer, params, states, x, keys):
+    """Identical blocks like ``layer`` (``params``, ``states``, ``keys`` stacked on a leading layer axis) as
+    one ``lax.scan`` of ``jax.checkpoint``-ed bodies: under a vjp each block's input is kept and its forward
+    recomputed (Chen et al. 2016), and XLA holds one block's residuals at a time (unrolled checkpointed
+    blocks it holds all at once). Returns ``(output, new states stacked)``."""
+    body = jax.checkpoint(lambda x, sl: layer.apply(sl[0], sl[1], x, sl[2], True))
+    return lax.scan(body, x, (params, states, keys))
+
+
+def forward_in_head(tops, modes, counts, params, states, x, keys):
+    """The forward of the groups ``tops`` (bottom first) inside the head's program, each in its mode
+    (``modes``, `modes.Backprop` or `modes.Checkpoint`), ``counts`` blocks each (more than one: a stacked
+    run of checkpoint blocks); ``params``, ``states``, ``keys`` one per group. Returns ``(output, new
+    states: a tuple, one per group)``."""
+    new_states = []
+    for a, b in head_runs(tops, modes, counts):
+        if counts[a] > 1:  # a stacked run: its trees have the layer axis already
+            x, stacked = checkpoint_scan(tops[a], params[a], states[a], x, keys[a])
+            new_states.append(stacked)
+        elif b - a == 1:
+            x, new_state = modes[a].forward(tops[a], params[a], states[a], x, keys[a])
+            new_states.append(new_state)
+        else:  # single blocks of one run: stacked here (their gradients come back unstacked)
+            stack = lambda *trees: jax.tree.map(lambda *v: jnp.stack(v), *trees)  # noqa: E731
+            x, stacked = checkpoint_scan(tops[a], stack(*params[a:b]), stack(*states[a:b]), x, stack(*keys[a:b]))
+            new_states.extend(jax.tree.map(lambda v: v[i], stacked) for i in range(b - a))
+    return x, tuple(new_states)
+
+
+def head_runs(tops, modes, counts=None) -> list:
+    """The runs ``(start, stop)`` of the groups in the head's program (bottom first): consecutive single
+    identical checkpoint blocks form one run (one `checkpoint_scan`), every other group (a stacked run of
+    ``counts[i] > 1`` blocks, a backprop block) a run of its own."""
+    counts = counts or (1,) * len(tops)
+    runs, a = [], 0
+    while a < len(tops):
+        b = a + 1
+        if modes[a] is CHECKPOINT and counts[a] == 1:
+            while b < len(tops) and modes[b] is CHECKPOINT and counts[b] == 1 and tops[b] == tops[a]:
+                b += 1
+        runs.append((a, b))
+        a = b
+    return runs
 
 
 def mode_named(name: str, rebuild: str = "exact") -> BackwardMode:
     """The mode object of a plan's name (``"rebuild"`` is the trainer's ``rebuild`` flavour)."""
     if name == "backprop":
         return BACKPROP
+    if name == "checkpoint":
+        return CHECKPOINT
     if name == "remat":
         return REMAT
     return REBUILDS[rebuild if name == "rebuild" else name]

@@ -78,7 +78,8 @@ from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, bat
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
 from revtrain.trainers.deferred import DeferredUpdates, split_leaf_squares
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
-from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, StepKind
+from revtrain.trainers.modes import (BACKPROP, CHECKPOINT, REBUILDS, REMAT, ProgramSpec, StepKind,
+                                     forward_in_head)
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
@@ -222,11 +223,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @property
     def num_top(self) -> int:
-        """How many blocks under the head run inside the head's program (backprop; ``fuse_top``: one)."""
-        k = 0
-        while k < len(self.block_modes) and self.block_modes[-1 - k] is BACKPROP:
-            k += 1
-        return k
+        """How many blocks under the head run inside the head's program (backprop or checkpoint;
+        ``fuse_top``: one)."""
+        return _num_top(self.block_modes)
 
     def _layout(self) -> tuple:
         return self.layout(self.block_modes)
@@ -257,17 +256,17 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         rematerialised runs with the fused update and the weights on the device (the scan keeps its blocks'
         inputs as one stack on the device: with offload the walk keeps each in host memory, and the deferred
         update's accumulating programs are per layer); backprop blocks run inside the head's program."""
-        return mode.rebuilds or (mode is REMAT and not self.offload and not self.on_disk and not self.deferred)
+        return mode.rebuilds or (mode in (REMAT, CHECKPOINT) and not self.offload and not self.on_disk
+                                 and not self.deferred and not (mode is CHECKPOINT and self.shard_state))
 
     def set_block_modes(self, modes: list) -> None:
         """Sets each block's backward mode (`modes`: one strategy object per layer but the head) and the
-        working layout it implies. Backprop blocks must be the ones directly under the head."""
+        working layout it implies. Blocks run inside the head's program (backprop, checkpoint) must be the ones
+        directly under the head."""
         modes = list(modes)
-        k = 0
-        while k < len(modes) and modes[-1 - k] is BACKPROP:
-            k += 1
-        if any(m is BACKPROP for m in modes[:len(modes) - k]):
-            raise TrainerError("backprop blocks must be the blocks directly under the head")
+        k = _num_top(modes)
+        if any(m.kind is StepKind.TOP for m in modes[:len(modes) - k]):
+            raise TrainerError("backprop and checkpoint blocks must be the blocks directly under the head")
         if any(m is not REMAT and not self.model.layers[i].reversible for i, m in enumerate(modes)):
             raise TrainerError("a standard layer can only be recomputed (remat)")
         self.block_modes = modes
@@ -545,21 +544,24 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @staticmethod
     def top_head_grads(tops, head, top_params, top_states, head_params, head_state, x, batch, top_keys, head_keys,
-                       top_specs=None, head_specs=None):
-        """`head_grads` through the backprop blocks ``tops`` under the head (`modes.Backprop`, bottom first),
-        from the lowest one's input ``x``: one ``vjp`` of the head's loss of their output with respect to
-        (every top block's params, the head's params, ``x``). ``top_params``, ``top_states``, ``top_keys``,
-        ``top_specs`` (None or one per block) are sequences like ``tops``. Returns ``(mean loss, top grads
-        (a tuple), head grads, dx, stats, new top states (a tuple), new head state, total weight)``,
-        gradients summed over devices (reduce-scattered with the specs)."""
+                       top_specs=None, head_specs=None, top_modes=None, top_counts=None):
+        """`head_grads` through the blocks ``tops`` under the head (bottom first) run in its program, from the
+        lowest one's input ``x``: one ``vjp`` of the head's loss of their output with respect to (every top
+        block's params, the head's params, ``x``), each block's forward its mode's (``top_modes``:
+        `modes.Backprop` or `modes.Checkpoint` per block; None: all backprop). ``top_params``,
+        ``top_states``, ``top_keys``, ``top_specs`` (None or one per block) are sequences like ``tops``.
+        ``top_counts`` (None: all 1): an entry ``c > 1`` makes that entry a stacked run of ``c`` identical
+        checkpoint blocks (its params, states and keys with a leading layer axis), run as one ``lax.scan``.
+        Returns ``(mean loss, top grads (a tuple), head grads, dx, stats, new top states (a tuple), new head
+        state, total weight)``, gradients summed over devices (reduce-scattered with the specs)."""
+        top_modes = top_modes or (BACKPROP,) * len(tops)
+        top_counts = top_counts or (1,) * len(tops)
+
         def objective(tps, hp, x):
-            new_states = []
-            for layer, p, s, k in zip(tops, tps, top_states, top_keys):
-                x, new_state = layer.apply(p, s, x, k, True)
-                new_states.append(new_state)
+            x, new_states = forward_in_head(tops, top_modes, top_counts, tps, top_states, x, top_keys)
             loss_sum, stats, new_head_state = head.loss(hp, head_state, x, batch, head_keys, True)
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
-            return loss_sum / total, (stats, tuple(new_states), new_head_state, total)
+            return loss_sum / total, (stats, new_states, new_head_state, total)
 
         obj, vjp_fn, (stats, new_top_states, new_head_state, total) = jax.vjp(
             objective, tuple(per_device(p) for p in top_params), per_device(head_params), x, has_aux=True)
@@ -597,32 +599,75 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def _top_grads(self, layers, top_params, top_states, head_params, head_state, x, batch, ctx, top_index,
                    head_index):
-        """`top_head_grads` of the trainer's layers (``layers = (tops, head)``), its weights gathered whole."""
-        tops, head = layers
+        """`top_head_grads` of the trainer's layers (``layers = (tops, head, top modes)``), its weights gathered
+        whole."""
+        tops, head, modes, counts = layers
         n = batch_size_of(x)
+        keys = [example_keys(ctx, i, n) if c == 1 else jnp.stack([example_keys(ctx, i + j, n) for j in range(c)])
+                for i, c in zip(top_index, counts)]
         return self.top_head_grads(
             tops, head, [self._whole(t, p) for t, p in zip(tops, top_params)], top_states,
-            self._whole(head, head_params), head_state, x, batch, [example_keys(ctx, i, n) for i in top_index],
-            example_keys(ctx, head_index, n), [self._grad_specs(t) for t in tops], self._grad_specs(head))
+            self._whole(head, head_params), head_state, x, batch, keys, example_keys(ctx, head_index, n),
+            [self._grad_specs(t) for t in tops], self._grad_specs(head), modes, counts)
 
     def _top_head(self, layers, top_params, top_opt, top_states, head_params, head_opt, head_state, x, batch, skey,
                   top_index, head_index):
-        """`_head` through the backprop blocks under it (tuples ``top_*``, bottom first): loss, one vjp, every
-        block's update."""
-        tops, head = layers
+        """`_head` through the blocks under it in its program (tuples ``top_*``, bottom first): loss, one vjp,
+        every block's update."""
+        tops, head, _, counts = layers
         obj, top_grads, head_grads, dx, stats, new_top_states, new_head_state, total = self._top_grads(
             layers, top_params, top_states, head_params, head_state, x, batch, skey, top_index, head_index)
         loss = lax.psum(obj, DATA_AXIS)
         new_head, new_head_opt, head_finite = guarded_update(self.tx, head_grads, head_opt, head_params,
                                                              ok=jnp.isfinite(loss), across=self._across)
-        new_top, new_top_opt, top_finite = [], [], []
-        for t, g, o, p in zip(tops, top_grads, top_opt, top_params):
-            new_p, new_o, fin = guarded_update(self.tx, g, o, p, across=self._across)
-            new_top.append(new_p), new_top_opt.append(new_o), top_finite.append(fin)
+        new_top, new_top_opt, top_finite, top_sq = [], [], [], []
+        for t, g, o, p, c in zip(tops, top_grads, top_opt, top_params, counts):
+            if c > 1:
+                new_p, new_o, fin, sq = self._stacked_update(t, g, o, p)
+            else:
+                (new_p, new_o, fin), sq = guarded_update(self.tx, g, o, p, across=self._across), self._sq(t, g)
+            new_top.append(new_p), new_top_opt.append(new_o), top_finite.append(fin), top_sq.append(sq)
         metrics = {"loss": loss, "accuracy": lax.psum(stats["correct"], DATA_AXIS) / total}
         return (dx, tuple(new_top), tuple(new_top_opt), new_top_states, new_head, new_head_opt, new_head_state,
-                metrics, tuple(top_finite), head_finite, tuple(self._sq(t, g) for t, g in zip(tops, top_grads)),
-                self._sq(head, head_grads))
+                metrics, tuple(top_finite), head_finite, tuple(top_sq), self._sq(head, head_grads))
+
+    def _stacked_update(self, layer, grads, opt_state, params):
+        """The update of a stacked run of layers (the checkpoint blocks of the head's program) from its
+        stacked gradients. Returns ``(params, optimizer state, finite [count], squares [count])``.
+
+        Each layer's optimizer state holds the same scalars (a step count) as long as every layer of the
+        run was updated every step; then one optax update of the whole stacked tree, each stacked scalar
+        given once, is each layer's update bit for bit (the scanned standard trainer's form; an update that
+        slices each layer out of the stacks rounded differently on XLA:CPU, where a leaf's fused loops
+        follow the producers around it). Taking a stacked scalar's first value is exact because the program
+        checks that all its values are equal (a scalar parameter's moments included). The whole run is then
+        kept or skipped together (one ``finite`` flag). Where they differ (a layer skipped alone in another
+        layout), each layer is updated on its own, one after another (a ``lax.scan`` writing each slice in
+        place).
+        """
+        count = jax.tree.leaves(params)[0].shape[0]
+        scalar = lambda a: a.ndim == 1  # noqa: E731  (one value per layer)
+        squares = jax.vmap(lambda g: self._sq(layer, g))(grads)
+
+        def whole():
+            first = jax.tree.map(lambda a: a[0] if scalar(a) else a, opt_state)
+            new_p, new_o, finite = guarded_update(self.tx, grads, first, params, across=self._across)
+            new_o = jax.tree.map(lambda a, b: jnp.broadcast_to(b, a.shape) if scalar(a) else b, opt_state, new_o)
+            return new_p, new_o, jnp.broadcast_to(finite, (count,))
+
+        def each():
+            def body(stacks, j):
+                p, o, g = jax.tree.map(lambda a: a[j], (*stacks, grads))
+                new_p, new_o, finite = guarded_update(self.tx, g, o, p, across=self._across)
+                stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks,
+                                      (new_p, new_o))
+                return stacks, finite
+
+            (new_p, new_o), finite = lax.scan(body, (params, opt_state), jnp.arange(count, dtype=jnp.int32))
+            return new_p, new_o, finite
+
+        same = jnp.all(jnp.array([jnp.all(a == a[0]) for a in jax.tree.leaves(opt_state) if scalar(a)] or [True]))
+        return (*lax.cond(same, whole, each), squares)
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
@@ -814,22 +859,26 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     TOP_HEAD_MOVED = (0, 1, 3, 4)  # `_top_head`'s arguments in host memory with offload (weights, opt state)
 
-    def _top_specs(self, tops, head):
+    def _top_specs(self, tops, head, counts=None):
         """(top params specs, top optimizer state specs) as tuples over ``tops``, and the head's."""
-        top_specs = tuple(self.layer_specs(t) for t in tops)
+        top_specs = tuple(self._group_specs(t, c) for t, c in zip(tops, counts or (1,) * len(tops)))
         return (tuple(p for p, _ in top_specs), tuple(o for _, o in top_specs)), self.layer_specs(head)
 
-    def _top_head_fn(self, tops, head):
-        """The compiled `_top_head` of the backprop blocks ``tops`` (a tuple, bottom first) and ``head``."""
+    def _top_head_fn(self, tops, head, modes=None, counts=None):
+        """The compiled `_top_head` of the groups ``tops`` (a tuple of layers, bottom first) in the head's
+        program, each run in its mode of ``modes`` (None: backprop), ``counts`` blocks each (None: one; more:
+        a stacked run of checkpoint blocks), and ``head``."""
+        modes = tuple(modes or (BACKPROP,) * len(tops))
+        counts = tuple(counts or (1,) * len(tops))
         in_specs = (_R, _R, _R, _R, _R, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R, _R)
-        top_specs, head_specs = self._top_specs(tops, head)
+        top_specs, head_specs = self._top_specs(tops, head, counts)
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
         inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
-        return self._per_layer_compiled("top_head", (tops, head), self._top_head, in_specs, out_specs, donate,
-                                        inputs, outputs)
+        return self._per_layer_compiled("top_head", (tops, head, modes, counts), self._top_head, in_specs,
+                                        out_specs, donate, inputs, outputs)
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
@@ -862,8 +911,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         plan = self._plans.get(key)
         if plan is None:
             layers, acc, blocks = self.model.layers, self.deferred, []
-            top = self.num_top
-            below = len(groups) - 1 - top  # the groups with programs of their own (the top ones are singles)
+            top = 0  # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
+            while top < len(groups) - 1 and self.block_modes[groups[-2 - top][0]].kind is StepKind.TOP:
+                top += 1
+            below = len(groups) - 1 - top  # the groups with programs of their own
             for start, count in groups[:below]:
                 layer, mode = layers[start], self.block_modes[start]
                 forward_kind, backward_kind, acc_kind = mode.program_kinds
@@ -879,10 +930,13 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                                          self._acc_fn(acc_kind, layer) if acc else self._fn(backward_kind, layer),
                                          np.int32(start)))
             for start, _ in groups[below:-1]:
-                blocks.append(_Block(StepKind.TOP, BACKPROP, None, None, np.int32(start)))
+                blocks.append(_Block(StepKind.TOP, self.block_modes[start], None, None, np.int32(start)))
             if top:
                 tops = tuple(layers[s] for s, _ in groups[below:-1])
-                head = (self._top_head_acc_fn if acc else self._top_head_fn)(tops, layers[-1])
+                modes = tuple(self.block_modes[s] for s, _ in groups[below:-1])
+                counts = tuple(c for _, c in groups[below:-1])
+                head = (self._top_head_acc_fn(tops, layers[-1], modes) if acc else
+                        self._top_head_fn(tops, layers[-1], modes, counts))
             else:
                 head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
             blocks.append(_Block(StepKind.HEAD, None, head, None, np.int32(groups[-1][0])))
@@ -1004,6 +1058,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan
+
+
+def _num_top(modes: list) -> int:
+    """How many of ``modes`` (per layer but the head) at the top run inside the head's program."""
+    k = 0
+    while k < len(modes) and modes[-1 - k].kind is StepKind.TOP:
+        k += 1
+    return k
 
 
 @dataclasses.dataclass
