@@ -81,7 +81,8 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     probe._budget_candidates.clear()
     least, most, remat = min(v[0] for v in table.values()), table[(6, 0, 0)][0], table[(0, 0, 6)][0]
     plans = []
-    for budget in sorted([*np.linspace(least, most, 4).astype(int), (least + remat) // 2]):
+    # (and a budget past every estimate: the all-backprop plan's estimate may lie above its compiled peak)
+    for budget in sorted([*np.linspace(least, most, 4).astype(int), (least + remat) // 2, 2**40]):
         plan = budget_lib.plan_budget(probe, _spec(batch), int(budget))
         assert plan.peak <= budget
         c = plan.counts()

@@ -514,14 +514,16 @@ def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops"
     if key not in cache:
         cache[key] = Candidates(trainer, batch_spec, will_time=timed)  # (timed once the budget is known to fit)
     c = cache[key]
-    least = min(v[0] for v in c.table.values())
+    # (the least over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks together)
+    sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
+    least = min(v[0] for p, v in c.table.items() if sure(p))
     if budget >= least and timed:
         c.time()
-    table = dict(c.table)
+    table = c.table  # (a head compiled below replaces its estimate here for the next budget too)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
     most = min(table.values(), key=cost)[0]
     if budget < least:
-        k, h, r = min(table, key=lambda plan: table[plan][0])
+        k, h, r = min((p for p in table if sure(p)), key=lambda plan: table[plan][0])
         how = ("every block rebuilt" if k == h == r == 0 else
                f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "

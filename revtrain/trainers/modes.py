@@ -9,9 +9,10 @@ gives its input's cotangent and its parameters' gradient. How it does that is it
   (2.75 forwards of a Transformer block per step) and the dearest in memory (its vjp residuals).
 * **checkpoint** (`Checkpoint`): the block runs inside the head's program as backprop does, its forward under
   ``jax.checkpoint``: the program keeps the block's input and recomputes the block within its vjp. The
-  FLOPs of remat (3.75 forwards) and its memory (one activation kept, one block's residuals at a time)
-  in one program with the head's: a stack of such blocks is the rematerialised standard trainer's step
-  (scan + ``jax.checkpoint``), without a program call per block.
+  FLOPs of remat (3.75 forwards) and its memory (one activation kept, one block's residuals at a time:
+  a run of them is one ``lax.scan``, `checkpoint_scan`, since XLA holds every unrolled one's) in one
+  program with the head's: a stack of such blocks is the rematerialised standard trainer's step (scan +
+  ``jax.checkpoint``), without a program call per block.
 * **remat** (`Remat`): the forward keeps the block's input (in host memory with offload) and the backward
   recomputes the block under its ``vjp`` from it (rematerialisation; Chen et al. 2016). 3.75 forwards; one
   activation kept. A standard layer always runs this way (its input cannot be rebuilt).
