@@ -29,7 +29,7 @@ from revtrain.data import tokenizer as tokenizer_lib
 from revtrain.data.tasks import ByteLMTask, Task
 from revtrain.disk_tier import DiskTierError
 from revtrain.errors import ConfigError, RunFailure  # noqa: F401  (also revtrain.loop.ConfigError)
-from revtrain.memory import MemoryMeter, host_resident, host_state_bytes
+from revtrain.memory import MemoryMeter, device_state_bytes, host_resident, host_state_bytes
 from revtrain.models import contract
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
@@ -661,6 +661,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                         step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
                     last = values
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
+                    _saves_within_budget(trainer, checkpointer, ts)
                     if checkpointer.save(ts, data, meta):
                         saved = step
                 if cfg.eval_every and step % cfg.eval_every == 0 and not final and not stopping:
@@ -724,6 +725,17 @@ def _evaluated(workdir: str, step: int) -> bool:
     """Whether ``metrics/eval.jsonl`` holds a record of ``step`` (a run's final evaluation is done)."""
     path = os.path.join(workdir, "metrics", "eval.jsonl")
     return os.path.isfile(path) and any(r.get("step") == step for r in metrics_lib.read_jsonl(path))
+
+
+def _saves_within_budget(trainer, checkpointer, ts: TrainState) -> None:
+    """Under a device-memory budget (`ReversibleTrainer.memory_budget`), has saves written before the next
+    step where a background write would break the budget: the write holds the state's device buffers
+    through the next steps, which then cannot donate them and hold a second copy of the device-resident
+    state (measured on the CPU backend, docs/budget.md). Written in the background when the plan's peak
+    plus that copy fits."""
+    plan = getattr(trainer, "budget_plan", None)
+    if plan is not None and plan.peak + device_state_bytes(ts) > plan.budget:
+        checkpointer.async_max_bytes = 0
 
 
 def _keeping_the_step(checkpointer, ts: TrainState, data, meta: dict, saved: int, what: str, kept, work) -> int:

@@ -57,6 +57,29 @@ def _bytes_on(arr, device, cache: dict | None = None) -> int:
     return nbytes
 
 
+def _distinct_buffers(arrays, device) -> list:
+    """``arrays`` less those whose buffer on ``device`` an earlier one already holds. JAX keeps the
+    single-device array that ``addressable_data`` returns cached on its parent, both alive and both sharing
+    one buffer (Orbax reads every array it saves that way): counted once, not twice, as the parent when
+    ``arrays`` are oldest first (the calls then count the same parent by identity)."""
+    seen, out = set(), []
+    for x in arrays:
+        try:
+            if x.is_deleted() or device not in x.sharding.device_set:
+                continue
+            if len(x.sharding.device_set) == 1:
+                pointer = x.unsafe_buffer_pointer()
+            else:
+                pointer = next(s.data.unsafe_buffer_pointer() for s in x.addressable_shards if s.device == device)
+        except Exception:  # no buffer pointer on this backend or memory kind: counted as before
+            out.append(x)
+            continue
+        if pointer not in seen:
+            seen.add(pointer)
+            out.append(x)
+    return out
+
+
 class _Counted(weakref.ref):
     """A weak reference to a counted array, with the array's id (``key``) and bytes on the device."""
 
@@ -145,7 +168,7 @@ class MemoryMeter:
         self.peak = 0
         self._reset()
         if self.method == "estimate":
-            self._count(jax.live_arrays())
+            self._count(_distinct_buffers(jax.live_arrays()[::-1], self.device))  # (oldest first: see there)
             self.peak = self._total
 
     def observe(self, fn, args, moved: tuple = ()) -> None:
@@ -223,6 +246,23 @@ def host_state_bytes(ts, device=None) -> int:
                 and device in x.sharding.device_set:
             total += _shard_bytes(x)
     return total
+
+
+def device_state_bytes(ts, device=None) -> int:
+    """Bytes of weights, optimizer state and layer state that one device holds in device memory (the
+    complement of `host_state_bytes`, layer state included).
+
+    Args:
+      ts: a `TrainState` (either layout; nothing is copied).
+      device: the device to account for (default: the first local device).
+
+    Returns:
+      The sum over the leaves in device memory of that device's piece of each; 0 for a state held wholly in
+      host memory or on disk.
+    """
+    device = device or jax.local_devices()[0]
+    return sum(_bytes_on(x, device) for x in jax.tree.leaves(ts.held())
+               if isinstance(x, jax.Array) and not x.is_deleted())
 
 
 def host_resident(status: str = "/proc/self/status") -> tuple[int, int]:
