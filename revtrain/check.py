@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
-from revtrain.trainers.modes import REBUILDS, StepKind, mode_named
+from revtrain.trainers.modes import REBUILDS, count_in_head, mode_named
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -142,9 +142,7 @@ class _Checker:
         blocks' and the head's together)."""
         layers, n = self.layers, len(self.layers)
         modes = self.block_modes(rebuild, modes)
-        top = 0
-        while top < n - 1 and modes[n - 2 - top].kind is StepKind.TOP:  # (backprop, checkpoint)
-            top += 1
+        top = count_in_head(modes)
         below = n - 1 - top
         x = batch[self.model.input_key]
         saved, seen = {}, []

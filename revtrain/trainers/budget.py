@@ -17,19 +17,20 @@ so the budget trades only speed against memory.
 per-layer programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call adds to
 what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
 optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for
-its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks and with 1 and 2 checkpoint
-blocks; k backprop and h checkpoint blocks are extrapolated linearly from those (the residuals of k
-identical blocks, the inputs of h), and the chosen (k, h) is then compiled and checked. With ``objective='time'`` each of those programs is also run on zeros and timed (`time_call`),
-and with the scanned executor so are the scans of each scanning mode at two blocks (their seconds per
+its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks and with 1, 2 and 3
+checkpoint blocks; k backprop and h checkpoint blocks are extrapolated linearly from those (the residuals
+of k identical blocks, the inputs of h; both together optimistically, see `_head_cost`), and the chosen
+(k, h) is then compiled and checked. With ``objective='time'`` each of those programs is also run on zeros
+and timed (`time_call`), and with the scanned executor so are the scans of each scanning mode at two blocks (their seconds per
 block stand for a run of any length): FLOPs rank the modes wrongly where a program's speed is not its
 FLOPs' (a block inside the head's program, or one per-layer call, runs slower per FLOP than a scan's
 body on XLA:CPU; see docs/budget.md).
 
 **The plan.** Blocks in the head's program must be the ones directly under the head, so a plan is
 ``(k, h, r)``: the top k reversible blocks backprop'd, the h under them checkpointed, the lowest r of the
-other reversible blocks rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for a stack of identical
-blocks this enumeration is the whole knapsack (which r blocks are kept does not change what is held when
-the head runs, where the step peaks). The peak of each ``(k, r)`` is simulated call by call over the walk
+other reversible blocks rematerialised, the rest rebuilt. Blocks of one kind are interchangeable, so for
+a stack of identical blocks this enumeration is the whole knapsack (which r blocks are kept does not change what is held when
+the head runs, where the step peaks). The peak of each ``(k, h, r)`` is simulated call by call over the walk
 (live arrays before each call plus what the call adds, the meter's own rule); the plan is the one with
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
@@ -63,7 +64,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import TrainerError
-from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT, StepKind
+from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT, count_in_head
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
@@ -398,9 +399,7 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
     """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
     call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block."""
     n = len(modes)
-    below = n
-    while below > 0 and modes[below - 1].kind is StepKind.TOP:
-        below -= 1
+    below = n - count_in_head(modes)
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
     live, peak, flops, seconds = base, base, head.flops, head.seconds
     runs = {}  # block -> (its run's start, count): blocks in a scanned run of the layout these modes give

@@ -58,8 +58,7 @@ from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, chec
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import fence, fenced_update
-from revtrain.trainers.modes import forward_in_head
-from revtrain.trainers.modes import REMAT, ProgramSpec
+from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.stacking import Stacked
 
 _R, _D = P(), P(DATA_AXIS)
@@ -127,8 +126,7 @@ class DeferredUpdates:
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
         return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
-                                        out_specs,
-                                        (1, 4), (0, 1, 3, 4), (1, 3))
+                                        out_specs, (1, 4), (0, 1, 3, 4), (1, 3))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(y))

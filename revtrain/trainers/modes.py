@@ -193,6 +193,15 @@ BACKPROP, CHECKPOINT, REMAT = Backprop(), Checkpoint(), Remat()
 BUDGET_MODES = ("backprop", "checkpoint", "remat", "rebuild")
 
 
+def count_in_head(modes) -> int:
+    """How many of ``modes`` (one per layer but the head, bottom first) at the top run inside the head's
+    program (`StepKind.TOP`: backprop, checkpoint)."""
+    k = 0
+    while k < len(modes) and modes[-1 - k].kind is StepKind.TOP:
+        k += 1
+    return k
+
+
 def checkpoint_scan(layer, params, states, x, keys):
     """Identical blocks like ``layer`` (``params``, ``states``, ``keys`` stacked on a leading layer axis) as
     one ``lax.scan`` of ``jax.checkpoint``-ed bodies: under a vjp each block's input is kept and its forward

@@ -79,7 +79,7 @@ from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, bat
 from revtrain.trainers.deferred import DeferredUpdates, split_leaf_squares
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
 from revtrain.trainers.modes import (BACKPROP, CHECKPOINT, REBUILDS, REMAT, ProgramSpec, StepKind,
-                                     forward_in_head)
+                                     count_in_head, forward_in_head)
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 _R, _D = P(), P(DATA_AXIS)
@@ -225,7 +225,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def num_top(self) -> int:
         """How many blocks under the head run inside the head's program (backprop or checkpoint;
         ``fuse_top``: one)."""
-        return _num_top(self.block_modes)
+        return count_in_head(self.block_modes)
 
     def _layout(self) -> tuple:
         return self.layout(self.block_modes)
@@ -264,7 +264,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         working layout it implies. Blocks run inside the head's program (backprop, checkpoint) must be the ones
         directly under the head."""
         modes = list(modes)
-        k = _num_top(modes)
+        k = count_in_head(modes)
         if any(m.kind is StepKind.TOP for m in modes[:len(modes) - k]):
             raise TrainerError("backprop and checkpoint blocks must be the blocks directly under the head")
         if any(m is not REMAT and not self.model.layers[i].reversible for i, m in enumerate(modes)):
@@ -1058,14 +1058,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan
-
-
-def _num_top(modes: list) -> int:
-    """How many of ``modes`` (per layer but the head) at the top run inside the head's program."""
-    k = 0
-    while k < len(modes) and modes[-1 - k].kind is StepKind.TOP:
-        k += 1
-    return k
 
 
 @dataclasses.dataclass
