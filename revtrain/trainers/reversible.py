@@ -437,6 +437,22 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
+    def tied_params(self, grouped: Stacked, g: int):
+        """`TrainerBase.tied_params`; with the disk tier only the tied leaves' owners' weights are read
+        (every layer a group of its own), not every layer's."""
+        start = grouped.groups[g][0]
+        if not self.on_disk or not self.model.ties_of(start):
+            return super().tied_params(grouped, g)
+        owners = {t.owner: grouped.params[t.owner] for t in self.model.ties_of(start)}
+        return self.model.merge_tied(start, grouped.params[g], owners)
+
+    def layer_params(self, ts: TrainState, i: int):
+        """`TrainerBase.layer_params`; with the disk tier a tied leaf is read from its owner's file."""
+        if not self.on_disk or not self.model.ties_of(i):
+            return super().layer_params(ts, i)
+        owners = {t.owner: self._fetch(ts.params[t.owner]) for t in self.model.ties_of(i)}
+        return self.model.merge_tied(i, self._fetch(ts.params[i]), owners)
+
     def init(self) -> TrainState:
         """Initial state, replicated or split over the devices (``shard_state``), in host memory when
         offloading, in this trainer's layout: per layer, or with runs of identical layers stacked
