@@ -97,10 +97,10 @@ def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path):
 RECIPE_GIN = ["RMSNormLanguageModelHead.tie_embedding = True", "NUM_LAYERS = 2", "D_MODEL = 32"]
 
 
-def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer):
-    """10 steps of the recipe on the modern tied model (enwik_modern.gin at d_model 32): losses, grad norms,
-    every layer's params (numpy, the tied table in the head's too), an evaluation's scores, the trainer and
-    the state."""
+def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer, mesh=None, **more):
+    """The recipe's steps (one per batch) on the modern tied model (enwik_modern.gin at d_model 32) on
+    ``mesh`` (default: one device): losses, grad norms, every layer's params (numpy, the tied table in the
+    head's too), an evaluation's scores, the trainer and the state. ``more``: other trainer arguments."""
     import gin
 
     import revtrain.registry  # noqa: F401  (the gin names of the modern parts)
@@ -109,12 +109,12 @@ def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer):
     gin.add_config_file_search_path(str(REPO / "configs"))
     gin.parse_config_files_and_bindings([str(REPO / "configs" / "enwik_modern.gin")], RECIPE_GIN)
     try:
-        mesh = make_mesh(jax.devices()[:1])
+        mesh = mesh or make_mesh(jax.devices()[:1])
         tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3))
         with jax.default_matmul_precision("highest"):
             model = ComposedModel(seed=0, d_model=32, input_key="inputs", sequence_length=128)
             kwargs = {} if trainer_cls is not ReversibleTrainer else {
-                "offload": offload, "scan_layers": False, "offload_dir": directory}
+                "offload": offload, "scan_layers": False, "offload_dir": directory, **more}
             trainer = trainer_cls(model, tx, mesh, seed=0, microbatches=2, **kwargs)
             ts, losses, norms = trainer.init(), [], []
             for b in batches:
@@ -541,3 +541,34 @@ def test_offload_dir_without_its_parent_is_refused(tmp_path):
                                 offload_dir=str(missing / "offload"))
     with pytest.raises(ConfigError, match="parent directory"):
         trainer.init()
+
+
+# ------------------------------------------------------------------------------------------------
+# Two devices (a worker process: ``python tests/test_disk_tier.py OUT.json``).
+# ------------------------------------------------------------------------------------------------
+def _worker(out_path: str) -> None:
+    import tempfile
+
+    from revtrain.data import byte_lm, pipeline
+    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, 128, byte_lm.default_data_dir())
+    it = iter(pipeline.train_dataset(builder, batch_size=8, seed=0))
+    batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(int(os.environ.get("STEPS", 10)))]
+    mesh = make_mesh()
+    runs = {"host": _recipe_train(True, None, batches, mesh=mesh),
+            "host_shard": _recipe_train(True, None, batches, mesh=mesh, shard_state=True),
+            "device_shard": _recipe_train(False, None, batches, mesh=mesh, shard_state=True)}
+    if os.environ.get("DISK_SHARD", "1") == "1":
+        runs["disk_shard"] = _recipe_train("disk", tempfile.mkdtemp(), batches, mesh=mesh, shard_state=True)
+    ref = runs["host"]
+    out = {"devices": len(jax.devices()), "losses": ref[0]}
+    for name, run in runs.items():
+        out[name] = {"losses": run[0] == ref[0], "norms": run[1] == ref[1], "params": _same(run[2], ref[2]),
+                     "scores": run[3] == ref[3], "shard_state": bool(run[4].shard_state),
+                     "split": run[4].shard_summary()}
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _worker(sys.argv[1])

@@ -352,6 +352,8 @@ class DeferredUpdates:
         self._acc_clean = False  # until the update pass has zeroed them again
         owners = {s: params[k] for k, (s, c) in enumerate(groups) if c == 1}
         borrowed = self.model.tied_leaves(len(self.model.layers) - 1, owners)
+        if self.shard_state and borrowed:  # the head takes its tied leaves whole (an owner's are split)
+            borrowed = jax.device_put(borrowed, NamedSharding(self.mesh, _R, memory_kind=self.residency.memory_kind))
         m_count = self.microbatches
         local = batch_size_of(batch) // self.num_devices
         current, sums, held = list(states), None, {"tie": tie_acc}
