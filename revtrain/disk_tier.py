@@ -914,8 +914,6 @@ def refusal(trainer) -> str | None:
     if trainer.scan_layers:
         return ("ReversibleTrainer.offload = 'disk' runs the per-layer executor: set ReversibleTrainer.scan_layers "
                 "= False")
-    if trainer.shard_state:
-        return "ReversibleTrainer.offload = 'disk' cannot be combined with ReversibleTrainer.shard_state yet"
     if jax.process_count() > 1:
         return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
     return None
@@ -961,8 +959,14 @@ def template_layers(trainer) -> list:
     return [DiskLayer(layer_layout(trainer, i)) for i in range(len(trainer.model.layers))]
 
 
-def placer(mesh):
-    """The function that places one read leaf replicated over ``mesh`` (device memory)."""
-    from revtrain.placement import replicated
-    sharding = replicated(mesh)
-    return lambda x: jax.device_put(x, sharding)
+def placer(mesh, split: bool = False):
+    """The function that places one read leaf over ``mesh`` (device memory): replicated, or with ``split``
+    (``shard_state``) split as the trainer's specs split a leaf of its shape (`placement.shard_spec`: a
+    function of the shape alone), so each device holds its piece of the layers in flight."""
+    from jax.sharding import NamedSharding
+
+    from revtrain.placement import replicated, shard_spec
+    if not split or mesh.size == 1:
+        sharding = replicated(mesh)
+        return lambda x: jax.device_put(x, sharding)
+    return lambda x: jax.device_put(x, NamedSharding(mesh, shard_spec(x.shape, mesh.size)))

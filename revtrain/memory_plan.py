@@ -685,6 +685,8 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         # gradient among them: compiled) and the layer read ahead are never live together: in flight is the
         # more of three layers and two layers plus the temporaries.
         lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+        if setup.shard_state:  # each device holds its piece of a layer read (`disk_tier.placer`)
+            lw, lo = -(-lw // n), -(-lo // n)
         device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
         host["weights"], host["optimizer_state"] = lw, lo
         device["gradients"] = 0
@@ -723,6 +725,8 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         from revtrain import disk_tier
         spec = disk or {}
         directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
+        if setup.shard_state:  # the files hold whole layers
+            weights, opt = _nbytes(pshapes), _nbytes(oshapes)
         _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
         tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
         if setup.deferred:  # the deferred update: per microbatch its buffers (a layer's old and new file at most)

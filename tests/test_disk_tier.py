@@ -20,7 +20,7 @@ from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.reversible import ReversibleTrainer
 
-from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain
+from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain, run_worker
 from helpers import losses as logged_losses
 from helpers import records_by_step
 
@@ -155,9 +155,6 @@ def test_refusals(tmp_path):
     mesh, tx = make_mesh(), optax.adamw(1e-3)
     with pytest.raises(TrainerError, match="scan_layers = False"):
         ReversibleTrainer(_model(), tx, mesh, offload="disk", offload_dir=str(tmp_path))
-    with pytest.raises(TrainerError, match="shard_state"):
-        ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False, shard_state=True,
-                          offload_dir=str(tmp_path))
     with pytest.raises(TrainerError, match="False, True or 'disk'"):
         ReversibleTrainer(_model(), tx, mesh, offload="nvme")
     trainer = ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False)
@@ -541,6 +538,25 @@ def test_offload_dir_without_its_parent_is_refused(tmp_path):
                                 offload_dir=str(missing / "offload"))
     with pytest.raises(ConfigError, match="parent directory"):
         trainer.init()
+
+
+@pytest.fixture(scope="module")
+def two_devices(byte_lm_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("disk_recipe") / "results.json"
+    return run_worker(__file__, 2, out, data_dir=byte_lm_data_dir, timeout=1500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["host_shard", "device_shard", "disk_shard"])
+def test_recipe_with_shard_state_on_two_devices(two_devices, name):
+    """The recipe (tied embedding/head, clip 0.5, 2 microbatches; 10 steps, 2 devices) with ``shard_state``:
+    on the host and device tiers (ties with shard_state) and on the disk tier, the host tier's losses,
+    gradient norms, every parameter leaf and evaluation without shard_state, bit for bit; the table and
+    most of the state split."""
+    run = two_devices[name]
+    assert two_devices["devices"] == 2 and run["shard_state"], run
+    assert run["losses"] and run["norms"] and run["params"] and run["scores"], run
+    assert "split over 2 devices" in run["split"] and two_devices["losses"][-1] < two_devices["losses"][0] - 0.5
 
 
 # ------------------------------------------------------------------------------------------------

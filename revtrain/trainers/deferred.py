@@ -434,8 +434,9 @@ class DeferredUpdates:
         rounds = self.layerwise.rounds
         schedule = disk_tier.deferred_schedule(plan.kinds, self.microbatches, max(rounds, 1) + 1, owners)
         grad_layouts = [disk_tier.grad_layout(self, i) for i in range(len(groups))]
-        stream = self._stream = self.residency.disk.deferred_stream(grouped.params, ts.step + 1, schedule,
-                                                                   disk_tier.placer(self.mesh), grad_layouts)
+        place = disk_tier.placer(self.mesh, self.shard_state)
+        stream = self._stream = self.residency.disk.deferred_stream(grouped.params, ts.step + 1, schedule, place,
+                                                                   grad_layouts)
         params, opt_state, acc = stream.params, stream.opt_state, stream.grads
         shapes = self.model.param_shapes()
         tied = self.model.tied_leaves(user, {o: shapes[o] for o in owners})

@@ -444,7 +444,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         if not self.on_disk:
             return list(grouped.params), list(grouped.opt_state)
         self._stream = self.residency.disk.stream(grouped.params, step + 1, disk_tier.train_schedule(plan.kinds),
-                                                  disk_tier.placer(self.mesh))
+                                                  disk_tier.placer(self.mesh, self.shard_state))
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
@@ -461,7 +461,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def _eval_grouped(self, grouped: Stacked) -> Stacked:
         if not self.on_disk:
             return grouped
-        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh))
+        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh, self.shard_state))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
     def tied_params(self, grouped: Stacked, g: int):
