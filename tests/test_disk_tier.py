@@ -73,14 +73,18 @@ def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
                                                      + trainer.disk_stats["disk_write_bytes"])
 
 
-def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path):
+@pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path, deferred):
     """The disk tier's read-ahead follows a budget's plan: 1 block rematerialised, 1 rebuilt, 2 backprop'd
-    inside the head's program give the device tier's losses and weights bit for bit."""
+    inside the head's program give the device tier's losses and weights bit for bit (also with the deferred
+    update: clip_by_global_norm and 2 microbatches, the buffers of the head's program's blocks in files)."""
     from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT
     runs = []
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3)) if deferred else optax.adamw(1e-3)
     for offload, directory in ((False, None), ("disk", str(tmp_path / "tier"))):
-        trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload,
-                                    scan_layers=False, offload_dir=directory)
+        trainer = ReversibleTrainer(_model(), tx, make_mesh(), seed=0, offload=offload, scan_layers=False,
+                                    offload_dir=directory, microbatches=2 if deferred else 1)
+        assert trainer.deferred == deferred
         trainer.set_block_modes([REMAT, REMAT, REBUILDS["exact"], BACKPROP, BACKPROP])
         ts, losses = trainer.init(), []
         for x in _batches(3):
