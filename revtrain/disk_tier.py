@@ -33,6 +33,10 @@ until unmapped; TensorStore adds a chunked format and its own cache to what is o
 and measured no faster here. Explicit reads on a thread of their own make the overlap and the bytes in
 memory exactly what the plan counts.
 
+The deferred update (global-norm clipping, microbatches, tied parameters: `revtrain.trainers.deferred`)
+keeps its whole-step gradient buffer in files too, one per layer, read and written by the same threads
+(`DeferredStream`, `deferred_schedule`); it is used up within its step, so checkpoints never hold it.
+
 ZeRO-Infinity (Rajbhandari et al. 2021) and Fuyou (Liao et al. 2024) keep optimizer state on NVMe in
 PyTorch; this module follows the same read-ahead / write-behind idea per reversible layer.
 """

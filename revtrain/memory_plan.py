@@ -32,7 +32,9 @@ With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`
 in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
 state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two
 steps' layer files (a step writes new files beside the ones it reads) plus the kept checkpoints the tier has
-moved past (`disk_tier.disk_need`), against the free space of the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
+moved past (`disk_tier.disk_need`), and with the deferred update two gradients' worth of buffer files
+(memory: two layers' buffers in flight and a tied leaf's other use), against the free space of the offload
+directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
 by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).

@@ -249,7 +249,8 @@ def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys
     assert result.returncode == 0, result.stderr[-2000:]
     layers = len(os.listdir(whole / "offload" / "step_00000004"))
     per_step = 2 * layers + layers  # each microbatch's buffer files, then the layer files
-    for name, write in (("grad", layers + per_step * 2 + layers + 2), ("layer", layers + per_step * 2 + 2 * layers + 2)):
+    before = layers + 2 * per_step  # the initial files and steps 1-2
+    for name, write in (("grad", before + layers + 2), ("layer", before + 2 * layers + 2)):
         broken = tmp_path / name
         killed = _revtrain(str(write), "--", "train", *RECIPE, "--workdir", str(broken),
                            script=str(REPO / "tests" / "_kill_inside.py"), timeout=600)

@@ -15,7 +15,8 @@ layer needs nothing from the others. Three things need the whole step's gradient
 
 Then the backward programs *accumulate* each layer's gradient (summed over devices, or reduce-scattered
 to the local piece with ``shard_state``) into a buffer that lives where that layer's weights live: host
-memory with offload, a 1/N piece with ``shard_state``, the device otherwise (the one figure that grows with
+memory with offload, files with the disk tier (`_disk_deferred_step`, `disk_tier.DeferredStream`), a 1/N
+piece with ``shard_state``, the device otherwise (the one figure that grows with
 depth there: the gradients of every layer). The gradient of a tied leaf's other use waits beside its
 owner's. When the last microbatch is done, two streamed passes run over the layers (per layer, or one
 ``lax.scan`` per stacked run, moving each layer's weights, optimizer state and gradient to the device and

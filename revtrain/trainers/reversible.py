@@ -153,8 +153,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
       TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer
         at a time), offload was asked for on a backend without a ``pinned_host`` memory space, ``rebuild``
         is not a known mode, ``memory_budget`` is not a size, ``microbatches`` is not a positive integer, or
-        tied parameters that cannot be shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
-        or ``fuse_top``).
+        tied parameters that cannot be shared exactly (the user is not the head, the owner is a reversible
+        layer, or with ``fuse_top``).
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
