@@ -564,6 +564,14 @@ def test_recipe_with_shard_state_on_two_devices(two_devices, name):
     assert "split over 2 devices" in run["split"] and two_devices["losses"][-1] < two_devices["losses"][0] - 0.5
 
 
+@pytest.mark.slow
+def test_recipe_on_the_disk_tier_against_the_standard_trainer(two_devices):
+    """The disk tier + shard_state run against StandardTrainer's whole-model step (2 devices): losses and
+    every parameter leaf within 1e-6, as `tests/test_recipe.py` holds the tied recipe to."""
+    run = two_devices["standard"]
+    assert run["loss_rel"] <= 1e-6 and run["param_rel"] <= 1e-6, run
+
+
 # ------------------------------------------------------------------------------------------------
 # Two devices (a worker process: ``python tests/test_disk_tier.py OUT.json``).
 # ------------------------------------------------------------------------------------------------
@@ -578,10 +586,14 @@ def _worker(out_path: str) -> None:
     runs = {"host": _recipe_train(True, None, batches, mesh=mesh),
             "host_shard": _recipe_train(True, None, batches, mesh=mesh, shard_state=True),
             "device_shard": _recipe_train(False, None, batches, mesh=mesh, shard_state=True)}
-    if os.environ.get("DISK_SHARD", "1") == "1":
-        runs["disk_shard"] = _recipe_train("disk", tempfile.mkdtemp(), batches, mesh=mesh, shard_state=True)
+    runs["disk_shard"] = _recipe_train("disk", tempfile.mkdtemp(), batches, mesh=mesh, shard_state=True)
+    from revtrain.trainers import StandardTrainer
+    std = _recipe_train(None, None, batches, trainer_cls=StandardTrainer, mesh=mesh)
     ref = runs["host"]
-    out = {"devices": len(jax.devices()), "losses": ref[0]}
+    out = {"devices": len(jax.devices()), "losses": ref[0],
+           "standard": {"loss_rel": max(abs(a - b) / abs(a) for a, b in zip(std[0], runs["disk_shard"][0])),
+                        "param_rel": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in
+                                         zip(jax.tree.leaves(std[2]), jax.tree.leaves(runs["disk_shard"][2])))}}
     for name, run in runs.items():
         out[name] = {"losses": run[0] == ref[0], "norms": run[1] == ref[1], "params": _same(run[2], ref[2]),
                      "scores": run[3] == ref[3], "shard_state": bool(run[4].shard_state),
