@@ -127,6 +127,25 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
     return Choice(chosen, weights, need, limit, line)
 
 
+def tied_fetch(model, fetch):
+    """``fetch`` (layer ``i`` -> its weights, e.g. `LayerCycle.get`) with a tied layer's leaves put back
+    (`Model.merge_tied`) from the owner's weights of the same pass: each owner's weights are kept from its
+    own fetch until the next (a cycle visits the owner, the embedding, before its user, the head), so
+    nothing is read twice. ``fetch`` itself when the model has no ties."""
+    if not model.ties:
+        return fetch
+    owners = {t.owner for t in model.ties}
+    kept: dict = {}
+
+    def get(i: int):
+        params = fetch(i)
+        if i in owners:
+            kept[i] = params
+        return model.merge_tied(i, params, kept) if model.ties_of(i) else params
+
+    return get
+
+
 class LayerCycle:
     """Layer ``i``'s weights placed (``place``: e.g. `disk_tier.placer`), for layers visited in a cycle
     ``0 .. L-1, 0 ..`` (every token of a layer-by-layer generation): each `get` hands over layer ``i`` and

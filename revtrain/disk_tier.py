@@ -33,6 +33,10 @@ until unmapped; TensorStore adds a chunked format and its own cache to what is o
 and measured no faster here. Explicit reads on a thread of their own make the overlap and the bytes in
 memory exactly what the plan counts.
 
+The deferred update (global-norm clipping, microbatches, tied parameters: `revtrain.trainers.deferred`)
+keeps its whole-step gradient buffer in files too, one per layer, read and written by the same threads
+(`DeferredStream`, `deferred_schedule`); it is used up within its step, so checkpoints never hold it.
+
 ZeRO-Infinity (Rajbhandari et al. 2021) and Fuyou (Liao et al. 2024) keep optimizer state on NVMe in
 PyTorch; this module follows the same read-ahead / write-behind idea per reversible layer.
 """
@@ -345,6 +349,15 @@ class DiskTier:
         budget = max((r.layout.nbytes("params") for r in refs if isinstance(r, DiskLayer)), default=0)
         return StepStream(self, refs, None, schedule, place, budget=budget)
 
+    def deferred_stream(self, refs: list, step: int, schedule: list, place, grad_layouts: list) -> "DeferredStream":
+        """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step`` (the gradient
+        buffer's files in that step's directory, ``grads/``)."""
+        self.prepare(keep=refs)
+        stream = DeferredStream(self, refs, step, schedule, place, grad_layouts)
+        if self._bounded is not None:
+            self._bounded.listener = stream.dispatched
+        return stream
+
     def bounded(self, limit) -> "Bounded":
         """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device; it tells the
         step's stream of each program dispatched (`StepStream.dispatched`)."""
@@ -569,6 +582,148 @@ class StepStream:
                 "disk_read_seconds": self.read_seconds, "disk_write_seconds": self.write_seconds}
 
 
+class DeferredStream(StepStream):
+    """One deferred-update step's reads and writes of a disk-tier state (`revtrain.trainers.deferred`):
+    `StepStream` with a third part per group, ``"grad"``, the layer's whole-step gradient buffer.
+
+    The buffer lives in files as the weights and optimizer state do: each store (``put(g, "grad", value)``,
+    after each microbatch's backward of the layer) is written by the tier's writer thread to a new file
+    ``<step dir>/grads/grad_<g>_<n>.bin`` and the file it replaces is removed; each use (the next
+    microbatch's backward, the statistics and update passes) is read ahead by the reader thread as the
+    weights are. The first microbatch's buffer is zeros made at its use (nothing read). Memory holds the
+    layers in flight, each now with its gradient beside its weights (and optimizer state in the passes);
+    disk two gradients' sizes at most (a layer's old and new buffer files), one step's directory, removed
+    when the step ends. The buffer never outlives its step: the update pass consumes it before the step's
+    files are sealed, so a checkpoint (the step's layer files) never holds a pending gradient, and a run
+    killed mid-step leaves only files of an unsealed step directory, removed when the next run starts.
+
+    ``schedule``: the expected accesses ``(group, "params" | "opt" | "grad")`` in order
+    (`deferred_schedule`). A buffer's next read is never submitted before its previous store: read-ahead
+    stops at the schedule entry of a buffer that was read and not stored yet.
+    """
+
+    def __init__(self, tier: DiskTier, refs: list, step: int, schedule: list, place, grad_layouts: list):
+        n = len(refs)
+        self.count, self.grad_layouts = n, list(grad_layouts)
+        self.grad_dir = os.path.join(tier.step_dir(step), "grads")
+        self._awaiting: set = set()  # groups whose buffer was read and not stored yet
+        self._versions: dict = {}  # group -> buffer files written
+        self._grad_writes: dict = {}  # group -> Future of its newest buffer file's write
+        # A buffer is entry ``n + g`` of the stream's refs (its file's layout holds the gradient as "params").
+        entries = [(g + n, "params") if part == "grad" else (g, part) for g, part in schedule]
+        super().__init__(tier, list(refs) + [None] * n, step, entries, place)
+        os.makedirs(self.grad_dir, exist_ok=True)
+        self.grads = _View(self, "grad")
+
+    def _refill(self) -> None:
+        n = self.count
+        ahead = sum(self.refs[g].layout.nbytes(p) for g, p in self._pending)
+        k = self._next
+        while k < len(self.schedule):
+            g, part = self.schedule[k]
+            if g >= n and g - n in self._awaiting:  # its newest value is not stored yet
+                break
+            ref = self.refs[g]
+            if not isinstance(ref, DiskLayer) or (g, part) in self._pending or g in self._updates:
+                k += 1
+                continue
+            size = ref.layout.nbytes(part)
+            if self._pending and ahead + size > self.budget:
+                break
+            written = self._grad_writes.get(g - n) if g >= n else None
+            self._pending[(g, part)] = self.tier.submit_read(self._read_after, g, part, self._gate, written)
+            ahead += size
+            k += 1
+
+    def _read_after(self, g: int, part: str, gate, written):
+        if written is not None:  # (the reader waits for the writer's file)
+            written.result()
+        return self._read(g, part, gate)
+
+    def get(self, g: int, part: str):
+        """Group ``g``'s ``part`` as device arrays; ``"grad"``: its buffer (zeros before the first store)."""
+        if part != "grad":
+            return super().get(g, part)
+        n = self.count
+        self._awaiting.add(g)
+        if self.refs[g + n] is not None:
+            future = self._grad_writes.get(g)
+            if future is not None and (g + n, "params") not in self._pending:
+                future.result()  # read on demand: its file must be complete
+            return super().get(g + n, "params")
+        try:
+            self._next = self.schedule.index((g + n, "params"), self._next) + 1
+        except ValueError:
+            pass
+        layout = self.grad_layouts[g]
+        return jax.tree.unflatten(layout.params_def, [self.place(np.zeros(s, d))
+                                                      for s, d in zip(layout.shapes, layout.dtypes)])
+
+    def put(self, g: int, part: str, value) -> None:
+        """Stores group ``g``'s ``part``; ``"grad"``: written to a new buffer file at once (after the
+        previous write), the file it replaces removed."""
+        if part != "grad":
+            return super().put(g, part, value)
+        n = self.count
+        self._awaiting.discard(g)
+        while self._writes:  # one file written at a time
+            self._done(self._writes.popleft())
+        old = self.refs[g + n]
+        version = self._versions[g] = self._versions.get(g, 0) + 1
+        path = os.path.join(self.grad_dir, f"grad_{g:05d}_{version}.bin")
+        layout = self.grad_layouts[g]
+        future = self.tier.submit_write(self._write, path, layout, jax.tree.leaves(value))
+        self._writes.append((g + n, path, future))
+        self._grad_writes[g] = future
+        self.refs[g + n] = DiskLayer(layout, path)
+        if old is not None:  # read already (it was this store's input)
+            _remove(old.path)
+
+    def finish(self) -> list:
+        """`StepStream.finish` after every write; the gradient buffer's files removed first."""
+        try:
+            while self._writes:
+                self._done(self._writes.popleft())
+        finally:
+            for future in self._pending.values():
+                future.cancel()
+            self._pending.clear()
+            shutil.rmtree(self.grad_dir, ignore_errors=True)
+        self.refs = self.refs[:self.count]
+        return super().finish()
+
+
+def deferred_schedule(kinds: list, microbatches: int, passes: int, owners=()) -> list:
+    """The accesses of one deferred-update step (`revtrain.trainers.deferred`) over a plan's ``kinds``: per
+    microbatch the forward's weights, the tied leaves' owners' weights (``owners``: their groups), the
+    weights and buffers of the head's program (the blocks inside it first), the backward's weights and
+    buffers newest first; then ``passes`` statistics and update passes, each layer's weights, optimizer
+    state and buffer in order."""
+    last = len(kinds) - 1
+    top = 0
+    while top < last and kinds[last - 1 - top] == "top":
+        top += 1
+    below = last - top
+    one = [(g, "params") for g in range(below)] + [(g, "params") for g in owners]
+    one += [(g, "params") for g in range(below, last)] + [(g, "grad") for g in range(below, last)]
+    one += [(last, "params"), (last, "grad")]
+    for g in range(below - 1, -1, -1):
+        one += [(g, "params"), (g, "grad")]
+    passes_ = [(g, part) for g in range(last + 1) for part in ("params", "opt", "grad")]
+    return one * microbatches + passes_ * passes
+
+
+def deferred_io(weights: int, opt: int, head_weights: int, owner_weights: int, microbatches: int,
+                passes: int) -> tuple[int, int]:
+    """``(bytes read, bytes written)`` by one deferred-update step of the disk tier (`deferred_schedule`
+    with no blocks inside the head's program): per microbatch every layer's weights twice but the head's
+    once, the tied owners' once more, every buffer but in the first microbatch, every buffer written;
+    each pass reads weights, optimizer state and buffer; the new weights and optimizer state written once."""
+    per_microbatch = 2 * weights - head_weights + owner_weights
+    read = microbatches * per_microbatch + (microbatches - 1) * weights + passes * (2 * weights + opt)
+    return read, microbatches * weights + weights + opt
+
+
 class LayerWeights:
     """A list-like view of a state's layers whose ``[i]`` is layer ``i``'s weights as numpy arrays, read from
     its file at that moment (a layer held in memory: its arrays as numpy), never cached: a reader that visits
@@ -763,11 +918,6 @@ def refusal(trainer) -> str | None:
     if trainer.scan_layers:
         return ("ReversibleTrainer.offload = 'disk' runs the per-layer executor: set ReversibleTrainer.scan_layers "
                 "= False")
-    if trainer.shard_state:
-        return "ReversibleTrainer.offload = 'disk' cannot be combined with ReversibleTrainer.shard_state yet"
-    if trainer.deferred:
-        return ("ReversibleTrainer.offload = 'disk' needs the fused per-layer update: no microbatches, global-norm "
-                "clipping, whole-model optimizer or tied parameters (the deferred update) yet")
     if jax.process_count() > 1:
         return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
     return None
@@ -779,8 +929,18 @@ def layer_layout(trainer, i: int) -> Layout:
     tier = trainer.residency.disk
     key = ("layout", layer)
     if key not in tier._layouts:
-        shapes = layer.param_shapes  # (the disk tier has no tied leaves)
+        shapes = trainer.model.param_shapes()[i]  # (a tied leaf only in its owner's file)
         tier._layouts[key] = Layout.of(shapes, jax.eval_shape(trainer.tx.init, shapes))
+    return tier._layouts[key]
+
+
+def grad_layout(trainer, i: int) -> Layout:
+    """The `Layout` of layer ``i``'s gradient buffer file (the deferred update): its params' shapes, no
+    optimizer state."""
+    tier = trainer.residency.disk
+    key = ("grad", i)
+    if key not in tier._layouts:
+        tier._layouts[key] = Layout.of(trainer.model.param_shapes()[i], ())
     return tier._layouts[key]
 
 
@@ -803,8 +963,14 @@ def template_layers(trainer) -> list:
     return [DiskLayer(layer_layout(trainer, i)) for i in range(len(trainer.model.layers))]
 
 
-def placer(mesh):
-    """The function that places one read leaf replicated over ``mesh`` (device memory)."""
-    from revtrain.placement import replicated
-    sharding = replicated(mesh)
-    return lambda x: jax.device_put(x, sharding)
+def placer(mesh, split: bool = False):
+    """The function that places one read leaf over ``mesh`` (device memory): replicated, or with ``split``
+    (``shard_state``) split as the trainer's specs split a leaf of its shape (`placement.shard_spec`: a
+    function of the shape alone), so each device holds its piece of the layers in flight."""
+    from jax.sharding import NamedSharding
+
+    from revtrain.placement import replicated, shard_spec
+    if not split or mesh.size == 1:
+        sharding = replicated(mesh)
+        return lambda x: jax.device_put(x, sharding)
+    return lambda x: jax.device_put(x, NamedSharding(mesh, shard_spec(x.shape, mesh.size)))

@@ -445,7 +445,8 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
         metrics_lib.log(choice.line)
         if choice.mode == disk_generate.STREAM:
             stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, disk_tier.placer(mesh))
-            fetch, limit = stream.get, disk_tier.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
+            fetch = disk_generate.tied_fetch(trainer.model, stream.get)
+            limit = disk_tier.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
     if trainer.residency.tier == "host" or stream is not None:
         start = time.perf_counter()
         try:

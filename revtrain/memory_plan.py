@@ -32,7 +32,9 @@ With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`
 in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
 state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two
 steps' layer files (a step writes new files beside the ones it reads) plus the kept checkpoints the tier has
-moved past (`disk_tier.disk_need`), against the free space of the offload directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
+moved past (`disk_tier.disk_need`), and with the deferred update two gradients' worth of buffer files
+(memory: two layers' buffers in flight and a tied leaf's other use), against the free space of the offload
+directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
 by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).
@@ -268,6 +270,22 @@ def _separable(tx, model) -> bool:
         return False
 
 
+def _rounds(tx, model) -> int:
+    """The deferred update's statistics passes under ``tx`` (`LayerwiseUpdate.rounds`, at least one)."""
+    from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+    try:
+        return max(LayerwiseUpdate(tx, layer_param_shapes(model)).rounds, 1)
+    except CoupledUpdateError:
+        return 1
+
+
+def _tied_bytes(model) -> int:
+    """Bytes of the tied leaves' other-use gradients (the deferred update keeps them through a step)."""
+    shapes = layer_param_shapes(model)
+    users = {t.user for t in model.ties}
+    return sum(_nbytes(model.tied_leaves(u, {t.owner: shapes[t.owner] for t in model.ties_of(u)})) for u in users)
+
+
 def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> list[Setup]:
     """The trainer choices a table compares with ``setup`` and a refusal may name: the reversible trainer,
     with offload (``host_offload``: the backend has host memory), Adafactor, microbatches, ``shard_state``
@@ -283,7 +301,7 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         out.append(dataclasses.replace(base_rev, offload=True, disk=False, label=label,
                                        settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
     head = out[-1]  # the leanest so far: the next choices add to it
-    if not base_rev.disk and not base_rev.deferred and not base_rev.shard_state:  # the disk tier (per-layer, fused)
+    if not base_rev.disk and not base_rev.shard_state:  # the disk tier (per-layer executor)
         out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
                                        settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",
                                                                      "ReversibleTrainer.scan_layers = False")))
@@ -669,9 +687,14 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         # gradient among them: compiled) and the layer read ahead are never live together: in flight is the
         # more of three layers and two layers plus the temporaries.
         lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+        if setup.shard_state:  # each device holds its piece of a layer read (`disk_tier.placer`)
+            lw, lo = -(-lw // n), -(-lo // n)
         device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
         host["weights"], host["optimizer_state"] = lw, lo
         device["gradients"] = 0
+        if setup.deferred:  # the deferred update's buffers: in files, in flight beside their layers' weights
+            device["gradients"] = 2 * lw + _tied_bytes(model)  # (and the tied leaves' other use, held all step)
+            host["gradients"] = lw  # (being written)
         device["activations"] = acts
         temp = max(0, temp - max(layer_state))
     elif offload:
@@ -704,10 +727,18 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         from revtrain import disk_tier
         spec = disk or {}
         directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
+        if setup.shard_state:  # the files hold whole layers
+            weights, opt = _nbytes(pshapes), _nbytes(oshapes)
         _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
         tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
-        # Reads: every layer's weights in the forward (but the head's), every layer's state in the backward.
-        io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
+        if setup.deferred:  # the deferred update: per microbatch its buffers (a layer's old and new file at most)
+            tiers["disk"]["gradients"] = 2 * weights
+            owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
+            read, write = disk_tier.deferred_io(weights, opt, layer_bytes[-1], owned, m, _rounds(setup.optimizer, model)
+                                                + 1)
+            io = _io(read, write, disk_tier.bandwidth(directory))
+        else:  # reads: every layer's weights in the forward (but the head's), every layer's state in the backward
+            io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
     elif offload and not one_tier:  # the state in XLA's pinned host pool
         tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
     if limits is None:

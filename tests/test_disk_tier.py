@@ -20,8 +20,9 @@ from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.reversible import ReversibleTrainer
 
-from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain
+from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain, run_worker
 from helpers import losses as logged_losses
+from helpers import records_by_step
 
 LLAMA = str(REPO / "configs" / "llama_small.gin")
 T = 16
@@ -72,14 +73,18 @@ def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
                                                      + trainer.disk_stats["disk_write_bytes"])
 
 
-def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path):
+@pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path, deferred):
     """The disk tier's read-ahead follows a budget's plan: 1 block rematerialised, 1 rebuilt, 2 backprop'd
-    inside the head's program give the device tier's losses and weights bit for bit."""
+    inside the head's program give the device tier's losses and weights bit for bit (also with the deferred
+    update: clip_by_global_norm and 2 microbatches, the buffers of the head's program's blocks in files)."""
     from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT
     runs = []
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3)) if deferred else optax.adamw(1e-3)
     for offload, directory in ((False, None), ("disk", str(tmp_path / "tier"))):
-        trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload,
-                                    scan_layers=False, offload_dir=directory)
+        trainer = ReversibleTrainer(_model(), tx, make_mesh(), seed=0, offload=offload, scan_layers=False,
+                                    offload_dir=directory, microbatches=2 if deferred else 1)
+        assert trainer.deferred == deferred
         trainer.set_block_modes([REMAT, REMAT, REBUILDS["exact"], BACKPROP, BACKPROP])
         ts, losses = trainer.init(), []
         for x in _batches(3):
@@ -91,12 +96,69 @@ def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path):
     assert _same(runs[0][1], runs[1][1])
 
 
+# The standard language-model recipe: a tied embedding/head, global-norm clipping, 2 microbatches (the deferred
+# update, its gradient buffer in files).
+RECIPE_GIN = ["RMSNormLanguageModelHead.tie_embedding = True", "NUM_LAYERS = 2", "D_MODEL = 32"]
+
+
+def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer, mesh=None, **more):
+    """The recipe's steps (one per batch) on the modern tied model (enwik_modern.gin at d_model 32) on
+    ``mesh`` (default: one device): losses, grad norms, every layer's params (numpy, the tied table in the
+    head's too), an evaluation's scores, the trainer and the state. ``more``: other trainer arguments."""
+    import gin
+
+    import revtrain.registry  # noqa: F401  (the gin names of the modern parts)
+    from revtrain.models.compose import ComposedModel
+    gin.clear_config()
+    gin.add_config_file_search_path(str(REPO / "configs"))
+    gin.parse_config_files_and_bindings([str(REPO / "configs" / "enwik_modern.gin")], RECIPE_GIN)
+    try:
+        mesh = mesh or make_mesh(jax.devices()[:1])
+        tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3))
+        with jax.default_matmul_precision("highest"):
+            model = ComposedModel(seed=0, d_model=32, input_key="inputs", sequence_length=128)
+            kwargs = {} if trainer_cls is not ReversibleTrainer else {
+                "offload": offload, "scan_layers": False, "offload_dir": directory, **more}
+            trainer = trainer_cls(model, tx, mesh, seed=0, microbatches=2, **kwargs)
+            ts, losses, norms = trainer.init(), [], []
+            for b in batches:
+                ts, m = trainer.train_step(ts, global_batch(b, mesh))
+                losses.append(float(m["loss"]))
+                norms.append(float(m["grad_norm"]))
+            scores = {k: float(v) for k, v in trainer.eval_step(ts, global_batch(batches[0], mesh)).items()}
+            params = [jax.tree.map(np.asarray, trainer.layer_params(ts, i)) for i in range(len(model.layers))]
+    finally:
+        gin.clear_config()
+    return losses, norms, params, scores, trainer, ts
+
+
+def test_recipe_on_the_disk_tier_bit_equal_to_the_host_tier(tmp_path, text_batches):
+    """clip_by_global_norm(0.5) + AdamW, 2 microbatches and a tied embedding/head over 10 steps of real text:
+    the disk tier (its gradient buffer in files) gives the host tier's losses, gradient norms, every
+    parameter leaf and evaluation bit for bit; it reads and writes exactly `disk_tier.deferred_io`'s bytes
+    and leaves only the newest step's layer files; the table is held once (in the embedding's file)."""
+    batches = text_batches(8, 10)
+    host = _recipe_train(True, None, batches)
+    disk = _recipe_train("disk", str(tmp_path / "tier"), batches)
+    assert disk[4].deferred and disk[4].layerwise.rounds == 1 and disk[4].model.ties
+    assert sum(n > 0.5 for n in host[1]) >= 5, host[1]  # the clip is active
+    assert disk[0] == host[0] and disk[1] == host[1] and disk[3] == host[3]
+    assert _same(disk[2], host[2])
+    assert host[0][-1] < host[0][0] - 0.5  # it trains
+    refs = disk[5].params
+    assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000010"]
+    assert sorted(os.listdir(tmp_path / "tier" / "step_00000010")) == [f"layer_{g:05d}.bin" for g in range(4)]
+    assert "embedding" not in str(refs[-1].layout.params_def) and "embedding" in str(refs[0].layout.params_def)
+    weights, opt = (sum(r.layout.nbytes(p) for r in refs) for p in ("params", "opt"))
+    read, write = disk_tier.deferred_io(weights, opt, refs[-1].layout.nbytes("params"), refs[0].layout.nbytes("params"),
+                                        2, 2)
+    assert (disk[4].disk_stats["disk_read_bytes"], disk[4].disk_stats["disk_write_bytes"]) == (read, write)
+
+
 def test_refusals(tmp_path):
     mesh, tx = make_mesh(), optax.adamw(1e-3)
     with pytest.raises(TrainerError, match="scan_layers = False"):
         ReversibleTrainer(_model(), tx, mesh, offload="disk", offload_dir=str(tmp_path))
-    with pytest.raises(TrainerError, match="fused per-layer update"):
-        ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False, microbatches=2, offload_dir=str(tmp_path))
     with pytest.raises(TrainerError, match="False, True or 'disk'"):
         ReversibleTrainer(_model(), tx, mesh, offload="nvme")
     trainer = ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False)
@@ -164,6 +226,55 @@ def test_kill_9_in_a_step_resumes_bit_exact(tmp_path):
     assert logged_losses(broken) == logged_losses(whole)
     assert _final_params(broken, 4) == _final_params(whole, 4)
     assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]  # the leftovers removed
+
+
+# The recipe from the command line: the modern tied model (4 layers), clip 0.5, 2 microbatches, a checkpoint every 2.
+RECIPE = ["--config", str(REPO / "configs" / "enwik_modern.gin"), *sum((["--gin", g] for g in RECIPE_GIN), []),
+          "--gin", "train.clip_global_norm = 0.5", "--gin", "train.microbatches = 2", "--gin", "train.batch_size = 8",
+          "--gin", "STEPS = 4", "--gin", "WARMUP = 1", "--gin", "train.log_every = 1",
+          "--gin", "train.checkpoint_every = 2", "--gin", "train.sample_every = 0", "--gin", "evaluate.max_batches = 1",
+          "--gin", "ReversibleTrainer.offload = 'disk'", "--gin", "ReversibleTrainer.scan_layers = False"]
+
+
+@pytest.mark.slow
+def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys):
+    """The recipe on the disk tier killed (SIGKILL) in step 3, after the step-2 checkpoint: once while a
+    gradient buffer file of its second microbatch is half written, once while a layer file of its update
+    is; each rerun resumes from the step-2 checkpoint and ends with the uninterrupted run's losses and
+    gradient norms and its final layer files byte for byte, the killed step's files (buffers included)
+    removed. A streamed sample of the tied model is its held sample."""
+    from revtrain import cli, disk_generate
+    whole = tmp_path / "whole"
+    result = _revtrain("train", *RECIPE, "--workdir", str(whole), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    layers = len(os.listdir(whole / "offload" / "step_00000004"))
+    per_step = 2 * layers + layers  # each microbatch's buffer files, then the layer files
+    before = layers + 2 * per_step  # the initial files and steps 1-2
+    for name, write in (("grad", before + layers + 2), ("layer", before + 2 * layers + 2)):
+        broken = tmp_path / name
+        killed = _revtrain(str(write), "--", "train", *RECIPE, "--workdir", str(broken),
+                           script=str(REPO / "tests" / "_kill_inside.py"), timeout=600)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        assert sorted(os.listdir(broken / "checkpoints")) == ["2"]
+        grads = broken / "offload" / "step_00000003" / "grads"
+        assert os.path.isdir(grads) and os.listdir(grads)  # the killed step's buffer files
+        resumed = _revtrain("train", *RECIPE, "--workdir", str(broken), timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert "resumed from checkpoint at step 2" in resumed.stderr
+        assert logged_losses(broken) == logged_losses(whole)
+        assert records_by_step(broken)[4]["grad_norm"] == records_by_step(whole)[4]["grad_norm"]
+        assert _final_params(broken, 4) == _final_params(whole, 4)
+        assert sorted(os.listdir(broken / "offload")) == ["step_00000004"]
+    samples = []
+    for stream in (False, True):
+        if stream:
+            monkeypatch.setattr(disk_generate, "host_limit", lambda: (1, "a test limit"))
+        out = tmp_path / f"sample_{stream}.txt"
+        assert cli.main(["sample", "--workdir", str(whole), "--temperature", "0", "--length", "12", "--prompt", "The ",
+                         "--output", str(out)]) == 0
+        samples.append(out.read_bytes())
+    assert "sampling streams the disk tier's weights layer by layer" in capsys.readouterr().err
+    assert samples[0] == samples[1] and len(samples[0]) > 4
 
 
 # A 126 M-parameter Llama of 20 exact reversible blocks: 1.41 GiB of weights and AdamW state.
@@ -432,3 +543,65 @@ def test_offload_dir_without_its_parent_is_refused(tmp_path):
                                 offload_dir=str(missing / "offload"))
     with pytest.raises(ConfigError, match="parent directory"):
         trainer.init()
+
+
+@pytest.fixture(scope="module")
+def two_devices(byte_lm_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("disk_recipe") / "results.json"
+    return run_worker(__file__, 2, out, data_dir=byte_lm_data_dir, timeout=1500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["host_shard", "device_shard", "disk_shard"])
+def test_recipe_with_shard_state_on_two_devices(two_devices, name):
+    """The recipe (tied embedding/head, clip 0.5, 2 microbatches; 10 steps, 2 devices) with ``shard_state``:
+    on the host and device tiers (ties with shard_state) and on the disk tier, the host tier's losses,
+    gradient norms, every parameter leaf and evaluation without shard_state, bit for bit; the table and
+    most of the state split."""
+    run = two_devices[name]
+    assert two_devices["devices"] == 2 and run["shard_state"], run
+    assert run["losses"] and run["norms"] and run["params"] and run["scores"], run
+    assert "split over 2 devices" in run["split"] and two_devices["losses"][-1] < two_devices["losses"][0] - 0.5
+
+
+@pytest.mark.slow
+def test_recipe_on_the_disk_tier_against_the_standard_trainer(two_devices):
+    """The disk tier + shard_state run against StandardTrainer's whole-model step (2 devices): losses and
+    every parameter leaf within 1e-6, as `tests/test_recipe.py` holds the tied recipe to."""
+    run = two_devices["standard"]
+    assert run["loss_rel"] <= 1e-6 and run["param_rel"] <= 1e-6, run
+
+
+# ------------------------------------------------------------------------------------------------
+# Two devices (a worker process: ``python tests/test_disk_tier.py OUT.json``).
+# ------------------------------------------------------------------------------------------------
+def _worker(out_path: str) -> None:
+    import tempfile
+
+    from revtrain.data import byte_lm, pipeline
+    builder = byte_lm.load_byte_lm(byte_lm.GENSIM_SOURCE, 128, byte_lm.default_data_dir())
+    it = iter(pipeline.train_dataset(builder, batch_size=8, seed=0))
+    batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(int(os.environ.get("STEPS", 10)))]
+    mesh = make_mesh()
+    runs = {"host": _recipe_train(True, None, batches, mesh=mesh),
+            "host_shard": _recipe_train(True, None, batches, mesh=mesh, shard_state=True),
+            "device_shard": _recipe_train(False, None, batches, mesh=mesh, shard_state=True)}
+    runs["disk_shard"] = _recipe_train("disk", tempfile.mkdtemp(), batches, mesh=mesh, shard_state=True)
+    from revtrain.trainers import StandardTrainer
+    std = _recipe_train(None, None, batches, trainer_cls=StandardTrainer, mesh=mesh)
+    ref = runs["host"]
+    out = {"devices": len(jax.devices()), "losses": ref[0],
+           "standard": {"loss_rel": max(abs(a - b) / abs(a) for a, b in zip(std[0], runs["disk_shard"][0])),
+                        "param_rel": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in
+                                         zip(jax.tree.leaves(std[2]), jax.tree.leaves(runs["disk_shard"][2])))}}
+    for name, run in runs.items():
+        out[name] = {"losses": run[0] == ref[0], "norms": run[1] == ref[1], "params": _same(run[2], ref[2]),
+                     "scores": run[3] == ref[3], "shard_state": bool(run[4].shard_state),
+                     "split": run[4].shard_summary()}
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    _worker(sys.argv[1])

@@ -15,7 +15,8 @@ layer needs nothing from the others. Three things need the whole step's gradient
 
 Then the backward programs *accumulate* each layer's gradient (summed over devices, or reduce-scattered
 to the local piece with ``shard_state``) into a buffer that lives where that layer's weights live: host
-memory with offload, a 1/N piece with ``shard_state``, the device otherwise (the one figure that grows with
+memory with offload, files with the disk tier (`_disk_deferred_step`, `disk_tier.DeferredStream`), a 1/N
+piece with ``shard_state``, the device otherwise (the one figure that grows with
 depth there: the gradients of every layer). The gradient of a tied leaf's other use waits beside its
 owner's. When the last microbatch is done, two streamed passes run over the layers (per layer, or one
 ``lax.scan`` per stacked run, moving each layer's weights, optimizer state and gradient to the device and
@@ -53,6 +54,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain import disk_tier
 from revtrain.placement import DATA_AXIS, put_replicated, put_sharded, spec_axis
 from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
@@ -337,6 +339,8 @@ class DeferredUpdates:
 
     # -- one step ------------------------------------------------------------------------------------
     def _deferred_step(self, ts, batch: dict):
+        if self.on_disk:
+            return self._disk_deferred_step(ts, batch)
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
         index, last, top = plan.index, len(plan.blocks) - 1, plan.top
@@ -349,6 +353,8 @@ class DeferredUpdates:
         self._acc_clean = False  # until the update pass has zeroed them again
         owners = {s: params[k] for k, (s, c) in enumerate(groups) if c == 1}
         borrowed = self.model.tied_leaves(len(self.model.layers) - 1, owners)
+        if self.shard_state and borrowed:  # the head takes its tied leaves whole (an owner's are split)
+            borrowed = jax.device_put(borrowed, NamedSharding(self.mesh, _R, memory_kind=self.residency.memory_kind))
         m_count = self.microbatches
         local = batch_size_of(batch) // self.num_devices
         current, sums, held = list(states), None, {"tie": tie_acc}
@@ -409,6 +415,98 @@ class DeferredUpdates:
                 tie_acc = zeroed
         self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
         metrics["grad_norm"] = grad_norm(sq)
+        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
+        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
+                     self.model.layers)
+        return new_ts, metrics
+
+    def _disk_deferred_step(self, ts, batch: dict):
+        """`_deferred_step` with the disk tier (``offload = 'disk'``, one group per layer): the same programs
+        on the same values, the weights, optimizer state and gradient buffers read from and written to
+        files as each program needs them (`disk_tier.DeferredStream`): memory holds the layers in flight and
+        the tied leaves' other-use buffer (one leaf the size of the embedding), not a whole-model buffer."""
+        grouped = self._working(ts)
+        plan = self._plan(grouped.groups)
+        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
+        groups = grouped.groups
+        skey = step_key(self.seed, ts.step)
+        user = len(self.model.layers) - 1
+        owners = sorted({t.owner for t in self.model.ties_of(user)})  # (a layer is a group on the disk tier)
+        rounds = self.layerwise.rounds
+        schedule = disk_tier.deferred_schedule(plan.kinds, self.microbatches, max(rounds, 1) + 1, owners)
+        grad_layouts = [disk_tier.grad_layout(self, i) for i in range(len(groups))]
+        place = disk_tier.placer(self.mesh, self.shard_state)
+        stream = self._stream = self.residency.disk.deferred_stream(grouped.params, ts.step + 1, schedule, place,
+                                                                   grad_layouts)
+        params, opt_state, acc = stream.params, stream.opt_state, stream.grads
+        shapes = self.model.param_shapes()
+        tied = self.model.tied_leaves(user, {o: shapes[o] for o in owners})
+        held = {"tie": put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, None)}
+        states = grouped.layer_state
+        m_count = self.microbatches
+        local = batch_size_of(batch) // self.num_devices
+        current, sums = list(states), None
+        for m in range(m_count):
+            mb = batch if m_count == 1 else self._microbatch(batch, m)
+            ctx = skey if m_count == 1 else (skey, self._where(m, local))
+            new_states = list(current)
+
+            def head(x, mb=mb, ctx=ctx, new_states=new_states, current=current):
+                if top:  # the backprop blocks under the head run inside its program
+                    t = slice(last - top, last)
+                    dy, acc[t], new_states[t], acc[last], new_states[last], s = plan.head(
+                        tuple(params[t]), tuple(acc[t]), tuple(current[t]), params[last], acc[last], current[last],
+                        x, mb, ctx, tuple(index[t]), index[last])
+                else:
+                    borrowed = self.model.tied_leaves(user, {o: params[o] for o in owners})
+                    dy, acc[last], new_states[last], s, held["tie"] = plan.head(
+                        params[last], acc[last], current[last], x, mb, ctx, index[last], borrowed, held["tie"])
+                held["sums"] = s
+                return dy
+
+            def store(g, rest):
+                acc[g], = rest
+
+            self._walk(plan, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
+            sums = held["sums"] if sums is None else self._add_sums(sums, held["sums"])
+            current = new_states
+        tie_acc = held.pop("tie")
+        loss_sum, correct, total = sums
+        if m_count == 1:
+            loss, scale = loss_sum, None
+        else:
+            loss, scale = self._over(loss_sum, total), total
+        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
+
+        def tie_in(g):
+            return tie_acc if g in owners else ()
+
+        exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
+        shared = None  # the first layer's leaves every layer has (the step count), kept from its first read
+        for k in range(max(rounds, 1)):
+            ex = []
+            for g in range(len(groups)):
+                p, opt = params[g], opt_state[g]  # (read in the schedule's order: weights, state, buffer)
+                if shared is None:
+                    shared = self.layerwise.global_leaves(0, opt)
+                out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_)
+                del p, opt
+                if k == 0:
+                    out, sq[g], finite[g] = out
+                ex.append(out)
+            exports.append(ex)
+            if k < rounds:
+                globals_ = self._combine_fn(k, groups)(exports, shared, globals_)
+        ok = self._all_ok(finite, loss)
+        for g in range(len(groups)):
+            new_params, new_opt, _, zeroed = self._pass_fn("update", g, groups)(
+                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
+            params[g], opt_state[g] = new_params, new_opt  # (the layer's file written; its buffer dropped)
+            if tie_in(g):
+                tie_acc = zeroed
+        del tie_acc
+        metrics["grad_norm"] = grad_norm(sq)
+        params, opt_state = self._stored(params, opt_state)
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
                      self.model.layers)

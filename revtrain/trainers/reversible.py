@@ -153,8 +153,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
       TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer
         at a time), offload was asked for on a backend without a ``pinned_host`` memory space, ``rebuild``
         is not a known mode, ``memory_budget`` is not a size, ``microbatches`` is not a positive integer, or
-        tied parameters that cannot be shared exactly (the user is not the head, the owner is inside a stacked run, with ``shard_state``
-        or ``fuse_top``).
+        tied parameters that cannot be shared exactly (the user is not the head, the owner is a reversible
+        layer, or with ``fuse_top``).
 
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
@@ -304,10 +304,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             if model.layers[t.owner].reversible:
                 raise TrainerError(f"a parameter shared by {where}: its owner must be a standard layer, not a "
                                    "reversible one")
-            if shard_state or fuse_top:
+            if fuse_top:
                 raise TrainerError(f"a parameter shared by {where} cannot be combined with "
-                                   f"ReversibleTrainer.{'shard_state' if shard_state else 'fuse_top'} yet; set it "
-                                   "to False")
+                                   "ReversibleTrainer.fuse_top yet; set it to False")
 
     def _sq(self, layer, grads):
         """Each leaf's sum of squares of a layer's summed gradient (the pieces of ``grad_norm``)."""
@@ -325,7 +324,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         key = id(layer)
         if key not in self._specs:
             n = self.num_devices
-            shapes = layer.param_shapes
+            shapes = self._own_shapes(layer)  # (a tied leaf is its owner's: split there)
             opt = jax.eval_shape(self.tx.init, shapes)
             spec = lambda x: shard_spec(x.shape, n)  # noqa: E731
             self._specs[key] = (jax.tree.map(spec, shapes), jax.tree.map(spec, opt))
@@ -338,11 +337,39 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return specs
         return tuple(jax.tree.map(lambda p: P(None, *p) if spec_axis(p) is not None else _R, t) for t in specs)
 
+    def _own_shapes(self, layer):
+        """A layer's params' shapes as this trainer holds them: a tied user's (the head's) without its tied
+        leaves (`Model.param_shapes`), every other layer's own."""
+        last = len(self.model.layers) - 1
+        if layer is self.model.layers[last] and self.model.ties_of(last):
+            return self.model.param_shapes()[last]
+        return layer.param_shapes
+
+    def _merged_specs(self, layer):
+        """The specs of a tied user's params with its tied leaves put back (`Model.merge_tied`: an
+        evaluation's head): each leaf split as its owner's is (the same shape, the same spec)."""
+        key = ("merged", id(layer))
+        if key not in self._specs:
+            n = self.num_devices
+            self._specs[key] = jax.tree.map(lambda x: shard_spec(x.shape, n), layer.param_shapes)
+        return self._specs[key]
+
+    def _tied_user(self, layer, params) -> bool:
+        """Whether ``params`` are a tied user's with its tied leaves put back (with ``shard_state``)."""
+        return (self.shard_state and bool(self.model.ties) and layer is self.model.layers[-1]
+                and jax.tree.structure(params) != jax.tree.structure(self._own_shapes(layer)))
+
     def _param_specs(self, layer, leading: int = 0):
+        last = len(self.model.layers) - 1
+        if self.shard_state and not leading and layer is self.model.layers[last] and self.model.ties_of(last):
+            return self._merged_specs(layer)  # (the evaluation's head takes its tied leaves put back)
         return self._group_specs(layer, 1 + leading)[0]
 
     def _whole(self, layer, params):
-        return gather_params(params, self.layer_specs(layer)[0]) if self.shard_state else params
+        if not self.shard_state:
+            return params
+        specs = self._merged_specs(layer) if self._tied_user(layer, params) else self.layer_specs(layer)[0]
+        return gather_params(params, specs)
 
     def _grad_specs(self, layer):
         """Where the gradients' sum goes (``reduce_grads``): None (every device) or this layer's specs."""
@@ -358,7 +385,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         split = kept = split_bytes = total = 0
         small = set()
         for layer in self.model.layers:
-            shapes = layer.param_shapes
+            shapes = self._own_shapes(layer)
             trees = (shapes, jax.eval_shape(self.tx.init, shapes))
             for tree, specs in zip(trees, self.layer_specs(layer)):
                 for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(specs)):
@@ -417,7 +444,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         if not self.on_disk:
             return list(grouped.params), list(grouped.opt_state)
         self._stream = self.residency.disk.stream(grouped.params, step + 1, disk_tier.train_schedule(plan.kinds),
-                                                  disk_tier.placer(self.mesh))
+                                                  disk_tier.placer(self.mesh, self.shard_state))
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
@@ -434,8 +461,24 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def _eval_grouped(self, grouped: Stacked) -> Stacked:
         if not self.on_disk:
             return grouped
-        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh))
+        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh, self.shard_state))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
+
+    def tied_params(self, grouped: Stacked, g: int):
+        """`TrainerBase.tied_params`; with the disk tier only the tied leaves' owners' weights are read
+        (every layer a group of its own), not every layer's."""
+        start = grouped.groups[g][0]
+        if not self.on_disk or not self.model.ties_of(start):
+            return super().tied_params(grouped, g)
+        owners = {t.owner: grouped.params[t.owner] for t in self.model.ties_of(start)}
+        return self.model.merge_tied(start, grouped.params[g], owners)
+
+    def layer_params(self, ts: TrainState, i: int):
+        """`TrainerBase.layer_params`; with the disk tier a tied leaf is read from its owner's file."""
+        if not self.on_disk or not self.model.ties_of(i):
+            return super().layer_params(ts, i)
+        owners = {t.owner: self._fetch(ts.params[t.owner]) for t in self.model.ties_of(i)}
+        return self.model.merge_tied(i, self._fetch(ts.params[i]), owners)
 
     def init(self) -> TrainState:
         """Initial state, replicated or split over the devices (``shard_state``), in host memory when
