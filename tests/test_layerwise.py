@@ -184,7 +184,8 @@ def test_the_cli_refuses_a_coupling_optimizer_in_one_line(tmp_path, byte_lm_data
     (tmp_path / "train.gin").write_text(f"include '{CONFIG}'\nimport mixing_optim\n"
                                         "train.optimizer = @mixing_optim.mixing_sgd\n")
     result = revtrain_here(capfd, "train", "--config", tmp_path / "train.gin", "--workdir", tmp_path / "run",
-                           "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 64",
+                           "--gin", "ReversibleTransformerLM.num_layers = 2",
+                           "--gin", "ReversibleTransformerLM.d_model = 64",
                            "--gin", "train.batch_size = 2", "--gin", "STEPS = 2", "--gin", "WARMUP = 1")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr

@@ -7,6 +7,7 @@ batch uses ``fold_in(layer_key, e)``. Masks therefore do not depend on the numbe
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -445,9 +446,9 @@ class _UsedDonation(_Dispatch):
         sig = tuple((jax.tree.structure(args[i]), tuple((np.shape(x), np.dtype(x.dtype))
                                                         for x in jax.tree.leaves(args[i]))) for i in self._maybe)
         if sig not in self._decided:
-            import collections
             plain = self._jitted.setdefault(self._donate, self._make(self._donate))
-            left = collections.Counter((o.shape, np.dtype(o.dtype)) for o in jax.tree.leaves(jax.eval_shape(plain, *args)))
+            results = jax.tree.leaves(jax.eval_shape(plain, *args))
+            left = collections.Counter((o.shape, np.dtype(o.dtype)) for o in results)
             for i in self._donate:
                 left.subtract((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[i]))
             used = []
