@@ -40,8 +40,8 @@ be refused. So the traced update is first flattened (`flatten`): every call-like
 ``remat``/``checkpoint``: `_CALLS`) is replaced by the equations of its program, recursively (the program
 is found among the params by type, ``ClosedJaxpr`` or ``Jaxpr``, not by a parameter name, which differs
 between JAX versions; a custom derivative's rule does not matter since the update is never
-differentiated); each ``cond`` is split into independent parts (`_cond_parts`: outputs that, in every
-branch, depend on disjoint operands), one ``cond`` per part on the same branch index, so a ``cond`` on the
+differentiated); each ``cond`` is split into independent parts (`_cond_parts`: groups of outputs that
+share no operand in any branch), one ``cond`` per part on the same branch index, so a ``cond`` on the
 step count over the whole tree becomes one per leaf, each labelled by its own operands. A ``while`` or
 ``scan`` is labelled as one equation by all of its operands: one layer's (muon's Newton-Schulz iterations
 of one leaf) is that layer's; one that reads small values of several layers is global; one that carries
