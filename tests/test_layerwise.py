@@ -108,21 +108,29 @@ def test_flatten_inlines_calls_and_splits_a_cond_per_leaf():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def _clipped_jitted_adamw():
+    return optax.chain(optax.clip_by_global_norm(0.3), jitted_adamw())
+
+
 @pytest.fixture(scope="module")
 def runs(text_batches):
-    """4 steps of `jitted_adamw` for StandardTrainer and ReversibleTrainer with and without offload (each run
-    trained when a test first asks for it): ``(losses, per-layer params)``."""
+    """4 steps of `jitted_adamw` (or behind ``clip_by_global_norm``: "clipped") for StandardTrainer and
+    ReversibleTrainer with and without offload (each run trained when a test first asks for it):
+    ``(losses, per-layer params)``."""
     mesh, batches = make_mesh(jax.devices()[:1]), text_batches(8, 4)
-    kinds = {"standard": (StandardTrainer, {}), "reversible": (ReversibleTrainer, {}),
-             "offload": (ReversibleTrainer, {"offload": True})}
+    kinds = {"standard": (StandardTrainer, jitted_adamw, {}), "reversible": (ReversibleTrainer, jitted_adamw, {}),
+             "offload": (ReversibleTrainer, jitted_adamw, {"offload": True}),
+             "standard_clipped": (StandardTrainer, _clipped_jitted_adamw, {}),
+             "clipped": (ReversibleTrainer, _clipped_jitted_adamw, {})}
 
     class Runs(dict):
         def __missing__(self, name):
-            cls, kwargs = kinds[name]
+            cls, make_tx, kwargs = kinds[name]
             with jax.default_matmul_precision("highest"):
-                trainer = cls(_model(), jitted_adamw(), mesh, seed=0, **kwargs)
-                if cls is ReversibleTrainer:  # separable: the fused per-layer update, no deferred pass
-                    assert trainer.layerwise.separable and not trainer.deferred
+                trainer = cls(_model(), make_tx(), mesh, seed=0, **kwargs)
+                if cls is ReversibleTrainer:  # separable: the fused per-layer update; clipped: one global round
+                    clipped = make_tx is _clipped_jitted_adamw
+                    assert trainer.layerwise.rounds == clipped and trainer.deferred == clipped
                 ts, history = train_steps(trainer, batches, mesh)
             self[name] = ([h["loss"] for h in history], numpy_params(ts))
             return self[name]
@@ -130,13 +138,14 @@ def runs(text_batches):
     return Runs()
 
 
-@pytest.mark.parametrize("name", ["reversible", "offload"])
+@pytest.mark.parametrize("name", ["reversible", "offload", "clipped"])
 def test_an_optimizer_with_nested_programs_trains_bit_for_bit(runs, name):
     """`jitted_adamw` (a non-inlined jit, a custom derivative and a cond, all over the whole tree) is accepted
-    by ReversibleTrainer as a separable optimizer, and with and without offload its losses and every
-    parameter leaf equal StandardTrainer's bit for bit."""
+    by ReversibleTrainer as a separable optimizer (the fused update), and with and without offload its losses
+    and every parameter leaf equal StandardTrainer's bit for bit; behind ``clip_by_global_norm`` it is one
+    global round (the deferred update), bit for bit too."""
     assert _has_call_over_layers(jitted_adamw(), _model().param_shapes())
-    (std_losses, std), (losses, params) = runs["standard"], runs[name]
+    (std_losses, std), (losses, params) = runs["standard_clipped" if name == "clipped" else "standard"], runs[name]
     assert std_losses[-1] < std_losses[0]  # it trains
     assert losses == std_losses
     for (path, a), b in zip(tree_flatten_with_path(std)[0], jax.tree.leaves(params)):
