@@ -289,13 +289,18 @@ def _init_distributed(args) -> None:
     if timeout < 1:
         raise UsageError(f"--heartbeat_timeout must be a positive number of seconds, got {timeout}")
     import jax
-    from jax._src import xla_bridge
-    if xla_bridge.backends_are_initialized():  # too late for gloo and for jax.distributed
-        raise UsageError("JAX backends were started before jax.distributed.initialize")
+    started = "JAX backends were started before jax.distributed.initialize"
+    if lost_peer.backends_started():  # too late for gloo and for jax.distributed (None: JAX will say)
+        raise UsageError(started)
     if _platform_is_cpu() and not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         lost_peer.initialize(heartbeat_timeout=timeout, **kwargs)
+    except RuntimeError as e:
+        if "must be called before" not in str(e):  # JAX's own word for `started`; else as below
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise RuntimeError(f"cannot join the multi-host run at {where}: {first}") from e
+        raise UsageError(started) from e
     except ValueError as e:  # JAX found no process count / index / coordinator in the environment
         raise UsageError(f"cannot start multi-host from {where}: {str(e).strip()} (set JAX_NUM_PROCESSES and "
                          "JAX_PROCESS_ID, or pass --coordinator_address, --num_processes and --process_id)") from e

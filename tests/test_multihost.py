@@ -211,10 +211,11 @@ def test_bad_multihost_settings_are_usage_errors(monkeypatch, argv, env, message
 
 def test_platform_is_decided_without_starting_a_backend():
     import jax
-    from jax._src import xla_bridge
 
     from revtrain import cli
-    started, before = xla_bridge.backends_are_initialized(), jax.config.jax_platforms
+    from revtrain.lifecycle import lost_peer
+    started, before = lost_peer.backends_started(), jax.config.jax_platforms
+    assert started is not None  # this JAX says (the guarded private query is there)
     try:
         jax.config.update("jax_platforms", "cpu")
         assert cli._platform_is_cpu()
@@ -222,4 +223,38 @@ def test_platform_is_decided_without_starting_a_backend():
         assert not cli._platform_is_cpu()
     finally:
         jax.config.update("jax_platforms", before)
-    assert xla_bridge.backends_are_initialized() == started
+    assert lost_peer.backends_started() == started
+
+
+def test_without_jax_private_hooks_multihost_start_falls_back(monkeypatch):
+    """On a JAX without the private hooks (`lost_peer._private` finds nothing): `backends_started` cannot
+    say, `initialize` still calls ``jax.distributed.initialize`` (no heartbeat callback) and takes the
+    process id and count from its arguments, and the CLI turns JAX's own "called too late" error into its
+    one-line usage error."""
+    import jax
+
+    from revtrain import cli
+    from revtrain.lifecycle import lost_peer
+    monkeypatch.setattr(lost_peer, "_private", lambda module, name: None)
+    monkeypatch.setattr(lost_peer, "_install_terminate_handler", lambda: False)
+    monkeypatch.setattr(lost_peer, "_state", dict(lost_peer._state))
+    assert lost_peer.backends_started() is None
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    lost_peer.initialize(heartbeat_timeout=7, coordinator_address="127.0.0.1:1", num_processes=3, process_id=2)
+    assert calls == [{"heartbeat_timeout_seconds": 7, "coordinator_address": "127.0.0.1:1", "num_processes": 3,
+                      "process_id": 2}]
+    assert (lost_peer._state["process"], lost_peer._state["processes"], lost_peer._state["active"]) == (2, 3, True)
+
+    def too_late(**kw):
+        raise RuntimeError("jax.distributed.initialize() must be called before any JAX calls that might "
+                           "initialise the XLA backend.")
+
+    monkeypatch.setattr(jax.distributed, "initialize", too_late)
+    for k in _CLEAN:
+        monkeypatch.delenv(k, raising=False)
+    args = cli.parse_args(["train", "--workdir", "w", "--coordinator_address", "127.0.0.1:1", "--num_processes", "2",
+                           "--process_id", "0"])
+    monkeypatch.setenv("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")  # leave this process's config alone
+    with pytest.raises(cli.UsageError, match="JAX backends were started before jax.distributed.initialize"):
+        cli._init_distributed(args)

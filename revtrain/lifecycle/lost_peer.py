@@ -149,8 +149,37 @@ def _install_terminate_handler() -> bool:
     return True
 
 
+def _private(module: str, name: str):
+    """``jax._src.<module>.<name>``, or None when this JAX has no such thing.
+
+    revtrain uses public JAX only, except for the two hooks below, which JAX does not expose: each use is
+    guarded by this function and has a fallback (`backends_started`, `initialize`), tested by making it
+    return None."""
+    import importlib
+    try:
+        return getattr(importlib.import_module(f"jax._src.{module}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def backends_started() -> bool | None:
+    """Whether JAX's backends have started (then it is too late for ``jax.distributed`` and for gloo), or
+    None when this JAX cannot say without starting them (``jax.distributed.initialize`` then raises its
+    own ``RuntimeError``, which the CLI reports the same way)."""
+    query = _private("xla_bridge", "backends_are_initialized")
+    return None if query is None else bool(query())
+
+
 def initialize(heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT, **kwargs) -> None:
     """``jax.distributed.initialize(**kwargs)`` with a lost peer reported by `report` (module docstring).
+
+    The hook: JAX's distributed client is made by ``jax._src.lib._jax.get_distributed_runtime_client``,
+    which `initialize` wraps for the call to add the ``missed_heartbeat_callback``; the process id and
+    count come from ``jax._src.distributed.global_state`` (``jax.process_count()`` would start the
+    backends here). Both are private (`_private`); on a JAX without them, the run still starts: without
+    the callback a lost peer ends the process as JAX does (its C++ log line and abort, unless the terminate
+    handler catches it), and the process id and count are taken from ``kwargs`` or, when JAX found them
+    itself, from ``jax.process_index()`` / ``jax.process_count()``.
 
     Args:
       heartbeat_timeout: seconds without a heartbeat after which the coordination service declares a
@@ -161,20 +190,27 @@ def initialize(heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT, **kwargs) -> 
       whatever ``jax.distributed.initialize`` raises.
     """
     import jax
-    from jax._src.lib import _jax
 
-    make_client = _jax.get_distributed_runtime_client
+    runtime = _private("lib", "_jax")
+    make_client = getattr(runtime, "get_distributed_runtime_client", None)
 
     def client(*args, **kw):
         kw.setdefault("missed_heartbeat_callback", _on_service_error)
         return make_client(*args, **kw)
 
     _install_terminate_handler()
-    _jax.get_distributed_runtime_client = client
+    if make_client is not None:
+        runtime.get_distributed_runtime_client = client
     try:
         jax.distributed.initialize(heartbeat_timeout_seconds=int(heartbeat_timeout), **kwargs)
     finally:
-        _jax.get_distributed_runtime_client = make_client
-    from jax._src.distributed import global_state  # (jax.process_count() would start the backends here)
-    _state.update(process=global_state.process_id, processes=global_state.num_processes,
-                  active=global_state.num_processes > 1)
+        if make_client is not None:
+            runtime.get_distributed_runtime_client = make_client
+    state = _private("distributed", "global_state")
+    if state is not None:
+        process, processes = state.process_id, state.num_processes
+    elif "process_id" in kwargs and "num_processes" in kwargs:
+        process, processes = kwargs["process_id"], kwargs["num_processes"]
+    else:
+        process, processes = jax.process_index(), jax.process_count()
+    _state.update(process=process, processes=processes, active=processes > 1)

@@ -7,6 +7,7 @@ batch uses ``fold_in(layer_key, e)``. Masks therefore do not depend on the numbe
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -426,6 +427,49 @@ class _Dispatch:
         return getattr(self.fn, name)
 
 
+class _UsedDonation(_Dispatch):
+    """A `_Dispatch` that donates the arguments at ``maybe`` only where XLA can use them: when each of
+    their leaves has a result of its shape and dtype left over by the always-donated arguments (decided
+    from the shapes at the first call or ``lower`` of each input signature; one jitted function per
+    decision). Why: a program built for every layer donates its activation arguments, and one layer
+    cannot use them: the recomputed embedding takes token ids, which have no cotangent, so the cotangent
+    of its output (both residual streams) can become no result; donated, JAX warned "Some donated buffers
+    were not usable" at every step and freed nothing earlier."""
+
+    def __init__(self, make, donate: tuple, maybe: tuple, trainer: "TrainerBase", moved: tuple = ()):
+        super().__init__(make(tuple(sorted(set(donate) | set(maybe)))), trainer, moved)
+        self._make, self._donate, self._maybe = make, tuple(donate), tuple(maybe)
+        self._jitted: dict = {}  # donated positions -> jitted function
+        self._decided: dict = {}  # input signature -> donated positions
+
+    def _pick(self, args) -> None:
+        sig = tuple((jax.tree.structure(args[i]), tuple((np.shape(x), np.dtype(x.dtype))
+                                                        for x in jax.tree.leaves(args[i]))) for i in self._maybe)
+        if sig not in self._decided:
+            plain = self._jitted.setdefault(self._donate, self._make(self._donate))
+            results = jax.tree.leaves(jax.eval_shape(plain, *args))
+            left = collections.Counter((o.shape, np.dtype(o.dtype)) for o in results)
+            for i in self._donate:
+                left.subtract((np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(args[i]))
+            used = []
+            for i, (_, leaves) in zip(self._maybe, sig):
+                need = collections.Counter(leaves)
+                if need and all(left[k] >= n for k, n in need.items()):
+                    used.append(i)
+                    left.subtract(need)
+            self._decided[sig] = tuple(sorted(set(self._donate) | set(used)))
+        donate = self._decided[sig]
+        self.fn = self._jitted.setdefault(donate, self._make(donate))
+
+    def __call__(self, *args):
+        self._pick(args)
+        return super().__call__(*args)
+
+    def lower(self, *args, **kwargs):
+        self._pick(args)
+        return self.fn.lower(*args, **kwargs)
+
+
 class TrainerBase:
     """Shared construction and the forward-only, layer-by-layer evaluation pass.
 
@@ -462,7 +506,7 @@ class TrainerBase:
     # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer
     # index when they build their plan, never per call.
     def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=(), out_shardings=None, key=None,
-                  moved=(), in_shardings=None):
+                  moved=(), in_shardings=None, donate_if_used=()):
         """The compiled ``fn`` of ``layer`` (cached under ``key``); ``moved``: positions of the arguments the
         program moves from host to device memory itself (for the memory meter, see ``MemoryMeter.observe``).
 
@@ -470,7 +514,9 @@ class TrainerBase:
         pairs donated arguments with results by shape and dtype alone unless the memory kinds of every
         argument and result are known, and would otherwise alias a result on the device with a donated
         argument in host memory of the same shape (``FAILED_PRECONDITION: Memory kind mismatch``; e.g. a
-        stack of two layers' (2, d, d) weights and a (2, T, d) activation of 2 examples per device)."""
+        stack of two layers' (2, d, d) weights and a (2, T, d) activation of 2 examples per device).
+
+        ``donate_if_used``: positions donated only where a result can reuse them (`_UsedDonation`)."""
         key = (kind, layer) if key is None else key
         if key not in self._cache:
             mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
@@ -478,8 +524,11 @@ class TrainerBase:
             shardings = {} if out_shardings is None else {"out_shardings": out_shardings}
             if in_shardings is not None:
                 shardings["in_shardings"] = in_shardings
-            jitted = jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS, **shardings)
-            self._cache[key] = _Dispatch(jitted, self, moved)
+            def make(donate):
+                return jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS, **shardings)
+
+            self._cache[key] = (_UsedDonation(make, donate, donate_if_used, self, moved) if donate_if_used
+                                else _Dispatch(make(donate), self, moved))
         return self._cache[key]
 
     @property

@@ -31,6 +31,26 @@ Adafactor: ``rounds == 0``) is *separable*: the trainer keeps its fused per-laye
 pass of its own. An update that combines large values of several layers (not reductions) cannot be split
 without holding several layers at once and is refused.
 
+Nested programs. An update may run part of its work in nested programs: a ``jax.jit`` that stays one
+equation in ``make_jaxpr`` (optax 0.2.8's ``tree_bias_correction``, a ``jit(..., inline=True)`` of the whole
+moment tree, is one from JAX 0.11 on; any ``inline=False`` jit on any JAX), a custom derivative, a
+``cond`` over the whole tree. Labelled as one equation, such a program would take every layer's tensors and
+be refused. So the traced update is first flattened (`flatten`): every call-like equation (``jit``/``pjit``,
+``closed_call``/``core_call``, ``custom_jvp_call``, ``custom_vjp_call``/``custom_vjp_call_jaxpr``,
+``remat``/``checkpoint``: `_CALLS`) is replaced by the equations of its program, recursively (the program
+is found among the params by type, ``ClosedJaxpr`` or ``Jaxpr``, not by a parameter name, which differs
+between JAX versions; a custom derivative's rule does not matter since the update is never
+differentiated); each ``cond`` is split into independent parts (`_cond_parts`: groups of outputs that
+share no operand in any branch), one ``cond`` per part on the same branch index, so a ``cond`` on the
+step count over the whole tree becomes one per leaf, each labelled by its own operands. A ``while`` or
+``scan`` is labelled as one equation by all of its operands: one layer's (muon's Newton-Schulz iterations
+of one leaf) is that layer's; one that reads small values of several layers is global; one that carries
+large tensors of several layers is refused. The flattened program runs exactly the equations the original
+ran, on the same values: XLA inlines nested calls anyway, and a part of a ``cond`` computes its outputs as
+the whole ``cond`` did. Every program that applies an update evaluates it through the same flattening
+(`evaluate`, `_bind`), the whole-model update of StandardTrainer too, so the per-layer updates still equal
+the whole model's bit for bit (`fence`).
+
 Per-layer optimizer state: each layer keeps ``tx.init(layer params)``, as the fused update always did. A
 leaf of the whole state that belongs to no layer (the step count) exists in every layer's state, and every
 copy is updated alike; the whole state's leaves are matched to the layers' by path (the whole state's path
@@ -68,16 +88,59 @@ def _size(v) -> int:
     return int(np.prod(v.aval.shape, dtype=np.int64)) if hasattr(v.aval, "shape") else 1
 
 
+# Call-like primitives: an equation that runs one nested program on its operands, as if inlined. JAX names
+# them differently across versions (``pjit`` became ``jit``; ``remat2`` is ``jax.checkpoint``'s); each is
+# found by name and its program by type (`_sub_jaxprs`), never by a version's parameter name.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                    "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"})
+
+
+def _sub_jaxprs(params: dict) -> list:
+    """Every nested program among an equation's params, as ``(jaxpr, consts)``: a ``ClosedJaxpr`` or an
+    open ``Jaxpr`` (no consts), alone or in a tuple (a ``cond``'s branches)."""
+    found = []
+    for value in params.values():
+        for x in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(x, jcore.ClosedJaxpr):
+                found.append((x.jaxpr, x.consts))
+            elif isinstance(x, jcore.Jaxpr):
+                found.append((x, ()))
+    return found
+
+
+def _inlined(eqn):
+    """``(jaxpr, consts)`` of a call-like equation (`_CALLS`) whose program takes exactly its operands, or
+    None: a custom derivative's rule does not matter here (an optimizer update is run, never
+    differentiated), so its primal program is the equation."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    subs = _sub_jaxprs(eqn.params)
+    if len(subs) != 1:
+        return None
+    jaxpr, consts = subs[0]
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars) or \
+            len(jaxpr.constvars) != len(consts):
+        return None
+    return jaxpr, consts
+
+
 def _bind(eqn, invals, scalars: list | None = None):
-    """One equation, as ``jax.core.eval_jaxpr`` runs it. With ``scalars`` (a list), the equation is also
-    *fenced* (see `fence`): the floating scalars it broadcasts over a larger result are appended to the
-    list, a nested ``jit`` is evaluated equation by equation (XLA inlines it anyway) and each branch of a
-    ``cond`` fences its own scalars; the scalars inside other nested programs (a ``scan``, a ``while``) are
-    not reached."""
-    if scalars is not None and eqn.primitive.name == "jit":
-        inner = eqn.params["jaxpr"]
-        return evaluate(inner.jaxpr, inner.consts, invals, scalars)
+    """One equation, as ``jax.core.eval_jaxpr`` runs it, except that a call-like equation (a nested
+    ``jit``, a closed call, a custom derivative's primal, a remat: `_CALLS`) is evaluated equation by
+    equation, as XLA inlines it anyway, and that a ``cond`` whose branches compute independent parts is
+    split into one ``cond`` per part (`_split_cond`).
+
+    With ``scalars`` (a list), the equation is also *fenced* (see `fence`): the floating scalars it
+    broadcasts over a larger result are appended to the list and each branch of a ``cond`` fences its own
+    scalars; the scalars inside other nested programs (a ``scan``, a ``while``) are not reached."""
+    call = _inlined(eqn)
+    if call is not None:
+        return evaluate(call[0], call[1], invals, scalars)
     params = eqn.params
+    if eqn.primitive.name == "cond":
+        parts = _cond_parts(eqn)
+        if len(parts) > 1:
+            return _split_cond(eqn, invals, parts, scalars)
     if scalars is not None:
         scalars.extend(v for v, x in zip(invals, eqn.invars) if _broadcast_scalar(x, eqn))
         if eqn.primitive.name == "cond":
@@ -91,6 +154,90 @@ def _bind(eqn, invals, scalars: list | None = None):
         scalars.extend(_Cast(o, v if isinstance(x, jcore.Var) else None)
                        for v, x, o in zip(invals, eqn.invars, out) if _is_scalar(x))
     return out
+
+
+def _dependencies(jaxpr) -> list[int]:
+    """For each output of ``jaxpr``: the inputs it depends on, as a bit mask over ``jaxpr.invars`` (an
+    equation's outputs depend on all of its operands; call-like ones are inlined first by `flatten`)."""
+    deps = {v: 1 << k for k, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        mask = 0
+        for v in eqn.invars:
+            if isinstance(v, jcore.Var):
+                mask |= deps.get(v, 0)
+        for o in eqn.outvars:
+            deps[o] = mask
+    return [deps.get(v, 0) if isinstance(v, jcore.Var) else 0 for v in jaxpr.outvars]
+
+
+def _cond_parts(eqn) -> list[tuple[list[int], list[int]]]:
+    """A ``cond`` split into independent parts: ``[(operand positions, output positions)]``, the operands
+    counted after the branch index. Two outputs are in one part when, in some branch, they depend on a
+    common operand; an output that depends on no operand is a part of its own. One part (the whole
+    ``cond``) when a branch has effects."""
+    branches = [flatten(b) for b in eqn.params["branches"]]
+    n_ops, n_outs = len(eqn.invars) - 1, len(eqn.outvars)
+    if any(b.jaxpr.effects for b in branches) or n_outs <= 1:
+        return [(list(range(n_ops)), list(range(n_outs)))]
+    parent = list(range(n_ops + n_outs))  # union-find: operands 0..n_ops-1, then outputs
+
+    def root(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for b in branches:
+        for j, mask in enumerate(_dependencies(b.jaxpr)):
+            for k in range(n_ops):
+                if mask >> k & 1:
+                    parent[root(n_ops + j)] = root(k)
+    parts: dict[int, tuple[list, list]] = {}
+    for j in range(n_outs):
+        parts.setdefault(root(n_ops + j), ([], []))[1].append(j)
+    for k in range(n_ops):
+        if root(k) in parts:  # an operand no output reads is dropped
+            parts[root(k)][0].append(k)
+    return list(parts.values())
+
+
+def _split_cond(eqn, invals, parts, scalars: list | None):
+    """``eqn`` (a ``cond``) as one ``cond`` per part (`_cond_parts`), each on the same branch index: every
+    output is computed by the same equations from the same operands, so the values are the ``cond``'s. With
+    ``scalars``, each part's branches fence their own scalars (`_fenced_jaxpr`)."""
+    index, ops = invals[0], invals[1:]
+    out = [None] * len(eqn.outvars)
+    for op_pos, out_pos in parts:
+        branches = tuple(_part_jaxpr(b, op_pos, out_pos, scalars is not None) for b in eqn.params["branches"])
+        with eqn.ctx.manager:
+            res = eqn.primitive.bind(index, *(ops[k] for k in op_pos),
+                                     **eqn.primitive.get_bind_params(dict(eqn.params, branches=branches)))
+        for j, r in zip(out_pos, res):
+            out[j] = r
+    return out
+
+
+def _part_jaxpr(closed, op_pos: list[int], out_pos: list[int], fenced: bool):
+    """The program of a ``cond`` branch that computes only outputs ``out_pos`` from operands ``op_pos``
+    (the equations those outputs need, `evaluate`'s ``outputs``); ``fenced``: against its own results."""
+    avals = closed.in_avals
+
+    def run(*args):
+        full = [None] * len(avals)
+        for k, a in zip(op_pos, args):
+            full[k] = a
+        scalars = [] if fenced else None
+        out = evaluate(closed.jaxpr, closed.consts, full, scalars, outputs=out_pos)
+        return fence(scalars, out) if fenced else out
+
+    return jax.make_jaxpr(run)(*(avals[k] for k in op_pos))
+
+
+def flatten(closed):
+    """``closed`` (a ``ClosedJaxpr``) with every call-like equation inlined, recursively, and every
+    ``cond`` split into its independent parts (`_bind`): the program `LayerwiseUpdate` labels. Same
+    inputs and outputs, same values: each equation left is one the original ran."""
+    return jax.make_jaxpr(lambda *args: evaluate(closed.jaxpr, closed.consts, args))(*closed.in_avals)
 
 
 def _is_scalar(var) -> bool:
@@ -129,17 +276,29 @@ def _fenced_jaxpr(closed):
     return jax.make_jaxpr(run)(*closed.in_avals)
 
 
-def evaluate(jaxpr, consts, args, scalars: list | None = None) -> list:
-    """``jaxpr``'s results from ``args``, equation by equation (`_bind`; fenced with ``scalars``)."""
+def evaluate(jaxpr, consts, args, scalars: list | None = None, outputs: list[int] | None = None) -> list:
+    """``jaxpr``'s results from ``args``, equation by equation (`_bind`; fenced with ``scalars``). With
+    ``outputs`` (positions in ``jaxpr.outvars``): only those results, and only the equations they need run
+    (an input they do not need may be None)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
     def read(v):
         return env[v] if isinstance(v, jcore.Var) else v.val
 
-    for eqn in jaxpr.eqns:
+    wanted = jaxpr.outvars if outputs is None else [jaxpr.outvars[j] for j in outputs]
+    eqns = jaxpr.eqns
+    if outputs is not None:  # the equations the wanted results need, found backwards
+        need = {v for v in wanted if isinstance(v, jcore.Var)}
+        keep = []
+        for eqn in reversed(eqns):
+            if any(o in need for o in eqn.outvars):
+                keep.append(eqn)
+                need.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+        eqns = keep[::-1]
+    for eqn in eqns:
         env.update(zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars], scalars)))
-    return [read(v) for v in jaxpr.outvars]
+    return [read(v) for v in wanted]
 
 
 def fence(scalars: list, value):
@@ -247,7 +406,7 @@ class LayerwiseUpdate:
         whole_state = jax.eval_shape(tx.init, shapes)
         self._state_def = [jax.tree.structure(s) for s in self._layer_state]
         self._update_def = [jax.tree.structure(p) for p in shapes]
-        closed = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes)
+        closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
         self._jaxpr, self._consts = closed.jaxpr, closed.consts
 
         # Inputs: (grads, whole state, params), flattened. Map each to a layer leaf (kind, layer, index).

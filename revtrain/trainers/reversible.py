@@ -894,11 +894,17 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate, inputs, outputs):
         """``fn`` compiled; with offload it moves its arguments at ``inputs`` to the device and its results at
         ``outputs`` back to host memory (`_moved`), with both sides' shardings given."""
+        # Activations (split over "data") are donated only where a result reuses them: a recomputed layer
+        # of token ids has no input cotangent for its output cotangent to become (`common._UsedDonation`).
+        donate, maybe = (tuple(i for i in donate if in_specs[i] != _D or kind not in self._MAYBE_DONATED),
+                         tuple(i for i in donate if in_specs[i] == _D and kind in self._MAYBE_DONATED))
         if not self.offload:
-            return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate)
+            return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
         return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
                               out_shardings=self._offload_shardings(out_specs, outputs), moved=inputs,
-                              in_shardings=self._offload_shardings(in_specs, inputs))
+                              in_shardings=self._offload_shardings(in_specs, inputs), donate_if_used=maybe)
+
+    _MAYBE_DONATED = ("recompute", "recompute_acc")  # programs of a layer whose input may be token ids
 
     TOP_HEAD_MOVED = (0, 1, 3, 4)  # `_top_head`'s arguments in host memory with offload (weights, opt state)
 
