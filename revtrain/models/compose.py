@@ -284,7 +284,11 @@ class _GinAsBuilt:
             yield
         finally:
             gin.clear_config()
-            gin.parse_config(now)
+            try:
+                gin.parse_config(now)
+            except Exception as e:  # noqa: BLE001
+                raise CompositionError(f"the caller's gin configuration cannot be restored after making a layer: {e}"
+                                       ) from e
 
 
 def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None, grid_bits: int | None = None,
