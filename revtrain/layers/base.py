@@ -299,8 +299,10 @@ class Layer:
         concrete module returns the copies it keeps."""
         if self._factory is None:
             return self._values
-        _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
-        return _host_copy(params), _host_copy(rest)
+        # Made eagerly even when asked for inside a traced function (as a kept value would be: a constant).
+        with jax.ensure_compile_time_eval():
+            _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
+            return _host_copy(params), _host_copy(rest)
 
     @property
     def init_params(self) -> dict:
