@@ -63,7 +63,8 @@ if ! PYTHONPATH="$PWD:${PYTHONPATH:-}" "$PY" -c "$IMPORTS" 2> "$TMP/import_err";
   fi
   SITE="$TMP/site"
   if "$PY" -m pip --version > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl || exit 2
+    PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps \
+      --target "$SITE" "$WHEELS"/*.whl || exit 2
   else  # no pip on the image: a wheel is a zip of what pip would copy into the target
     for w in "$WHEELS"/*.whl; do "$PY" -m zipfile -e "$w" "$SITE" || exit 2; done
   fi
