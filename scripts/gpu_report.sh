@@ -204,9 +204,10 @@ for r in records:
               f"{r['d2h_pinned_bytes_per_sec'] / 1e9:.1f} GB/s (numpy: {r['h2d_pageable_bytes_per_sec'] / 1e9:.1f} / "
               f"{r['d2h_pageable_bytes_per_sec'] / 1e9:.1f})")
     if "ratio_to_bound" in r:
-        print(f"{'':<58} step {r['step_s']:.3f} s = {r['ratio_to_bound']:.2f}x max(in memory "
-              f"{r['memory_step_s'] or 0:.3f} s, {(r['moved_h2d_bytes'] + r['moved_d2h_bytes']) / 1e9:.2f} GB moved / "
-              f"bandwidth = {r['transfer_bound_s']:.3f} s)")
+        mem = f"{r['memory_step_s']:.3f} s" if r["memory_step_s"] else "not measured"
+        print(f"{'':<58} step {r['step_s']:.3f} s = {r['ratio_to_bound']:.2f}x max(in memory {mem}, "
+              f"{(r['moved_h2d_bytes'] + r['moved_d2h_bytes']) / 1e9:.2f} GB moved / bandwidth = "
+              f"{r['transfer_bound_s']:.3f} s)")
     if "mfu" in r:
         print(f"{'':<58} {r['num_params'] / 1e9:.2f} B params: host peak {r['host_peak_bytes'] / 2**30:.1f} GiB "
               f"({r['host_bytes_per_param']} B/param), device peak {r.get('peak_device_bytes', 0) / 2**30:.2f} GiB, "
