@@ -73,9 +73,10 @@ bench-scale: data
 	$(PY) scripts/bench_scale.py --sizes $(SIZES) --out bench_scale.json
 
 # On a machine with one GPU: every GPU figure, each configuration in its own process, JSON out (<= 8 min).
-# DRY_RUN=1 make bench-gpu runs every configuration at tiny sizes on the CPU.
-bench-gpu: venv
-	PYTHON=$(PY) scripts/gpu_report.sh gpu_report.json
+# DRY_RUN=1 make bench-gpu runs every configuration at tiny sizes on the CPU. Without a venv (the GPU image:
+# its own JAX, no network) it runs on PYTHON, with the carried wheels and data (docs/gpu.md): nothing installed.
+bench-gpu:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) scripts/gpu_report.sh gpu_report.json
 
 # Tokens/s against the device-memory budget (docs/budget.md): standard, remat, remat + offload, reversible
 # exact and fused, and ReversibleTrainer.memory_budget at budgets from exact's peak to standard's, depths 8 and

@@ -150,7 +150,9 @@ def point(args) -> dict:
     """One configuration in this process (``--point``, for ``scripts/gpu_report.sh``): trainer ``--point`` at
     depth ``--depth``, ``--warmup`` steps, ``--steps`` timed steps, the memory meter on the last. Returns one
     record (``tokens_per_sec``, ``peak_device_bytes``, ``warmup_s`` in seconds, ``state_bytes``: weights +
-    Adam's two moments in float32); a step that runs out of device memory gives ``status: "out of memory"``."""
+    Adam's two moments in float32; ``step_s``, the median timed step in seconds; with offload ``moved_h2d_bytes``
+    and ``moved_d2h_bytes``, what the host tier moves each step); a step that runs out of device memory gives
+    ``status: "out of memory"``."""
     mesh = make_mesh()
     device = jax.devices()[0]
     kind, kwargs = _BY_LABEL[args.point]
@@ -186,8 +188,12 @@ def point(args) -> dict:
             times.append(time.perf_counter() - t0)
             if last:
                 rec["peak_device_bytes"], rec["memory_method"] = trainer.meter.stop(), trainer.meter.method
-        rec.update(status="ok", loss=float(m["loss"]), timed_steps=len(times),
+        rec.update(status="ok", loss=float(m["loss"]), timed_steps=len(times), step_s=statistics.median(times),
                    tokens_per_sec=args.batch * args.seq / statistics.median(times))
+        if rec["offload"]:
+            # What the host tier moves a step (the update on the device): every layer's float32 weights in for
+            # the forward; weights and Adam's two moments in for the backward and out after the update.
+            rec["moved_h2d_bytes"], rec["moved_d2h_bytes"] = 4 * rec["state_bytes"] // 3, rec["state_bytes"]
     except Exception as e:  # noqa: BLE001 (the record says what happened; out of memory is a result here)
         text = f"{type(e).__name__}: {e}"
         oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()

@@ -49,7 +49,7 @@ def main() -> None:
     trainer, cfg = run.trainer, run.cfg
     checkpointer = ckpt_lib.Checkpointer(args.workdir, read_only=True)
     try:
-        ts, step = checkpointer.restore_newest(trainer.init(), args.step)
+        ts, step = checkpointer.restore_newest(trainer.abstract_state(), args.step)  # restored into place, no init
     finally:
         checkpointer.close()
     batch = global_batch(next(run.task.train_iterator(cfg.batch_size, cfg.seed, 0, 1)), run.mesh)

@@ -229,6 +229,27 @@ def supports_decoding(module) -> bool:
     return callable(getattr(module, "init_cache", None)) and callable(getattr(module, "decode", None))
 
 
+def _host_copy(state) -> dict:
+    """``nnx.to_pure_dict(state)`` with every value copied to a host numpy array.
+
+    Copies (``np.array``), not views: a view of a CPU jax array keeps that buffer as an external reference, so
+    an array placed from it could never be donated (measured: every weight copied in the first step). Written
+    out rather than ``nnx.to_pure_dict``: Flax's flattening (``traversals.flatten_to_sequence``, a recursive
+    closure) leaves every variable it visits in a reference cycle, so the module's device arrays would outlive
+    the call until Python's cycle collector runs, and a model made layer by layer would hold several layers on
+    the device at once (measured: 4 of 6 blocks alive while the fifth was made). Empty sub-dicts are left out,
+    as ``to_pure_dict`` leaves them out."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, nnx.Variable):
+            out[key] = np.array(value.get_value())
+        else:
+            sub = _host_copy(value)
+            if sub:
+                out[key] = sub
+    return out
+
+
 class Layer:
     """A standard (non-reversible) layer: any function of params, state, input and keys.
 
@@ -253,8 +274,7 @@ class Layer:
         if factory is None:
             # Initial values are kept as host numpy arrays: a model must not pin a copy of its weights in
             # device memory (the trainers place them, in host memory when offloading).
-            self._values = (jax.tree.map(np.array, nnx.to_pure_dict(params)),  # copies, not views
-                            jax.tree.map(np.array, nnx.to_pure_dict(rest)))
+            self._values = (_host_copy(params), _host_copy(rest))
         if len(jax.tree.leaves(self._param_shapes)) != self._params_def.num_leaves:
             raise ValueError(f"layer {name}: params do not flatten to plain arrays")
         shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((self._param_shapes, self._state_shapes)))
@@ -279,10 +299,10 @@ class Layer:
         concrete module returns the copies it keeps."""
         if self._factory is None:
             return self._values
-        _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
-        # Copies (np.array), not views: a view of a CPU jax array keeps that buffer as an external reference,
-        # so an array placed from it could never be donated (measured: every weight copied in the first step).
-        return jax.tree.map(np.array, nnx.to_pure_dict(params)), jax.tree.map(np.array, nnx.to_pure_dict(rest))
+        # Made eagerly even when asked for inside a traced function (as a kept value would be: a constant).
+        with jax.ensure_compile_time_eval():
+            _, params, rest = nnx.split(self._factory(), nnx.Param, ...)
+            return _host_copy(params), _host_copy(rest)
 
     @property
     def init_params(self) -> dict:

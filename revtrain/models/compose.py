@@ -27,6 +27,12 @@ is how the hand-written builders (`ReversibleTransformerLM`, `RevNet`) always se
 same layers written as a composition get the same initial weights bit for bit, and a layer's weights do not
 depend on the depth of the model.
 
+Layer by layer: the composer constructs every part once on shapes only (``nnx.eval_shape``: nothing is
+allocated, on the device or in host memory), which is where the contract checks run and the ties are found;
+each layer's values are made by its factory when a trainer places that layer (`revtrain.layers.Layer.lazy`),
+under the gin bindings of the build, and dropped once placed, so no model is ever built whole (with offload
+the device holds one layer's values at a time during init).
+
 Design: a model is a flat list of layers, as in Trax's serial combinators (``tl.Serial``,
 ``tl.ReversibleSerial``) and in the reversible layer lists of memcnn / RevLib; configuration is by gin
 references to classes, as in t5x / flaxformer configs.
@@ -34,6 +40,7 @@ references to classes, as in t5x / flaxformer configs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -250,6 +257,40 @@ def construct(part: Callable, rngs: nnx.Rngs, context: dict, where: str) -> nnx.
     return module
 
 
+class _GinAsBuilt:
+    """The gin bindings in force when a model was composed, for its layers' factories: a part reads its gin
+    bindings when it is constructed, and a lazy layer's part is constructed again when a trainer makes its
+    values, maybe after the caller has cleared or changed the configuration (a benchmark building several
+    models from several configs). ``active()`` makes those bindings the configuration for the duration of a
+    construction when they are no longer it (the text of ``gin.config_str()``, parsed again; the caller's
+    configuration restored after), so a layer's values never depend on when they are made."""
+
+    def __init__(self):
+        self.text = gin.config_str()
+
+    @contextlib.contextmanager
+    def active(self):
+        now = gin.config_str()
+        if now == self.text:
+            yield
+            return
+        gin.clear_config()
+        try:
+            try:
+                gin.parse_config(self.text)
+            except Exception as e:  # noqa: BLE001 (a value bound from Python that has no gin text)
+                raise CompositionError("the gin configuration changed since the model was composed, and the one it "
+                                       f"was composed with cannot be restored ({e}); build the model again") from e
+            yield
+        finally:
+            gin.clear_config()
+            try:
+                gin.parse_config(now)
+            except Exception as e:  # noqa: BLE001
+                raise CompositionError(f"the caller's gin configuration cannot be restored after making a layer: {e}"
+                                       ) from e
+
+
 def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None, grid_bits: int | None = None,
             input_key: str = "inputs", tokens_per_example: int = 1, bits_per_byte: bool = False) -> Model:
     """Builds a `Model` from layer specs (the Python side of `ComposedModel`; `ReversibleTransformerLM`
@@ -282,16 +323,44 @@ def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None,
     if grid_bits is not None:
         context.setdefault("grid_bits", grid_bits)
     base = jax.random.PRNGKey(seed)
-    layers: list[Layer] = []
-    modules: list[nnx.Module] = []
-    for i, (spec, name) in enumerate(flat):
+
+    def module(i: int, ctx: dict) -> nnx.Module:
+        """Layer ``i``'s module, from its own seed ``fold_in(seed, i)``, the spec's gin scope applied to its
+        parts and the contract checked (`_build_module`)."""
+        spec, name = flat[i]
         rngs = nnx.Rngs(params=jax.random.fold_in(base, i))
         with gin.config_scope(list(getattr(spec, "scope", []))):  # the spec's gin scope applies to its parts
-            layer, module = _build_layer(spec, name, rngs, context, grid_bits)
-        layers.append(layer)
-        modules.append(module)
-        if i == 0:
-            context["embedding"] = module  # for a part that ties a weight to the embedding's
+            return _build_module(spec, name, rngs, ctx, grid_bits)
+
+    def every_module() -> list:
+        ctx, out = dict(context), []
+        for i in range(len(flat)):
+            out.append(module(i, ctx))
+            if i == 0:
+                ctx["embedding"] = out[0]  # for a part that ties a weight to the embedding's
+        return out
+
+    as_built = _GinAsBuilt()
+
+    def made(i: int) -> nnx.Module:
+        """Layer ``i``'s module with its initial values (the `Layer` factory), under the gin bindings the model
+        was built with: only this layer's, plus the first layer's when one of its parts names ``embedding`` (a
+        tied weight: its value is the owner's)."""
+        with as_built.active():
+            ctx = dict(context)
+            if i and any("embedding" in parameters(part) for part in _parts(flat[i][0])):
+                ctx["embedding"] = made(0)
+            return module(i, ctx)
+
+    # Every module at once on shapes only (nnx.eval_shape: nothing allocated): the contract checks, the
+    # layers' shapes and the ties (one nnx.Param object held by two modules) are read from these. Each layer's
+    # values are made by its factory when a trainer places it, one layer at a time (`Layer.lazy`), so the
+    # model is never built whole, on the device or anywhere (docs/memory.md).
+    modules = nnx.eval_shape(every_module)
+    layers: list[Layer] = []
+    for i, (spec, name) in enumerate(flat):
+        cls = {"coupling": ReversibleLayer, "head": HeadLayer}.get(spec.kind, Layer)
+        layers.append(cls(modules[i], name, factory=functools.partial(made, i)))
     return Model(layers, input_key=input_key, tokens_per_example=tokens_per_example, bits_per_byte=bits_per_byte,
                  ties=find_ties(modules, layers))
 
@@ -328,24 +397,28 @@ def find_ties(modules: list, layers: list) -> tuple:
     return tuple(ties)
 
 
-def _build_layer(spec, name: str, rngs: nnx.Rngs, context: dict, grid_bits: int | None):
-    """``(layer, its module)``."""
+def _parts(spec) -> tuple:
+    """The parts a spec constructs (F and G of a coupling, else its module)."""
+    return (spec.f, spec.g) if spec.kind == "coupling" else (spec.module,)
+
+
+def _build_module(spec, name: str, rngs: nnx.Rngs, context: dict, grid_bits: int | None) -> nnx.Module:
+    """The layer's module (a `ReversibleCoupling` of F and G for a coupling), its parts constructed with
+    ``rngs`` (F first) and checked against the contract (`check_part`, `check_coupling`, a head's ``loss``).
+    Called on shapes (under ``nnx.eval_shape``) and again for each layer's values, with the same results."""
     if spec.kind == "coupling":
         f = construct(spec.f, rngs, context, f"layer {name}, F")
         g = construct(spec.g, rngs, context, f"layer {name}, G")
         check_part(f, spec.f, f"layer {name}, F")
         check_part(g, spec.g, f"layer {name}, G")
         check_coupling(f, g, spec.f, spec.g, name)
-        module = ReversibleCoupling(f, g, grid_bits=grid_bits)
-        return ReversibleLayer(module, name), module
+        return ReversibleCoupling(f, g, grid_bits=grid_bits)
     module = construct(spec.module, rngs, context, f"layer {name}")
     check_part(module, spec.module, f"layer {name}")
-    if spec.kind == "head":
-        if not callable(getattr(module, "loss", None)):
-            raise CompositionError(f"{_part_name(spec.module)} (layer {name}) cannot be a head: it has no "
-                                   "loss(x, batch, *, keys, train) method")
-        return HeadLayer(module, name), module
-    return Layer(module, name), module
+    if spec.kind == "head" and not callable(getattr(module, "loss", None)):
+        raise CompositionError(f"{_part_name(spec.module)} (layer {name}) cannot be a head: it has no "
+                               "loss(x, batch, *, keys, train) method")
+    return module
 
 
 @gin.configurable
