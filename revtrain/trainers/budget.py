@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import types
 import warnings
 
 import jax
@@ -220,6 +221,40 @@ def _device_bytes(tree) -> int:
                if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
 
 
+def _stacked(tree, n: int):
+    """An abstract tree stacked ``n`` times along a new leading layer axis, each leaf where its layer's lives:
+    its memory kind kept (a stack of offloaded weights stays in host memory, as `Residency.place_stacked`
+    puts it) and its spec with the layer axis unsplit. (A stack without memory kinds made the scanned
+    reverse program of offloaded weights mix a device stack with its host slices.)"""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
+        else:
+            sharding = None
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def _program_state(trainer, held):
+    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): the disk tier's
+    layers as device arrays (its programs compute on the layer read from the file), and a tied parameter's
+    user (the head) with its tied leaves in its tree, as the head's program computes on them (the deferred
+    update passes them in beside its own; here they count as its own, a bound)."""
+    params, opt = list(held.params), list(held.opt_state)
+    rep = NamedSharding(trainer.mesh, P())
+    place = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
+    shapes = trainer.model.param_shapes()
+    users = {tie.user for tie in trainer.model.ties}
+    for i, layer in enumerate(trainer.model.layers):
+        if trainer.on_disk or i in users:
+            like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
+            tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
+            params[i], opt[i] = place(tree, like), place(jax.eval_shape(trainer.tx.init, tree), like)
+    return types.SimpleNamespace(params=params, opt_state=opt, layer_state=list(held.layer_state))
+
+
 def _compile(program, args):
     with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
         warnings.simplefilter("ignore")
@@ -235,14 +270,19 @@ class _Analysis:
         self.mesh = t.mesh
         data = NamedSharding(self.mesh, P(DATA_AXIS))
         self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
-        self.abstract = t.abstract_state()
+        self.state = t.abstract_state()  # the state as it is held (the disk tier's: layer files)
+        self.abstract = _program_state(t, self.state)  # ... as the programs take it
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
         self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
         self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
-        self.offload = t.offload
+        self.offload = t.offload  # kept inputs in host memory (the host tier)
+        self.on_disk = t.on_disk
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
+        # The disk tier: beside a program's own layer, one layer being written and one read ahead (read only
+        # once the program before has run: with its temporaries or in their place; `disk_tier.StepStream`).
+        self.in_flight = max(self.moved) if self.on_disk else 0
         # Each layer's input shapes (global, split over "data").
         x = self.batch[t.model.input_key]
         self.inputs = []
@@ -274,7 +314,11 @@ class _Analysis:
                 flops = float(cost.get("flops", 0.0))
             except Exception:  # noqa: BLE001 (a backend without cost analysis)
                 flops = 0.0
-            self.cache[key] = Cost(extra + (moved if self.offload else 0), flops, seconds)
+            if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
+                extra = moved + self.in_flight + max(extra, self.in_flight)
+            elif self.offload:  # its layer moved in from host memory
+                extra += moved
+            self.cache[key] = Cost(extra, flops, seconds)
         return self.cache[key]
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
@@ -284,7 +328,7 @@ class _Analysis:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
         the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
         t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
-        stack = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), tree)  # noqa: E731
+        stack = lambda tree: _stacked(tree, n)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
         fwd, bwd = self.RUN_KINDS[backward_kind]
         f = self._read(("fwd_run", fwd, layer, n), t._run_fn(fwd, layer, n),
@@ -337,8 +381,7 @@ class _Analysis:
         stacked = h >= 2 and t.scan_layers and t._scans(CHECKPOINT)
         groups = ([(n - k - h, h)] if stacked else [(i, 1) for i in range(n - k - h, n - k)]) + \
             [(i, 1) for i in range(n - k, n)]
-        stack = lambda tree, c: tree if c == 1 else jax.tree.map(  # noqa: E731
-            lambda x: jax.ShapeDtypeStruct((c, *x.shape), x.dtype), tree)
+        stack = lambda tree, c: tree if c == 1 else _stacked(tree, c)  # noqa: E731
         args = (tuple(stack(a.params[i], c) for i, c in groups), tuple(stack(a.opt_state[i], c) for i, c in groups),
                 tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
                 self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
@@ -457,10 +500,14 @@ class Candidates:
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
         self.heads = self._heads()
-        a = self.an.abstract
-        self.base = _device_bytes((a.params, a.opt_state, a.layer_state)) + _nbytes(self.an.batch) + SLACK_BYTES
-        if trainer.deferred and not trainer.offload:
-            self.base += _device_bytes(a.params)  # the gradient buffers, beside the weights
+        held = self.an.state
+        self.base = _nbytes(self.an.batch) + _nbytes(held.layer_state) + SLACK_BYTES
+        if not trainer.on_disk:  # (the disk tier's weights and optimizer state: in flight, counted per call)
+            self.base += _device_bytes((held.params, held.opt_state))
+        if trainer.deferred and not trainer.offload and not trainer.on_disk:
+            self.base += _device_bytes(held.params)  # the gradient buffers, beside the weights
+        for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
+            self.base += _nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
         self.table = {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
                       for h in range(self.max_top - k + 1)
                       for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
