@@ -438,9 +438,10 @@ def _scan_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
     return dataclasses.replace(cost, flops=_backprop_head(costs, k).flops + h * one)
 
 
-def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float, float]:
+def _simulate(an: _Analysis, modes: list, head: Cost, base: int, exact: bool = False) -> tuple[int, float, float]:
     """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
-    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block."""
+    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block.
+    ``exact``: a run's bytes from its scans compiled at its own length (else extrapolated, `run_extra`)."""
     n = len(modes)
     below = n - count_in_head(modes)
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
@@ -458,7 +459,10 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
             start, count = runs[i]
             fr, br = an.run_costs(i, bk)
             seconds += fr.seconds + br.seconds
-            fe, be = an.run_extra(i, bk, count)
+            if exact:
+                fe, be = (c.extra for c in an.run_costs(i, bk, count))
+            else:
+                fe, be = an.run_extra(i, bk, count)
             f = dataclasses.replace(f, extra=fe if i == start else 0)  # (the forward scan starts at the lowest,
             b = dataclasses.replace(b, extra=be if i == start + count - 1 else 0)  # the backward at the top)
         else:
@@ -500,6 +504,7 @@ class Candidates:
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
         self.heads = self._heads()
+        self.measured: set = set()  # plans whose table entry is from their compiled programs (`measure`)
         held = self.an.state
         self.base = _nbytes(self.an.batch) + _nbytes(held.layer_state) + SLACK_BYTES
         if not trainer.on_disk:  # (the disk tier's weights and optimizer state: in flight, counted per call)
@@ -524,7 +529,7 @@ class Candidates:
             self.an.timed = True
             self.an.blocks.clear()  # (looked up again: each program is timed on its first look-up)
             self.heads = self._heads()
-            self.table = {plan: self.evaluate(*plan) for plan in self.table}
+            self.table = {plan: self.evaluate(*plan, measured=plan in self.measured) for plan in self.table}
 
     def modes(self, k: int, h: int, r: int) -> list:
         """The top ``k`` blocks backprop, the ``h`` under them checkpoint, the lowest ``r`` other reversible
@@ -537,11 +542,20 @@ class Candidates:
             modes[i] = REMAT
         return modes
 
+    def measure(self, plan: tuple) -> bool:
+        """Replaces ``plan``'s estimate in `table` by its compiled programs' (`evaluate` ``measured``); False
+        when it was measured already (nothing changed)."""
+        if plan in self.measured:
+            return False
+        self.measured.add(plan)
+        self.table[plan] = self.evaluate(*plan, measured=True)
+        return True
+
     def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
-        """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: the head's program with those
-        blocks compiled, not extrapolated."""
+        """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: every program of the plan
+        compiled as it runs (the head's with those blocks, each scanned run at its length), none extrapolated."""
         head = _scan_flops(self.heads, k, h, self.an.head(k, h)) if measured else _head_cost(self.heads, k, h)
-        return _simulate(self.an, self.modes(k, h, r), head, self.base)
+        return _simulate(self.an, self.modes(k, h, r), head, self.base, exact=measured)
 
 
 def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
@@ -560,28 +574,30 @@ def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops"
     if key not in cache:
         cache[key] = Candidates(trainer, batch_spec, will_time=timed)  # (timed once the budget is known to fit)
     c = cache[key]
-    # (the least over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks together)
+    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
+    # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
     sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
-    least = min(v[0] for p, v in c.table.items() if sure(p))
+    while True:
+        lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
+        if not c.measure(lowest):
+            break
+    least = c.table[lowest][0]
     if budget >= least and timed:
         c.time()
-    table = c.table  # (a head compiled below replaces its estimate here for the next budget too)
+    table = c.table  # (a plan compiled below replaces its estimate here for the next budget too)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
     most = min(table.values(), key=cost)[0]
     if budget < least:
-        k, h, r = min((p for p in table if sure(p)), key=lambda plan: table[plan][0])
+        k, h, r = lowest
         how = ("every block rebuilt" if k == h == r == 0 else
                f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
                            f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
                            f"{least:,} bytes or shrink the batch")
-    checked = set()
-    while True:
+    while True:  # the fastest plan that fits, its estimate checked against its compiled programs
         plan = min((p for p, v in table.items() if v[0] <= budget), key=lambda p: cost(table[p]))
-        if plan[:2] in c.heads or plan in checked:
+        if not c.measure(plan):
             break
-        checked.add(plan)
-        table[plan] = c.evaluate(*plan, measured=True)  # the extrapolation checked against the compiled one
     peak, flops, seconds = table[plan]
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
