@@ -422,3 +422,25 @@ def test_a_budget_trains_on_every_tier_and_with_ties_bitwise(row, kwargs, tie, t
 def _train_steps(trainer, batches, mesh):
     from helpers import train_steps
     return train_steps(trainer, batches, mesh)
+
+
+@pytest.mark.slow  # make test-all (two short runs of revtrain train)
+def test_every_step_within_the_least_budget_of_a_tied_model(tmp_path):
+    """The tied default model (the deferred update) at exactly the least budget its refusal names: every
+    step's measured peak is within it (without the deferred update's margin the steps after the first were
+    3,871 bytes over)."""
+    import re
+
+    from helpers import REPO, records, revtrain
+    args = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_LAYERS = 2", "--gin", "D_MODEL = 32",
+            "--gin", "train.batch_size = 8", "--gin", "STEPS = 4", "--gin", "WARMUP = 1", "--gin", "train.log_every = 1",
+            "--gin", "train.sample_every = 0", "--gin", "evaluate.max_batches = 1",
+            "--gin", "RMSNormLanguageModelHead.tie_embedding = True",
+            "--gin", "ReversibleTrainer.budget_objective = 'flops'"]
+    refused = revtrain("train", "--workdir", tmp_path / "r", *args, "--gin", "ReversibleTrainer.memory_budget = 1")
+    assert refused.returncode == 2, refused.stderr
+    least = int(re.search(r"raise it to at least ([\d,]+) bytes", refused.stderr).group(1).replace(",", ""))
+    result = revtrain("train", "--workdir", tmp_path / "w", *args, "--gin", f"ReversibleTrainer.memory_budget = {least}")
+    assert result.returncode == 0, result.stderr
+    peaks = {r["step"]: r["peak_device_bytes"] for r in records(tmp_path / "w") if "peak_device_bytes" in r}
+    assert sorted(peaks) == [1, 2, 3, 4] and all(p <= least for p in peaks.values()), (least, peaks)
