@@ -433,14 +433,16 @@ def test_every_step_within_the_least_budget_of_a_tied_model(tmp_path):
 
     from helpers import REPO, records, revtrain
     args = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_LAYERS = 2", "--gin", "D_MODEL = 32",
-            "--gin", "train.batch_size = 8", "--gin", "STEPS = 4", "--gin", "WARMUP = 1", "--gin", "train.log_every = 1",
+            "--gin", "train.batch_size = 8", "--gin", "STEPS = 4", "--gin", "WARMUP = 1",
+            "--gin", "train.log_every = 1",
             "--gin", "train.sample_every = 0", "--gin", "evaluate.max_batches = 1",
             "--gin", "RMSNormLanguageModelHead.tie_embedding = True",
             "--gin", "ReversibleTrainer.budget_objective = 'flops'"]
     refused = revtrain("train", "--workdir", tmp_path / "r", *args, "--gin", "ReversibleTrainer.memory_budget = 1")
     assert refused.returncode == 2, refused.stderr
     least = int(re.search(r"raise it to at least ([\d,]+) bytes", refused.stderr).group(1).replace(",", ""))
-    result = revtrain("train", "--workdir", tmp_path / "w", *args, "--gin", f"ReversibleTrainer.memory_budget = {least}")
+    result = revtrain("train", "--workdir", tmp_path / "w", *args,
+                      "--gin", f"ReversibleTrainer.memory_budget = {least}")
     assert result.returncode == 0, result.stderr
     peaks = {r["step"]: r["peak_device_bytes"] for r in records(tmp_path / "w") if "peak_device_bytes" in r}
     assert sorted(peaks) == [1, 2, 3, 4] and all(p <= least for p in peaks.values()), (least, peaks)

@@ -243,7 +243,8 @@ MODERN = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_
           "--gin", "ReversibleTrainer.budget_objective = 'flops'"]  # (the same plan on every machine)
 BUDGET_ROWS = [("tied", ["RMSNormLanguageModelHead.tie_embedding = True"], "ReversibleTrainer",
                 "0 backprop, 0 checkpoint, 2 remat, 0 rebuild"),
-               pytest.param("disk tier", ["ReversibleTrainer.offload = 'disk'", "ReversibleTrainer.scan_layers = False"],
+               pytest.param("disk tier",
+                            ["ReversibleTrainer.offload = 'disk'", "ReversibleTrainer.scan_layers = False"],
                             "ReversibleTrainer + offload='disk'", "2 backprop, 0 checkpoint, 0 remat, 0 rebuild",
                             marks=pytest.mark.slow),
                pytest.param("host tier, scanned", ["ReversibleTrainer.offload = True"], "ReversibleTrainer + offload",
@@ -253,9 +254,9 @@ BUDGET_ROWS = [("tied", ["RMSNormLanguageModelHead.tie_embedding = True"], "Reve
 @pytest.mark.parametrize("row, bindings, label, blocks", BUDGET_ROWS)
 def test_plan_with_a_budget_runs_the_budget_planner(row, bindings, label, blocks, tmp_path, capsys, monkeypatch):
     """``revtrain plan`` with ``memory_budget`` on the default model with tied embeddings (the disk tier, and the
-    host tier with the scanned executor, in make test-all: a few minutes each on 2 busy cores): the budget plan's line first (what ``train`` logs),
-    then the memory plan that counts its expected peak; a budget below the least is refused in one line with
-    exit 2, naming the least, as ``train`` refuses it."""
+    host tier with the scanned executor, in make test-all: a few minutes each on 2 busy cores): the budget
+    plan's line first (what ``train`` logs), then the memory plan that counts its expected peak; a budget
+    below the least is refused in one line with exit 2, naming the least, as ``train`` refuses it."""
     monkeypatch.chdir(tmp_path)  # (the disk tier's default offload directory: ./offload)
     gin = [a for b in bindings for a in ("--gin", b)]
     result = revtrain_here(capsys, "plan", *MODERN, *gin, "--gin", "ReversibleTrainer.memory_budget = '200MiB'")
