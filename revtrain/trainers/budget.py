@@ -37,6 +37,12 @@ the trainer refuses, naming that least budget (exit 2 from the CLI).
 
 A scanned run's peak is its scans' (compiled at `_Analysis.RUN_LENGTH` blocks and one more, their extra
 bytes extrapolated to the run's length: a scan's buffers grow with it), counted where each scan starts.
+The plan chosen and the least plan are then compiled as they run (`Candidates.measure`: the head's program
+with its blocks, each run at its own length), so the peak a budget is checked against is never an estimate.
+
+Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
+as the device arrays its programs compute on, its state out of the base and each call adding its layers,
+one being written and one read ahead; a tied parameter's user (the head) with its tied leaves in its tree.
 
 Limits: measured seconds vary from start to start by a few percent, so two plans that
 close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is
