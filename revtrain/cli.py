@@ -489,6 +489,9 @@ def _run(args) -> int:
         _check_macros_used(args.gin)
         from revtrain import memory_plan
         run = loop.build()
+        budget = memory_plan.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
+        if budget is not None:
+            print(budget.line())
         plans = memory_plan.choices(run, with_standard=True)
         print(plans[0].line())
         print(memory_plan.table(plans))

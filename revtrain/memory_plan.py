@@ -832,6 +832,26 @@ def _host_memory_supported(mesh) -> bool:
     return host_memory_supported(mesh)
 
 
+def plan_budget(run):
+    """The run's memory budget plan (`revtrain.trainers.budget.BudgetPlan`) when its trainer has
+    ``memory_budget``, else None: the trainer's own planner on the run's batch shapes, as ``revtrain train``
+    runs it before placing the state (the blocks' modes are set on the trainer, so `plan_run` then counts the
+    plan's expected peak: `Setup.budget_peak`). Its log line is left to the caller. None also for a task
+    without ``input_spec`` (``train`` then plans at its first step).
+
+    Raises:
+      TrainerError: the budget is below the least any plan needs (one line naming that least budget).
+    """
+    if getattr(run.trainer, "memory_budget", None) is None:
+        return None
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        return None
+    from revtrain import metrics as metrics_lib
+    with metrics_lib.silenced():
+        return run.trainer.plan_budget(spec)
+
+
 def plan_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
     """The plan of a built run (`revtrain.loop.build`): its model, trainer and batch."""
     local = _local_devices(run.mesh)

@@ -19,6 +19,9 @@ is a step at its own peak) and a markdown table on stdout.
 ``--point 'budgeted fused' --budget 4GiB --depth 16``: one budgeted trainer in this process (2 warm-up steps,
 ``--rounds`` timed steps, the meter on the last: the allocator's peak on a GPU); prints one JSON record with
 its plan. scripts/gpu_report.sh runs the budget curve this way, one process per budget.
+
+A budget is a bound: either form exits with status 1, naming them, when a budgeted trainer's measured
+peak is over its budget (the records are written first).
 """
 
 from __future__ import annotations
@@ -217,7 +220,11 @@ def main():
     args = p.parse_args()
     if args.point:
         import json
-        print(json.dumps(point(args)))
+        rec = point(args)
+        print(json.dumps(rec))
+        if rec.get("within_budget") is False:  # a budget is a bound: a step over it fails the run
+            raise SystemExit(f"{args.point}: measured peak {rec['peak_device_bytes']:,} bytes over its budget "
+                             f"{rec['budget']:,}")
         return
     mesh = make_mesh(jax.devices()[:1])
     records = []
@@ -226,6 +233,10 @@ def main():
         for r in records:
             r["d_model"], r["seq"], r["batch"] = args.d_model, args.seq, args.batch
         common.write_outputs(records, args.out, table, plot, args.plot)  # after each depth: partial results kept
+    over = [r for r in records if r.get("within_budget") is False]
+    if over:  # a budget is a bound: any budgeted step over its budget fails the bench
+        raise SystemExit("measured peak over its budget: " + "; ".join(
+            f"depth {r['depth']} {r['config']} at {r['budget']:,} bytes: {r['peak_device_bytes']:,}" for r in over))
 
 
 if __name__ == "__main__":

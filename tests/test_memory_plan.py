@@ -233,3 +233,41 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path, capsys):
                            "--workdir", str(tmp_path / "off"))
     assert result.returncode == 0, result.stderr
     assert "plan_host_bytes" not in json.loads(open(tmp_path / "off" / "metrics" / "train.jsonl").readline())
+
+
+# ------------------------------------------------------------------------------------------------
+# `revtrain plan` with a memory budget runs the budget's planner (issue 53: it said "fits" where train crashed).
+# ------------------------------------------------------------------------------------------------
+MODERN = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_LAYERS = 2", "--gin", "D_MODEL = 32",
+          "--gin", "train.batch_size = 8", "--gin", "STEPS = 6", "--gin", "WARMUP = 1",
+          "--gin", "ReversibleTrainer.budget_objective = 'flops'"]  # (the same plan on every machine)
+BUDGET_ROWS = [("tied", ["RMSNormLanguageModelHead.tie_embedding = True"], "ReversibleTrainer",
+                "0 backprop, 0 checkpoint, 2 remat, 0 rebuild"),
+               pytest.param("disk tier",
+                            ["ReversibleTrainer.offload = 'disk'", "ReversibleTrainer.scan_layers = False"],
+                            "ReversibleTrainer + offload='disk'", "2 backprop, 0 checkpoint, 0 remat, 0 rebuild",
+                            marks=pytest.mark.slow),
+               pytest.param("host tier, scanned", ["ReversibleTrainer.offload = True"], "ReversibleTrainer + offload",
+                            "2 backprop, 0 checkpoint, 0 remat, 0 rebuild", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("row, bindings, label, blocks", BUDGET_ROWS)
+def test_plan_with_a_budget_runs_the_budget_planner(row, bindings, label, blocks, tmp_path, capsys, monkeypatch):
+    """``revtrain plan`` with ``memory_budget`` on the default model with tied embeddings (the disk tier, and the
+    host tier with the scanned executor, in make test-all: a few minutes each on 2 busy cores): the budget
+    plan's line first (what ``train`` logs), then the memory plan that counts its expected peak; a budget
+    below the least is refused in one line with exit 2, naming the least, as ``train`` refuses it."""
+    monkeypatch.chdir(tmp_path)  # (the disk tier's default offload directory: ./offload)
+    gin = [a for b in bindings for a in ("--gin", b)]
+    result = revtrain_here(capsys, "plan", *MODERN, *gin, "--gin", "ReversibleTrainer.memory_budget = '200MiB'")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip().splitlines()
+    assert out[0].startswith(f"memory budget 200.0 MiB: blocks {blocks} (exact); expected peak "), (row, out[0])
+    assert out[1].startswith(f"memory plan ({label}, ") and out[1].endswith("; fits"), (row, out[1])
+    assert "the memory budget's plan of the step" in out[-1]
+    result = revtrain_here(capsys, "plan", *MODERN, *gin, "--gin", "ReversibleTrainer.memory_budget = '64KiB'")
+    assert result.returncode == 2, result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("revtrain: error: ReversibleTrainer.memory_budget 0.1 MiB is "
+                                                     "below the least this step needs: "), errors
+    assert "raise it to at least" in errors[0] and result.stdout == ""

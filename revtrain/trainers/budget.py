@@ -37,10 +37,18 @@ the trainer refuses, naming that least budget (exit 2 from the CLI).
 
 A scanned run's peak is its scans' (compiled at `_Analysis.RUN_LENGTH` blocks and one more, their extra
 bytes extrapolated to the run's length: a scan's buffers grow with it), counted where each scan starts.
+The plan chosen and the least plan are then compiled as they run (`Candidates.measure`: the head's program
+with its blocks, each run at its own length), so the peak a budget is checked against is never an estimate.
+
+Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
+as the device arrays its programs compute on, its state out of the base and each call adding its layers,
+one being written and one read ahead; a tied parameter's user (the head) with its tied leaves in its tree.
 
 Limits: measured seconds vary from start to start by a few percent, so two plans that
-close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers) is estimated from the fused update's
-programs plus its gradient buffer; tied parameters keep backprop off (the tie's owner would need the
+close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is
+estimated from the fused update's programs plus its gradient buffer and a measured margin of its largest layer's
+weights (its update passes are not compiled here: the tied default model at depth 2 stepped 3,871 bytes over
+its least budget without it); tied parameters keep backprop off (the tie's owner would need the
 head's program); a stack of different blocks is planned with the same (k, h, r) rule, k + h limited to the
 blocks under the head that equal the top one.
 
@@ -54,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+import types
 import warnings
 
 import jax
@@ -220,6 +229,40 @@ def _device_bytes(tree) -> int:
                if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
 
 
+def _stacked(tree, n: int):
+    """An abstract tree stacked ``n`` times along a new leading layer axis, each leaf where its layer's lives:
+    its memory kind kept (a stack of offloaded weights stays in host memory, as `Residency.place_stacked`
+    puts it) and its spec with the layer axis unsplit. (A stack without memory kinds made the scanned
+    reverse program of offloaded weights mix a device stack with its host slices.)"""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
+        else:
+            sharding = None
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def _program_state(trainer, held):
+    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): the disk tier's
+    layers as device arrays (its programs compute on the layer read from the file), and a tied parameter's
+    user (the head) with its tied leaves in its tree, as the head's program computes on them (the deferred
+    update passes them in beside its own; here they count as its own, a bound)."""
+    params, opt = list(held.params), list(held.opt_state)
+    rep = NamedSharding(trainer.mesh, P())
+    place = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
+    shapes = trainer.model.param_shapes()
+    users = {tie.user for tie in trainer.model.ties}
+    for i, layer in enumerate(trainer.model.layers):
+        if trainer.on_disk or i in users:
+            like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
+            tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
+            params[i], opt[i] = place(tree, like), place(jax.eval_shape(trainer.tx.init, tree), like)
+    return types.SimpleNamespace(params=params, opt_state=opt, layer_state=list(held.layer_state))
+
+
 def _compile(program, args):
     with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
         warnings.simplefilter("ignore")
@@ -235,14 +278,19 @@ class _Analysis:
         self.mesh = t.mesh
         data = NamedSharding(self.mesh, P(DATA_AXIS))
         self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
-        self.abstract = t.abstract_state()
+        self.state = t.abstract_state()  # the state as it is held (the disk tier's: layer files)
+        self.abstract = _program_state(t, self.state)  # ... as the programs take it
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
         self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
         self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
-        self.offload = t.offload
+        self.offload = t.offload  # kept inputs in host memory (the host tier)
+        self.on_disk = t.on_disk
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
+        # The disk tier: beside a program's own layer, one layer being written and one read ahead (read only
+        # once the program before has run: with its temporaries or in their place; `disk_tier.StepStream`).
+        self.in_flight = max(self.moved) if self.on_disk else 0
         # Each layer's input shapes (global, split over "data").
         x = self.batch[t.model.input_key]
         self.inputs = []
@@ -274,7 +322,11 @@ class _Analysis:
                 flops = float(cost.get("flops", 0.0))
             except Exception:  # noqa: BLE001 (a backend without cost analysis)
                 flops = 0.0
-            self.cache[key] = Cost(extra + (moved if self.offload else 0), flops, seconds)
+            if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
+                extra = moved + self.in_flight + max(extra, self.in_flight)
+            elif self.offload:  # its layer moved in from host memory
+                extra += moved
+            self.cache[key] = Cost(extra, flops, seconds)
         return self.cache[key]
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
@@ -284,7 +336,7 @@ class _Analysis:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
         the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
         t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
-        stack = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), tree)  # noqa: E731
+        stack = lambda tree: _stacked(tree, n)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
         fwd, bwd = self.RUN_KINDS[backward_kind]
         f = self._read(("fwd_run", fwd, layer, n), t._run_fn(fwd, layer, n),
@@ -337,8 +389,7 @@ class _Analysis:
         stacked = h >= 2 and t.scan_layers and t._scans(CHECKPOINT)
         groups = ([(n - k - h, h)] if stacked else [(i, 1) for i in range(n - k - h, n - k)]) + \
             [(i, 1) for i in range(n - k, n)]
-        stack = lambda tree, c: tree if c == 1 else jax.tree.map(  # noqa: E731
-            lambda x: jax.ShapeDtypeStruct((c, *x.shape), x.dtype), tree)
+        stack = lambda tree, c: tree if c == 1 else _stacked(tree, c)  # noqa: E731
         args = (tuple(stack(a.params[i], c) for i, c in groups), tuple(stack(a.opt_state[i], c) for i, c in groups),
                 tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
                 self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
@@ -395,9 +446,10 @@ def _scan_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
     return dataclasses.replace(cost, flops=_backprop_head(costs, k).flops + h * one)
 
 
-def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, float, float]:
+def _simulate(an: _Analysis, modes: list, head: Cost, base: int, exact: bool = False) -> tuple[int, float, float]:
     """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
-    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block."""
+    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block.
+    ``exact``: a run's bytes from its scans compiled at its own length (else extrapolated, `run_extra`)."""
     n = len(modes)
     below = n - count_in_head(modes)
     act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
@@ -415,7 +467,10 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int) -> tuple[int, f
             start, count = runs[i]
             fr, br = an.run_costs(i, bk)
             seconds += fr.seconds + br.seconds
-            fe, be = an.run_extra(i, bk, count)
+            if exact:
+                fe, be = (c.extra for c in an.run_costs(i, bk, count))
+            else:
+                fe, be = an.run_extra(i, bk, count)
             f = dataclasses.replace(f, extra=fe if i == start else 0)  # (the forward scan starts at the lowest,
             b = dataclasses.replace(b, extra=be if i == start + count - 1 else 0)  # the backward at the top)
         else:
@@ -457,10 +512,17 @@ class Candidates:
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
         self.heads = self._heads()
-        a = self.an.abstract
-        self.base = _device_bytes((a.params, a.opt_state, a.layer_state)) + _nbytes(self.an.batch) + SLACK_BYTES
-        if trainer.deferred and not trainer.offload:
-            self.base += _device_bytes(a.params)  # the gradient buffers, beside the weights
+        self.measured: set = set()  # plans whose table entry is from their compiled programs (`measure`)
+        held = self.an.state
+        self.base = _nbytes(self.an.batch) + _nbytes(held.layer_state) + SLACK_BYTES
+        if not trainer.on_disk:  # (the disk tier's weights and optimizer state: in flight, counted per call)
+            self.base += _device_bytes((held.params, held.opt_state))
+        if trainer.deferred and not trainer.offload and not trainer.on_disk:
+            self.base += _device_bytes(held.params)  # the gradient buffers, beside the weights
+        for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
+            self.base += _nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
+        if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
+            self.base += max(_nbytes(p) for p in self.an.abstract.params)
         self.table = {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
                       for h in range(self.max_top - k + 1)
                       for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
@@ -477,7 +539,7 @@ class Candidates:
             self.an.timed = True
             self.an.blocks.clear()  # (looked up again: each program is timed on its first look-up)
             self.heads = self._heads()
-            self.table = {plan: self.evaluate(*plan) for plan in self.table}
+            self.table = {plan: self.evaluate(*plan, measured=plan in self.measured) for plan in self.table}
 
     def modes(self, k: int, h: int, r: int) -> list:
         """The top ``k`` blocks backprop, the ``h`` under them checkpoint, the lowest ``r`` other reversible
@@ -490,11 +552,20 @@ class Candidates:
             modes[i] = REMAT
         return modes
 
+    def measure(self, plan: tuple) -> bool:
+        """Replaces ``plan``'s estimate in `table` by its compiled programs' (`evaluate` ``measured``); False
+        when it was measured already (nothing changed)."""
+        if plan in self.measured:
+            return False
+        self.measured.add(plan)
+        self.table[plan] = self.evaluate(*plan, measured=True)
+        return True
+
     def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
-        """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: the head's program with those
-        blocks compiled, not extrapolated."""
+        """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: every program of the plan
+        compiled as it runs (the head's with those blocks, each scanned run at its length), none extrapolated."""
         head = _scan_flops(self.heads, k, h, self.an.head(k, h)) if measured else _head_cost(self.heads, k, h)
-        return _simulate(self.an, self.modes(k, h, r), head, self.base)
+        return _simulate(self.an, self.modes(k, h, r), head, self.base, exact=measured)
 
 
 def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
@@ -513,28 +584,30 @@ def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops"
     if key not in cache:
         cache[key] = Candidates(trainer, batch_spec, will_time=timed)  # (timed once the budget is known to fit)
     c = cache[key]
-    # (the least over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks together)
+    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
+    # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
     sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
-    least = min(v[0] for p, v in c.table.items() if sure(p))
+    while True:
+        lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
+        if not c.measure(lowest):
+            break
+    least = c.table[lowest][0]
     if budget >= least and timed:
         c.time()
-    table = c.table  # (a head compiled below replaces its estimate here for the next budget too)
+    table = c.table  # (a plan compiled below replaces its estimate here for the next budget too)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
     most = min(table.values(), key=cost)[0]
     if budget < least:
-        k, h, r = min((p for p in table if sure(p)), key=lambda plan: table[plan][0])
+        k, h, r = lowest
         how = ("every block rebuilt" if k == h == r == 0 else
                f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
                            f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
                            f"{least:,} bytes or shrink the batch")
-    checked = set()
-    while True:
+    while True:  # the fastest plan that fits, its estimate checked against its compiled programs
         plan = min((p for p, v in table.items() if v[0] <= budget), key=lambda p: cost(table[p]))
-        if plan[:2] in c.heads or plan in checked:
+        if not c.measure(plan):
             break
-        checked.add(plan)
-        table[plan] = c.evaluate(*plan, measured=True)  # the extrapolation checked against the compiled one
     peak, flops, seconds = table[plan]
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
