@@ -151,7 +151,8 @@ def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
         disk_tier.LayerWeights(ts.params)[1]
     with pytest.raises(disk_tier.DamagedFile, match=why):
         trainer.train_step(ts, global_batch({"inputs": _batches(1)[0], "targets": _batches(1)[0]}, trainer.mesh))
-    with pytest.raises(ckpt_lib.DamagedCheckpoint, match=r"at step 2 cannot be restored: DamagedFile: .*layer_00001.bin: weight leaf 1 "):
+    damaged = r"at step 2 cannot be restored: DamagedFile: .*layer_00001.bin: weight leaf 1 "
+    with pytest.raises(ckpt_lib.DamagedCheckpoint, match=damaged):
         checkpointer.restore(trainer.abstract_state())
     disk_tier.read_leaves(ref.path, ref.layout, "opt", sums=ref.sums)  # the other leaves are intact
     # A checkpoint of before checksums: read unverified, with a note.
