@@ -451,16 +451,17 @@ class Checkpointer:
                 if isinstance(p_t, disk_tier.DiskLayer) or o_t is not None:
                     disk_tier.check_layout(entries[g], layout, g)
                 path = os.path.join(saved["directory"], entries[g]["file"])
-                ref = disk_tier.DiskLayer(layout, path)
+                sums = entries[g].get(disk_tier.CHECKSUM)  # (carried on, so later reads are checked too)
+                ref = disk_tier.DiskLayer(layout, path, None if sums is None else tuple(int(x, 16) for x in sums))
                 if isinstance(p_t, disk_tier.DiskLayer) and (optimizer_state or files):
                     params.append(ref)
                     opt_state.append(ref if optimizer_state else None)
                 elif not optimizer_state:
-                    params.append(disk_tier.read_tree(path, layout, "params"))
+                    params.append(disk_tier.read_tree(path, layout, "params", sums=ref.sums))
                     opt_state.append(None)
                 else:
-                    params.append(_placed(disk_tier.read_tree(path, layout, "params"), p_t))
-                    opt_state.append(_placed(disk_tier.read_tree(path, layout, "opt"), o_t))
+                    params.append(_placed(disk_tier.read_tree(path, layout, "params", sums=ref.sums), p_t))
+                    opt_state.append(_placed(disk_tier.read_tree(path, layout, "opt", sums=ref.sums), o_t))
                 s_t = template.layer_state[g]
                 leaves = [saved["layer_state"][f"l{g}_{k}"] for k in range(len(jax.tree.leaves(s_t)))]
                 layer_state.append(_placed(jax.tree.unflatten(jax.tree.structure(s_t), leaves), s_t))

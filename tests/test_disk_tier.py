@@ -20,7 +20,7 @@ from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.reversible import ReversibleTrainer
 
-from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain, run_worker
+from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain, revtrain_here, run_worker
 from helpers import losses as logged_losses
 from helpers import records_by_step
 
@@ -187,6 +187,49 @@ def test_checkpoint_is_hard_links_and_restores(tmp_path):
     checkpointer.close()
 
 
+def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
+    """Each leaf's checksum is made as the file is written and checked on every read: a flipped byte is one line
+    naming the file, from a step's read, `LayerWeights` and a checkpoint's restore; a checkpoint without checksums
+    (written before them) restores unverified with a note."""
+    trainer, ts, _, _, _ = _train("disk", str(tmp_path / "tier"), steps=2)
+    ref = ts.params[1]
+    assert ref.sums is not None and len(ref.sums) == len(ref.layout.shapes)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    item = tmp_path / "run" / "checkpoints" / "2" / "disk_state"
+    index = json.loads((item / disk_tier.INDEX).read_text())
+    assert index["layers"][1][disk_tier.CHECKSUM] == [f"{x:016x}" for x in ref.sums]
+    # One byte of the second weight leaf flipped (the checkpoint's file is the live file: one inode).
+    with open(item / "layer_00001.bin", "r+b") as f:
+        f.seek(ref.layout.offsets[1] + 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    why = f"{ref.path}: weight leaf 1 does not match its xxh3_64 checksum"
+    with pytest.raises(disk_tier.DamagedFile, match=why):
+        disk_tier.read_leaves(ref.path, ref.layout, "params", sums=ref.sums)
+    with pytest.raises(disk_tier.DamagedFile, match=why):
+        disk_tier.LayerWeights(ts.params)[1]
+    with pytest.raises(disk_tier.DamagedFile, match=why):
+        trainer.train_step(ts, global_batch({"inputs": _batches(1)[0], "targets": _batches(1)[0]}, trainer.mesh))
+    damaged = r"at step 2 cannot be restored: DamagedFile: .*layer_00001.bin: weight leaf 1 "
+    with pytest.raises(ckpt_lib.DamagedCheckpoint, match=damaged):
+        checkpointer.restore(trainer.abstract_state())
+    disk_tier.read_leaves(ref.path, ref.layout, "opt", sums=ref.sums)  # the other leaves are intact
+    # A checkpoint of before checksums: read unverified, with a note.
+    for entry in index["layers"]:
+        entry.pop(disk_tier.CHECKSUM)
+    (item / disk_tier.INDEX).write_text(json.dumps(index))
+    capfd.readouterr()
+    restored = checkpointer.restore(trainer.abstract_state())
+    assert restored.step == 2 and all(r.sums is None for r in restored.params)
+    n = len(ts.params)
+    assert (f"has no checksums for {n} of its {n} layer files (written before they existed): those are read "
+            "unverified") in capfd.readouterr().err
+    checkpointer.close()
+
+
 def _revtrain(*args, script=None, prefix=(), timeout=300):
     if script is None:
         return revtrain(*args, prefix=prefix, timeout=timeout)
@@ -275,6 +318,35 @@ def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys
         samples.append(out.read_bytes())
     assert "sampling streams the disk tier's weights layer by layer" in capsys.readouterr().err
     assert samples[0] == samples[1] and len(samples[0]) > 4
+
+
+def test_a_flipped_byte_sets_the_checkpoint_aside_and_the_run_resumes_from_the_one_before(tmp_path, capfd):
+    """One byte flipped in a weight leaf of the newest checkpoint's layer file: the rerun says so in one line
+    naming the file, sets that checkpoint aside, resumes from the one before and ends with the uninterrupted
+    run's losses and layer files, byte for byte."""
+    workdir = tmp_path / "run"
+    args = ["train", "--config", LLAMA, *DISK, "--gin", "STEPS = 3", "--workdir", str(workdir)]
+    result = revtrain_here(capfd, *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    whole, files = logged_losses(workdir), _final_params(workdir, 3)
+    item = workdir / "checkpoints" / "3" / "disk_state"
+    entry = json.loads((item / disk_tier.INDEX).read_text())["layers"][2]
+    with open(item / entry["file"], "r+b") as f:  # the middle of its first weight leaf
+        (shape, dtype, offset) = entry["leaves"][0]
+        f.seek(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    result = revtrain_here(capfd, *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "damaged" in line]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("skipping the damaged checkpoint at step 3 (DamagedFile: ")
+    assert f"{item / entry['file']}: weight leaf 0 does not match its xxh3_64 checksum" in lines[0]
+    assert f"moved it to {workdir / 'damaged_checkpoints' / '3'}" in lines[0]
+    assert "resumed from checkpoint at step 2" in result.stderr
+    assert logged_losses(workdir) == whole
+    assert _final_params(workdir, 3) == files
 
 
 # A 126 M-parameter Llama of 20 exact reversible blocks: 1.41 GiB of weights and AdamW state.
