@@ -12,8 +12,8 @@ depth 2, d_model 32, 4 steps, a checkpoint every 2. A cell passes when it either
   knobs, and that within the tolerance of StandardTrainer; or
 * is refused in one line with exit status 2 (no traceback) before it trains.
 
-A crash (exit 1, a traceback) or a mismatch fails the cell; the crashes known today (`KNOWN_CRASHES`, issue
-53's table) are marked xfail, not strictly. Cells on one device run in this process (`helpers.revtrain_here`:
+A crash (exit 1, a traceback) or a mismatch fails the cell (issue 53 found three: a budget beside the disk tier,
+beside the host tier's scanned executor, beside tied embeddings). Cells on one device run in this process (`helpers.revtrain_here`:
 no interpreter to start, programs compiled once); those with ``shard_state`` run on 2 simulated devices in a
 subprocess, beside references on 2 devices. `make test` runs `FAST`, a subset of the pairwise cells in which
 every value of every knob but ``shard_state`` appears; `make test-all` runs every pairwise cell and, in each
@@ -70,18 +70,6 @@ NOT_BITWISE = {
     ("rebuild", "'fenced'"): (1e-6, "docs/rebuild.md: the fenced forward does not round like backprop's"),
 }
 
-# Cells that crash today (issue 53's table); another branch fixes them. xfail, not strict: they pass once fixed.
-KNOWN_CRASHES = [
-    ({"memory_budget": "'256MiB'", "offload": "'disk'"},
-     "issue 53: memory_budget + offload = 'disk': AttributeError: 'DiskLayer' object has no attribute 'shape'"),
-    ({"memory_budget": "'256MiB'", "offload": "True", "scan_layers": "True"},
-     "issue 53: memory_budget + offload = True + the scanned executor: ValueError: memory_space of all inputs "
-     "passed to dynamic_update_slice must be the same"),
-    ({"memory_budget": "'256MiB'", "tie_embedding": "True"},
-     "issue 53: tie_embedding + memory_budget: ValueError: Too few leaves for PyTreeDef; expected 3, got 2"),
-]
-
-
 # ------------------------------------------------------------------------------------------------
 # The matrix.
 # ------------------------------------------------------------------------------------------------
@@ -111,14 +99,14 @@ def all_pairs(knobs: dict, requires: dict | None = None) -> list[dict]:
     return cells
 
 
-def every_value(cells: list[dict], knobs: dict, refs=lambda c: (), avoid=lambda c: False) -> list[dict]:
+def every_value(cells: list[dict], knobs: dict, refs=lambda c: ()) -> list[dict]:
     """A few of ``cells`` in which every non-default value of every knob appears, the fast tier's choice:
-    greedily the cell showing the most values not yet shown, then one ``avoid`` does not match, then the one
+    greedily the cell showing the most values not yet shown, then the one
     needing the fewest reference runs not needed yet (``refs(cell)``: their keys), then the first."""
     missing = {(n, v) for n in knobs for v in knobs[n][1][1:]}
     chosen, have = [], set()
     while missing:
-        best = max(cells, key=lambda c: (sum((n, v) in missing for n, v in c.items()), not avoid(c),
+        best = max(cells, key=lambda c: (sum((n, v) in missing for n, v in c.items()),
                                          -len(set(refs(c)) - have)))
         chosen.append(best)
         missing -= set(best.items())
@@ -167,25 +155,13 @@ CELLS = [{n: KNOBS[n][1][0] for n in KNOBS}] + all_pairs(KNOBS, REQUIRES)
 
 
 def _marks(cell: dict, slow: bool) -> list:
-    marks = [pytest.mark.slow] if slow else []
-    reason = _known_crash(cell)
-    if reason is not None:
-        marks.append(pytest.mark.xfail(strict=False, reason=reason))
-    return marks
-
-
-def _known_crash(cell: dict) -> str | None:
-    for knobs, reason in KNOWN_CRASHES:
-        if all(cell.get(n) == v for n, v in knobs.items()):
-            return reason
-    return None
+    return [pytest.mark.slow] if slow else []
 
 
 # The fast tier leaves out the cells that need 2 devices (two interpreters each, cell and reference: about as
 # much as the rest of the fast tier); tests/test_shard.py keeps shard_state in make test.
 FAST = every_value([c for c in CELLS if devices_of(c) == 1], {n: k for n, k in KNOBS.items() if n != "shard_state"},
-                   refs=lambda c: [_reference_key(c), (name_of(c), devices_of(c))],
-                   avoid=lambda c: _known_crash(c) is not None)
+                   refs=lambda c: [_reference_key(c), (name_of(c), devices_of(c))])
 
 
 def _params(cells: list[dict], slow: bool) -> list:
