@@ -811,9 +811,9 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
       one layer, plus the deferred update's whole-model buffer where the setup has one;
     * **activations**: the reversible trainer's as `plan` counts them (the saved inputs of its standard
       layers, the current activation and its cotangent, the batch: the layers' output shapes, traced with
-      ``jax.eval_shape`` by `_Programs.output`, cached in ``programs`` for a later `plan`); `StandardTrainer`'s
-      batch alone, since `plan` takes its residuals from the compiled step (XLA keeps fewer than the vjp's
-      residuals at many shapes: 0.7-0.8 of them at d_model 128-768);
+      ``jax.eval_shape`` by `_Programs.output`, cached in ``programs`` for a later `plan`); none of
+      `StandardTrainer`'s, since `plan` takes its residuals from the compiled step (XLA keeps fewer than the
+      vjp's residuals at many shapes: 0.70-0.80 of them at d_model 128-768);
     * **temporaries**: only `StandardTrainer`'s fixed share of the weights (`STANDARD_EXTRA_FRACTION`), no
       compiled program's;
     * **runtime** on the host (`RUNTIME_BYTES`); what a save or an evaluation holds beyond a step: 0.
@@ -861,7 +861,7 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
         acts, temp = saved_std + 2 * max(_nbytes(a) for a in inputs) + _nbytes(batch), 0
     else:
         grads = _nbytes(pshapes)
-        acts, temp = _nbytes(batch), int(STANDARD_EXTRA_FRACTION * weights)
+        acts, temp = 0, int(STANDARD_EXTRA_FRACTION * weights)
     one_tier = platform == "cpu"
     device = dict.fromkeys(PARTS, 0)
     host = dict.fromkeys(PARTS, 0)
