@@ -48,6 +48,13 @@ ancestors with a limit (v1: ``memory.limit_in_bytes`` under /sys/fs/cgroup/memor
 limit less what other processes of the group hold (its anonymous memory less ours; page cache can be
 reclaimed and is not counted).
 
+**The floor.** The weights, optimizer state and gradients need no compiled program (shapes, and
+``jax.eval_shape`` of the optimizer's init), the temporaries do: compiling StandardTrainer's whole step for the
+1.44 B Llama took over a minute on two CPU cores. `floor` counts the parts known without compiling, a lower
+bound of each tier; a run (and each alternative a refusal weighs, and each row of
+``revtrain plan``) whose floor does not fit is refused from it before anything is compiled (`check_everywhere`,
+`choices`).
+
 The parts are those of the design floor: one copy of the weights and optimizer state (12 bytes a
 parameter for AdamW in float32 with the fused update), as a run holds them once init, checkpoint save and
 restore stop copying; docs/memory.md gives the measured peaks against the plan.
@@ -515,6 +522,8 @@ class MemoryPlan:
       sources: tier -> where the limit came from (``"MemAvailable 20.1 GiB + ..."``).
       method: how the temporaries were found (compiled per-layer programs, analytic for StandardTrainer).
       num_params: trainable scalars (a tied leaf once).
+      floor: made by `floor` from shapes alone (nothing compiled): each tier's total is at most what `plan`
+        says, so it is a lower bound (`shortfall` says "at least").
     """
 
     setup: Setup
@@ -524,6 +533,7 @@ class MemoryPlan:
     method: str
     num_params: int
     io: dict | None = None  # the disk tier's step I/O (`_io`): bytes read, written, bandwidth, seconds
+    floor: bool = False
 
     def total(self, tier: str) -> int:
         """Estimated peak bytes of ``tier``."""
@@ -547,6 +557,8 @@ class MemoryPlan:
     def line(self) -> str:
         """One log line: the choice, each tier's total, limit and parts, and whether it fits."""
         verdict = "fits" if self.fits else "does NOT fit"
+        if self.floor:
+            verdict += f" ({FLOOR_METHOD})"
         return (f"memory plan ({self.setup.label}, {self.num_params:,} params, batch {self.setup.batch_size}): "
                 + "; ".join(self._tier_text(t) for t in self.tiers) + self._io_text() + f"; {verdict}")
 
@@ -575,8 +587,10 @@ class MemoryPlan:
         return out
 
     def shortfall(self) -> str:
-        """The tiers over their limits: ``"host needs 23.10 GiB of 20.00 GiB (MemAvailable ...)"``."""
-        return "; ".join(f"{t} needs {gib(self.total(t))} of {gib(self.limits[t])} ({self.sources[t]})"
+        """The tiers over their limits: ``"host needs 23.10 GiB of 20.00 GiB (MemAvailable ...)"`` (``"needs
+        at least"`` for a `floor`)."""
+        needs = "needs at least" if self.floor else "needs"
+        return "; ".join(f"{t} {needs} {gib(self.total(t))} of {gib(self.limits[t])} ({self.sources[t]})"
                          for t in self.tiers if not self.fits_tier(t))
 
 
@@ -778,6 +792,137 @@ def pinned_limit() -> tuple[int, str]:
     return int(gb * 2**30), ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" if raw else f"XLA's pinned host pool default, {gb:g} GB")
 
 
+# -- the floor: shapes alone ---------------------------------------------------------------------------------
+
+FLOOR_METHOD = "from shapes alone, nothing compiled"
+
+
+def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
+          programs: _Programs | None = None, platform: str | None = None, global_devices: int | None = None,
+          disk: dict | None = None) -> MemoryPlan:
+    """The least `plan` says for ``setup``, from shapes alone: no program is compiled (a second or less).
+
+    Each tier gets, in the places `plan` puts them (the host with offload, the layers in flight and the disk
+    with the disk tier, one device's share with ``shard_state``), the parts `plan` finds without compiling:
+
+    * **weights** (the layers' ``param_shapes``, a tied leaf once) and **optimizer state**
+      (``jax.eval_shape(tx.init, ...)`` of each layer's);
+    * **gradients**: `StandardTrainer`'s whole tree (once, even with microbatches); the reversible trainer's
+      one layer, plus the deferred update's whole-model buffer where the setup has one;
+    * **activations**: the reversible trainer's as `plan` counts them (the saved inputs of its standard
+      layers, the current activation and its cotangent, the batch: the layers' output shapes, traced with
+      ``jax.eval_shape`` by `_Programs.output`, cached in ``programs`` for a later `plan`); none of
+      `StandardTrainer`'s, since `plan` takes its residuals from the compiled step (XLA keeps fewer than the
+      vjp's residuals at many shapes: 0.70-0.80 of them at d_model 128-768);
+    * **temporaries**: only `StandardTrainer`'s fixed share of the weights (`STANDARD_EXTRA_FRACTION`), no
+      compiled program's;
+    * **runtime** on the host (`RUNTIME_BYTES`); what a save or an evaluation holds beyond a step: 0.
+
+    Every part left out is a size `plan` adds to these, and its compiled figure of `StandardTrainer`'s whole
+    step holds the gradient tree (twice or more of it at every size measured), so each tier's total is at most
+    `plan`'s: a floor that does not fit means the plan does not fit either, and the run can be refused before
+    any program is compiled (docs/memory.md: the 1.44 B `StandardTrainer` refusal).
+
+    Args:
+      model, setup, batch_spec, num_devices, limits, programs, platform, global_devices, disk: as for `plan`.
+
+    Returns:
+      a `MemoryPlan` with ``floor=True`` and ``method`` `FLOOR_METHOD` (no ``io``).
+    """
+    programs = programs or _Programs()
+    platform = platform or jax.local_devices()[0].platform
+    n = max(num_devices, 1)
+    m = setup.microbatches
+    b = max(setup.batch_size // max(global_devices or n, 1) // m, 1)
+    reversible = setup.trainer == "reversible"
+    pshapes = layer_param_shapes(model)
+    oshapes = [jax.eval_shape(setup.optimizer.init, p) for p in pshapes]
+    keys = jax.ShapeDtypeStruct((b, 2), jnp.uint32)
+    batch = _local(batch_spec, b)
+    x, inputs, saved_std = batch[model.input_key], [], 0
+    for layer in (model.layers if reversible else ()):  # its activations, as `plan` counts them (traced)
+        inputs.append(x)
+        if layer.is_head:
+            break
+        if not layer.reversible:
+            saved_std += _nbytes(x)
+        x = programs.output(layer, layer.param_shapes, layer.state_shapes, x, keys)
+    if setup.shard_state:
+        weights = sum(_shard_bytes(p, n) for p in pshapes)
+        opt = sum(_shard_bytes(o, n) for o in oshapes)
+    else:
+        weights, opt = _nbytes(pshapes), _nbytes(oshapes)
+    layer_bytes = [_nbytes(p) for p in pshapes]
+    layer_state = [lb + _nbytes(o) for lb, o in zip(layer_bytes, oshapes)]
+    one_layer = max(layer_bytes)
+    offload, on_disk = reversible and setup.offload, reversible and setup.disk
+    if reversible:
+        grads = one_layer + (weights if setup.deferred else 0)
+        acts, temp = saved_std + 2 * max(_nbytes(a) for a in inputs) + _nbytes(batch), 0
+    else:
+        grads = _nbytes(pshapes)
+        acts, temp = 0, int(STANDARD_EXTRA_FRACTION * weights)
+    one_tier = platform == "cpu"
+    device = dict.fromkeys(PARTS, 0)
+    host = dict.fromkeys(PARTS, 0)
+    host["runtime"] = RUNTIME_BYTES
+    if on_disk:  # the layers in flight (as `plan` counts them)
+        lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+        if setup.shard_state:
+            lw, lo = -(-lw // n), -(-lo // n)
+        device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
+        host["weights"], host["optimizer_state"] = lw, lo
+        if setup.deferred:
+            device["gradients"], host["gradients"] = 2 * lw + _tied_bytes(model), lw
+        device["activations"] = acts
+    elif offload:
+        host["weights"], host["optimizer_state"] = weights * n, opt * n
+        host["gradients"], host["activations"] = (grads - one_layer) * n, saved_std * n
+        if not one_tier:
+            device["weights"], device["optimizer_state"] = 2 * one_layer, 2 * (max(layer_state) - one_layer)
+        device["gradients"], device["activations"] = one_layer, acts - saved_std
+    else:
+        device.update(weights=weights, optimizer_state=opt, gradients=grads, activations=acts)
+    device["temporaries"] = temp
+    if one_tier:
+        for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"):
+            host[k] += device[k] * n
+        tiers = {"host": host}
+    else:
+        tiers = {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
+    if on_disk:  # two steps' layer files (whole layers), the deferred update's buffer files
+        whole_w, whole_o = (_nbytes(pshapes), _nbytes(oshapes)) if setup.shard_state else (weights, opt)
+        tiers["disk"] = {"weights": 2 * whole_w, "optimizer_state": 2 * whole_o,
+                         "gradients": 2 * whole_w if setup.deferred else 0}
+    elif offload and not one_tier:
+        tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+    if limits is None:
+        limits = {"host": host_limit()}
+        if not one_tier:
+            limits["device"] = device_limit()
+    limits = dict(limits)
+    if "disk" in tiers and "disk" not in limits:
+        from revtrain import disk_tier
+        spec = disk or {}
+        directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
+        limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
+    if "pinned" in tiers and "pinned" not in limits:
+        limits["pinned"] = pinned_limit()
+    num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
+    return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, FLOOR_METHOD,
+                      num_params, floor=True)
+
+
+def floor_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
+    """The `floor` of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:  # (`plan_run` says why there is no plan)
+        return plan_run(run, limits, programs)
+    return floor(run.model, setup_of(run.trainer, run.cfg.batch_size), spec,
+                 _local_devices(run.mesh), limits=limits, programs=programs, global_devices=run.mesh.size,
+                 disk=_disk_spec(run))
+
+
 def _evaluation_bytes(model, programs: _Programs, spec: dict, n: int, global_devices: int | None) -> int:
     """Bytes one device holds beyond the state while it evaluates (layer by layer, in evaluation mode): the
     largest compiled per-layer evaluation program's temporaries, its input and output, and one device's
@@ -883,26 +1028,46 @@ def _local_devices(mesh) -> int:
 
 
 def choices(run, limits: dict | None = None, programs: _Programs | None = None,
-            own: MemoryPlan | None = None, with_standard: bool = False) -> list[MemoryPlan]:
+            own: MemoryPlan | None = None, with_standard: bool = False, least: bool = False) -> list[MemoryPlan]:
     """The run's own plan first, then each alternative of `alternatives` (one compile cache for all).
+
+    Each choice is first planned from shapes (`floor`, nothing compiled): one whose floor exceeds a limit is
+    that floor in the list (it does not fit; no program is compiled for it), and only the others are planned
+    with compiled programs (`plan`, all sharing ``programs``). A floor is never more than the plan, so the
+    choices marked as fitting are exactly those the compiled plans would mark: the list may omit none that fits.
+    The run's own plan (when ``own`` is not given) is made the same way.
 
     ``with_standard``: a run of the reversible trainer also gets a StandardTrainer row (same optimizer, batch
     and microbatches; `revtrain plan`'s table). A refusal never names it, since it needs more than the
     reversible trainer: its plan compiles the whole step, which takes seconds on a large model.
+
+    ``least``: only what `refusal` names (it names the least settings that fit): a choice whose settings add
+    to those of a choice that fits is neither planned nor listed (choices are planned fewest settings first),
+    so `refusal` of the shorter list says the same line.
     """
     programs = programs or _Programs()
     limits = limits or _limits()
-    own = own or plan_run(run, limits, programs)
+    if own is None:
+        own = floor_run(run, limits, programs)
+        if own.fits:
+            own = plan_run(run, limits, programs)
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
     setups = alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))
     if with_standard and own.setup.trainer == "reversible":
         setups.insert(0, Setup("standard", own.setup.optimizer, own.setup.batch_size, own.setup.microbatches,
                                label="StandardTrainer", settings=("train.trainer = @StandardTrainer",)))
-    others = [plan(run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
-                   eval_spec=_eval_spec(run), disk=_disk_spec(run))
-              for s in setups]
-    return [own] + others
+    planned: dict[int, MemoryPlan] = {}
+    for i in sorted(range(len(setups)), key=lambda i: len(setups[i].settings)):
+        s = setups[i]
+        if least and any(p.fits and set(p.setup.settings) < set(s.settings) for p in planned.values()):
+            continue
+        shapes_only = floor(run.model, s, spec, local, limits=limits, programs=programs,
+                            global_devices=run.mesh.size, disk=_disk_spec(run))
+        planned[i] = shapes_only if not shapes_only.fits else plan(
+            run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
+            eval_spec=_eval_spec(run), disk=_disk_spec(run))
+    return [own] + [planned[i] for i in sorted(planned)]
 
 
 def _limits() -> dict:
@@ -964,12 +1129,22 @@ def table(plans: list[MemoryPlan]) -> str:
         return (f"{t} limit {gib(pl.limits[t])} ({pl.sources[t]})" if pl.limits[t] is not None
                 else f"{t} limit unknown ({pl.sources[t]})")
     limit = "; ".join(limit_of(t) for t in tiers)
-    return "\n".join(lines + [f"(GiB; {limit}; temporaries: {plans[0].method})"])
+    compiled = [pl for pl in plans if not pl.floor]
+    note = f"temporaries: {(compiled or plans)[0].method}"
+    if any(pl.floor for pl in plans):
+        note += "; " + ", ".join(pl.setup.label for pl in plans if pl.floor) + f": {FLOOR_METHOD} (a lower bound)"
+    return "\n".join(lines + [f"(GiB; {limit}; {note})"])
 
 
-def check_everywhere(run, log=None) -> MemoryPlan | None:
+def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | None:
     """Plans ``run`` on every process; returns this process's plan when every process's fits (``log``
     gets its line then), None for a task without ``input_spec`` (nothing to plan from).
+
+    The run is first planned from shapes (`floor`): when its weights, optimizer state and gradients alone
+    exceed a limit it is refused from them, before any program is compiled (seconds instead of the
+    minutes StandardTrainer's whole step takes to compile on a large model), and the refusal's alternatives
+    are planned as `choices` does with ``least=True``. ``limits``: ``{tier: (bytes, source)}`` instead of
+    the process's own (`host_limit`, `device_limit`).
 
     Raises:
       MemoryPlanError: this process's plan does not fit (one line with the figures and the settings that
@@ -979,14 +1154,16 @@ def check_everywhere(run, log=None) -> MemoryPlan | None:
         if log is not None:
             log(f"memory plan: skipped ({type(run.task).__name__} has no input_spec)")
         return None
-    limits, programs = _limits(), _Programs()
-    own = plan_run(run, limits, programs)
+    limits, programs = limits or _limits(), _Programs()
+    own = floor_run(run, limits, programs)
+    if own.fits:
+        own = plan_run(run, limits, programs)
     fits = [own.fits]
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
     if not own.fits:
-        raise MemoryPlanError(refusal(own, choices(run, limits, programs, own)[1:]))
+        raise MemoryPlanError(refusal(own, choices(run, limits, programs, own, least=True)[1:]))
     if not all(fits):
         bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)
         raise MemoryPlanError(f"the memory plan does not fit on process(es) {bad} (their line says by how much); "

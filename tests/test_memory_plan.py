@@ -271,3 +271,120 @@ def test_plan_with_a_budget_runs_the_budget_planner(row, bindings, label, blocks
     assert len(errors) == 1 and errors[0].startswith("revtrain: error: ReversibleTrainer.memory_budget 0.1 MiB is "
                                                      "below the least this step needs: "), errors
     assert "raise it to at least" in errors[0] and result.stdout == ""
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """A function that says how many programs were compiled (``jax.jit(...).lower(...).compile()``, as
+    `_Programs` does; a hit in the persistent compilation cache counts too) since the test began."""
+    calls, real = [], jax.stages.Lowered.compile
+
+    def compile_(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+    return lambda: len(calls)
+
+
+def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, compiles, tmp_path):
+    """`floor`: the plan's weights, optimizer state and gradients (and the reversible trainer's activations) in
+    the same tiers, nothing compiled; every tier's total at most the compiled plan's."""
+    tx = optax.adamw(1e-3)
+    weights, opt, largest = _exact(model)
+    gpu = {"host": (2**50, "t"), "device": (2**40, "t")}
+    disk = {"directory": str(tmp_path / "offload")}
+    cases = [(memory_plan.Setup("standard", tx, B), 1, "cpu"), (memory_plan.Setup("standard", tx, B, 2), 1, "cpu"),
+             (memory_plan.Setup("standard", tx, B), 1, "gpu"), (memory_plan.Setup("reversible", tx, B), 1, "cpu"),
+             (memory_plan.Setup("reversible", tx, B, deferred=True), 1, "cpu"),
+             (memory_plan.Setup("reversible", tx, B, offload=True), 1, "gpu"),
+             (memory_plan.Setup("reversible", tx, B, offload=True, shard_state=True, deferred=True), 2, "cpu"),
+             (memory_plan.Setup("reversible", tx, B, disk=True, deferred=True), 1, "gpu")]
+    floors = [memory_plan.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
+              for s, n, p in cases]
+    assert compiles() == 0
+    programs = memory_plan._Programs()
+    for (setup, n, platform), low in zip(cases, floors):
+        full = memory_plan.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
+                                programs=programs, platform=platform, disk=disk)
+        assert low.floor and not full.floor and list(low.tiers) == list(full.tiers), setup
+        for tier, parts in low.tiers.items():
+            assert low.total(tier) <= full.total(tier), (setup, tier)
+            for part in ("weights", "optimizer_state", "runtime"):
+                assert parts.get(part, 0) == full.tiers[tier].get(part, 0), (setup, tier, part)
+            if setup.trainer == "reversible":
+                assert parts.get("gradients", 0) == full.tiers[tier].get("gradients", 0), (setup, tier)
+                assert parts.get("activations", 0) == full.tiers[tier].get("activations", 0), (setup, tier)
+    standard = floors[0].tiers["host"]
+    assert standard["weights"] == weights and standard["optimizer_state"] == opt
+    assert standard["gradients"] == weights == floors[1].tiers["host"]["gradients"]  # the tree once
+    assert standard["activations"] == 0  # (the residuals are the compiled step's)
+    assert standard["temporaries"] == int(memory_plan.STANDARD_EXTRA_FRACTION * weights)
+    assert floors[4].tiers["host"]["gradients"] == weights + largest  # the deferred buffer beside one layer's
+    assert floors[5].tiers["device"]["weights"] == 2 * largest and floors[5].tiers["pinned"]["weights"] == weights
+
+
+TINY_RUN = [*SHORT, "--gin", "evaluate.batch_size = 2", "--gin", "LlamaModel.d_model = 128",
+            "--gin", "LlamaModel.num_layers = 4", "--gin", "LlamaModel.d_ff = 256"]
+
+
+def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(byte_lm_data_dir, monkeypatch,
+                                                                               compiles):
+    """A StandardTrainer run whose weights, optimizer state and gradients exceed the limit given to
+    `check_everywhere` is refused before its step is compiled, in the line the compiled plans give (the same
+    settings that would fit; its own parts those the compiled plan has, less the temporaries and residuals);
+    below every choice's floor nothing at all is compiled."""
+    import gin
+
+    from revtrain import checkpoint, cli, loop
+    monkeypatch.setattr(checkpoint, "ASYNC_MAX_BYTES", 0)  # a save between steps, no staging: the state counts
+    monkeypatch.setattr(checkpoint, "STAGING_BYTES", 0)
+    cli._parse_gin([LLAMA], [b for b in TINY_RUN if b != "--gin"])
+    try:
+        run = loop.build()
+    finally:
+        gin.clear_config()
+    spec, programs = run.task.input_spec(2), memory_plan._Programs()
+    setups = memory_plan.alternatives(memory_plan.setup_of(run.trainer, 2), run.model, 1, True)
+    half = next(s for s in setups if s.trainer == "standard")  # StandardTrainer at batch 1: a floor below the run's
+
+    def refused(limits):
+        with pytest.raises(memory_plan.MemoryPlanError) as e:
+            memory_plan.check_everywhere(run, limits=limits)
+        return str(e.value)
+
+    def compiled(limits):  # what the plan said before the floor: every choice compiled
+        own = memory_plan.plan_run(run, limits, programs)
+        others = [memory_plan.plan(run.model, s, spec, 1, limits=limits, programs=programs, global_devices=1,
+                                   eval_spec=memory_plan._eval_spec(run), disk=memory_plan._disk_spec(run))
+                  for s in setups]
+        return own, others
+
+    # Below StandardTrainer's floor (at batch 1 too), above the reversible trainer's: no step is compiled.
+    limit = memory_plan.floor(run.model, half, spec, 1, limits=NO_LIMIT).total("host") - 1
+    limits = {"host": (limit, "test limit")}
+    own, others = compiled(limits)
+    assert not own.fits and any(p.fits for p in others)
+    expected = memory_plan.refusal(own, others)
+    assert "these settings would fit: " in expected
+    with monkeypatch.context() as patch:
+        patch.setattr(memory_plan._Programs, "whole_step", lambda *a: pytest.fail("a whole step was compiled"))
+        line = refused(limits)
+    low = memory_plan.floor_run(run, limits)
+    assert line == memory_plan.refusal(low, others)
+    assert line.split("); ", 1)[1] == expected.split("); ", 1)[1]  # the same settings would fit
+    assert line.startswith("the memory plan does not fit: StandardTrainer host needs at least ")
+    for part in ("weights", "optimizer_state", "gradients", "runtime"):  # the compiled plan's parts
+        assert low.tiers["host"][part] == own.tiers["host"][part]
+        assert f"{part.replace('_', ' ')} {memory_plan.gib(own.tiers['host'][part])}" in line
+
+    # Below every choice's floor (the runtime alone): nothing is compiled at all.
+    limits = {"host": (memory_plan.RUNTIME_BYTES, "test limit")}
+    before = compiles()
+    line = refused(limits)
+    assert compiles() == before
+    own, others = compiled(limits)  # (compiled above)
+    low = memory_plan.floor_run(run, limits)
+    assert not low.fits and "runtime alone" in line
+    assert line == memory_plan.refusal(low, others)
+    assert line.split("); ", 1)[1] == memory_plan.refusal(own, others).split("); ", 1)[1]
