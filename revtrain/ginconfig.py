@@ -99,11 +99,15 @@ def remembered_modules(workdir: str) -> dict[str, str]:
 
 def search_dirs(including_file: str | None) -> list[str]:
     """Directories a relative gin path is looked up in, in order: the including file's directory (when
-    there is one), the current directory, and the project's ``configs/`` (when it exists)."""
+    there is one), the current directory, and the project's ``configs/`` (beside the package, else in the
+    current directory; when it exists)."""
     dirs = [os.path.dirname(os.path.abspath(including_file))] if including_file else []
     dirs.append(os.getcwd())
-    if os.path.isdir(PROJECT_CONFIGS):
-        dirs.append(PROJECT_CONFIGS)
+    # The checkout's configs/: beside the package in an editable install, else the current directory's (a
+    # checkout with revtrain installed as a package, whose configs/ is not inside it).
+    for configs in (PROJECT_CONFIGS, os.path.join(os.getcwd(), "configs")):
+        if os.path.isdir(configs):
+            dirs.append(configs)
     return list(dict.fromkeys(dirs))
 
 

@@ -13,26 +13,27 @@
 #   3. a model whose weights + Adam state are at least 3x the device memory it may use
 #      (XLA_PYTHON_CLIENT_MEM_FRACTION): the standard trainer (expected: out of memory) and the reversible
 #      trainer with offload (expected: trains), and the ratio state_bytes / device_bytes_limit in the record;
-#   5. the memory-budget curve (scripts/bench_budget.py --point, docs/budget.md): ReversibleTrainer.memory_budget
+#   4. the memory-budget curve (scripts/bench_budget.py --point, docs/budget.md): ReversibleTrainer.memory_budget
 #      (fused rebuild for its rebuilt blocks) at the sizes of 1 and each budget of GPU_BUDGETS (default 1, 2, 4
 #      and 8 GiB), its tokens/s, allocator peak and plan, beside 1.'s fixed trainers;
-#   4. the large-model point (scripts/bench_scale.py --quick, docs/memory.md): `revtrain train` of the 1.44 B
+#   5. the large-model point (scripts/bench_scale.py --quick, docs/memory.md): `revtrain train` of the 1.44 B
 #      Llama (d 2048, 32 blocks, 16 / 4 heads, SwiGLU 5632; SCALE_SIZE) with ReversibleTrainer + offload,
 #      AdamW float32, batch 2 x 128, 3 steps, the final save and evaluation: the host's peak RSS by phase
 #      (VmHWM) against the memory plan, and the device's peak_bytes_in_use (memory_stats). It runs first, in
 #      SCALE_LIMIT_S seconds (default 300);
-#   5. the disk tier (docs/disk.md): the same `revtrain train` with ReversibleTrainer.offload = 'disk' (per-layer
+#   6. the disk tier (docs/disk.md): the same `revtrain train` with ReversibleTrainer.offload = 'disk' (per-layer
 #      executor; DISK_SIZE, default 1.44B): disk -> pageable host buffers -> device, a layer at a time; the
 #      host's and device's peaks, each step's bytes read and written and the I/O time against the plan's.
-#   6. host <-> device bandwidth (scripts/bench_transfer.py, 1 GiB copies between pinned_host and device memory,
+#   7. host <-> device bandwidth (scripts/bench_transfer.py, 1 GiB copies between pinned_host and device memory,
 #      and from / to numpy), first: the summary divides each offload point's bytes moved a step by it and gives
 #      the ratio of its step to max(the same trainer's step in device memory, bytes moved / bandwidth);
-#   7. a 7 B Llama-shaped model on a device capped at 24 GB (scripts/bench_large.py: XLA_PYTHON_CLIENT_MEM_FRACTION
+#   8. a 7 B Llama-shaped model on a device capped at 24 GB (scripts/bench_large.py: XLA_PYTHON_CLIENT_MEM_FRACTION
 #      = 24/141 of an H200; d 4096, 32 blocks, 32 / 8 heads, SwiGLU 11008, bytes, AdamW float32, batch 32 x 1024,
 #      3 steps, no checkpoint) with ReversibleTrainer + offload: host peak, device peak, tokens/s and MFU over
-#      989 TFLOP/s, in LARGE_LIMIT_S seconds (default 240), right after 4.
+#      989 TFLOP/s, in LARGE_LIMIT_S seconds (default 240), right after 5.
 # Budget: BUDGET_S seconds in all (default 480); a configuration that would start after the budget is
-# recorded as skipped, and each process is limited to POINT_LIMIT_S seconds (default 100).
+# recorded as skipped, and each process is limited to POINT_LIMIT_S seconds (default 100). A DRY_RUN on a
+# 2-core CPU needs more (about 1,250 s for every point: BUDGET_S=1500 POINT_LIMIT_S=400).
 # Environment: PYTHON (default .venv/bin/python, else python3).
 #
 # On a GPU image without network (docs/gpu.md): when the Python packages revtrain imports are missing, they are

@@ -98,8 +98,8 @@ def read_gensim(download_dir: str | os.PathLike) -> bytes:
     wheel = find_gensim_wheel(download_dir)
     if wheel is None:
         raise DataError(
-            f"gensim {GENSIM_VERSION} wheel not found in {download_dir}; "
-            "run `python scripts/prepare_data.py` or `make data`"
+            f"gensim {GENSIM_VERSION} wheel not found in {download_dir} (read only to prepare data that is not "
+            "prepared yet, e.g. another sequence length); run `python scripts/prepare_data.py` or `make data`"
         )
     try:
         with zipfile.ZipFile(wheel) as zf:
