@@ -54,6 +54,7 @@ from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
 from revtrain.allocator import release_free_memory
 from revtrain.errors import InputError, RunFailure
+from revtrain.limits import ASYNC_MAX_BYTES, STAGING_BYTES
 from revtrain.trainers.common import TrainState
 
 
@@ -235,20 +236,8 @@ def _ignore_late_tensorstore_callbacks() -> None:
     sys.unraisablehook = hook
 
 
-# The largest state (bytes held by this process) saved asynchronously; larger ones are written before the next
-# step (see `Checkpointer`).
-ASYNC_MAX_BYTES = 512 * 2**20
-
-
-# Orbax stages at most this many bytes of array data in host memory at a time while it copies arrays out of their
-# buffers, writes or reads a checkpoint. Its defaults (96 GB each, no bound on the copy out) let a save stage the
-# whole state: a 2 GiB state saved with +1.53 GiB resident at the peak; with 256 MiB, +0.29 GiB in the same time
-# (5.2 s against 7.3 s here; docs/memory.md).
-STAGING_BYTES = 256 * 2**20
-
-
 def _bound_staging(handler):
-    """``handler`` with Orbax's staging bounded to `STAGING_BYTES`. The public arguments count whole GB and
+    """``handler`` with Orbax's staging bounded to `limits.STAGING_BYTES`. The public arguments count whole GB and
     leave out the copy from the arrays' buffers, so the pinned Orbax (0.12.8)'s limits are set on its inner
     PyTree handler too (the on-disk format is unchanged)."""
     inner = getattr(getattr(handler, "_impl", handler), "_handler_impl", None)
@@ -304,7 +293,7 @@ class Checkpointer:
         write holds the live buffers until it ends, so the next step cannot donate them and XLA allocates a
         second copy of the whole state (measured: +12 bytes per parameter with AdamW); written before the
         next step, it needs no copy (docs/memory.md).
-      async_max_bytes: see ``async_save`` (default `ASYNC_MAX_BYTES`).
+      async_max_bytes: see ``async_save`` (default `limits.ASYNC_MAX_BYTES`).
       read_only: open for evaluation only (never deletes or creates anything).
     """
 

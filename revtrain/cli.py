@@ -345,6 +345,19 @@ def _gin_error_line(e: Exception) -> str:
     return f"bad gin configuration: {msg}"
 
 
+def run_config(workdir: str, error: type[Exception] = UsageError) -> str:
+    """The path of the gin config ``revtrain train`` wrote in ``workdir`` (``workdir/config.gin``).
+
+    Raises:
+      ``error`` (default `UsageError`; one line, exit status 2): no such file, so ``workdir`` is not a run's
+        directory. The line names ``workdir`` as given.
+    """
+    config = os.path.join(workdir, "config.gin")
+    if not os.path.isfile(config):
+        raise error(f"no config.gin in {workdir}: is it a revtrain workdir?")
+    return config
+
+
 def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = None) -> None:
     """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings; with
     ``workdir``, the Python modules its run imported are looked up where the run found them first, and a run
@@ -427,9 +440,7 @@ def _run(args) -> int:
         loop.train(args.workdir)
         return 0
     if args.command == "eval":
-        config = os.path.join(args.workdir, "config.gin")
-        if not os.path.isfile(config):
-            raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        config = run_config(args.workdir)
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
         _check_macros_used(args.gin)
         kind = "eval"
@@ -456,9 +467,7 @@ def _run(args) -> int:
         opts.check()  # flags and prompt first: bad input writes nothing and loads nothing
         prompt = sample.read_prompt(args.prompt, args.prompt_file)
         sample.output_paths(args.output, args.num_samples)
-        config = os.path.join(args.workdir, "config.gin")
-        if not os.path.isfile(config):
-            raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        config = run_config(args.workdir)
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
         _check_macros_used(args.gin)
         sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
@@ -468,10 +477,7 @@ def _run(args) -> int:
         from revtrain.lifecycle import workdir as workdir_lib
         configs = list(args.config)
         if args.workdir is not None:
-            config = os.path.join(args.workdir, "config.gin")
-            if not os.path.isfile(config):
-                raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
-            configs.insert(0, config)
+            configs.insert(0, run_config(args.workdir))
         elif not configs:
             raise UsageError("check needs --config FILE (a model to check) or --workdir DIR (a run's checkpoint)")
         elif args.step is not None:
@@ -498,9 +504,7 @@ def _run(args) -> int:
         return 0
     if args.command == "export":
         from revtrain import export
-        config = os.path.join(args.workdir, "config.gin")
-        if not os.path.isfile(config):
-            raise UsageError(f"no config.gin in {args.workdir}: is it a revtrain workdir?")
+        config = run_config(args.workdir)
         _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
         _check_macros_used(args.gin)
         step = export.export_workdir(args.workdir, args.to, step=args.step, dtype=args.dtype)

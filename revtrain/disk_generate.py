@@ -13,7 +13,7 @@ can either
 
 `choose` decides, from the memory plan's figures: hold when the weights, the caches and one layer's margin fit
 beside what the run holds (its planned peak while training, `revtrain.memory_plan.MemoryPlan`, else what the
-process holds now) within the limit the plan uses (`memory_plan.host_limit` on the CPU backend, the device's
+process holds now) within the limit the plan uses (`limits.host_limit` on the CPU backend, the device's
 ``bytes_limit`` on an accelerator); else stream. Its one line says which and why. Both run the same layers'
 ``decode`` on the same inputs: greedy samples are equal either way (tests/test_disk_tier.py).
 
@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from revtrain import disk_tier
-from revtrain.memory_plan import device_limit, gib, host_limit
+from revtrain.limits import device_limit, gib, host_limit
 
 HOLD, STREAM = "hold", "stream"
 MODES = (HOLD, STREAM)
@@ -87,7 +87,7 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
       context: the model's sequence length (cache positions).
       plan: the training run's `memory_plan.MemoryPlan` (None: ``revtrain sample``, or a run without a plan:
         what the process holds now is the base).
-      limits: ``{tier: (bytes or None, source)}`` instead of `memory_plan.host_limit` / `device_limit`.
+      limits: ``{tier: (bytes or None, source)}`` instead of `revtrain.limits.host_limit` / `device_limit`.
       mode: `HOLD` or `STREAM` to force one (the line says so); None: decide.
 
     Returns:

@@ -115,9 +115,7 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
     from revtrain import cli, loop
     from revtrain import metrics as metrics_lib
     workdir = os.path.abspath(workdir)
-    config = os.path.join(workdir, "config.gin")
-    if not os.path.isfile(config):
-        raise ConfigError(f"no config.gin in {workdir}: is it a revtrain workdir?")
+    config = cli.run_config(workdir, ConfigError)
     try:
         try:
             cli._parse_gin([config], list(bindings), workdir=workdir)

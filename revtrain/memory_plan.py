@@ -42,7 +42,7 @@ by default): a **pinned** tier checks it (the disk tier reads into pageable memo
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
 there, 1/N each with ``shard_state``). On the CPU backend device memory *is* host memory: one tier, host,
-holding every local device's share. What the process may use on the host is the smaller of
+holding every local device's share. What the process may use on the host (`revtrain.limits`) is the smaller of
 ``MemAvailable`` (/proc/meminfo) plus its own resident bytes and, for its memory cgroup and each of its
 ancestors with a limit (v1: ``memory.limit_in_bytes`` under /sys/fs/cgroup/memory; v2: ``memory.max``), the
 limit less what other processes of the group hold (its anonymous memory less ours; page cache can be
@@ -74,7 +74,9 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from revtrain import limits
 from revtrain.errors import ConfigError
+from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.trainers.common import guarded_update
 
 # The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
@@ -96,7 +98,6 @@ SAVE_EXTRA_MAX_BYTES = 2**30
 
 PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries", "runtime", "checkpoint",
          "evaluation")
-_UNLIMITED = 2**62  # cgroup v1 writes 9223372036854771712 for "no limit"
 
 
 class MemoryPlanError(ConfigError):
@@ -110,108 +111,6 @@ def _nbytes(tree) -> int:
         dtype = np.dtype(x.dtype)
         total += int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize
     return total
-
-
-def gib(nbytes: float) -> str:
-    """``nbytes`` as GiB with two decimals (``"1.25 GiB"``), or MiB below 1 GiB."""
-    if abs(nbytes) < 2**30:
-        return f"{nbytes / 2**20:.0f} MiB"
-    return f"{nbytes / 2**30:.2f} GiB"
-
-
-# -- what the process may use ---------------------------------------------------------------------------------
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _meminfo(key: str) -> int | None:
-    text = _read("/proc/meminfo") or ""
-    for line in text.splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return None
-
-
-def _stat(text: str | None, *keys: str) -> int | None:
-    for key in keys:
-        for line in (text or "").splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    return None
-
-
-def _cgroup_headroom(own_rss: int, proc_cgroup: str = "/proc/self/cgroup",
-                     root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
-    """The tightest memory cgroup limit over this process's group and its ancestors, less what other
-    processes of each group hold: ``(bytes, description)``, or None when no group has a limit."""
-    text = _read(proc_cgroup) or ""
-    best = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if "memory" in controllers.split(","):  # v1
-            base, limit_file, usage_keys = os.path.join(root, "memory"), "memory.limit_in_bytes", ("total_rss", "rss")
-        elif controllers == "" and os.path.exists(os.path.join(root, "cgroup.controllers")):  # v2 (unified)
-            base, limit_file, usage_keys = root, "memory.max", ("anon",)
-        else:
-            continue
-        rel = path.strip("/")
-        while True:
-            group = os.path.join(base, rel) if rel else base
-            raw = _read(os.path.join(group, limit_file))
-            if raw is not None and raw != "max" and raw.isdigit() and int(raw) < _UNLIMITED:
-                held = _stat(_read(os.path.join(group, "memory.stat")), *usage_keys) or 0
-                room = int(raw) - max(0, held - own_rss)
-                where = f"memory cgroup {'/' + rel} limit {gib(int(raw))}"
-                if held > own_rss:
-                    where += f", {gib(held - own_rss)} held by other processes"
-                if best is None or room < best[0]:
-                    best = (room, where)
-            if not rel:
-                break
-            rel = os.path.dirname(rel)
-    return best
-
-
-def host_limit() -> tuple[int, str]:
-    """What this process may hold in host memory at its peak: ``(bytes, where the figure came from)``.
-
-    The smaller of ``MemAvailable`` plus the process's own resident bytes, and the headroom of its memory
-    cgroup (v1 or v2, this group and its ancestors: the limit less other processes' anonymous memory).
-    """
-    from revtrain.memory import host_resident
-    rss = host_resident()[0]
-    available = _meminfo("MemAvailable")
-    best = (available + rss, f"MemAvailable {gib(available)} + this process's {gib(rss)}") if available else None
-    group = _cgroup_headroom(rss)
-    if group is not None and (best is None or group[0] < best[0]):
-        best = group
-    if best is None:
-        return _UNLIMITED, "unknown (no /proc/meminfo, no memory cgroup)"
-    return best
-
-
-def device_limit(device=None) -> tuple[int | None, str]:
-    """A device's memory, ``(bytes, where from)``: ``memory_stats()["bytes_limit"]`` where the backend has
-    it; ``(None, reason)`` on the CPU (device memory is host memory there: one tier) or without stats."""
-    device = device or jax.local_devices()[0]
-    if device.platform == "cpu":
-        return None, "the CPU backend: device memory is host memory (one tier)"
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001 (a backend without memory stats)
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"{device.platform} bytes_limit"
-    return None, f"{device.platform}: no bytes_limit in memory_stats()"
 
 
 # -- the trainer choices -------------------------------------------------------------------------------------
@@ -778,20 +677,6 @@ def _io(read: int, write: int, bandwidth: dict) -> dict:
             "seconds": seconds, "bandwidth_source": bandwidth.get("source", "")}
 
 
-# XLA's pinned host pool on a GPU (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, GB; its default).
-PINNED_DEFAULT_GB = 64
-
-
-def pinned_limit() -> tuple[int, str]:
-    """The size of XLA's pinned host pool on a GPU: ``(bytes, where from)``."""
-    raw = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
-    try:
-        gb = float(raw) if raw else PINNED_DEFAULT_GB
-    except ValueError:
-        gb = PINNED_DEFAULT_GB
-    return int(gb * 2**30), ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" if raw else f"XLA's pinned host pool default, {gb:g} GB")
-
-
 # -- the floor: shapes alone ---------------------------------------------------------------------------------
 
 FLOOR_METHOD = "from shapes alone, nothing compiled"
@@ -948,24 +833,24 @@ def _phases(tiers: dict, *, state_bytes: int, largest_layer: int, n: int, state_
     """Adds to ``tiers`` (in place) what a checkpoint save and an evaluation hold beyond a step's peak.
 
     A step's own transient parts are its gradients, activations and temporaries. A save of a state of at
-    most ``checkpoint.ASYNC_MAX_BYTES`` (``state_bytes``: this process's weights and optimizer state) is
+    most ``limits.ASYNC_MAX_BYTES`` (``state_bytes``: this process's weights and optimizer state) is
     written in the background while the next step runs: that step cannot donate the buffers the write
     still reads, so XLA allocates a second copy of the state where it lives (``state_tier``), and the write
-    stages up to ``checkpoint.STAGING_BYTES`` in host memory; both add to the step's peak. A larger state
+    stages up to ``limits.STAGING_BYTES`` in host memory; both add to the step's peak. A larger state
     is written between steps (the step's transient parts are free then): the bounded staging, the largest
     layer's arrays copied out (``largest_layer``, bytes) and `SAVE_STATE_FRACTION` of the state (at most
     `SAVE_EXTRA_MAX_BYTES`), counted
     where they exceed the step's. An evaluation (``evaluation``: bytes per device, `_evaluation_bytes`) runs after the final
     save, on the device tier (host on the CPU, once per local device): counted where it exceeds the rest.
     """
-    from revtrain.checkpoint import ASYNC_MAX_BYTES, STAGING_BYTES
     step = {t: parts["gradients"] + parts["activations"] + parts["temporaries"] for t, parts in tiers.items()}
     host = tiers["host"]
-    if state_bytes <= ASYNC_MAX_BYTES:
+    if state_bytes <= limits.ASYNC_MAX_BYTES:
         tiers[state_tier]["checkpoint"] += state_bytes if state_tier == "host" else state_bytes // max(n, 1)
-        host["checkpoint"] += min(state_bytes, STAGING_BYTES)
+        host["checkpoint"] += min(state_bytes, limits.STAGING_BYTES)
     else:
-        save = STAGING_BYTES + largest_layer + min(int(SAVE_STATE_FRACTION * state_bytes), SAVE_EXTRA_MAX_BYTES)
+        save = (limits.STAGING_BYTES + largest_layer
+                + min(int(SAVE_STATE_FRACTION * state_bytes), SAVE_EXTRA_MAX_BYTES))
         host["checkpoint"] = max(0, save - step["host"])
     tier = "host" if len(tiers) == 1 else "device"
     per_tier = evaluation * (n if tier == "host" else 1)

@@ -14,7 +14,7 @@ at every line the run prints and whenever a checkpoint directory appears, and re
 each reset: the peak of each phase (init, steps, save, restore, eval) is the largest over its windows. It
 also records seconds per step (steps after the first of each run, which compiles; a step never includes a
 save), seconds per checkpoint (from the step's line to its checkpoint directory: a state of at most
-``checkpoint.ASYNC_MAX_BYTES`` is written in the background, overlapping the next step), and the plan's
+``limits.ASYNC_MAX_BYTES`` is written in the background, overlapping the next step), and the plan's
 host estimate (``plan_host_bytes`` of the first ``train.jsonl`` record). A configuration the plan refuses
 (exit 2, one line) is recorded as refused; larger sizes of the same trainer and optimizer are then skipped.
 

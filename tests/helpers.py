@@ -123,6 +123,44 @@ def numpy_params(state):
     return jax.tree.map(np.asarray, state.per_layer().params)
 
 
+def train_params(trainer, batches, mesh):
+    """`train_steps`, then the parameters (`numpy_params`) and each step's loss.
+
+    Returns:
+      ``(params, losses)``: one numpy tree per layer, and a list of Python floats.
+    """
+    state, history = train_steps(trainer, batches, mesh)
+    return numpy_params(state), [h["loss"] for h in history]
+
+
+def train_model(trainer_cls, model, tx, batches, devices: int = 1, **kwargs):
+    """`train_params` of ``trainer_cls(model, tx, mesh, seed=0, **kwargs)`` on a mesh of the first ``devices``
+    devices."""
+    import jax
+
+    from revtrain.placement import make_mesh
+    mesh = make_mesh(jax.devices()[:devices])
+    return train_params(trainer_cls(model, tx, mesh, seed=0, **kwargs), batches, mesh)
+
+
+def worst_leaf(a, b):
+    """``(max|a - b| / max|a| of the leaf where it is largest, that leaf's path)`` over two trees of arrays of
+    the same structure (``b``'s paths are not read); a leaf of zeros in ``a`` divides by 1e-30."""
+    import jax
+    import numpy as np
+    from jax.tree_util import keystr, tree_flatten_with_path
+    rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(x)).max(), 1e-30)),
+             keystr(path)) for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
+    return max(rows)
+
+
+def rel_error(a, b) -> float:
+    """``max|a - b| / max|b|`` of two arrays, computed in float64."""
+    import numpy as np
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
 def run_worker(script: str, devices: int, out: pathlib.Path, *args, data_dir: str | None = None,
                timeout: float = 600) -> dict:
     """Runs a test module as a script on ``devices`` simulated CPU devices (``JAX_PLATFORMS=cpu``; a device

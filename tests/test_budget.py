@@ -18,6 +18,8 @@ from revtrain.trainers import ReversibleTrainer, StandardTrainer
 from revtrain.trainers import budget as budget_lib
 from revtrain.trainers.common import TrainerError
 
+from helpers import train_params, train_steps
+
 SEQ, BATCH, STEPS = 128, 8, 5
 
 
@@ -29,21 +31,12 @@ def _spec(batch):
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
-def _train(trainer, batches, mesh):
-    ts, losses = trainer.init(), []
-    for batch in batches:
-        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        losses.append(float(metrics["loss"]))
-    ts = ts.per_layer() if hasattr(ts, "per_layer") else ts
-    return jax.tree.map(np.asarray, ts.params), losses
-
-
 @pytest.fixture(scope="module")
 def depth12_standard(text_batches):
     batches = text_batches(BATCH, STEPS)
     with jax.default_matmul_precision("highest"):
         model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
-        params, losses = _train(StandardTrainer(model, optax.adam(1e-3), _mesh(), seed=0), batches, _mesh())
+        params, losses = train_params(StandardTrainer(model, optax.adam(1e-3), _mesh(), seed=0), batches, _mesh())
     return model, batches, params, losses
 
 
@@ -62,7 +55,7 @@ def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12_standa
         assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 6 + ["checkpoint"] * 2 + ["backprop"]
         if scan_layers:
             assert (1, 3) in trainer.groups and (4, 6) in trainer.groups  # a remat scan, a rebuild scan
-        params, losses = _train(trainer, batches, _mesh())
+        params, losses = train_params(trainer, batches, _mesh())
     assert losses == std_losses
     for (path, a), b in zip(tree_flatten_with_path(std_params)[0], jax.tree.leaves(params)):
         assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
@@ -266,14 +259,14 @@ def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatc
 
     with jax.default_matmul_precision("highest"):
         model = ReversibleTransformerLM(64, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.1)
-        base = _train(ReversibleTrainer(model, tx(), mesh, seed=0, microbatches=microbatches, scan_layers=False),
-                      batches, mesh)
+        base = train_params(ReversibleTrainer(model, tx(), mesh, seed=0, microbatches=microbatches,
+                                              scan_layers=False), batches, mesh)
         trainer = ReversibleTrainer(model, tx(), mesh, seed=0, microbatches=microbatches, scan_layers=False)
         assert trainer.deferred
         modes = budget_lib.Candidates(trainer, _spec(batches[0])).modes(1, 1, 1)
         trainer.set_block_modes(modes)
         assert [m.name for m in modes] == ["remat", "remat", "exact", "checkpoint", "backprop"]
-        mixed = _train(trainer, batches, mesh)
+        mixed = train_params(trainer, batches, mesh)
     assert mixed[1] == base[1]
     for a, b in zip(jax.tree.leaves(base[0]), jax.tree.leaves(mixed[0])):
         assert np.array_equal(a, b)
@@ -410,18 +403,13 @@ def test_a_budget_trains_on_every_tier_and_with_ties_bitwise(row, kwargs, tie, t
                 # (no backprop with ties: the tie's owner is not in the head's program; else the fewest FLOPs)
                 assert counts == ({"backprop": 0, "checkpoint": 0, "remat": 2, "rebuild": 0} if tie else
                                   {"backprop": 2, "checkpoint": 0, "remat": 0, "rebuild": 0}), (row, counts)
-            ts, history = _train_steps(trainer, batches, mesh)
+            ts, history = train_steps(trainer, batches, mesh)
             runs.append(([h["loss"] for h in history],
                          [jax.tree.map(np.asarray, trainer.layer_params(ts, i)) for i in range(len(model.layers))]))
     (losses, params), (b_losses, b_params) = runs
     assert b_losses == losses, row
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(b_params)):
         assert np.array_equal(a, b), row
-
-
-def _train_steps(trainer, batches, mesh):
-    from helpers import train_steps
-    return train_steps(trainer, batches, mesh)
 
 
 @pytest.mark.slow  # make test-all (two short runs of revtrain train)

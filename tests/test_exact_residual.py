@@ -13,11 +13,10 @@ import pytest
 
 from revtrain.layers.exact_residual import ExactResidual, gamma_signs, pack, split_low_bit, split_low_bits, unpack
 from revtrain.models.llama import LlamaModel, forward_logits
-from revtrain.placement import make_mesh
 from revtrain.trainers.reversible import ReversibleTrainer
 from revtrain.trainers.standard import StandardTrainer
 
-from helpers import numpy_params, train_steps
+from helpers import train_model
 
 SIZES = dict(vocab_size=256, d_model=32, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=48)
 
@@ -150,10 +149,8 @@ def test_evaluation_is_the_standard_model_bit_for_bit():
 
 
 def _train(form, trainer_cls, batches, devices=1, **kwargs):
-    mesh = make_mesh(jax.devices()[:devices])
-    trainer = trainer_cls(_model(form, num_layers=3), optax.sgd(0.5), mesh, seed=0, **kwargs)
-    ts, history = train_steps(trainer, batches, mesh)
-    return numpy_params(ts), [h["loss"] for h in history]
+    """`train_model` of 3 blocks of ``form`` with SGD (0.5)."""
+    return train_model(trainer_cls, _model(form, num_layers=3), optax.sgd(0.5), batches, devices, **kwargs)
 
 
 @pytest.mark.slow

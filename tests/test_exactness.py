@@ -24,17 +24,13 @@ from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DEVICE_MEMORY, HOST_MEMORY, global_batch, make_mesh
 from revtrain.trainers import LayerwiseUpdate, ReversibleTrainer, StandardTrainer
 
+from helpers import worst_leaf
+
 SEQ, BATCH, STEPS = 128, 8, 5
 
 
 def _mesh():
     return make_mesh(jax.devices()[:1])
-
-
-def _worst_leaf(a, b):
-    rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / np.abs(np.asarray(x)).max()), keystr(path))
-            for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
-    return max(rows)
 
 
 def _block_keys(seed, step, index, batch):
@@ -120,7 +116,7 @@ def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     std, rev = depth12["standard"], depth12[executor]
     np.testing.assert_allclose(rev["losses"], std["losses"], rtol=1e-6)
     assert std["losses"][-1] < std["losses"][0]  # it trains
-    rel, leaf = _worst_leaf(std["params"], rev["params"])
+    rel, leaf = worst_leaf(std["params"], rev["params"])
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
@@ -171,7 +167,7 @@ def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
     steps (the A-exact rule) and every parameter leaf within 1e-5."""
     std, rev = depth12["standard"], depth12[executor]
     np.testing.assert_allclose(rev["losses"], std["losses"], rtol=1e-7)
-    rel, leaf = _worst_leaf(std["params"], rev["params"])
+    rel, leaf = worst_leaf(std["params"], rev["params"])
     assert rel <= 1e-5, f"leaf {leaf}: fused reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 

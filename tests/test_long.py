@@ -21,16 +21,13 @@ from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DATA_AXIS, global_batch, make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
+from helpers import rel_error
+
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8"]
 LONG = {"attention_block": 64, "ff_chunk": 48, "head_chunk": 48}  # T = 128: 2 tiles; 3 chunks, the last padded
 STEPS = 3
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def test_blockwise_attention_equals_dense_with_gradients():
@@ -52,10 +49,10 @@ def test_blockwise_attention_equals_dense_with_gradients():
             out, vjp = jax.vjp(jax.jit(f), q, k, v)
             results[name] = (out, *vjp(w))
     for name, a, b in zip(("output", "dq", "dk", "dv"), results["blockwise"], results["dense"]):
-        assert _rel(a, b) <= 1e-6, f"{name}: {_rel(a, b):.1e}"
+        assert rel_error(a, b) <= 1e-6, f"{name}: {rel_error(a, b):.1e}"
     # bfloat16 inputs (float32 scores and statistics): within bfloat16's resolution of dense attention.
     q16, k16, v16 = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    assert _rel(jax.jit(blockwise)(q16, k16, v16), dense(q16, k16, v16)) <= 2e-2
+    assert rel_error(jax.jit(blockwise)(q16, k16, v16), dense(q16, k16, v16)) <= 2e-2
 
 
 def test_blockwise_attention_rejects_a_bad_block():
@@ -101,7 +98,7 @@ def test_blockwise_and_chunks_train_like_dense(runs):
     relative over the steps, every parameter within 1e-4 of its leaf's scale."""
     (losses, params), (dense_losses, dense) = runs["reversible"], runs["dense"]
     np.testing.assert_allclose(losses, dense_losses, rtol=1e-6)
-    worst = max(_rel(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dense)))
+    worst = max(rel_error(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(dense)))
     assert worst <= 1e-4, worst
 
 

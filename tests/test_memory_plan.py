@@ -1,5 +1,5 @@
-"""The memory plan (revtrain/memory_plan.py): exact parts from shapes, the limits it reads, the refusal inside a
-memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
+"""The memory plan (revtrain/memory_plan.py): exact parts from shapes, the limits it reads (revtrain/limits.py),
+the refusal inside a memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
 
 import json
 
@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain import memory, memory_plan
+from revtrain import limits, memory, memory_plan
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
 from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain, revtrain_here
@@ -56,7 +56,7 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
     assert host["gradients"] == largest  # one layer's at a time (the fused update)
     # Saved: the embedding's input (int32 tokens); current: two float32 streams and their cotangent; the batch.
     assert host["activations"] == B * T * 4 + 2 * (2 * B * T * D * 4) + 2 * B * T * 4
-    # A state below checkpoint.ASYNC_MAX_BYTES is saved in the background: the next step makes a second copy
+    # A state below limits.ASYNC_MAX_BYTES is saved in the background: the next step makes a second copy
     # of it (it cannot donate what the write reads), and the write stages all of it (below STAGING_BYTES).
     assert host["checkpoint"] == 2 * (weights + opt)
     assert host["evaluation"] == 0  # no evaluation batch given
@@ -70,17 +70,16 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
 
 
 def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
-    """A state above checkpoint.ASYNC_MAX_BYTES is saved between steps: the save's staging, the largest layer's
+    """A state above limits.ASYNC_MAX_BYTES is saved between steps: the save's staging, the largest layer's
     arrays and SAVE_STATE_FRACTION of the state count where they exceed the step's transient parts; an evaluation's where it exceeds
     those and the save's."""
-    from revtrain import checkpoint
     weights, opt, largest = _exact(model)
     tx = optax.adamw(1e-3)
-    monkeypatch.setattr(checkpoint, "ASYNC_MAX_BYTES", 0)
+    monkeypatch.setattr(limits, "ASYNC_MAX_BYTES", 0)
     setup = memory_plan.Setup("reversible", tx, B, label="r")
     host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu").tiers["host"]
     step = host["gradients"] + host["activations"] + host["temporaries"]
-    save = checkpoint.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
+    save = limits.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
     assert host["checkpoint"] == max(0, save - step) > 0
     evaluated = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
                                  eval_spec=_spec(64)).tiers["host"]
@@ -150,25 +149,25 @@ def test_cgroup_limit_less_other_processes(tmp_path):
     proc = tmp_path / "cgroup"
     proc.write_text("5:cpu:/\n4:memory:/jobs/mine\n0::/\n")
     own = 2**28
-    room, where = memory_plan._cgroup_headroom(own, str(proc), str(tmp_path))
+    room, where = limits._cgroup_headroom(own, str(proc), str(tmp_path))
     assert room == 3 * 2**30 - (2**30 - own)  # the limit less what the group's other processes hold
     assert "/jobs/mine" in where and "3.00 GiB" in where
     (tmp_path / "memory" / "jobs" / "memory.limit_in_bytes").write_text(str(2**30))  # a tighter ancestor wins
     (tmp_path / "memory" / "jobs" / "memory.stat").write_text(f"total_rss {own}\n")
-    assert memory_plan._cgroup_headroom(own, str(proc), str(tmp_path))[0] == 2**30
+    assert limits._cgroup_headroom(own, str(proc), str(tmp_path))[0] == 2**30
     v2 = tmp_path / "v2"
     (v2 / "job").mkdir(parents=True)
     (v2 / "cgroup.controllers").write_text("memory\n")
     (v2 / "job" / "memory.max").write_text(str(2**31))
     (v2 / "job" / "memory.stat").write_text(f"anon {own}\nfile 5\n")
     (tmp_path / "cgroup2").write_text("0::/job\n")
-    assert memory_plan._cgroup_headroom(own, str(tmp_path / "cgroup2"), str(v2))[0] == 2**31
+    assert limits._cgroup_headroom(own, str(tmp_path / "cgroup2"), str(v2))[0] == 2**31
 
 
 def test_host_resident_reads_rss_and_peak():
     rss, peak = memory.host_resident()
     assert 0 < rss <= peak
-    assert memory_plan.host_limit()[0] > rss
+    assert limits.host_limit()[0] > rss
 
 
 def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
@@ -336,9 +335,9 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     below every choice's floor nothing at all is compiled."""
     import gin
 
-    from revtrain import checkpoint, cli, loop
-    monkeypatch.setattr(checkpoint, "ASYNC_MAX_BYTES", 0)  # a save between steps, no staging: the state counts
-    monkeypatch.setattr(checkpoint, "STAGING_BYTES", 0)
+    from revtrain import cli, loop
+    monkeypatch.setattr(limits, "ASYNC_MAX_BYTES", 0)  # a save between steps, no staging: the state counts
+    monkeypatch.setattr(limits, "STAGING_BYTES", 0)
     cli._parse_gin([LLAMA], [b for b in TINY_RUN if b != "--gin"])
     try:
         run = loop.build()

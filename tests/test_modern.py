@@ -13,7 +13,6 @@ import optax
 import pytest
 from flax import nnx
 from jax import lax
-from jax.tree_util import keystr, tree_flatten_with_path
 
 from revtrain.layers.attention import blockwise_attention
 from revtrain.layers.base import HeadLayer, Layer, ReversibleCoupling, ReversibleLayer
@@ -24,7 +23,7 @@ from revtrain.models.base import Model
 from revtrain.placement import make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
-from helpers import numpy_params, train_steps
+from helpers import rel_error, train_model, worst_leaf
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 
@@ -65,10 +64,6 @@ def _forward(model, params, states, x):
     for i, layer in enumerate(model.layers):
         x = layer.apply(params[i], states[i], x, None, False)[0]
     return x
-
-
-def _rel(a, b):
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def test_grouped_query_attention_dense_and_blockwise(cls):
         def grad(module):
             return jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(module(x, keys=None, train=False)))))(x)
 
-        assert _rel(grad(blocked), grad(dense)) <= 1e-5
+        assert rel_error(grad(blocked), grad(dense)) <= 1e-5
 
 
 def test_bidirectional_blockwise_attention_masks_padding():
@@ -158,7 +153,7 @@ def test_bidirectional_blockwise_attention_masks_padding():
                                  argnums=(0, 1, 2)))(q, k, v)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
     for a, b in zip(got[1], ref[1]):
-        assert _rel(a, b) <= 1e-5
+        assert rel_error(a, b) <= 1e-5
 
 
 def test_swiglu_values_width_and_chunking():
@@ -246,7 +241,7 @@ def test_cache_holds_num_kv_heads_and_decoding_equals_the_forward(lm):
     with jax.default_matmul_precision("highest"):
         reference = np.asarray(jax.jit(lambda t: _forward(model, params, states, t))(tokens))
         cached = _decode_all(model, params, states, tokens, 5)
-    assert _rel(cached, reference) <= 1e-5
+    assert rel_error(cached, reference) <= 1e-5
 
 
 def test_sliding_cache_equals_banded_forward_not_last_window(lm):
@@ -266,10 +261,10 @@ def test_sliding_cache_equals_banded_forward_not_last_window(lm):
         windows = np.stack([np.asarray(last(tokens[:, p - CONTEXT + 1:p + 1]))[:, -1]
                             for p in range(CONTEXT, n)], axis=1)
         causal = np.asarray(last(tokens[:, :CONTEXT]))
-    assert _rel(cached, reference) <= 1e-5
-    assert _rel(chunked, reference) <= 1e-5
-    assert _rel(cached[:, :CONTEXT], causal) <= 1e-5  # within the context: the ordinary causal forward
-    assert _rel(windows, reference[:, CONTEXT:]) > 1e-3
+    assert rel_error(cached, reference) <= 1e-5
+    assert rel_error(chunked, reference) <= 1e-5
+    assert rel_error(cached[:, :CONTEXT], causal) <= 1e-5  # within the context: the ordinary causal forward
+    assert rel_error(windows, reference[:, CONTEXT:]) > 1e-3
 
 
 @pytest.mark.slow  # make test keeps the sliding cache against the banded forward
@@ -302,19 +297,6 @@ def test_generate_slides_without_reencoding(lm):
 # ------------------------------------------------------------------------------------------------
 # Training: reversible equals backprop with the modern parts.
 # ------------------------------------------------------------------------------------------------
-def _worst_leaf(a, b):
-    rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(x)).max(), 1e-30)),
-             keystr(path)) for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
-    return max(rows)
-
-
-def _train(model_fn, batches, trainer_cls, **kwargs):
-    mesh = make_mesh(jax.devices()[:1])
-    trainer = trainer_cls(model_fn(), optax.adam(1e-3), mesh, seed=0, **kwargs)
-    ts, history = train_steps(trainer, batches, mesh)
-    return numpy_params(ts), [h["loss"] for h in history]
-
-
 def _lm_model():
     return _lm(128, num_layers=3, dropout_rate=0.1, attention_block=32)
 
@@ -324,7 +306,7 @@ def lm_backprop(text_batches):
     """4 batches of real text and StandardTrainer's parameters and losses after 4 Adam steps on them."""
     batches = text_batches(4, 4)
     with jax.default_matmul_precision("highest"):
-        return batches, _train(_lm_model, batches, StandardTrainer)
+        return batches, train_model(StandardTrainer, _lm_model(), optax.adam(1e-3), batches)
 
 
 @pytest.mark.parametrize("kwargs", [{"scan_layers": True},
@@ -337,9 +319,9 @@ def test_modern_lm_reversible_equals_backprop(lm_backprop, kwargs):
     losses) and the loss falls."""
     batches, (std, std_losses) = lm_backprop
     with jax.default_matmul_precision("highest"):
-        rev, losses = _train(_lm_model, batches, ReversibleTrainer, **kwargs)
+        rev, losses = train_model(ReversibleTrainer, _lm_model(), optax.adam(1e-3), batches, **kwargs)
     np.testing.assert_allclose(losses, std_losses, rtol=1e-6)
-    rel, leaf = _worst_leaf(std, rev)
+    rel, leaf = worst_leaf(std, rev)
     assert rel <= 1e-5, (leaf, rel)
     assert std_losses[-1] < std_losses[0]
 
@@ -358,7 +340,7 @@ def vit_backprop():
     it = FashionMNISTTask(DEBIAN_DIR).train_iterator(32, 0, 0, 1)
     batches = [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(6)]
     with jax.default_matmul_precision("highest"):
-        return batches, _train(_vit_model, batches, StandardTrainer)
+        return batches, train_model(StandardTrainer, _vit_model(), optax.adam(1e-3), batches)
 
 
 @pytest.mark.slow  # a RevViT trained by both trainers (test_revnet keeps Fashion-MNIST in make test)
@@ -369,9 +351,9 @@ def test_revvit_reversible_equals_backprop_on_fashion_mnist(vit_backprop, kwargs
     (the same losses), and the loss falls."""
     batches, (std, std_losses) = vit_backprop
     with jax.default_matmul_precision("highest"):
-        rev, losses = _train(_vit_model, batches, ReversibleTrainer, **kwargs)
+        rev, losses = train_model(ReversibleTrainer, _vit_model(), optax.adam(1e-3), batches, **kwargs)
     np.testing.assert_allclose(losses, std_losses, rtol=1e-6)
-    rel, leaf = _worst_leaf(std, rev)
+    rel, leaf = worst_leaf(std, rev)
     assert rel <= 1e-5, (leaf, rel)
     assert std_losses[-1] < std_losses[0]
 

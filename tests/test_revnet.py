@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import REPO, revtrain, run_worker
+from helpers import REPO, revtrain, run_worker, train_steps, worst_leaf
 
 CONFIG = str(REPO / "configs" / "revnet_fashion_mnist.gin")
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
@@ -30,15 +30,6 @@ TINY = dict(widths=(8, 16), blocks=(2, 1), depth=1, momentum=0.8)  # stem, 2 blo
 # ------------------------------------------------------------------------------------------------
 # Helpers shared by the tests and the 4-device worker.
 # ------------------------------------------------------------------------------------------------
-def _worst_leaf(a, b):
-    """(max over leaves of max|a - b| / max|a|, path of that leaf)."""
-    import jax
-    from jax.tree_util import keystr, tree_flatten_with_path
-    rows = [(float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(x)).max(), 1e-30)),
-             keystr(path)) for (path, x), y in zip(tree_flatten_with_path(a)[0], jax.tree.leaves(b))]
-    return max(rows)
-
-
 def _real_batches(count, batch_size=BATCH, seed=0):
     from revtrain.data.fashion_mnist import FashionMNISTTask
     it = FashionMNISTTask(DEBIAN_DIR).train_iterator(batch_size, seed, 0, 1)
@@ -50,17 +41,14 @@ def _train(trainer_cls, optimizer, batches, devices, offload=None, rebuild=None)
     import jax
 
     from revtrain.models.revnet import RevNet
-    from revtrain.placement import global_batch, make_mesh
+    from revtrain.placement import make_mesh
     mesh = make_mesh(jax.devices()[:devices])
     kwargs = {} if offload is None else {"offload": offload}
     if rebuild is not None:
         kwargs["rebuild"] = rebuild
     trainer = trainer_cls(RevNet(10, seed=0, **TINY), optimizer, mesh, seed=0, **kwargs)
-    ts, losses = trainer.init(), []
-    for batch in batches:
-        ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-        losses.append(float(metrics["loss"]))
-    return ts, losses
+    ts, history = train_steps(trainer, batches, mesh)
+    return ts, [h["loss"] for h in history]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,7 +73,7 @@ def _worker(out_path: str) -> None:
     out = {"losses": {k: v[1] for k, v in runs.items()}, "compare": {}, "replicas_identical": {}}
     for a, b in [("standard/1", "reversible/4"), ("standard/4", "reversible/4"), ("standard/1", "standard/4")]:
         for what in ("params", "layer_state"):
-            out["compare"][f"{a}~{b}/{what}"] = _worst_leaf(getattr(runs[a][0], what), getattr(runs[b][0], what))
+            out["compare"][f"{a}~{b}/{what}"] = worst_leaf(getattr(runs[a][0], what), getattr(runs[b][0], what))
     a, b = runs["reversible/4"][0], runs["reversible_offload/4"][0]
     out["offload_bitwise"] = all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in
                                  zip(jax.tree.leaves((a.params, a.opt_state, a.layer_state)),
@@ -336,9 +324,9 @@ def test_reversible_equals_standard_params_and_batch_stats(fashion_mnist, highes
     std, std_losses = _train(StandardTrainer, optax.adam(1e-3), batches, 1)
     rev, rev_losses = _train(ReversibleTrainer, optax.adam(1e-3), batches, 1, rebuild=rebuild)
     np.testing.assert_allclose(rev_losses, std_losses, rtol=1e-6)
-    rel, leaf = _worst_leaf(std.params, rev.params)
+    rel, leaf = worst_leaf(std.params, rev.params)
     assert rel <= 1e-5, f"parameter {leaf} differs by {rel:.2e}"
-    rel, leaf = _worst_leaf(std.layer_state, rev.layer_state)
+    rel, leaf = worst_leaf(std.layer_state, rev.layer_state)
     assert rel <= 1e-5, f"statistic {leaf} differs by {rel:.2e}"
 
 
@@ -428,11 +416,11 @@ def test_batch_stats_change_exactly_as_one_forward_pass(fashion_mnist, highest_p
         _, expected = _by_hand(model, params, old_state, batch["image"], True, TINY["momentum"], 16)
         ts, _ = tr.train_step(ts, global_batch(batch, mesh))
         got = jax.tree.map(np.asarray, ts.layer_state)
-        rel, leaf = _worst_leaf(expected, got)
+        rel, leaf = worst_leaf(expected, got)
         assert rel <= 1e-5, f"step {ts.step}: statistic {leaf} is off by {rel:.2e} from one forward's update"
         # A second update (by a rebuild) would be far away: check the test could tell.
         _, twice = _by_hand(model, params, expected, batch["image"], True, TINY["momentum"], 16)
-        assert _worst_leaf(twice, got)[0] > 1e-3
+        assert worst_leaf(twice, got)[0] > 1e-3
 
 
 @pytest.mark.slow  # make test-all
