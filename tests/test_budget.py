@@ -374,7 +374,8 @@ def _modern_model(tie: bool):
 
 
 # (row, trainer keywords, tied): the three crashes, the tie on both executors
-TIER_ROWS = [("disk tier", {"offload": "disk", "scan_layers": False}, False),
+# (the disk tier's row in make test-all only: tests/test_combinations.py's fast cell runs a budget on the disk tier)
+TIER_ROWS = [pytest.param("disk tier", {"offload": "disk", "scan_layers": False}, False, marks=pytest.mark.slow),
              pytest.param("host tier, scanned", {"offload": True}, False, marks=pytest.mark.slow),
              ("tied, per-layer", {"scan_layers": False}, True),
              pytest.param("tied, scanned", {}, True, marks=pytest.mark.slow)]

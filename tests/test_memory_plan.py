@@ -336,8 +336,8 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     import gin
 
     from revtrain import cli, loop
-    monkeypatch.setattr(limits, "ASYNC_MAX_BYTES", 0)  # a save between steps, no staging: the state counts
-    monkeypatch.setattr(limits, "STAGING_BYTES", 0)
+    monkeypatch.setattr("revtrain.limits.ASYNC_MAX_BYTES", 0)  # a save between steps, no staging: the state counts
+    monkeypatch.setattr("revtrain.limits.STAGING_BYTES", 0)
     cli._parse_gin([LLAMA], [b for b in TINY_RUN if b != "--gin"])
     try:
         run = loop.build()
