@@ -563,11 +563,21 @@ class StepStream:
         self.read_bytes += ref.layout.nbytes(part)
         return tree
 
+    def _not_yet(self, g: int) -> bool:
+        """Whether reading ahead must stop before group ``g`` (a subclass's: a value not written yet)."""
+        return False
+
+    def _submit(self, g: int, part: str):
+        """Submits the read of group ``g``'s ``part`` to the tier's reader: its Future."""
+        return self.tier.submit_read(self._read, g, part, self._gate)
+
     def _refill(self) -> None:
         ahead = sum(self.refs[g].layout.nbytes(p) for g, p in self._pending)
         k = self._next
         while k < len(self.schedule):
             g, part = self.schedule[k]
+            if self._not_yet(g):
+                break
             ref = self.refs[g]
             if not isinstance(ref, DiskLayer) or (g, part) in self._pending or g in self._updates:
                 k += 1
@@ -575,7 +585,7 @@ class StepStream:
             size = ref.layout.nbytes(part)
             if self._pending and ahead + size > self.budget:
                 break
-            self._pending[(g, part)] = self.tier.submit_read(self._read, g, part, self._gate)
+            self._pending[(g, part)] = self._submit(g, part)
             ahead += size
             k += 1
 
@@ -689,25 +699,14 @@ class DeferredStream(StepStream):
         os.makedirs(self.grad_dir, exist_ok=True)
         self.grads = _View(self, "grad")
 
-    def _refill(self) -> None:
+    def _not_yet(self, g: int) -> bool:
         n = self.count
-        ahead = sum(self.refs[g].layout.nbytes(p) for g, p in self._pending)
-        k = self._next
-        while k < len(self.schedule):
-            g, part = self.schedule[k]
-            if g >= n and g - n in self._awaiting:  # its newest value is not stored yet
-                break
-            ref = self.refs[g]
-            if not isinstance(ref, DiskLayer) or (g, part) in self._pending or g in self._updates:
-                k += 1
-                continue
-            size = ref.layout.nbytes(part)
-            if self._pending and ahead + size > self.budget:
-                break
-            written = self._grad_writes.get(g - n) if g >= n else None
-            self._pending[(g, part)] = self.tier.submit_read(self._read_after, g, part, self._gate, written)
-            ahead += size
-            k += 1
+        return g >= n and g - n in self._awaiting  # a buffer whose newest value is not stored yet
+
+    def _submit(self, g: int, part: str):
+        n = self.count
+        written = self._grad_writes.get(g - n) if g >= n else None
+        return self.tier.submit_read(self._read_after, g, part, self._gate, written)
 
     def _read_after(self, g: int, part: str, gate, written):
         if written is not None:  # (the reader waits for the writer's file)

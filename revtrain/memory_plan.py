@@ -493,6 +493,18 @@ class MemoryPlan:
                          for t in self.tiers if not self.fits_tier(t))
 
 
+def _state_bytes(setup: "Setup", pshapes: list, oshapes: list, n: int) -> tuple[int, int, list, list]:
+    """``(weights, optimizer state, each layer's weights, each layer's weights + optimizer state)`` in bytes:
+    the first two one device's share (split over ``n`` devices with ``shard_state``), the lists whole."""
+    if setup.shard_state:
+        weights = sum(_shard_bytes(p, n) for p in pshapes)
+        opt = sum(_shard_bytes(o, n) for o in oshapes)
+    else:
+        weights, opt = _nbytes(pshapes), _nbytes(oshapes)
+    layer_bytes = [_nbytes(p) for p in pshapes]
+    return weights, opt, layer_bytes, [lb + _nbytes(o) for lb, o in zip(layer_bytes, oshapes)]
+
+
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
          programs: _Programs | None = None, platform: str | None = None, whole_step: bool = True,
          global_devices: int | None = None, eval_spec: dict | None = None, disk: dict | None = None) -> MemoryPlan:
@@ -555,13 +567,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     batch_bytes = _nbytes(batch)
 
     # Weights and optimizer state: one device's share.
-    if setup.shard_state:
-        weights = sum(_shard_bytes(p, n) for p in pshapes)
-        opt = sum(_shard_bytes(o, n) for o in oshapes)
-    else:
-        weights, opt = _nbytes(pshapes), _nbytes(oshapes)
-    layer_bytes = [_nbytes(p) for p in pshapes]
-    layer_state = [lb + _nbytes(o) for lb, o in zip(layer_bytes, oshapes)]
+    weights, opt, layer_bytes, layer_state = _state_bytes(setup, pshapes, oshapes, n)
     one_layer = max(layer_bytes)
 
     if setup.trainer == "standard":
@@ -732,13 +738,7 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
         if not layer.reversible:
             saved_std += _nbytes(x)
         x = programs.output(layer, layer.param_shapes, layer.state_shapes, x, keys)
-    if setup.shard_state:
-        weights = sum(_shard_bytes(p, n) for p in pshapes)
-        opt = sum(_shard_bytes(o, n) for o in oshapes)
-    else:
-        weights, opt = _nbytes(pshapes), _nbytes(oshapes)
-    layer_bytes = [_nbytes(p) for p in pshapes]
-    layer_state = [lb + _nbytes(o) for lb, o in zip(layer_bytes, oshapes)]
+    weights, opt, layer_bytes, layer_state = _state_bytes(setup, pshapes, oshapes, n)
     one_layer = max(layer_bytes)
     offload, on_disk = reversible and setup.offload, reversible and setup.disk
     if reversible:
