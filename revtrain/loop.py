@@ -430,19 +430,7 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     knobs = ["evaluate.batch_size" if evaluation else "train.batch_size"]
     if run.task.sequence_length is not None:
         knobs.append(f"{type(run.task).__name__}.sequence_length")
-    if isinstance(run.trainer, ReversibleTrainer):
-        if not evaluation and not run.trainer.residency.offloaded:
-            knobs.append("ReversibleTrainer.offload = True")
-    elif not evaluation:
-        knobs.append("train.trainer = @ReversibleTrainer")
-    from revtrain.models.compose import ComposedModel
-    if run.cfg.model is ReversibleTransformerLM:
-        knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
-    elif run.cfg.model is ComposedModel and any(
-            "CausalSelfAttention" in type(getattr(layer.abstract_module(), "f", None)).__name__
-            for layer in run.model.layers if layer.reversible):
-        knobs.append("attention blocking (CausalSelfAttention.attention_block)")
-    return knobs
+    return knobs + run.trainer.memory_knobs(evaluation) + list(run.model.memory_knobs)
 
 
 def _run_config(run: Run):
@@ -501,7 +489,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
-            if getattr(run.trainer, "memory_budget", None) is not None:  # each block's mode, before trainer.init
+            if run.trainer.memory_budget is not None:  # each block's mode, before trainer.init
                 spec = run.task.input_spec(run.cfg.batch_size)
                 if spec is not None:  # (else the first step plans from its batch)
                     run.trainer.plan_budget(spec)
@@ -652,7 +640,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                             values["bytes_per_token"] = per_token
                     values["devices"], values["processes"] = run.mesh.size, pc
                     values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
-                    values.update(getattr(trainer, "disk_stats", None) or {})  # the disk tier's last step's I/O
+                    values.update(trainer.disk_stats)  # the disk tier's last step's I/O
                     if run.plan is not None and not last:  # the first record of this process's run
                         values.update(run.plan.record())
                     writer.write("train", step, values)
@@ -733,7 +721,7 @@ def _saves_within_budget(trainer, checkpointer, ts: TrainState) -> None:
     through the next steps, which then cannot donate them and hold a second copy of the device-resident
     state (measured on the CPU backend, docs/budget.md). Written in the background when the plan's peak
     plus that copy fits."""
-    plan = getattr(trainer, "budget_plan", None)
+    plan = trainer.budget_plan
     if plan is not None and plan.peak + device_state_bytes(ts) > plan.budget:
         checkpointer.async_max_bytes = 0
 

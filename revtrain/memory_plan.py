@@ -152,19 +152,10 @@ class Setup:
 
 
 def setup_of(trainer, batch_size: int) -> Setup:
-    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``."""
-    if getattr(trainer, "name", "") == "standard":
-        remat = bool(getattr(trainer, "scan_layers", False) and getattr(trainer, "remat_layers", False))
-        return Setup("standard", trainer.tx, batch_size, trainer.microbatches, remat=remat,
-                     label="StandardTrainer" + (" (scan + remat)" if remat else ""))
-    disk = getattr(getattr(trainer, "residency", None), "tier", None) == "disk"
-    label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
-    label += " + offload='disk'" if disk else ""
-    budget = getattr(trainer, "budget_plan", None)
-    return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload), disk=disk,
-                 shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
-                 rebuild=getattr(trainer, "rebuild", "exact"), label=label,
-                 budget_peak=budget.peak if budget is not None else 0)
+    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``: the trainer
+    describes itself (`TrainerBase.memory_setup`)."""
+    return Setup(optimizer=trainer.tx, batch_size=batch_size, microbatches=trainer.microbatches,
+                 **trainer.memory_setup())
 
 
 def _separable(tx, model) -> bool:
@@ -872,7 +863,7 @@ def plan_budget(run):
     Raises:
       TrainerError: the budget is below the least any plan needs (one line naming that least budget).
     """
-    if getattr(run.trainer, "memory_budget", None) is None:
+    if run.trainer.memory_budget is None:
         return None
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:
@@ -895,9 +886,9 @@ def plan_run(run, limits: dict | None = None, programs: _Programs | None = None)
 
 def _disk_spec(run) -> dict:
     """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
-    tier = getattr(getattr(run.trainer, "residency", None), "disk", None)
-    directory = getattr(tier, "directory", None) or os.path.join(os.getcwd(), "offload")
-    workdir = getattr(tier, "workdir", None)
+    tier = run.trainer.residency.disk  # (None: no disk tier)
+    directory = (tier.directory if tier is not None else None) or os.path.join(os.getcwd(), "offload")
+    workdir = tier.workdir if tier is not None else None
     return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
             "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
 
