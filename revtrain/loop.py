@@ -566,10 +566,16 @@ class _Training:
         self.checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints,
                                                   keep_period=cfg.keep_checkpoint_period)
         self.writer: metrics_lib.MetricWriter | None = None
+        self.meta: dict = {}  # what each checkpoint records beside the state (the run's signature, sizes)
         self.ts: TrainState | None = None
+        self.metrics: dict = {}  # the last step's metrics (device scalars)
         self.last: dict = {}
         self.damaged: list = []
         self.saved_on: dict = {}  # the devices and processes the resumed checkpoint was written on
+        self.meter: MemoryMeter | None = None
+        self.t_start = self.t_last = 0.0  # when the steps started; when the last rate was logged
+        self.step_last = self.resumed_or_zero = self.saved = 0  # the step of the last rate, the first, the saved
+        self.skipped = 0  # non-finite steps skipped
         self.stopping = False
 
     def kept(self) -> str:
