@@ -324,7 +324,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     base_dtype = _model_dtype(cfg)
     mode = _rebuild_mode(run.trainer)
     block_modes, budget = None, None  # a memory budget's plan: each block backprop'd, recomputed or rebuilt
-    if isinstance(run.trainer, ReversibleTrainer) and run.trainer.memory_budget is not None:
+    if run.trainer.memory_budget is not None:
         budget = run.trainer.plan_budget(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch))
         block_modes = budget.names()
     other_mode = next(m for m in ReversibleTrainer.REBUILD_MODES if m != mode)
@@ -362,7 +362,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     print(f"revtrain check: {where}, {n} layers, one batch of {cfg.batch_size} on "
           f"{mesh.size} device(s); reference: {reference}; ReversibleTrainer.rebuild = '{mode}'"
           f"{_plan_text(budget)}; "
-          f"update: {_update_mode(run.trainer)}", file=out)
+          f"update: {run.trainer.update_text()}", file=out)
     note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
             or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
     return _report(results, base_dtype, out, note=note, alternative=alternative)
@@ -386,27 +386,10 @@ def _fused_hint(mode: str, rows, alternative) -> str | None:
             "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
 
 
-def _update_mode(trainer) -> str:
-    """How the configured trainer applies the optimizer (the check's gradients are the step's either way:
-    M microbatches sum to the whole batch's gradient, and the update reads that sum)."""
-    if not isinstance(trainer, ReversibleTrainer):
-        return "whole model"
-    if not trainer.deferred:
-        return "fused per layer"
-    why = [f"{trainer.microbatches} microbatches"] if trainer.microbatches > 1 else []
-    if not trainer.layerwise.separable:
-        why.append(f"the optimizer combines layers ({trainer.layerwise.rounds} global round(s))")
-    if trainer.model.ties:
-        why.append(f"{len(trainer.model.ties)} tied parameter(s)")
-    if trainer.shard_state and not why:
-        why.append("whole-leaf optimizer with shard_state")
-    return "deferred (" + ", ".join(why) + ")"
-
-
 def _rebuild_mode(trainer) -> str:
     """The rebuild mode the configured run uses: its reversible trainer's, else the gin binding or default
     of ``ReversibleTrainer.rebuild``."""
-    mode = getattr(trainer, "rebuild", None)
+    mode = trainer.rebuild
     if mode in ReversibleTrainer.REBUILD_MODES:
         return mode
     try:

@@ -428,91 +428,117 @@ def _check_macros_used(bindings: list[str]) -> None:
 
 
 def _run(args) -> int:
+    """Runs the parsed command (its ``_<command>_command``); returns the exit status.
+
+    Raises:
+      UsageError: an unknown command, or flags the command refuses.
+    """
+    command = _COMMANDS.get(args.command)
+    if command is None:
+        raise UsageError(f"unknown command {args.command}")
+    return command(args)
+
+
+def _train_command(args) -> int:
+    from revtrain import loop
+    if not args.config:
+        raise UsageError("train needs --config FILE (the experiment's gin file; a run's own config is "
+                         "DIR/config.gin)")
+    _parse_gin(args.config, args.gin)
+    _check_macros_used(args.gin)
+    loop.train(args.workdir)
+    return 0
+
+
+def _eval_command(args) -> int:
     import gin
 
     from revtrain import loop
-    if args.command == "train":
-        if not args.config:
-            raise UsageError("train needs --config FILE (the experiment's gin file; a run's own config is "
-                             "DIR/config.gin)")
-        _parse_gin(args.config, args.gin)
-        _check_macros_used(args.gin)
-        loop.train(args.workdir)
-        return 0
-    if args.command == "eval":
-        config = run_config(args.workdir)
-        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
-        _check_macros_used(args.gin)
-        kind = "eval"
-        if args.split:  # scores of another split than the run's own go to metrics/eval_<split>.jsonl
-            try:
-                run_split = gin.query_parameter("evaluate.split")
-            except ValueError:  # not bound: EvalConfig's default
-                run_split = loop.EvalConfig.split
-            kind = loop.eval_kind(args.split, run_split)
-            gin.bind_parameter("evaluate.split", args.split)
-        if args.name is not None:
-            if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
-                raise UsageError(f"--name must be letters, digits, '_' or '-', got {args.name!r}")
-            if re.fullmatch(r"(.*_)?(validation|test)", args.name):
-                raise UsageError(f"--name {args.name!r} would share a split's file; choose a name that is not a "
-                                 "split and does not end in _validation or _test")
-            kind = kind.replace("eval", f"eval_{args.name}", 1)  # eval_NAME, or eval_NAME_<split> for another split
-        loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
-        return 0
-    if args.command == "sample":
-        from revtrain import sample
-        opts = sample.Options(length=args.length, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
-        opts.check()  # flags and prompt first: bad input writes nothing and loads nothing
-        prompt = sample.read_prompt(args.prompt, args.prompt_file)
-        sample.output_paths(args.output, args.num_samples)
-        config = run_config(args.workdir)
-        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
-        _check_macros_used(args.gin)
-        sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
-        return 0
-    if args.command == "check":
-        from revtrain import check  # noqa: F401  (registers check.*)
-        from revtrain.lifecycle import workdir as workdir_lib
-        configs = list(args.config)
-        if args.workdir is not None:
-            configs.insert(0, run_config(args.workdir))
-        elif not configs:
-            raise UsageError("check needs --config FILE (a model to check) or --workdir DIR (a run's checkpoint)")
-        elif args.step is not None:
-            raise UsageError("--step needs --workdir")
-        _parse_gin(configs, args.gin, workdir=args.workdir)
-        _check_macros_used(args.gin)
-        if args.workdir is None:
-            return check.run_check()
-        with workdir_lib.locked(args.workdir, "check"):
-            return check.run_check(workdir=args.workdir, step=args.step)
-    if args.command == "plan":
-        if not args.config:
-            raise UsageError("plan needs --config FILE (the experiment's gin file)")
-        _parse_gin(args.config, args.gin)
-        _check_macros_used(args.gin)
-        from revtrain import memory_plan
-        run = loop.build()
-        budget = memory_plan.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
-        if budget is not None:
-            print(budget.line())
-        plans = memory_plan.choices(run, with_standard=True)
-        print(plans[0].line())
-        print(memory_plan.table(plans))
-        return 0
-    if args.command == "export":
-        from revtrain import export
-        config = run_config(args.workdir)
-        _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
-        _check_macros_used(args.gin)
-        step = export.export_workdir(args.workdir, args.to, step=args.step, dtype=args.dtype)
-        from revtrain import metrics as metrics_lib
-        metrics_lib.log(f"exported step {step} of {os.path.abspath(args.workdir)} to {os.path.abspath(args.to)}")
-        return 0
-    del gin
-    raise UsageError(f"unknown command {args.command}")
+    config = run_config(args.workdir)
+    _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+    _check_macros_used(args.gin)
+    kind = "eval"
+    if args.split:  # scores of another split than the run's own go to metrics/eval_<split>.jsonl
+        try:
+            run_split = gin.query_parameter("evaluate.split")
+        except ValueError:  # not bound: EvalConfig's default
+            run_split = loop.EvalConfig.split
+        kind = loop.eval_kind(args.split, run_split)
+        gin.bind_parameter("evaluate.split", args.split)
+    if args.name is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", args.name):
+            raise UsageError(f"--name must be letters, digits, '_' or '-', got {args.name!r}")
+        if re.fullmatch(r"(.*_)?(validation|test)", args.name):
+            raise UsageError(f"--name {args.name!r} would share a split's file; choose a name that is not a "
+                             "split and does not end in _validation or _test")
+        kind = kind.replace("eval", f"eval_{args.name}", 1)  # eval_NAME, or eval_NAME_<split> for another split
+    loop.eval_checkpoints(args.workdir, step=args.step, all_steps=args.all, kind=kind)
+    return 0
+
+
+def _sample_command(args) -> int:
+    from revtrain import sample
+    opts = sample.Options(length=args.length, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, num_samples=args.num_samples, seed=args.seed)
+    opts.check()  # flags and prompt first: bad input writes nothing and loads nothing
+    prompt = sample.read_prompt(args.prompt, args.prompt_file)
+    sample.output_paths(args.output, args.num_samples)
+    config = run_config(args.workdir)
+    _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+    _check_macros_used(args.gin)
+    sample.sample_checkpoint(args.workdir, prompt, opts, step=args.step, output=args.output)
+    return 0
+
+
+def _check_command(args) -> int:
+    from revtrain import check  # noqa: F401  (registers check.*)
+    from revtrain.lifecycle import workdir as workdir_lib
+    configs = list(args.config)
+    if args.workdir is not None:
+        configs.insert(0, run_config(args.workdir))
+    elif not configs:
+        raise UsageError("check needs --config FILE (a model to check) or --workdir DIR (a run's checkpoint)")
+    elif args.step is not None:
+        raise UsageError("--step needs --workdir")
+    _parse_gin(configs, args.gin, workdir=args.workdir)
+    _check_macros_used(args.gin)
+    if args.workdir is None:
+        return check.run_check()
+    with workdir_lib.locked(args.workdir, "check"):
+        return check.run_check(workdir=args.workdir, step=args.step)
+
+
+def _plan_command(args) -> int:
+    from revtrain import loop
+    if not args.config:
+        raise UsageError("plan needs --config FILE (the experiment's gin file)")
+    _parse_gin(args.config, args.gin)
+    _check_macros_used(args.gin)
+    from revtrain import memory_plan
+    run = loop.build()
+    budget = memory_plan.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
+    if budget is not None:
+        print(budget.line())
+    plans = memory_plan.choices(run, with_standard=True)
+    print(plans[0].line())
+    print(memory_plan.table(plans))
+    return 0
+
+
+def _export_command(args) -> int:
+    from revtrain import export
+    config = run_config(args.workdir)
+    _parse_gin([config] + args.config, args.gin, workdir=args.workdir)
+    _check_macros_used(args.gin)
+    step = export.export_workdir(args.workdir, args.to, step=args.step, dtype=args.dtype)
+    from revtrain import metrics as metrics_lib
+    metrics_lib.log(f"exported step {step} of {os.path.abspath(args.workdir)} to {os.path.abspath(args.to)}")
+    return 0
+
+
+# Each command's runner (`_run`), in the order of the usage text.
+_COMMANDS = {"train": _train_command, "eval": _eval_command, "sample": _sample_command, "check": _check_command,
+             "plan": _plan_command, "export": _export_command}
 
 
 def main(argv: list[str] | None = None) -> int:

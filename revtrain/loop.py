@@ -430,19 +430,7 @@ def _oom_knobs(run: Run, evaluation: bool = False) -> list[str]:
     knobs = ["evaluate.batch_size" if evaluation else "train.batch_size"]
     if run.task.sequence_length is not None:
         knobs.append(f"{type(run.task).__name__}.sequence_length")
-    if isinstance(run.trainer, ReversibleTrainer):
-        if not evaluation and not run.trainer.residency.offloaded:
-            knobs.append("ReversibleTrainer.offload = True")
-    elif not evaluation:
-        knobs.append("train.trainer = @ReversibleTrainer")
-    from revtrain.models.compose import ComposedModel
-    if run.cfg.model is ReversibleTransformerLM:
-        knobs.append("attention blocking (ReversibleTransformerLM.attention_block)")
-    elif run.cfg.model is ComposedModel and any(
-            "CausalSelfAttention" in type(getattr(layer.abstract_module(), "f", None)).__name__
-            for layer in run.model.layers if layer.reversible):
-        knobs.append("attention blocking (CausalSelfAttention.attention_block)")
-    return knobs
+    return knobs + run.trainer.memory_knobs(evaluation) + list(run.model.memory_knobs)
 
 
 def _run_config(run: Run):
@@ -501,7 +489,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
-            if getattr(run.trainer, "memory_budget", None) is not None:  # each block's mode, before trainer.init
+            if run.trainer.memory_budget is not None:  # each block's mode, before trainer.init
                 spec = run.task.input_spec(run.cfg.batch_size)
                 if spec is not None:  # (else the first step plans from its batch)
                     run.trainer.plan_budget(spec)
@@ -520,196 +508,315 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
 
 
 def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
-    cfg, trainer = run.cfg, run.trainer
-    if cfg.sample_every:
-        from revtrain import generate as sample_lib
-    primary = jax.process_index() == 0
-    pc, pi = jax.process_count(), jax.process_index()
-    data = run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)
-    checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints, keep_period=cfg.keep_checkpoint_period)
-    writer = None
+    """`train` once the workdir is held and the run planned: the run's steps, as a list of named steps (each
+    one a method of `_Training`). Returns the last logged metrics ({} when there was nothing to do; the
+    final evaluation's when only it was missing).
 
-    def kept() -> str:
-        line = _kept(checkpointer)
-        gone = guard.created and primary and workdir_lib.saved_nothing(workdir)
-        return line + (" (the workdir it created is removed)" if gone else "")
-
+    Raises:
+      TrainingStopped, WriteFailed, StepFailed, oom.OutOfMemory: as `train` says.
+    """
+    t = _Training(run, workdir, guard)
     try:
-        signature = run_signature(run)
-        meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
-                "processes": pc}
-
-        resumed, damaged, saved_on = None, [], {}
-
-        def accept(step, saved):
-            _check_resumable(saved.get("signature", {}), signature, step, workdir)
-            saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
-
-        if checkpointer.steps():  # restored straight into place (a shape-only template: one copy)
-            ts, resumed = checkpointer.restore_newest(trainer.abstract_state(), data_iterator=data,
-                                                      on_skip=damaged.append, accept=accept)
-        else:
-            ts = trainer.init()
-        if resumed is not None and ts.step >= cfg.steps:
-            where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
-            if ts.step == cfg.steps and not _evaluated(workdir, ts.step):  # stopped before its final evaluation
-                metrics_lib.log(f"already at step {ts.step} {where}; its final evaluation is missing: running it")
-                guard.idle_note = "before the final evaluation finished: rerun the same command to run it"
-                writer = metrics_lib.MetricWriter(workdir, enabled=primary)
-                result = _eval_and_write(run, ts, writer)
-                writer.close()
-                return result
-            metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
-                            "the run)")
-            return {}
-        for e in damaged:  # a resumed run saves these steps again: their damaged copies go out of the way
-            where = checkpointer.set_aside(e.step)
-            metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
-        changes = _config_changes(workdir, run) if resumed is not None and primary else None
-        writer = metrics_lib.MetricWriter(workdir, enabled=primary)
-        writer.restart_at(resumed or 0)  # each step once: records after the resumed step are redone
-        if primary:
-            text, modules, unnamed = _run_config(run)
-            with open(os.path.join(workdir, "config.gin"), "w") as f:
-                f.write(text)
-            run.task.save_tokenizer(workdir)  # eval / sample / export / check (and a resume) use this copy
-            _keep_files(run.model, workdir)  # and these (an imported checkpoint's architecture)
-            if modules:  # where the user's modules came from: eval / sample / check find them again
-                with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
-                    json.dump(modules, f, indent=1)
-            if unnamed:
-                metrics_lib.log(f"config.gin cannot name {', '.join(unnamed)} (set from Python, and neither a "
-                                "literal nor a gin configurable): revtrain eval / sample / check on this workdir "
-                                "will use the gin default; make it a @gin.configurable to have it recorded")
-        metrics_lib.log(
-            (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
-            + f"{trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
-            f"({sum(layer.reversible for layer in run.model.layers)} reversible), "
-            f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
-        from revtrain.layers.exact_residual import side_bits_line
-        side = side_bits_line(run.model, cfg.batch_size, run.task.sequence_length)
-        if side:
-            metrics_lib.log(side)
-        if run.plan is not None:  # made before the first allocation; said once the run has started
-            metrics_lib.log(run.plan.line())
-        if changes:
-            metrics_lib.log(changes)
-        if resumed is not None and saved_on.get("devices") is not None and (
-                (saved_on["devices"], saved_on.get("processes")) != (run.mesh.size, pc)):
-            metrics_lib.log(f"devices changed since the checkpoint at step {resumed}: {saved_on['devices']} device(s) in "
-                            f"{saved_on.get('processes')} process(es) -> {run.mesh.size} device(s) in {pc} process(es) "
-                            "(the global batch and the data order are the same)")
-
-        tokens_per_step = cfg.batch_size * run.model.tokens_per_example
-        meter = trainer.meter = MemoryMeter()
-        last: dict = {}
-        t_start = t_last = time.time()
-        step_last = resumed_or_zero = saved = ts.step
-        skipped = 0
-        stopping = False
-        with oom.in_one_line(lambda: f"training step {ts.step + 1}", _oom_knobs(run)):
-            while ts.step < cfg.steps:
-                batch = global_batch(next(data), run.mesh)
-                logged = (ts.step + 1) % cfg.log_every == 0 or ts.step + 1 == cfg.steps
-                if logged:
-                    meter.start()
-                try:
-                    ts, m = trainer.train_step(ts, batch)
-                except NonFiniteError as e:
-                    meter.active = False
-                    if skipped >= cfg.skip_nonfinite_steps:
-                        raise
-                    skipped += 1
-                    ts = e.state
-                    writer.write("train", ts.step, {"skipped_nonfinite": str(e)})
-                    metrics_lib.log(f"{e}: skipped its update ({skipped} of at most {cfg.skip_nonfinite_steps})")
-                    continue
-                guard.idle = False  # a finished step that is not saved yet: the first signal saves it
-                step = ts.step
-                lost_peer.watch(step=step)
-                final = step == cfg.steps
-                if step == resumed_or_zero + 1 and not logged:
-                    # The first step compiled every program: leave it out of the first rate.
-                    t_last, step_last = time.time(), step
-                stopping = _agree_to_stop(guard.signal is not None, pc)
-                if logged or stopping:
-                    values = _sync_metrics(m)
-                    if meter.active:
-                        values["peak_device_bytes"] = meter.stop()
-                        values["peak_device_bytes_method"] = meter.method
-                        values["host_state_bytes"] = host_state_bytes(ts)
-                    now = time.time()
-                    sps = (step - step_last) / max(now - t_last, 1e-9)
-                    t_last, step_last = now, step
-                    values["steps_per_sec"] = sps
-                    values["tokens_per_sec"] = sps * tokens_per_step
-                    values["learning_rate"] = float(run.schedule(step - 1)) if run.schedule else _ready_lr(ts)
-                    if run.model.bits_per_byte:
-                        # Tokens: at the train split's mean bytes per token (an estimate for the batch).
-                        per_token = run.task.bytes_per_token
-                        values["bits_per_byte"] = values["loss"] / math.log(2) / per_token
-                        if run.task.tokenized:
-                            values["bytes_per_token"] = per_token
-                    values["devices"], values["processes"] = run.mesh.size, pc
-                    values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
-                    values.update(getattr(trainer, "disk_stats", None) or {})  # the disk tier's last step's I/O
-                    if run.plan is not None and not last:  # the first record of this process's run
-                        values.update(run.plan.record())
-                    writer.write("train", step, values)
-                    eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
-                    metrics_lib.log(metrics_lib.progress_line(
-                        step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
-                    last = values
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
-                    _saves_within_budget(trainer, checkpointer, ts)
-                    if checkpointer.save(ts, data, meta):
-                        saved = step
-                if cfg.eval_every and step % cfg.eval_every == 0 and not final and not stopping:
-                    saved = _keeping_the_step(checkpointer, ts, data, meta, saved, "evaluation", kept,
-                                              lambda: _eval_and_write(run, ts, writer))
-                if cfg.sample_every and (step % cfg.sample_every == 0 or final):
-                    t_sample = time.time()
-                    saved = _keeping_the_step(checkpointer, ts, data, meta, saved, "sample", kept,
-                                              lambda: sample_lib.training_sample(run, ts, writer))
-                    t_last += time.time() - t_sample  # sampling time is not training time
-                if stopping:
-                    who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"
-                    metrics_lib.log(f"received {who}: saving step {step} and stopping")
-                    break
-        if saved != ts.step:  # (a stop right after a periodic save has nothing more to save)
-            checkpointer.save(ts, data, meta, force=True)
-        checkpointer.wait()  # a failed final save is reported here, with the newest kept checkpoint
-        guard.idle, guard.idle_note = True, ("after the final checkpoint was saved: the final evaluation is "
-                                             "skipped (rerun the same command to run it)")
-        if ts.step == cfg.steps and not stopping:
-            if guard.signal is not None:
-                metrics_lib.log(f"received {signal_lib.Signals(guard.signal).name}: step {ts.step} is saved; "
-                                "the final evaluation is skipped (rerun the same command to run it)")
-            else:
-                _eval_and_write(run, ts, writer)
-                metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - t_start:.0f} s; workdir {workdir}")
-        writer.close()
+        ts, resumed = t.restore_or_init()
+        if resumed is not None and ts.step >= run.cfg.steps:
+            return t.finish_done_run(ts)
+        t.set_aside_damaged()
+        changes = _config_changes(workdir, run) if resumed is not None and t.primary else None
+        t.open_metrics(resumed)
+        if t.primary:
+            _write_run_files(run, workdir)
+        _log_start(run, ts, resumed, t.checkpointer, changes, t.saved_on)
+        with oom.in_one_line(lambda: f"training step {t.ts.step + 1}", _oom_knobs(run)):
+            t.run_steps()
+        t.save_last()
+        t.evaluate_last()
+        t.writer.close()
     except NonFiniteError as e:
-        raise TrainingStopped(f"{e}: training stopped, {kept()}; train.skip_nonfinite_steps = N "
+        raise TrainingStopped(f"{e}: training stopped, {t.kept()}; train.skip_nonfinite_steps = N "
                               "skips up to N such steps") from None
     except oom.OutOfMemory as e:
-        raise oom.OutOfMemory(f"{e}; {kept()}") from e.__cause__
+        raise oom.OutOfMemory(f"{e}; {t.kept()}") from e.__cause__
     except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError, DiskTierError) as e:
-        if writer is not None:
-            writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
-        raise WriteFailed(f"{e}; training stopped, {kept()}; free space (or fix the file system) "
+        if t.writer is not None:
+            t.writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
+        raise WriteFailed(f"{e}; training stopped, {t.kept()}; free space (or fix the file system) "
                           "and rerun the same command to resume") from None
     except Exception as e:  # a lost peer: one line and exit 1 now, before the cleanup below waits for it
         lost_peer.exit_if_peer_lost(e)
         raise
     finally:
-        checkpointer.close()  # waits for saves in flight: an exit never leaves a half-written checkpoint
+        t.close()
+    return t.last
+
+
+class _Training:
+    """The state of `_train`'s run between its steps: the data iterator, checkpointer and metrics writer, the
+    current `TrainState` (``ts``), the last logged metrics (``last``), the step saved last (``saved``) and the
+    clocks of the logged rates. Each method is one step of `_train`."""
+
+    def __init__(self, run: Run, workdir: str, guard: interrupts.Interrupts):
+        cfg = run.cfg
+        self.run, self.workdir, self.guard = run, workdir, guard
+        if cfg.sample_every:
+            from revtrain import generate as sample_lib
+            self.sample_lib = sample_lib
+        self.primary = jax.process_index() == 0
+        self.pc, pi = jax.process_count(), jax.process_index()
+        self.data = run.task.train_iterator(cfg.batch_size // self.pc, cfg.seed, pi, self.pc)
+        self.checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints,
+                                                  keep_period=cfg.keep_checkpoint_period)
+        self.writer: metrics_lib.MetricWriter | None = None
+        self.meta: dict = {}  # what each checkpoint records beside the state (the run's signature, sizes)
+        self.ts: TrainState | None = None
+        self.metrics: dict = {}  # the last step's metrics (device scalars)
+        self.last: dict = {}
+        self.damaged: list = []
+        self.saved_on: dict = {}  # the devices and processes the resumed checkpoint was written on
+        self.meter: MemoryMeter | None = None
+        self.t_start = self.t_last = 0.0  # when the steps started; when the last rate was logged
+        self.step_last = self.resumed_or_zero = self.saved = 0  # the step of the last rate, the first, the saved
+        self.skipped = 0  # non-finite steps skipped
+        self.stopping = False
+
+    def kept(self) -> str:
+        """Which checkpoint a stopped run leaves (and whether the workdir it created is removed)."""
+        line = _kept(self.checkpointer)
+        gone = self.guard.created and self.primary and workdir_lib.saved_nothing(self.workdir)
+        return line + (" (the workdir it created is removed)" if gone else "")
+
+    def restore_or_init(self) -> tuple[TrainState, int | None]:
+        """The newest checkpoint that restores (restored straight into place from a shape-only template: one
+        copy; a damaged newer one is remembered for `set_aside_damaged`), else a new state; and the step
+        resumed from (None for a new run)."""
+        run = self.run
+        signature = run_signature(run)
+        self.meta = {"signature": signature, "num_params": run.model.num_params(), "devices": run.mesh.size,
+                     "processes": self.pc}
+
+        def accept(step, saved):
+            _check_resumable(saved.get("signature", {}), signature, step, self.workdir)
+            self.saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
+
+        resumed = None
+        if self.checkpointer.steps():
+            ts, resumed = self.checkpointer.restore_newest(run.trainer.abstract_state(), data_iterator=self.data,
+                                                           on_skip=self.damaged.append, accept=accept)
+        else:
+            ts = run.trainer.init()
+        self.ts = ts
+        return ts, resumed
+
+    def finish_done_run(self, ts: TrainState) -> dict:
+        """A run resumed at or beyond ``train.steps``: runs its final evaluation when it stopped before it,
+        else says there is nothing to do."""
+        cfg = self.run.cfg
+        where = "= train.steps" if ts.step == cfg.steps else f"beyond train.steps = {cfg.steps}"
+        if ts.step == cfg.steps and not _evaluated(self.workdir, ts.step):  # stopped before its final evaluation
+            metrics_lib.log(f"already at step {ts.step} {where}; its final evaluation is missing: running it")
+            self.guard.idle_note = "before the final evaluation finished: rerun the same command to run it"
+            self.writer = metrics_lib.MetricWriter(self.workdir, enabled=self.primary)
+            result = _eval_and_write(self.run, ts, self.writer)
+            self.writer.close()
+            return result
+        metrics_lib.log(f"already at step {ts.step} {where}; nothing to do (a larger train.steps continues "
+                        "the run)")
+        return {}
+
+    def set_aside_damaged(self) -> None:
+        """A resumed run saves the damaged checkpoints' steps again: their damaged copies go out of the way."""
+        for e in self.damaged:
+            where = self.checkpointer.set_aside(e.step)
+            metrics_lib.log(f"skipping the damaged checkpoint at step {e.step} ({e.reason}); moved it to {where}")
+
+    def open_metrics(self, resumed: int | None) -> None:
+        """The metrics writer, each step recorded once: records after the resumed step are redone."""
+        self.writer = metrics_lib.MetricWriter(self.workdir, enabled=self.primary)
+        self.writer.restart_at(resumed or 0)
+
+    def run_steps(self) -> None:
+        """Steps up to ``train.steps`` (or a stop asked by a signal): each step, then its log record, periodic
+        checkpoint, evaluation and sample when due. A non-finite step is skipped up to
+        ``train.skip_nonfinite_steps`` times."""
+        cfg, trainer = self.run.cfg, self.run.trainer
+        self.meter = trainer.meter = MemoryMeter()
+        self.t_start = self.t_last = time.time()
+        self.step_last = self.resumed_or_zero = self.saved = self.ts.step
+        self.skipped = 0
+        while self.ts.step < cfg.steps:
+            logged = (self.ts.step + 1) % cfg.log_every == 0 or self.ts.step + 1 == cfg.steps
+            if not self.take_step(logged):
+                continue
+            step = self.ts.step
+            final = step == cfg.steps
+            if step == self.resumed_or_zero + 1 and not logged:
+                # The first step compiled every program: leave it out of the first rate.
+                self.t_last, self.step_last = time.time(), step
+            self.stopping = _agree_to_stop(self.guard.signal is not None, self.pc)
+            if logged or self.stopping:
+                self.log_step(step)
+            self.periodic(step, final)
+            if self.stopping:
+                who = (signal_lib.Signals(self.guard.signal).name if self.guard.signal
+                       else "a signal on another process")
+                metrics_lib.log(f"received {who}: saving step {step} and stopping")
+                break
+
+    def take_step(self, logged: bool) -> bool:
+        """One training step on the next global batch (measuring its peak when ``logged``); False when the
+        step was non-finite and skipped (its update not applied, the skip recorded).
+
+        Raises:
+          NonFiniteError: a non-finite step beyond ``train.skip_nonfinite_steps``.
+        """
+        cfg = self.run.cfg
+        batch = global_batch(next(self.data), self.run.mesh)
+        if logged:
+            self.meter.start()
         try:
-            if writer is not None:
-                writer.flush()  # the events of a run stopped by another error (closed already after success)
+            self.ts, self.metrics = self.run.trainer.train_step(self.ts, batch)
+        except NonFiniteError as e:
+            self.meter.active = False
+            if self.skipped >= cfg.skip_nonfinite_steps:
+                raise
+            self.skipped += 1
+            self.ts = e.state
+            self.writer.write("train", self.ts.step, {"skipped_nonfinite": str(e)})
+            metrics_lib.log(f"{e}: skipped its update ({self.skipped} of at most {cfg.skip_nonfinite_steps})")
+            return False
+        self.guard.idle = False  # a finished step that is not saved yet: the first signal saves it
+        lost_peer.watch(step=self.ts.step)
+        return True
+
+    def log_step(self, step: int) -> None:
+        """The step's ``train.jsonl`` record (`_step_record`) and progress line; the first record of this
+        process's run also holds the memory plan's figures."""
+        run, cfg = self.run, self.run.cfg
+        values = _sync_metrics(self.metrics)
+        if self.meter.active:
+            values["peak_device_bytes"] = self.meter.stop()
+            values["peak_device_bytes_method"] = self.meter.method
+            values["host_state_bytes"] = host_state_bytes(self.ts)
+        now = time.time()
+        sps = (step - self.step_last) / max(now - self.t_last, 1e-9)
+        self.t_last, self.step_last = now, step
+        values.update(_step_record(run, self.ts, values["loss"], sps, self.pc))
+        if run.plan is not None and not self.last:  # the first record of this process's run
+            values.update(run.plan.record())
+        self.writer.write("train", step, values)
+        eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
+        metrics_lib.log(metrics_lib.progress_line(
+            step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
+        self.last = values
+
+    def periodic(self, step: int, final: bool) -> None:
+        """The checkpoint, evaluation and sample due at ``step`` (a failed evaluation or sample saves the step
+        first, `_keeping_the_step`); sampling time is left out of the logged rates."""
+        run, cfg, ts = self.run, self.run.cfg, self.ts
+        checkpointer, data, meta, kept = self.checkpointer, self.data, self.meta, self.kept
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
+            _saves_within_budget(run.trainer, checkpointer, ts)
+            if checkpointer.save(ts, data, meta):
+                self.saved = step
+        if cfg.eval_every and step % cfg.eval_every == 0 and not final and not self.stopping:
+            self.saved = _keeping_the_step(checkpointer, ts, data, meta, self.saved, "evaluation", kept,
+                                           lambda: _eval_and_write(run, ts, self.writer))
+        if cfg.sample_every and (step % cfg.sample_every == 0 or final):
+            t_sample = time.time()
+            self.saved = _keeping_the_step(checkpointer, ts, data, meta, self.saved, "sample", kept,
+                                           lambda: self.sample_lib.training_sample(run, ts, self.writer))
+            self.t_last += time.time() - t_sample  # sampling time is not training time
+
+    def save_last(self) -> None:
+        """Saves the last step (unless a periodic save just did) and waits for it: a failed final save is
+        reported here, with the newest kept checkpoint."""
+        if self.saved != self.ts.step:  # (a stop right after a periodic save has nothing more to save)
+            self.checkpointer.save(self.ts, self.data, self.meta, force=True)
+        self.checkpointer.wait()
+        self.guard.idle, self.guard.idle_note = True, ("after the final checkpoint was saved: the final evaluation "
+                                                       "is skipped (rerun the same command to run it)")
+
+    def evaluate_last(self) -> None:
+        """The final evaluation of a run that reached ``train.steps`` (skipped, with one line, when a signal
+        came meanwhile)."""
+        cfg, ts, guard = self.run.cfg, self.ts, self.guard
+        if ts.step == cfg.steps and not self.stopping:
+            if guard.signal is not None:
+                metrics_lib.log(f"received {signal_lib.Signals(guard.signal).name}: step {ts.step} is saved; "
+                                "the final evaluation is skipped (rerun the same command to run it)")
+            else:
+                _eval_and_write(self.run, ts, self.writer)
+                metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - self.t_start:.0f} s; "
+                                f"workdir {self.workdir}")
+
+    def close(self) -> None:
+        """Waits for saves in flight (an exit never leaves a half-written checkpoint) and flushes the events of
+        a run stopped by an error (closed already after success)."""
+        self.checkpointer.close()
+        try:
+            if self.writer is not None:
+                self.writer.flush()
         except metrics_lib.MetricsWriteError:
             pass  # an error is already on its way out; this one would only hide it
-    return last
+
+
+def _step_record(run: Run, ts: TrainState, loss: float, sps: float, pc: int) -> dict:
+    """A logged step's rates, learning rate, bits per byte, devices, host memory and the disk tier's I/O (the
+    parts of its ``train.jsonl`` record beyond its metrics and peak)."""
+    tokens_per_step = run.cfg.batch_size * run.model.tokens_per_example
+    values = {"steps_per_sec": sps, "tokens_per_sec": sps * tokens_per_step}
+    values["learning_rate"] = float(run.schedule(ts.step - 1)) if run.schedule else _ready_lr(ts)
+    if run.model.bits_per_byte:
+        # Tokens: at the train split's mean bytes per token (an estimate for the batch).
+        per_token = run.task.bytes_per_token
+        values["bits_per_byte"] = loss / math.log(2) / per_token
+        if run.task.tokenized:
+            values["bytes_per_token"] = per_token
+    values["devices"], values["processes"] = run.mesh.size, pc
+    values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
+    values.update(run.trainer.disk_stats)  # the disk tier's last step's I/O
+    return values
+
+
+def _write_run_files(run: Run, workdir: str) -> None:
+    """Writes the run's ``config.gin``, its tokenizer, the files its model names (`_keep_files`) and where the
+    user's modules came from: eval / sample / export / check (and a resume) read these."""
+    text, modules, unnamed = _run_config(run)
+    with open(os.path.join(workdir, "config.gin"), "w") as f:
+        f.write(text)
+    run.task.save_tokenizer(workdir)  # eval / sample / export / check (and a resume) use this copy
+    _keep_files(run.model, workdir)  # and these (an imported checkpoint's architecture)
+    if modules:  # where the user's modules came from: eval / sample / check find them again
+        with open(os.path.join(workdir, ginconfig.MODULES_FILE), "w") as f:
+            json.dump(modules, f, indent=1)
+    if unnamed:
+        metrics_lib.log(f"config.gin cannot name {', '.join(unnamed)} (set from Python, and neither a "
+                        "literal nor a gin configurable): revtrain eval / sample / check on this workdir "
+                        "will use the gin default; make it a @gin.configurable to have it recorded")
+
+
+def _log_start(run: Run, ts: TrainState, resumed: int | None, checkpointer, changes: str | None,
+               saved_on: dict) -> None:
+    """The run's first lines: what is trained on what (and where it resumed), the exact residuals' side bits,
+    the memory plan, the config changed since the saved one, and devices changed since the checkpoint."""
+    cfg, pc = run.cfg, jax.process_count()
+    metrics_lib.log(
+        (f"resumed from checkpoint at step {resumed} in {checkpointer.directory}; " if resumed is not None else "")
+        + f"{run.trainer.name} trainer, {run.model.num_params():,} params, {len(run.model.layers)} layers "
+        f"({sum(layer.reversible for layer in run.model.layers)} reversible), "
+        f"{run.mesh.size} device(s) in {pc} process(es), global batch {cfg.batch_size}, steps {ts.step}->{cfg.steps}")
+    from revtrain.layers.exact_residual import side_bits_line
+    side = side_bits_line(run.model, cfg.batch_size, run.task.sequence_length)
+    if side:
+        metrics_lib.log(side)
+    if run.plan is not None:  # made before the first allocation; said once the run has started
+        metrics_lib.log(run.plan.line())
+    if changes:
+        metrics_lib.log(changes)
+    if resumed is not None and saved_on.get("devices") is not None and (
+            (saved_on["devices"], saved_on.get("processes")) != (run.mesh.size, pc)):
+        metrics_lib.log(f"devices changed since the checkpoint at step {resumed}: {saved_on['devices']} device(s) in "
+                        f"{saved_on.get('processes')} process(es) -> {run.mesh.size} device(s) in {pc} process(es) "
+                        "(the global batch and the data order are the same)")
 
 
 def _ready_lr(ts: TrainState) -> float:
@@ -733,7 +840,7 @@ def _saves_within_budget(trainer, checkpointer, ts: TrainState) -> None:
     through the next steps, which then cannot donate them and hold a second copy of the device-resident
     state (measured on the CPU backend, docs/budget.md). Written in the background when the plan's peak
     plus that copy fits."""
-    plan = getattr(trainer, "budget_plan", None)
+    plan = trainer.budget_plan
     if plan is not None and plan.peak + device_state_bytes(ts) > plan.budget:
         checkpointer.async_max_bytes = 0
 

@@ -152,19 +152,10 @@ class Setup:
 
 
 def setup_of(trainer, batch_size: int) -> Setup:
-    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``."""
-    if getattr(trainer, "name", "") == "standard":
-        remat = bool(getattr(trainer, "scan_layers", False) and getattr(trainer, "remat_layers", False))
-        return Setup("standard", trainer.tx, batch_size, trainer.microbatches, remat=remat,
-                     label="StandardTrainer" + (" (scan + remat)" if remat else ""))
-    disk = getattr(getattr(trainer, "residency", None), "tier", None) == "disk"
-    label = "ReversibleTrainer" + "".join(f" + {k}" for k in ("offload", "shard_state") if getattr(trainer, k, False))
-    label += " + offload='disk'" if disk else ""
-    budget = getattr(trainer, "budget_plan", None)
-    return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload), disk=disk,
-                 shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
-                 rebuild=getattr(trainer, "rebuild", "exact"), label=label,
-                 budget_peak=budget.peak if budget is not None else 0)
+    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``: the trainer
+    describes itself (`TrainerBase.memory_setup`)."""
+    return Setup(optimizer=trainer.tx, batch_size=batch_size, microbatches=trainer.microbatches,
+                 **trainer.memory_setup())
 
 
 def _separable(tx, model) -> bool:
@@ -533,73 +524,150 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     programs = programs or _Programs()
     platform = platform or jax.local_devices()[0].platform
     n = max(num_devices, 1)
-    tx, m = setup.optimizer, setup.microbatches
-    b = max(setup.batch_size // max(global_devices or n, 1) // m, 1)
-    layers = model.layers
-    pshapes = layer_param_shapes(model)
-    full_pshapes = [layer.param_shapes for layer in layers]  # a tied leaf in both (what the layer computes on)
-    sshapes = [layer.state_shapes for layer in layers]
-    oshapes = [jax.eval_shape(tx.init, p) for p in pshapes]
-    keys = jax.ShapeDtypeStruct((b, 2), jnp.uint32)
-    batch = _local(batch_spec, b)
+    one_tier = platform == "cpu"  # (the CPU backend: device memory is host memory)
+    shapes = _shapes_of(model, setup, batch_spec, n, global_devices)
+    walk = _walk_programs(model, setup, shapes, programs)
+    state = _state_bytes(setup, shapes.pshapes, shapes.oshapes, n)
+    if setup.trainer == "standard":
+        step = _standard_step(model, setup, shapes, walk, state, programs, whole_step)
+    else:
+        step = _reversible_step(setup, walk, state, shapes)
+    tiers = _place(model, setup, step, state, n, one_tier)
+    _phases(tiers, state_bytes=0 if step.on_disk else (state[0] + state[1]) * n, largest_layer=max(state[3]), n=n,
+            state_tier="host" if one_tier or step.offload else "device",
+            evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
+    io = None
+    if step.on_disk:
+        io = _disk_tier_and_io(model, setup, shapes, state, tiers, disk)
+    elif step.offload and not one_tier:  # the state in XLA's pinned host pool
+        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+    return _against_limits(setup, tiers, limits, one_tier, disk, step.method, shapes.pshapes, io=io)
 
-    # Per layer: input shapes, saved bytes, program temporaries (identical layers hit the caches).
+
+@dataclasses.dataclass
+class _Shapes:
+    """The shapes a plan is made from: one device's (micro)batch of ``b`` examples (``batch``, and its
+    dropout ``keys``), each layer's weights (a tied leaf only in its owner, `layer_param_shapes`) and
+    optimizer state."""
+
+    b: int
+    pshapes: list
+    oshapes: list
+    batch: dict
+    keys: Any
+
+
+def _shapes_of(model, setup: Setup, batch_spec: dict, n: int, global_devices: int | None) -> _Shapes:
+    b = max(setup.batch_size // max(global_devices or n, 1) // setup.microbatches, 1)
+    pshapes = layer_param_shapes(model)
+    return _Shapes(b, pshapes, [jax.eval_shape(setup.optimizer.init, p) for p in pshapes], _local(batch_spec, b),
+                   jax.ShapeDtypeStruct((b, 2), jnp.uint32))
+
+
+@dataclasses.dataclass
+class _Walk:
+    """What `_walk_programs` finds layer by layer: every layer's input (``inputs``), the saved inputs of the
+    reversible trainer's standard layers (``saved_std``, bytes), the residuals backprop keeps
+    (``residuals``, bytes) and the compiled programs' temporaries (``temps``, bytes, 0 first)."""
+
+    inputs: list
+    saved_std: int
+    residuals: int
+    temps: list
+
+
+def _walk_programs(model, setup: Setup, shapes: _Shapes, programs: _Programs) -> _Walk:
+    """Per layer: input shapes, saved bytes, program temporaries (identical layers hit the caches)."""
+    tx, keys, batch = setup.optimizer, shapes.keys, shapes.batch
     x = batch[model.input_key]
-    inputs, saved_std, residuals, temps = [], 0, 0, [0]
-    for i, layer in enumerate(layers):
-        inputs.append(x)
-        p, o, s = full_pshapes[i], jax.eval_shape(tx.init, full_pshapes[i]), sshapes[i]
+    walk = _Walk([], 0, 0, [0])
+    for layer in model.layers:
+        walk.inputs.append(x)
+        p, s = layer.param_shapes, layer.state_shapes  # a tied leaf in both (what the layer computes on)
+        o = jax.eval_shape(tx.init, p)
         if layer.is_head:
-            temps.append(programs.head(layer, p, o, s, x, batch, keys, tx))
-            residuals += _nbytes(x)
+            walk.temps.append(programs.head(layer, p, o, s, x, batch, keys, tx))
+            walk.residuals += _nbytes(x)
             break
         y = programs.output(layer, p, s, x, keys)
         if setup.trainer == "reversible":
             if not layer.reversible:
-                saved_std += _nbytes(x)
-            temps.append(programs.forward(layer, p, s, x, keys))
-            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild, branch=setup.disk))
+                walk.saved_std += _nbytes(x)
+            walk.temps.append(programs.forward(layer, p, s, x, keys))
+            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild, branch=setup.disk))
         else:
-            residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
-            temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, "exact"))
+            walk.residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
+            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, "exact"))
         x = y
-    largest_act = max(_nbytes(a) for a in inputs)
-    batch_bytes = _nbytes(batch)
+    return walk
 
-    # Weights and optimizer state: one device's share.
-    weights, opt, layer_bytes, layer_state = _state_bytes(setup, pshapes, oshapes, n)
-    one_layer = max(layer_bytes)
 
-    if setup.trainer == "standard":
-        grads = _nbytes(pshapes) * (2 if m > 1 else 1)
-        acts = residuals + batch_bytes
-        whole = programs.whole_step(model, setup, pshapes, jax.eval_shape(tx.init, pshapes), sshapes,
-                                    _local(batch_spec, b * m)) if whole_step else -1
-        if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
-            grads = min(grads, whole)
-            acts = min(residuals, whole - grads) + batch_bytes
-            temp = whole - grads - (acts - batch_bytes) + int(STANDARD_EXTRA_FRACTION * weights)
-            method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
-        else:
-            temp = max(temps) + int(STANDARD_EXTRA_FRACTION * weights)
-            method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
-                      "one-layer backward program's temporaries (compiled)")
+@dataclasses.dataclass
+class _Step:
+    """A step's transient parts (bytes: one device's gradients, activations, temporaries), how the
+    temporaries were found (``method``), the saved inputs among the activations (``saved_std``) and where
+    the state lives (``offload``: host memory; ``on_disk``: layer files)."""
+
+    grads: int
+    acts: int
+    temp: int
+    method: str
+    saved_std: int = 0
+    offload: bool = False
+    on_disk: bool = False
+
+
+def _standard_step(model, setup: Setup, shapes: _Shapes, walk: _Walk, state: tuple, programs: _Programs,
+                   whole_step: bool) -> _Step:
+    """`StandardTrainer`'s step: the whole tree's gradients (twice with microbatches), every layer's residuals
+    and the batch; its compiled whole step's temporaries beyond those (``whole_step``), else the analytic
+    bound."""
+    weights, m, pshapes = state[0], setup.microbatches, shapes.pshapes
+    grads = _nbytes(pshapes) * (2 if m > 1 else 1)
+    batch_bytes = _nbytes(shapes.batch)
+    acts = walk.residuals + batch_bytes
+    whole = programs.whole_step(model, setup, pshapes, jax.eval_shape(setup.optimizer.init, pshapes),
+                                [layer.state_shapes for layer in model.layers],
+                                _local(shapes.batch, shapes.b * m)) if whole_step else -1
+    if whole >= 0:  # the compiled step holds the gradients and residuals among its temporaries: split them
+        grads = min(grads, whole)
+        acts = min(walk.residuals, whole - grads) + batch_bytes
+        temp = whole - grads - (acts - batch_bytes) + int(STANDARD_EXTRA_FRACTION * weights)
+        method = "StandardTrainer's whole step compiled (temporaries beyond the gradients and residuals)"
     else:
-        grads = one_layer + (weights if setup.deferred else 0)  # deferred: a buffer of the (local) weights' size
-        acts = saved_std + 2 * largest_act + batch_bytes
-        temp = max(temps)
-        method = "compiled one-layer programs (forward, backward, head)"
-        if setup.budget_peak:  # the budget plan's step (backprop residuals, kept inputs) as a floor
-            on_device = (0 if setup.offload else weights + opt + grads) + acts - (saved_std if setup.offload else 0)
-            temp = max(temp, setup.budget_peak - on_device)
-            method += "; the memory budget's plan of the step (revtrain.trainers.budget) as a floor"
-    one_tier = platform == "cpu"
+        temp = max(walk.temps) + int(STANDARD_EXTRA_FRACTION * weights)
+        method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
+                  "one-layer backward program's temporaries (compiled)")
+    return _Step(grads, acts, temp, method)
+
+
+def _reversible_step(setup: Setup, walk: _Walk, state: tuple, shapes: _Shapes) -> _Step:
+    """The reversible trainer's step: one layer's gradient (and the deferred update's whole-model buffer), the
+    saved inputs, the current activation and its cotangent, the batch, and the largest compiled one-layer
+    program's temporaries (the memory budget's planned peak as a floor under them)."""
+    weights, opt, layer_bytes = state[0], state[1], state[2]
+    grads = max(layer_bytes) + (weights if setup.deferred else 0)  # deferred: a buffer of the (local) weights' size
+    acts = walk.saved_std + 2 * max(_nbytes(a) for a in walk.inputs) + _nbytes(shapes.batch)
+    temp = max(walk.temps)
+    method = "compiled one-layer programs (forward, backward, head)"
+    if setup.budget_peak:  # the budget plan's step (backprop residuals, kept inputs) as a floor
+        on_device = ((0 if setup.offload else weights + opt + grads) + acts
+                     - (walk.saved_std if setup.offload else 0))
+        temp = max(temp, setup.budget_peak - on_device)
+        method += "; the memory budget's plan of the step (revtrain.trainers.budget) as a floor"
+    return _Step(grads, acts, temp, method, walk.saved_std, setup.offload, setup.disk)
+
+
+def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: bool) -> dict:
+    """The tiers (``{"device": parts, "host": parts}``, or only ``"host"`` on the CPU backend, where the device
+    parts are in host RAM too, once per local device) with the state and the step's parts where the trainer
+    holds them (`PARTS`; what a save and an evaluation add is `_phases`')."""
+    weights, opt, layer_bytes, layer_state = state
+    one_layer, acts, temp = max(layer_bytes), step.acts, step.temp
     device = dict.fromkeys(PARTS, 0)
     host = dict.fromkeys(PARTS, 0)
     host["runtime"] = RUNTIME_BYTES
-    offload = setup.trainer == "reversible" and setup.offload
-    on_disk = setup.trainer == "reversible" and setup.disk
-    if on_disk:
+    if step.on_disk:
         # The layers in flight: the one computing and the one read ahead (on the device), the one being written
         # (its host copy). The saved inputs and the current activation stay on the device. A layer is read
         # only once the program before it has run (`disk_tier.StepStream`), so a program's temporaries (its
@@ -610,56 +678,63 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
             lw, lo = -(-lw // n), -(-lo // n)
         device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
         host["weights"], host["optimizer_state"] = lw, lo
-        device["gradients"] = 0
         if setup.deferred:  # the deferred update's buffers: in files, in flight beside their layers' weights
             device["gradients"] = 2 * lw + _tied_bytes(model)  # (and the tied leaves' other use, held all step)
             host["gradients"] = lw  # (being written)
         device["activations"] = acts
         temp = max(0, temp - max(layer_state))
-    elif offload:
+    elif step.offload:
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
         # deferred gradient buffer (it lives where the state lives). Device: the program's layer (two
         # slices of a scanned run), one layer's gradient, the current activation, temporaries.
         host["weights"], host["optimizer_state"] = weights * n, opt * n
-        host["activations"] = saved_std * n
-        host["gradients"] = (grads - one_layer) * n
+        host["activations"] = step.saved_std * n
+        host["gradients"] = (step.grads - one_layer) * n
         if not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
             device["weights"] = 2 * one_layer
             device["optimizer_state"] = 2 * (max(layer_state) - one_layer)
         device["gradients"] = one_layer
-        device["activations"] = acts - saved_std
+        device["activations"] = acts - step.saved_std
     else:
-        device.update(weights=weights, optimizer_state=opt, gradients=grads, activations=acts)
+        device.update(weights=weights, optimizer_state=opt, gradients=step.grads, activations=acts)
     device["temporaries"] = temp
     if one_tier:  # the device parts are in host RAM too, once per local device
         for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"):
             host[k] += device[k] * n
-        tiers = {"host": host}
-    else:
-        tiers = {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
-    _phases(tiers, state_bytes=0 if on_disk else (weights + opt) * n, largest_layer=max(layer_state), n=n,
-            state_tier="host" if one_tier or offload else "device",
-            evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
+        return {"host": host}
+    return {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
 
-    io = None
-    if on_disk:  # two steps' layer files, the kept checkpoints beyond them; the step's reads and writes
-        from revtrain import disk_tier
-        spec = disk or {}
-        directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
-        if setup.shard_state:  # the files hold whole layers
-            weights, opt = _nbytes(pshapes), _nbytes(oshapes)
-        _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
-        tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
-        if setup.deferred:  # the deferred update: per microbatch its buffers (a layer's old and new file at most)
-            tiers["disk"]["gradients"] = 2 * weights
-            owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
-            read, write = disk_tier.deferred_io(weights, opt, layer_bytes[-1], owned, m, _rounds(setup.optimizer, model)
-                                                + 1)
-            io = _io(read, write, disk_tier.bandwidth(directory))
-        else:  # reads: every layer's weights in the forward (but the head's), every layer's state in the backward
-            io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
-    elif offload and not one_tier:  # the state in XLA's pinned host pool
-        tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+
+def _disk_directory(disk: dict | None) -> tuple[dict, str]:
+    """The disk tier's spec (`plan`'s ``disk``; {} when None) and offload directory (default ``./offload``)."""
+    spec = disk or {}
+    return spec, spec.get("directory") or os.path.join(os.getcwd(), "offload")
+
+
+def _disk_tier_and_io(model, setup: Setup, shapes: _Shapes, state: tuple, tiers: dict, disk: dict | None) -> dict:
+    """Adds the disk tier to ``tiers`` (two steps' layer files, the kept checkpoints beyond them, the deferred
+    update's buffer files) and returns the step's reads and writes (`_io`)."""
+    from revtrain import disk_tier
+    spec, directory = _disk_directory(disk)
+    weights, opt, layer_bytes = state[0], state[1], state[2]
+    if setup.shard_state:  # the files hold whole layers
+        weights, opt = _nbytes(shapes.pshapes), _nbytes(shapes.oshapes)
+    _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
+    tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
+    if setup.deferred:  # the deferred update: per microbatch its buffers (a layer's old and new file at most)
+        tiers["disk"]["gradients"] = 2 * weights
+        owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
+        read, write = disk_tier.deferred_io(weights, opt, layer_bytes[-1], owned, setup.microbatches,
+                                            _rounds(setup.optimizer, model) + 1)
+        return _io(read, write, disk_tier.bandwidth(directory))
+    # Reads: every layer's weights in the forward (but the head's), every layer's state in the backward.
+    return _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
+
+
+def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bool, disk: dict | None, method: str,
+                    pshapes: list, io: dict | None = None, floor: bool = False) -> MemoryPlan:
+    """The `MemoryPlan` of ``tiers`` against ``limits`` (default: the process's host limit, the device's, the
+    disk tier's free space, the pinned host pool)."""
     if limits is None:
         limits = {"host": host_limit()}
         if not one_tier:
@@ -667,12 +742,13 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     limits = dict(limits)
     if "disk" in tiers and "disk" not in limits:
         from revtrain import disk_tier
+        spec, directory = _disk_directory(disk)
         limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
     if "pinned" in tiers and "pinned" not in limits:
         limits["pinned"] = pinned_limit()
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
     return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
-                      num_params, io)
+                      num_params, io, floor=floor)
 
 
 def _io(read: int, write: int, bandwidth: dict) -> dict:
@@ -723,79 +799,39 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     programs = programs or _Programs()
     platform = platform or jax.local_devices()[0].platform
     n = max(num_devices, 1)
-    m = setup.microbatches
-    b = max(setup.batch_size // max(global_devices or n, 1) // m, 1)
+    one_tier = platform == "cpu"
     reversible = setup.trainer == "reversible"
-    pshapes = layer_param_shapes(model)
-    oshapes = [jax.eval_shape(setup.optimizer.init, p) for p in pshapes]
-    keys = jax.ShapeDtypeStruct((b, 2), jnp.uint32)
-    batch = _local(batch_spec, b)
-    x, inputs, saved_std = batch[model.input_key], [], 0
-    for layer in (model.layers if reversible else ()):  # its activations, as `plan` counts them (traced)
+    shapes = _shapes_of(model, setup, batch_spec, n, global_devices)
+    state = _state_bytes(setup, shapes.pshapes, shapes.oshapes, n)
+    if reversible:  # its activations, as `plan` counts them (traced)
+        saved_std, largest = _traced_inputs(model, shapes, programs)
+        step = _Step(max(state[2]) + (state[0] if setup.deferred else 0),
+                     saved_std + 2 * largest + _nbytes(shapes.batch), 0, FLOOR_METHOD, saved_std, setup.offload,
+                     setup.disk)
+    else:
+        step = _Step(_nbytes(shapes.pshapes), 0, int(STANDARD_EXTRA_FRACTION * state[0]), FLOOR_METHOD)
+    tiers = _place(model, setup, step, state, n, one_tier)
+    if step.on_disk:  # two steps' layer files (whole layers), the deferred update's buffer files
+        whole_w, whole_o = (_nbytes(shapes.pshapes), _nbytes(shapes.oshapes)) if setup.shard_state else state[:2]
+        tiers["disk"] = {"weights": 2 * whole_w, "optimizer_state": 2 * whole_o,
+                         "gradients": 2 * whole_w if setup.deferred else 0}
+    elif step.offload and not one_tier:
+        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+    return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
+
+
+def _traced_inputs(model, shapes: _Shapes, programs: _Programs) -> tuple[int, int]:
+    """The reversible trainer's saved inputs of its standard layers and its largest layer input (bytes), from
+    the layers' output shapes (traced with ``jax.eval_shape`` by `_Programs.output`, nothing compiled)."""
+    x, inputs, saved_std = shapes.batch[model.input_key], [], 0
+    for layer in model.layers:
         inputs.append(x)
         if layer.is_head:
             break
         if not layer.reversible:
             saved_std += _nbytes(x)
-        x = programs.output(layer, layer.param_shapes, layer.state_shapes, x, keys)
-    weights, opt, layer_bytes, layer_state = _state_bytes(setup, pshapes, oshapes, n)
-    one_layer = max(layer_bytes)
-    offload, on_disk = reversible and setup.offload, reversible and setup.disk
-    if reversible:
-        grads = one_layer + (weights if setup.deferred else 0)
-        acts, temp = saved_std + 2 * max(_nbytes(a) for a in inputs) + _nbytes(batch), 0
-    else:
-        grads = _nbytes(pshapes)
-        acts, temp = 0, int(STANDARD_EXTRA_FRACTION * weights)
-    one_tier = platform == "cpu"
-    device = dict.fromkeys(PARTS, 0)
-    host = dict.fromkeys(PARTS, 0)
-    host["runtime"] = RUNTIME_BYTES
-    if on_disk:  # the layers in flight (as `plan` counts them)
-        lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
-        if setup.shard_state:
-            lw, lo = -(-lw // n), -(-lo // n)
-        device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
-        host["weights"], host["optimizer_state"] = lw, lo
-        if setup.deferred:
-            device["gradients"], host["gradients"] = 2 * lw + _tied_bytes(model), lw
-        device["activations"] = acts
-    elif offload:
-        host["weights"], host["optimizer_state"] = weights * n, opt * n
-        host["gradients"], host["activations"] = (grads - one_layer) * n, saved_std * n
-        if not one_tier:
-            device["weights"], device["optimizer_state"] = 2 * one_layer, 2 * (max(layer_state) - one_layer)
-        device["gradients"], device["activations"] = one_layer, acts - saved_std
-    else:
-        device.update(weights=weights, optimizer_state=opt, gradients=grads, activations=acts)
-    device["temporaries"] = temp
-    if one_tier:
-        for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"):
-            host[k] += device[k] * n
-        tiers = {"host": host}
-    else:
-        tiers = {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
-    if on_disk:  # two steps' layer files (whole layers), the deferred update's buffer files
-        whole_w, whole_o = (_nbytes(pshapes), _nbytes(oshapes)) if setup.shard_state else (weights, opt)
-        tiers["disk"] = {"weights": 2 * whole_w, "optimizer_state": 2 * whole_o,
-                         "gradients": 2 * whole_w if setup.deferred else 0}
-    elif offload and not one_tier:
-        tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
-    if limits is None:
-        limits = {"host": host_limit()}
-        if not one_tier:
-            limits["device"] = device_limit()
-    limits = dict(limits)
-    if "disk" in tiers and "disk" not in limits:
-        from revtrain import disk_tier
-        spec = disk or {}
-        directory = spec.get("directory") or os.path.join(os.getcwd(), "offload")
-        limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
-    if "pinned" in tiers and "pinned" not in limits:
-        limits["pinned"] = pinned_limit()
-    num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
-    return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, FLOOR_METHOD,
-                      num_params, floor=True)
+        x = programs.output(layer, layer.param_shapes, layer.state_shapes, x, shapes.keys)
+    return saved_std, max(_nbytes(a) for a in inputs)
 
 
 def floor_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
@@ -872,7 +908,7 @@ def plan_budget(run):
     Raises:
       TrainerError: the budget is below the least any plan needs (one line naming that least budget).
     """
-    if getattr(run.trainer, "memory_budget", None) is None:
+    if run.trainer.memory_budget is None:
         return None
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:
@@ -895,9 +931,9 @@ def plan_run(run, limits: dict | None = None, programs: _Programs | None = None)
 
 def _disk_spec(run) -> dict:
     """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
-    tier = getattr(getattr(run.trainer, "residency", None), "disk", None)
-    directory = getattr(tier, "directory", None) or os.path.join(os.getcwd(), "offload")
-    workdir = getattr(tier, "workdir", None)
+    tier = run.trainer.residency.disk  # (None: no disk tier)
+    directory = (tier.directory if tier is not None else None) or os.path.join(os.getcwd(), "offload")
+    workdir = tier.workdir if tier is not None else None
     return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
             "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
 

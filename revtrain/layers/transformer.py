@@ -95,6 +95,9 @@ class CausalSelfAttention(nnx.Module):
     positive integer or None.
     """
 
+    # What lowers its memory, for the out-of-memory advice of a model composed of it (`Model.memory_knobs`).
+    memory_knob = "attention blocking (CausalSelfAttention.attention_block)"
+
     def __init__(self, d_model: int, num_heads: int = 4, dropout_rate: float = 0.0, compute_dtype=jnp.float32,
                  out_init=None, *, rngs: nnx.Rngs, attention_block: int | None = None,
                  num_layers: int | None = None):

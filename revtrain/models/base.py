@@ -74,6 +74,9 @@ class Model:
         them); the run's ``config.gin`` leaves them out, so it records only what the model is.
       llama_spec, llama_form: the architecture of a Llama model (`revtrain.models.llama`: what
         `revtrain export` writes; None for other models).
+      memory_knobs: the gin settings of its builder or parts that lower a step's activation memory, most
+        effective first (``"attention blocking (ReversibleTransformerLM.attention_block)"``): the one-line
+        out-of-memory advice names them after the batch size and the trainer's (`revtrain.loop`).
 
     Raises:
       ValueError: when the list is empty, the last layer is not a head, or a head appears earlier.
@@ -88,6 +91,7 @@ class Model:
     unused_bindings: tuple = ()
     llama_spec: Any = None
     llama_form: str | None = None
+    memory_knobs: tuple = ()
 
     def __post_init__(self):
         if not self.layers or not self.layers[-1].is_head:

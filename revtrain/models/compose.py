@@ -292,7 +292,8 @@ class _GinAsBuilt:
 
 
 def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None, grid_bits: int | None = None,
-            input_key: str = "inputs", tokens_per_example: int = 1, bits_per_byte: bool = False) -> Model:
+            input_key: str = "inputs", tokens_per_example: int = 1, bits_per_byte: bool = False,
+            memory_knobs: tuple | None = None) -> Model:
     """Builds a `Model` from layer specs (the Python side of `ComposedModel`; `ReversibleTransformerLM`
     and `RevNet` call it too).
 
@@ -304,6 +305,8 @@ def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None,
         ``num_layers`` (the number of couplings) is added.
       grid_bits: the couplings' ``snap_to_grid`` resolution (None: no rounding).
       input_key, tokens_per_example, bits_per_byte: as in `Model`.
+      memory_knobs: as in `Model`; None: those the parts of the couplings' F declare (a part class's
+        ``memory_knob``, e.g. `CausalSelfAttention`'s attention blocking).
 
     A part may share a weight with an earlier layer's (a tied output projection holding the embedding's
     ``nnx.Param`` itself; the first layer's module is in ``context`` as ``embedding`` for parts that ask for
@@ -361,8 +364,12 @@ def compose(specs: Sequence[Any], *, seed: int = 0, context: dict | None = None,
     for i, (spec, name) in enumerate(flat):
         cls = {"coupling": ReversibleLayer, "head": HeadLayer}.get(spec.kind, Layer)
         layers.append(cls(modules[i], name, factory=functools.partial(made, i)))
+    if memory_knobs is None:
+        memory_knobs = tuple(dict.fromkeys(
+            knob for module, (spec, _) in zip(modules, flat) if spec.kind == "coupling"
+            for knob in (getattr(type(module.f), "memory_knob", None),) if knob))
     return Model(layers, input_key=input_key, tokens_per_example=tokens_per_example, bits_per_byte=bits_per_byte,
-                 ties=find_ties(modules, layers))
+                 ties=find_ties(modules, layers), memory_knobs=memory_knobs)
 
 
 def find_ties(modules: list, layers: list) -> tuple:

@@ -95,4 +95,4 @@ def ReversibleTransformerLM(sequence_length: int, *, seed: int = 0, vocab_size: 
         Head(functools.partial(LanguageModelHead, d_model, vocab_size, chunk=head_chunk), name="head"),
     ]
     return compose(specs, seed=seed, grid_bits=grid_bits, input_key="inputs", tokens_per_example=sequence_length,
-                   bits_per_byte=True)
+                   bits_per_byte=True, memory_knobs=("attention blocking (ReversibleTransformerLM.attention_block)",))

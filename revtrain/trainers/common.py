@@ -484,7 +484,28 @@ class TrainerBase:
 
     Raises:
       TrainerError: ``microbatches`` is not a positive integer.
+
+    What the loop, the memory plan, ``revtrain check`` and the CLI ask of any trainer is declared here, with
+    the answer of a trainer that has none of these features; a trainer that has one overrides it:
+
+    Attributes:
+      name: the trainer's name in checkpoints' signatures and log lines (``"standard"``, ``"reversible"``).
+      memory_budget: the device bytes a step may peak at (int), or None: no budget (every block's backward
+        mode is fixed by the configuration, nothing is planned).
+      budget_plan: the `revtrain.trainers.budget.BudgetPlan` made by `plan_budget` (None until then, or
+        without a budget): its ``peak`` and ``budget`` bound what a background checkpoint save may add.
+      rebuild: the rebuild mode of the reversible blocks (``"exact"``, ``"fused"``, ``"fenced"``), or None
+        for a trainer that rebuilds nothing.
+      disk_stats: the last step's disk I/O (``disk_read_bytes``, ``disk_write_bytes``, ...; the disk tier's
+        `revtrain.disk_tier.StepStream.stats`) for the step's ``train.jsonl`` record; ``{}`` without disk
+        files.
+      residency: where weights and optimizer state live between uses (`revtrain.residency.Residency`).
     """
+
+    name: str = ""
+    memory_budget: int | None = None
+    budget_plan = None
+    rebuild: str | None = None
 
     def __init__(self, model: Model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0,
                  microbatches: int = 1):
@@ -501,6 +522,33 @@ class TrainerBase:
         # Where weights and optimizer state live between uses: the one object generation, the memory plan and
         # the loop ask (a trainer that offloads or shards replaces it).
         self.residency = Residency(mesh)
+        self.disk_stats: dict = {}  # the last step's disk I/O (a trainer with disk files sets it each step)
+
+    # -- the declared interface: what the loop, the memory plan, check and the CLI ask ----------------
+    def plan_budget(self, batch_spec: dict):
+        """Plans each block's backward mode within `memory_budget` for batches shaped like ``batch_spec``
+        (``{key: jax.ShapeDtypeStruct}``, the global batch) and returns the plan; called only when
+        `memory_budget` is not None (`revtrain.loop.train` before the state is placed, `revtrain.memory_plan`,
+        ``revtrain check``). A trainer without a budget has nothing to plan: None."""
+        return None
+
+    def memory_setup(self) -> dict:
+        """How the memory plan describes this trainer: keyword arguments of `revtrain.memory_plan.Setup` beyond
+        the optimizer, batch and microbatches (``trainer``, ``label``, and those of its features: ``offload``,
+        ``disk``, ``shard_state``, ``deferred``, ``remat``, ``rebuild``, ``budget_peak``); each trainer says its
+        own (a plain dict, so the trainers need not import the plan)."""
+        raise NotImplementedError(f"{type(self).__name__} does not describe itself to the memory plan")
+
+    def update_text(self) -> str:
+        """How the trainer applies the optimizer, in a few words for ``revtrain check``'s header: one update of
+        the whole model (this default), or a reversible trainer's fused per-layer or deferred update."""
+        return "whole model"
+
+    def memory_knobs(self, evaluation: bool = False) -> list[str]:
+        """The trainer's gin settings that would lower a step's memory (``evaluation``: an evaluation's), most
+        effective first, for the one-line out-of-memory advice (`revtrain.lifecycle.oom.in_one_line`); none by
+        default."""
+        return []
 
     # -- compiled-function cache: one jit(shard_map(...)) per key; equal layers share it --------------
     # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer

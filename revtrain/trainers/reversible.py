@@ -1108,6 +1108,29 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan
 
+    # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
+    def memory_setup(self) -> dict:
+        label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" + shard_state" if self.shard_state
+                 else "") + (" + offload='disk'" if self.on_disk else ""))
+        return {"trainer": "reversible", "label": label, "offload": self.offload, "disk": self.on_disk,
+                "shard_state": self.shard_state, "deferred": self.deferred, "rebuild": self.rebuild,
+                "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
+
+    def update_text(self) -> str:
+        if not self.deferred:
+            return "fused per layer"
+        why = [f"{self.microbatches} microbatches"] if self.microbatches > 1 else []
+        if not self.layerwise.separable:
+            why.append(f"the optimizer combines layers ({self.layerwise.rounds} global round(s))")
+        if self.model.ties:
+            why.append(f"{len(self.model.ties)} tied parameter(s)")
+        if self.shard_state and not why:
+            why.append("whole-leaf optimizer with shard_state")
+        return "deferred (" + ", ".join(why) + ")"
+
+    def memory_knobs(self, evaluation: bool = False) -> list[str]:
+        return [] if evaluation or self.residency.offloaded else ["ReversibleTrainer.offload = True"]
+
 
 @dataclasses.dataclass
 class _Block:

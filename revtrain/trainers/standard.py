@@ -74,6 +74,16 @@ class StandardTrainer(TrainerBase):
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)
 
+    def memory_setup(self) -> dict:
+        """The memory plan's description (`TrainerBase.memory_setup`): only each layer's input is kept with
+        ``scan_layers`` and ``remat_layers``."""
+        remat = self.scan_layers and self.remat_layers
+        return {"trainer": "standard", "remat": remat, "label": "StandardTrainer" + (" (scan + remat)" if remat else "")}
+
+    def memory_knobs(self, evaluation: bool = False) -> list[str]:
+        """A training step's memory is lower with the reversible trainer (`TrainerBase.memory_knobs`)."""
+        return [] if evaluation else ["train.trainer = @ReversibleTrainer"]
+
     def init(self) -> TrainState:
         """Initial state: replicated params, layer state and one optax state for the whole list. Placed one
         layer at a time (each layer's numpy values dropped once placed), so host memory never holds the whole
