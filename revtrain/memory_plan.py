@@ -37,7 +37,9 @@ moved past (`disk_tier.disk_need`), and with the deferred update two gradients' 
 directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
-by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).
+by default) when its programs move it themselves (the scanned executor, the deferred update): a **pinned** tier
+checks it. Streamed (`revtrain.streaming`: the per-layer executor and the fused update) it is pageable and the
+pinned tier holds only the transfers in flight; the disk tier reads into pageable memory and does not use it.
 
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
@@ -126,6 +128,8 @@ class Setup:
       microbatches: M (each device's share runs as M microbatches).
       offload: reversible: weights, optimizer state and saved inputs in host memory.
       disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
+      streamed: reversible with ``offload``: the state moved by the streaming engine (`revtrain.streaming`:
+        the per-layer executor and the fused update), in pageable host memory, not by the programs.
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
@@ -142,6 +146,7 @@ class Setup:
     microbatches: int = 1
     offload: bool = False
     disk: bool = False
+    streamed: bool = False
     shard_state: bool = False
     deferred: bool = False
     remat: bool = False
@@ -162,6 +167,7 @@ def setup_of(trainer, batch_size: int) -> Setup:
     label += " + offload='disk'" if disk else ""
     budget = getattr(trainer, "budget_plan", None)
     return Setup("reversible", trainer.tx, batch_size, trainer.microbatches, offload=bool(trainer.offload), disk=disk,
+                 streamed=bool(trainer.offload) and trainer.residency.streamed,
                  shard_state=bool(trainer.shard_state), deferred=bool(trainer.deferred),
                  rebuild=getattr(trainer, "rebuild", "exact"), label=label,
                  budget_peak=budget.peak if budget is not None else 0)
@@ -623,7 +629,14 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
         host["weights"], host["optimizer_state"] = weights * n, opt * n
         host["activations"] = saved_std * n
         host["gradients"] = (grads - one_layer) * n
-        if not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
+        if setup.streamed:  # the layer computing, those fetched ahead and the one being written back
+            from revtrain.streaming import HostStore
+            lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+            if setup.shard_state:
+                lw, lo = -(-lw // n), -(-lo // n)
+            flight = 2 + HostStore.read_ahead
+            device["weights"], device["optimizer_state"] = flight * lw, flight * lo
+        elif not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
             device["weights"] = 2 * one_layer
             device["optimizer_state"] = 2 * (max(layer_state) - one_layer)
         device["gradients"] = one_layer
@@ -658,6 +671,11 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
             io = _io(read, write, disk_tier.bandwidth(directory))
         else:  # reads: every layer's weights in the forward (but the head's), every layer's state in the backward
             io = _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
+    elif offload and not one_tier and setup.streamed:  # pageable state; the runtime stages each transfer in its
+        lw = max(layer_bytes)                          # pinned pool: one layer fetched, one written back
+        tiers["pinned"] = {"weights": 2 * lw, "optimizer_state": 2 * (max(layer_state) - lw)}
+        for k in ("weights", "optimizer_state"):  # (pinned memory is host RAM too)
+            host[k] += tiers["pinned"][k]
     elif offload and not one_tier:  # the state in XLA's pinned host pool
         tiers["pinned"] = {k: host[k] for k in ("weights", "optimizer_state", "gradients", "activations")}
     if limits is None:
