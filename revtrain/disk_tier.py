@@ -5,8 +5,9 @@ stays in memory between the programs that use it. Each layer's state is one file
 optimizer state's leaves, in ``jax.tree.flatten`` order, each raw (C order) at an offset aligned to 4 KiB
 (`Layout`). A step reads each layer ahead of the program that needs it, on a background thread, while the
 previous layer computes (the forward reads the weights, the backward weights and optimizer state), and
-writes each updated layer back on a second thread while the next one computes (`StepStream`). A bounded
-dispatch (at most `IN_FLIGHT` programs ahead of the device) and a bounded read-ahead (one layer's state)
+writes each updated layer back on a second thread while the next one computes (`revtrain.streaming`'s
+engine, whose store `DiskTier` is). A bounded
+dispatch (at most `streaming.IN_FLIGHT` programs ahead of the device) and a bounded read-ahead (one layer's state)
 keep resident memory at the layers in flight: the one computing, the one being read, the one being written.
 
 **Files, never rewritten.** Step ``s`` writes every layer to ``<offload_dir>/step_<s>/layer_<i>.bin``, new
@@ -50,22 +51,20 @@ PyTorch; this module follows the same read-ahead / write-behind idea per reversi
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
 import shutil
 import time
-from collections import deque
 
 import jax
 import numpy as np
 import xxhash
 
 from revtrain.errors import ConfigError, RunFailure
+from revtrain.streaming import StepStream, Store, View
 
 ALIGN = 4096
-IN_FLIGHT = 2  # programs dispatched ahead of the device at most (each holds its layer's state)
 STEP_PREFIX = "step_"
 
 
@@ -325,21 +324,23 @@ def link_or_copy(source: str, target: str) -> None:
 
 # -- the tier -------------------------------------------------------------------------------------
 
-class DiskTier:
-    """The directory of a run's layer files and the threads that read and write them.
+class DiskTier(Store):
+    """The disk tier's store (`revtrain.streaming.Store`): the directory of a run's layer files, one
+    `DiskLayer` per layer, read and written by the engine's threads (``ahead = 0``: a read starts once the
+    program before has run, see `revtrain.streaming`).
 
     Args:
       directory: ``ReversibleTrainer.offload_dir``; None until `attach` names one (the run's
         ``<workdir>/offload``).
     """
 
+    prefix = "disk"
+
     def __init__(self, directory: str | None = None):
+        super().__init__()
         self.directory = os.path.abspath(directory) if directory else None
         self.workdir = None
         self._layouts: dict = {}
-        self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-read")
-        self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="revtrain-disk-write")
-        self._bounded = None  # the trainer's dispatch limiter (`bounded`): tells a step's stream of each program
         self._prepared = False
 
     def attach(self, workdir: str) -> None:
@@ -407,42 +408,47 @@ class DiskTier:
         _fsync_dir(self.step_dir(step))
         _fsync_dir(self._dir())
 
-    def stream(self, refs: list, step: int, schedule: list, place) -> "StepStream":
-        """A `StepStream` over ``refs`` (one `DiskLayer` per group) for the step that makes ``step``."""
-        self.prepare(keep=refs)
-        stream = StepStream(self, refs, step, schedule, place)
-        if self._bounded is not None:
-            self._bounded.listener = stream.dispatched
-        return stream
+    # -- the engine's store (`revtrain.streaming.Store`) --
+    def holds(self, ref) -> bool:
+        return isinstance(ref, DiskLayer)
 
-    def reader(self, refs: list, place) -> "StepStream":
-        """A read-only `StepStream` that reads every layer's weights in order (evaluation): at most one layer's
-        weights read ahead. It never creates, writes or removes a file, so ``refs`` may be a checkpoint's
-        files (`revtrain.checkpoint` restores them read-only, ``files=True``)."""
-        schedule = [(g, "params") for g in range(len(refs))]
-        budget = max((r.layout.nbytes("params") for r in refs if isinstance(r, DiskLayer)), default=0)
-        return StepStream(self, refs, None, schedule, place, budget=budget)
+    def nbytes(self, ref, part: str | None = None) -> int:
+        return ref.layout.nbytes(part)
+
+    def read(self, ref, part: str, place):
+        return read_tree(ref.path, ref.layout, part, place, ref.sums)
+
+    def layer_path(self, step: int, g: int) -> str:
+        return os.path.join(self.step_dir(step), f"layer_{g:05d}.bin")
+
+    def write(self, step: int, g: int, ref, params, opt_state) -> DiskLayer:
+        path = self.layer_path(step, g)
+        leaves = jax.tree.leaves(params) + jax.tree.leaves(opt_state)
+        del params, opt_state  # (the list is the only reference: each leaf released once written)
+        return DiskLayer(ref.layout, path, write_layer(path, ref.layout, leaves))
+
+    def begin(self, step: int, refs: list) -> None:
+        self.prepare(keep=refs)
+        os.makedirs(self.step_dir(step), exist_ok=True)
+
+    def unchanged(self, step: int, g: int, ref) -> DiskLayer:
+        """A group the step did not update: its file linked into the new step (the same bytes)."""
+        if not isinstance(ref, DiskLayer):
+            raise DiskTierError(f"group {g} of a disk-tier step was neither read from a file nor written")
+        path = self.layer_path(step, g)
+        link_or_copy(ref.path, path)
+        return DiskLayer(ref.layout, path, ref.sums)
+
+    def end(self, step: int, refs: list) -> None:
+        """Makes the new step durable and removes the previous step's files from the tier."""
+        self.seal(step)
+        self.remove_step([r for r in refs if isinstance(r, DiskLayer)])
 
     def deferred_stream(self, refs: list, step: int, schedule: list, place, grad_layouts: list) -> "DeferredStream":
         """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step`` (the gradient
         buffer's files in that step's directory, ``grads/``)."""
-        self.prepare(keep=refs)
-        stream = DeferredStream(self, refs, step, schedule, place, grad_layouts)
-        if self._bounded is not None:
-            self._bounded.listener = stream.dispatched
-        return stream
-
-    def bounded(self, limit) -> "Bounded":
-        """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device; it tells the
-        step's stream of each program dispatched (`StepStream.dispatched`)."""
-        self._bounded = Bounded(limit)
-        return self._bounded
-
-    def submit_read(self, fn, *args):
-        return self._readers.submit(fn, *args)
-
-    def submit_write(self, fn, *args):
-        return self._writers.submit(fn, *args)
+        self.begin(step, refs)
+        return self.listen(DeferredStream(self, refs, step, schedule, place, grad_layouts))
 
     def remove_step(self, refs: list) -> None:
         """Removes the step directories of ``refs`` that lie inside the tier's directory (a checkpoint's
@@ -451,219 +457,6 @@ class DiskTier:
         for folder in {os.path.dirname(os.path.abspath(r.path)) for r in refs if isinstance(r, DiskLayer) and r.path}:
             if os.path.dirname(folder) == root and os.path.basename(folder).startswith(STEP_PREFIX):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-class Bounded:
-    """Wraps the trainer's ``DispatchLimiter``: keeps one small output of each of the last `IN_FLIGHT` programs
-    and waits for the oldest before a newer one is dispatched further, so the host never runs more than that
-    many layers ahead of the device (each dispatched program holds its layer's state). Only the smallest
-    output leaf is kept (a program's outputs are ready together): keeping the updated weights would hold
-    them after the writer has written and released them."""
-
-    def __init__(self, inner):
-        self.inner, self._recent = inner, deque()
-        self.listener = None  # called with each program's kept output (a training step's stream)
-
-    def __call__(self, outputs):
-        outputs = self.inner(outputs)
-        leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
-        if leaves:
-            self._recent.append(min(leaves, key=lambda x: x.size))
-            if self.listener is not None:
-                self.listener(self._recent[-1])
-        if len(self._recent) > IN_FLIGHT:
-            _wait(self._recent.popleft())
-        return outputs
-
-    def clear(self) -> None:
-        self._recent.clear()
-        self.listener = None
-
-
-def _wait(tree) -> None:
-    for x in jax.tree.leaves(tree):
-        if isinstance(x, jax.Array) and not x.is_deleted():
-            try:
-                x.block_until_ready()
-            except RuntimeError:  # (donated to a later program meanwhile: that one ran after it)
-                pass
-
-
-class _View:
-    """A list-like view of a `StepStream`: ``params`` or ``opt_state`` (``view[g]`` reads, ``view[g] = v``
-    stores an update)."""
-
-    def __init__(self, stream: "StepStream", part: str):
-        self.stream, self.part = stream, part
-
-    def __getitem__(self, g):
-        if isinstance(g, slice):  # the backprop blocks inside the head's program, as a list
-            return [self.stream.get(k, self.part) for k in range(*g.indices(len(self)))]
-        return self.stream.get(g, self.part)
-
-    def __setitem__(self, g, value):
-        if isinstance(g, slice):
-            for k, v in zip(range(*g.indices(len(self))), value, strict=True):
-                self.stream.put(k, self.part, v)
-            return
-        self.stream.put(g, self.part, value)
-
-    def __len__(self):
-        return len(self.stream.refs)
-
-
-class StepStream:
-    """One step's reads and writes of a disk-tier state (or an evaluation's reads).
-
-    ``schedule``: the expected accesses, ``(group, "params" | "opt")`` in order. Reads run ahead on the
-    reader thread (at most one layer's state of bytes read but not yet used); an access that is not the
-    next expected one is read on demand (the result is the same, only slower). A training step's reads are
-    submitted as each program is dispatched (`dispatched`) and start once that program has run: the next
-    layer is never read while a program's temporaries are live, so a step holds the computing layer, the
-    one being written and that program's temporaries, or those two layers and the one being read, never
-    all of them (peak resident memory three layers or two and one program's temporaries, whichever is
-    more). Where writes bound the step (a disk writing slower than it reads) this costs no time: the
-    read and the compute both fit in the previous layer's write. ``put`` of a group's params
-    and optimizer state hands both to the writer thread (the file of ``step``), waiting first for the
-    previous layer's write, so at most one layer is being written while the next computes. `finish` waits
-    for every write and returns the new `DiskLayer` of each group.
-    """
-
-    def __init__(self, tier: DiskTier, refs: list, step: int | None, schedule: list, place, budget: int | None = None):
-        self.tier, self.refs, self.step, self.place = tier, list(refs), step, place
-        self.schedule, self._next = list(schedule), 0
-        self._pending: dict = {}  # (g, part) -> Future of the tree
-        self._updates: dict = {}  # g -> {part: value}
-        self._writes: deque = deque()
-        self._new: dict = {}
-        if budget is None:  # bytes read ahead at most (beyond the first read): one layer's state
-            budget = max((r.layout.nbytes() for r in refs if isinstance(r, DiskLayer)), default=0)
-        self.budget = budget
-        self.read_bytes = self.write_bytes = 0
-        self.read_seconds = self.write_seconds = 0.0
-        if step is not None:
-            os.makedirs(tier.step_dir(step), exist_ok=True)
-        self.params, self.opt_state = _View(self, "params"), _View(self, "opt")
-        self._gate = None  # the last program dispatched (training): reads submitted now start after it ran
-        self._refill()
-
-    def dispatched(self, token) -> None:
-        """A program was dispatched (``token``: one of its outputs): reads ahead are submitted, each to start
-        once that program has run."""
-        self._gate = token
-        self._refill()
-
-    def _read(self, g: int, part: str, gate=None):
-        if gate is not None:
-            _wait(gate)
-        ref = self.refs[g]
-        start = time.perf_counter()
-        tree = read_tree(ref.path, ref.layout, part, self.place, ref.sums)
-        self.read_seconds += time.perf_counter() - start
-        self.read_bytes += ref.layout.nbytes(part)
-        return tree
-
-    def _not_yet(self, g: int) -> bool:
-        """Whether reading ahead must stop before group ``g`` (a subclass's: a value not written yet)."""
-        return False
-
-    def _submit(self, g: int, part: str):
-        """Submits the read of group ``g``'s ``part`` to the tier's reader: its Future."""
-        return self.tier.submit_read(self._read, g, part, self._gate)
-
-    def _refill(self) -> None:
-        ahead = sum(self.refs[g].layout.nbytes(p) for g, p in self._pending)
-        k = self._next
-        while k < len(self.schedule):
-            g, part = self.schedule[k]
-            if self._not_yet(g):
-                break
-            ref = self.refs[g]
-            if not isinstance(ref, DiskLayer) or (g, part) in self._pending or g in self._updates:
-                k += 1
-                continue
-            size = ref.layout.nbytes(part)
-            if self._pending and ahead + size > self.budget:
-                break
-            self._pending[(g, part)] = self._submit(g, part)
-            ahead += size
-            k += 1
-
-    def get(self, g: int, part: str):
-        """Group ``g``'s ``part`` as device arrays (an update stored this step, if any)."""
-        if part in self._updates.get(g, {}):
-            return self._updates[g][part]
-        ref = self.refs[g]
-        if not isinstance(ref, DiskLayer):  # a state held in memory (e.g. a weights-only restore)
-            return ref
-        try:
-            k = self.schedule.index((g, part), self._next)
-            self._next = k + 1
-        except ValueError:
-            pass
-        future = self._pending.pop((g, part), None)
-        tree = future.result() if future is not None else self._read(g, part)
-        if self.step is None:  # (evaluation: read on at once; a training step reads on at its next program)
-            self._refill()
-        return tree
-
-    def put(self, g: int, part: str, value) -> None:
-        """Stores group ``g``'s updated ``part``; once both parts are in, the layer's file is written."""
-        self._updates.setdefault(g, {})[part] = value
-        if len(self._updates[g]) < 2 or self.step is None:
-            return
-        while self._writes:  # one layer written at a time: wait for the previous one
-            self._done(self._writes.popleft())
-        ref = self.refs[g]
-        path = os.path.join(self.tier.step_dir(self.step), f"layer_{g:05d}.bin")
-        update, self._updates[g] = self._updates[g], {}
-        leaves = jax.tree.leaves(update.pop("params")) + jax.tree.leaves(update.pop("opt"))
-        # The writer's list is the only reference the stream keeps: each leaf is released once it is written.
-        self._new[g] = DiskLayer(ref.layout, path)  # (its checksums set by the writer, before `finish` returns)
-        self._writes.append((g, path, self.tier.submit_write(self._write, path, ref.layout, leaves, self._new[g])))
-
-    def _write(self, path, layout, leaves, new):
-        start = time.perf_counter()
-        new.sums = write_layer(path, layout, leaves)
-        self.write_seconds += time.perf_counter() - start
-        self.write_bytes += layout.nbytes()
-
-    def _done(self, entry) -> None:
-        entry[2].result()
-
-    def finish(self) -> list:
-        """Waits for every write; links the file of a group that was not updated (same bytes) into the new
-        step; makes the new step durable and removes the previous step's files from the tier. Returns the
-        new `DiskLayer` of each group.
-
-        Raises:
-          DiskTierError: a write failed.
-        """
-        try:
-            while self._writes:
-                self._done(self._writes.popleft())
-        finally:
-            for future in self._pending.values():
-                future.cancel()
-            self._pending.clear()
-        new = []
-        for g, ref in enumerate(self.refs):
-            if g in self._new:
-                new.append(self._new[g])
-            elif isinstance(ref, DiskLayer):
-                path = os.path.join(self.tier.step_dir(self.step), f"layer_{g:05d}.bin")
-                link_or_copy(ref.path, path)
-                new.append(DiskLayer(ref.layout, path, ref.sums))
-            else:
-                raise DiskTierError(f"group {g} of a disk-tier step was neither read from a file nor written")
-        self.tier.seal(self.step)
-        self.tier.remove_step([r for r in self.refs if isinstance(r, DiskLayer)])
-        return new
-
-    def stats(self) -> dict:
-        """Bytes and seconds of this step's reads and writes (background threads' busy time)."""
-        return {"disk_read_bytes": self.read_bytes, "disk_write_bytes": self.write_bytes,
-                "disk_read_seconds": self.read_seconds, "disk_write_seconds": self.write_seconds}
 
 
 class DeferredStream(StepStream):
@@ -697,7 +490,7 @@ class DeferredStream(StepStream):
         entries = [(g + n, "params") if part == "grad" else (g, part) for g, part in schedule]
         super().__init__(tier, list(refs) + [None] * n, step, entries, place)
         os.makedirs(self.grad_dir, exist_ok=True)
-        self.grads = _View(self, "grad")
+        self.grads = View(self, "grad")
 
     def _not_yet(self, g: int) -> bool:
         n = self.count
@@ -746,21 +539,23 @@ class DeferredStream(StepStream):
         path = os.path.join(self.grad_dir, f"grad_{g:05d}_{version}.bin")
         layout = self.grad_layouts[g]
         ref = self.refs[g + n] = DiskLayer(layout, path)  # (its checksums set by the writer, before it is read)
-        future = self.tier.submit_write(self._write, path, layout, jax.tree.leaves(value), ref)
+        future = self.tier.submit_write(self._write_grad, path, layout, jax.tree.leaves(value), ref)
         self._writes.append((g + n, path, future))
         self._grad_writes[g] = future
         if old is not None:  # read already (it was this store's input)
             _remove(old.path)
 
+    def _write_grad(self, path, layout, leaves, ref):
+        start = time.perf_counter()
+        ref.sums = write_layer(path, layout, leaves)
+        self.write_seconds += time.perf_counter() - start
+        self.write_bytes += layout.nbytes()
+
     def finish(self) -> list:
         """`StepStream.finish` after every write; the gradient buffer's files removed first."""
         try:
-            while self._writes:
-                self._done(self._writes.popleft())
+            self._drain()
         finally:
-            for future in self._pending.values():
-                future.cancel()
-            self._pending.clear()
             shutil.rmtree(self.grad_dir, ignore_errors=True)
         self.refs = self.refs[:self.count]
         return super().finish()
@@ -820,23 +615,6 @@ class LayerWeights:
         if isinstance(ref, DiskLayer):
             return read_tree(ref.path, ref.layout, "params", sums=ref.sums)
         return jax.tree.map(np.asarray, ref)
-
-
-def train_schedule(kinds: list) -> list:
-    """The accesses of one reversible step (`ReversibleTrainer.train_step` over a plan's ``kinds``): the
-    forward's weights, the head's (and those of the backprop blocks inside its program, ``"top"``) weights
-    and optimizer state, then the backward's, newest first."""
-    last = len(kinds) - 1
-    top = 0
-    while top < last and kinds[last - 1 - top] == "top":
-        top += 1
-    below = last - top
-    out = [(g, "params") for g in range(below)]
-    for g in range(below, last + 1):
-        out += [(g, "params"), (g, "opt")]
-    for g in range(below - 1, -1, -1):
-        out += [(g, "params"), (g, "opt")]
-    return out
 
 
 # -- checkpoints: hard links to a step's files -------------------------------------------------------

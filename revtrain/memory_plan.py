@@ -37,7 +37,9 @@ moved past (`disk_tier.disk_need`), and with the deferred update two gradients' 
 directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
-by default): a **pinned** tier checks it (the disk tier reads into pageable memory and does not use it).
+by default) when its programs move it themselves (the scanned executor, the deferred update): a **pinned** tier
+checks it. Streamed (`revtrain.streaming`: the per-layer executor and the fused update) it is pageable and the
+pinned tier holds only the transfers in flight; the disk tier reads into pageable memory and does not use it.
 
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
@@ -126,6 +128,8 @@ class Setup:
       microbatches: M (each device's share runs as M microbatches).
       offload: reversible: weights, optimizer state and saved inputs in host memory.
       disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
+      streamed: reversible with ``offload``: the state moved by the streaming engine (`revtrain.streaming`:
+        the per-layer executor and the fused update), in pageable host memory, not by the programs.
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
@@ -142,6 +146,7 @@ class Setup:
     microbatches: int = 1
     offload: bool = False
     disk: bool = False
+    streamed: bool = False
     shard_state: bool = False
     deferred: bool = False
     remat: bool = False
@@ -539,9 +544,22 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     io = None
     if step.on_disk:
         io = _disk_tier_and_io(model, setup, shapes, state, tiers, disk)
-    elif step.offload and not one_tier:  # the state in XLA's pinned host pool
-        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+    elif step.offload and not one_tier:
+        _pinned_tier(setup, tiers, state)
     return _against_limits(setup, tiers, limits, one_tier, disk, step.method, shapes.pshapes, io=io)
+
+
+def _pinned_tier(setup: Setup, tiers: dict, state: tuple) -> None:
+    """Adds XLA's pinned host pool (an accelerator's host tier) to ``tiers``: the state itself when the
+    programs move it, or with the streaming engine (pageable state) the transfers in flight, a layer fetched
+    and a layer written back, staged there by the runtime (pinned memory is host RAM too: counted in both)."""
+    if not setup.streamed:
+        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+        return
+    lw, ls = max(state[2]), max(state[3])
+    tiers["pinned"] = {"weights": 2 * lw, "optimizer_state": 2 * (ls - lw)}
+    for k in ("weights", "optimizer_state"):
+        tiers["host"][k] += tiers["pinned"][k]
 
 
 @dataclasses.dataclass
@@ -690,7 +708,14 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
         host["weights"], host["optimizer_state"] = weights * n, opt * n
         host["activations"] = step.saved_std * n
         host["gradients"] = (step.grads - one_layer) * n
-        if not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
+        if setup.streamed:  # the layer computing, those fetched ahead and the one being written back
+            from revtrain.streaming import HostStore
+            lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+            if setup.shard_state:
+                lw, lo = -(-lw // n), -(-lo // n)
+            flight = 2 + HostStore.read_ahead
+            device["weights"], device["optimizer_state"] = flight * lw, flight * lo
+        elif not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
             device["weights"] = 2 * one_layer
             device["optimizer_state"] = 2 * (max(layer_state) - one_layer)
         device["gradients"] = one_layer
@@ -816,7 +841,7 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
         tiers["disk"] = {"weights": 2 * whole_w, "optimizer_state": 2 * whole_o,
                          "gradients": 2 * whole_w if setup.deferred else 0}
     elif step.offload and not one_tier:
-        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
+        _pinned_tier(setup, tiers, state)
     return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
 
 

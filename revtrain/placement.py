@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
 HOST_MEMORY = "pinned_host"
+PAGEABLE_MEMORY = "unpinned_host"  # ordinary (pageable) host memory: the streamed host store's
 DEVICE_MEMORY = "device"
 
 
@@ -37,10 +38,10 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXIS))
 
 
-def host_memory_supported(mesh: Mesh) -> bool:
-    """True when every device of ``mesh`` exposes a ``pinned_host`` memory space."""
+def host_memory_supported(mesh: Mesh, kind: str = HOST_MEMORY) -> bool:
+    """True when every device of ``mesh`` exposes the memory space ``kind`` (default ``pinned_host``)."""
     try:
-        return all(any(m.kind == HOST_MEMORY for m in d.addressable_memories()) for d in mesh.devices.flat
+        return all(any(m.kind == kind for m in d.addressable_memories()) for d in mesh.devices.flat
                    if d.process_index == jax.process_index())
     except Exception:  # backends without memory spaces
         return False

@@ -3,12 +3,15 @@
 A trainer holds each layer's weights and optimizer state in one *tier* between the programs that use them:
 
 * ``"device"``: device memory (the default; on a CPU that is host RAM);
-* ``"host"``: host memory (JAX memory kind ``pinned_host``; ``ReversibleTrainer.offload = True``): each program
-  moves its layer's state to the device and the updated state back (ZeRO-Offload, Ren et al. 2021, keeps the
-  same state in CPU memory);
+* ``"host"``: host memory (``ReversibleTrainer.offload = True``; ZeRO-Offload, Ren et al. 2021, keeps the same
+  state in CPU memory). Under the per-layer executor and the fused update the state is a
+  `revtrain.streaming.HostStore`'s (memory kind ``unpinned_host``, pageable, where the backend has it): the
+  streaming engine moves each layer to the device ahead of its program and the update back behind it. Else
+  (the scanned executor, the deferred update) it is in ``pinned_host`` and each program moves its layer's
+  state to the device and the updated state back itself;
 * ``"disk"``: files, one per layer (``ReversibleTrainer.offload = 'disk'``; `revtrain.disk_tier`, whose
-  `DiskTier` is this object's ``disk``): each layer is read ahead of its program into device memory and
-  written back after its update, so memory holds only the layers in flight;
+  `DiskTier` is this object's ``store``): each layer is read ahead of its program into device memory and
+  written back after its update by the same engine, so memory holds only the layers in flight;
 
 and either replicated on every device (pmap semantics) or, with ``shard_state``, each large leaf split over the
 ``"data"`` devices (`placement.shard_spec`; ZeRO-3). The trainer, checkpoint restore templates, generation and
@@ -28,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import HOST_MEMORY, shard_spec
+from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, shard_spec
 
 TIERS = ("device", "host", "disk")
 
@@ -40,18 +43,35 @@ class Residency:
       mesh: the data mesh.
       tier: ``"device"``, ``"host"`` (``pinned_host`` memory) or ``"disk"`` (layer files).
       sharded: split each large leaf over the ``"data"`` axis (``shard_state``) instead of replicating it.
-      disk: the `revtrain.disk_tier.DiskTier` of the ``"disk"`` tier (its files' directory and threads).
+      store: the `revtrain.streaming.Store` whose engine moves the state between uses: the disk tier's
+        `revtrain.disk_tier.DiskTier` (always), a `revtrain.streaming.HostStore` (the host tier, streamed), or
+        None (the device tier; the host tier whose programs move the state themselves).
 
     Raises:
-      ValueError: an unknown tier.
+      ValueError: an unknown tier, a disk tier without a store or a device tier with one.
     """
 
-    def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False, disk=None):
+    def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False, store=None):
         if tier not in TIERS:
             raise ValueError(f"residency tier must be one of {', '.join(map(repr, TIERS))}, got {tier!r}")
-        if (tier == "disk") != (disk is not None):
-            raise ValueError("the disk tier needs its DiskTier (and only it has one)")
-        self.mesh, self.tier, self.sharded, self.disk = mesh, tier, sharded, disk
+        if (tier == "disk" and store is None) or (tier == "device" and store is not None):
+            raise ValueError("the disk tier needs its store, the device tier has none")
+        self.mesh, self.tier, self.sharded, self.store = mesh, tier, sharded, store
+        # A streamed host store in pageable memory where every device has it: only the engine's copies
+        # touch it, never a program (XLA's in-program moves need pinned memory).
+        self._kind = None if tier != "host" else (
+            PAGEABLE_MEMORY if store is not None and host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY)
+
+    @property
+    def disk(self):
+        """The disk tier's `revtrain.disk_tier.DiskTier` (None for the other tiers)."""
+        return self.store if self.tier == "disk" else None
+
+    @property
+    def streamed(self) -> bool:
+        """True when the streaming engine moves the state (`revtrain.streaming`): the disk tier, and the host
+        tier under the per-layer executor and the fused update."""
+        return self.store is not None
 
     @property
     def offloaded(self) -> bool:
@@ -62,7 +82,7 @@ class Residency:
     def memory_kind(self) -> str | None:
         """The JAX memory kind of the state (None: the device's default; the disk tier's programs compute on
         device arrays read from its files)."""
-        return HOST_MEMORY if self.tier == "host" else None
+        return self._kind
 
     def specs(self, shapes, leading: int = 0):
         """A tree of ``PartitionSpec`` matching ``shapes`` (a tree of arrays or ``ShapeDtypeStruct``):
@@ -118,7 +138,7 @@ class Residency:
 
     def describe(self) -> str:
         """A few words for logs and the memory plan, e.g. ``"host memory, replicated"``."""
-        where = {"device": "device memory", "host": "host memory (pinned_host)",
+        where = {"device": "device memory", "host": f"host memory ({self.memory_kind})",
                  "disk": f"layer files in {getattr(self.disk, 'directory', None) or 'the offload directory'}"}[self.tier]
         return f"{where}, {'split over the devices' if self.sharded else 'replicated'}"
 

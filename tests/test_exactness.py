@@ -21,7 +21,7 @@ from jax.tree_util import keystr, tree_flatten_with_path
 from revtrain.layers.base import split_keys
 from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
-from revtrain.placement import DEVICE_MEMORY, HOST_MEMORY, global_batch, make_mesh
+from revtrain.placement import DEVICE_MEMORY, HOST_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
 from revtrain.trainers import LayerwiseUpdate, ReversibleTrainer, StandardTrainer
 
 from helpers import worst_leaf
@@ -254,13 +254,13 @@ def test_offload_and_executors_are_bitwise_identical(text_batches):
 
 
 @pytest.mark.slow  # make test keeps the scanned executor's check below
-def test_offload_keeps_at_most_two_layers_on_device(text_batches):
-    """The per-layer executor with offload: every program gets its layer's weights and optimizer state in
-    host memory and returns the updated ones there (it moves them to the device itself, so nothing in the
-    step's loop puts weights on the device, however far dispatch runs ahead); between steps everything is
-    in host memory. The memory meter then finds at least one layer's weights + optimizer state on the
-    device (the one a program computes with) and, against the same step without offload, all but at most
-    two layers' of them gone. (The scanned executor is checked below.)"""
+def test_offload_keeps_at_most_three_layers_on_device(text_batches):
+    """The per-layer executor with offload streams (`revtrain.streaming`): every program gets its layer's
+    weights and optimizer state on the device (fetched ahead by the engine) and between steps everything is
+    in pageable host memory. The memory meter then finds at least one layer's weights + optimizer state on
+    the device (the one a program computes with) and, against the same step without offload, all but at most
+    three layers' of them gone (the one computing, the one fetched ahead, the one being written back). (The
+    scanned executor, whose programs move their own layers, is checked below.)"""
     batches = [global_batch(b, _mesh()) for b in text_batches(BATCH, 3)]
     peaks, layers = {}, None
     for offload in (False, True):
@@ -276,7 +276,7 @@ def test_offload_keeps_at_most_two_layers_on_device(text_batches):
 
             def call(*args):
                 kinds = {x.sharding.memory_kind for i in weights for x in jax.tree.leaves(args[i])}
-                assert kinds == {HOST_MEMORY if offload else DEVICE_MEMORY}, (kind, kinds)
+                assert kinds == {DEVICE_MEMORY}, (kind, kinds)
                 calls.append(kind)
                 return compiled(*args)
             return call
@@ -289,11 +289,11 @@ def test_offload_keeps_at_most_two_layers_on_device(text_batches):
         peaks[offload] = trainer.meter.stop()
         ts, _ = trainer.train_step(ts, batches[2])
         assert len(calls) == 3 * (2 * len(layers) - 1), calls  # each layer's forward and backward (the head: one)
-        want = HOST_MEMORY if offload else DEVICE_MEMORY
+        want = PAGEABLE_MEMORY if offload else DEVICE_MEMORY
         assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {want}
     largest = sorted(layers, reverse=True)
     assert peaks[True] >= largest[0], (peaks, largest[0])
-    assert peaks[False] - peaks[True] >= sum(layers) - largest[0] - largest[1], (peaks, layers)
+    assert peaks[False] - peaks[True] >= sum(layers) - sum(largest[:3]), (peaks, layers)
 
 
 def test_scanned_offload_keeps_at_most_two_layers_on_device():

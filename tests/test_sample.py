@@ -27,10 +27,11 @@ def _model(context, num_layers=2, d_model=32):
     return ReversibleTransformerLM(context, num_layers=num_layers, d_model=d_model, num_heads=4, dropout_rate=0.1)
 
 
-def _trainer(model, devices=1, offload=False):
+def _trainer(model, devices=1, offload=False, scan_layers=True):
     from revtrain.placement import make_mesh
     from revtrain.trainers import ReversibleTrainer
-    return ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:devices]), offload=offload)
+    return ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:devices]), offload=offload,
+                             scan_layers=scan_layers)
 
 
 def _full_logits(model, params, states):
@@ -170,18 +171,22 @@ def test_next_tokens_filters():
     np.testing.assert_allclose(free, [0.1, 0.5, 0.15, 0.25], atol=0.03)
 
 
-def test_offload_streams_layers_and_gives_the_same_samples(lm, seeded):
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_offload_streams_layers_and_gives_the_same_samples(lm, seeded, scan_layers):
     """With ReversibleTrainer.offload the weights stay in host memory and each step runs layer by layer:
-    the samples are those of the fused program, past the context too."""
+    the samples are those of the fused program, past the context too. Pinned memory (scanned executor: each
+    program moves its layer in) or pageable (per-layer executor, the streaming engine's store: each layer
+    copied in before its program)."""
     from revtrain import sample
-    from revtrain.placement import HOST_MEMORY
+    from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY
     model, _, _, _ = lm
     opts, (first, _) = seeded
-    offload = _trainer(model, offload=True)
+    offload = _trainer(model, offload=True, scan_layers=scan_layers)
     ots = offload.init()
-    assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
+    kind = HOST_MEMORY if scan_layers else PAGEABLE_MEMORY
+    assert all(x.sharding.memory_kind == kind for x in jax.tree.leaves(ots.params))
     assert sample.generate(offload, ots, PROMPT, CONTEXT, opts).samples == first
-    assert all(x.sharding.memory_kind == HOST_MEMORY for x in jax.tree.leaves(ots.params))
+    assert all(x.sharding.memory_kind == kind for x in jax.tree.leaves(ots.params))
 
 
 def test_model_without_decoding_is_refused():

@@ -245,8 +245,8 @@ def _stacked(tree, n: int):
 
 
 def _program_state(trainer, held):
-    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): the disk tier's
-    layers as device arrays (its programs compute on the layer read from the file), and a tied parameter's
+    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): a streamed tier's
+    layers as device arrays (its programs compute on the layer the engine fetched), and a tied parameter's
     user (the head) with its tied leaves in its tree, as the head's program computes on them (the deferred
     update passes them in beside its own; here they count as its own, a bound)."""
     params, opt = list(held.params), list(held.opt_state)
@@ -255,7 +255,11 @@ def _program_state(trainer, held):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
     shapes = trainer.model.param_shapes()
     users = {tie.user for tie in trainer.model.ties}
+    on_device = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
     for i, layer in enumerate(trainer.model.layers):
+        if trainer.residency.streamed and not trainer.on_disk:  # the host store's: fetched to the device
+            params[i], opt[i] = on_device(params[i]), on_device(opt[i])
         if trainer.on_disk or i in users:
             like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
             tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
@@ -285,12 +289,13 @@ class _Analysis:
         self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
         self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
         self.offload = t.offload  # kept inputs in host memory (the host tier)
-        self.on_disk = t.on_disk
+        self.on_disk, self.streamed = t.on_disk, t.residency.streamed
         layers = t.model.layers
         self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
-        # The disk tier: beside a program's own layer, one layer being written and one read ahead (read only
-        # once the program before has run: with its temporaries or in their place; `disk_tier.StepStream`).
-        self.in_flight = max(self.moved) if self.on_disk else 0
+        # A streamed tier: beside a program's own layer, one layer being written and one fetched ahead (the
+        # disk tier's read only once the program before has run: with its temporaries or in their place;
+        # the host store's during the program, `revtrain.streaming`).
+        self.in_flight = max(self.moved) if self.streamed else 0
         # Each layer's input shapes (global, split over "data").
         x = self.batch[t.model.input_key]
         self.inputs = []
@@ -324,6 +329,8 @@ class _Analysis:
                 flops = 0.0
             if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
                 extra = moved + self.in_flight + max(extra, self.in_flight)
+            elif self.streamed:  # its layer, the one before being written back and those fetched ahead, beside it
+                extra += moved + (1 + self.trainer.residency.store.read_ahead) * self.in_flight
             elif self.offload:  # its layer moved in from host memory
                 extra += moved
             self.cache[key] = Cost(extra, flops, seconds)

@@ -181,7 +181,7 @@ class DeferredUpdates:
     def _acc_run_fn(self, layer, count):
         pspec = self._group_specs(layer, count)[0]
         in_specs, out_specs, shardings = (pspec, pspec, _R, _D, _D, _R, _R), (_D, _D, pspec), {}
-        if self.offload:  # the weights and gradient stacks stay in host memory
+        if self._moves:  # the weights and gradient stacks stay in host memory
             shardings = {"out_shardings": self._offload_shardings(out_specs, (2,)),
                          "in_shardings": self._offload_shardings(in_specs, (0, 1))}
         return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, in_specs, out_specs, donate=(1, 3, 4),
@@ -317,7 +317,7 @@ class DeferredUpdates:
             jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
         # The memory meter counts the moved arguments as device bytes while the program runs: one layer's
         # (a stacked run moves one slice at a time, which its temporary bytes show).
-        self._cache[key] = _Dispatch(jitted, self, (0, 1, 2, 3) if count == 1 and self.offload else ())
+        self._cache[key] = _Dispatch(jitted, self, (0, 1, 2, 3) if count == 1 and self._moves else ())
         return self._cache[key]
 
     def _combine_fn(self, k: int, groups):
@@ -436,7 +436,7 @@ class DeferredUpdates:
         schedule = disk_tier.deferred_schedule(plan.kinds, self.microbatches, max(rounds, 1) + 1, owners)
         grad_layouts = [disk_tier.grad_layout(self, i) for i in range(len(groups))]
         place = disk_tier.placer(self.mesh, self.shard_state)
-        stream = self._stream = self.residency.disk.deferred_stream(grouped.params, ts.step + 1, schedule, place,
+        stream = self._stream = self.residency.store.deferred_stream(grouped.params, ts.step + 1, schedule, place,
                                                                    grad_layouts)
         params, opt_state, acc = stream.params, stream.opt_state, stream.grads
         shapes = self.model.param_shapes()

@@ -73,6 +73,7 @@ from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
                                 replicated, shard_spec, spec_axis)
 from revtrain.residency import HostStack, Residency
+from revtrain.streaming import HostLayer, HostStore, train_schedule
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
                                       check_flags, example_keys, gather_params, grad_norm, guarded_update,
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
@@ -192,13 +193,15 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.scan_layers = scan_layers
         self._stream, self.disk_stats = None, {}  # the disk tier's step in progress; its last step's I/O
         if offload == "disk":
-            self.residency = Residency(mesh, "disk", shard_state, disk=disk_tier.DiskTier(offload_dir))
+            self.residency = Residency(mesh, "disk", shard_state, store=disk_tier.DiskTier(offload_dir))
             why = disk_tier.refusal(self)
             if why:
                 raise TrainerError(why)
-            self._limit = self.residency.disk.bounded(self._limit)  # the layers in flight, bounded
-        else:
-            self.residency = Residency(mesh, "host" if offload else "device", shard_state)
+        else:  # host memory: streamed by the engine under the per-layer executor and the fused update
+            store = HostStore() if offload and not scan_layers and not self.deferred else None
+            self.residency = Residency(mesh, "host" if offload else "device", shard_state, store=store)
+        if self.residency.streamed:
+            self._limit = self.residency.store.bounded(self._limit)  # the layers in flight, bounded
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
         num_layers = len(model.layers)
@@ -277,6 +280,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         """Whether weights and optimizer state live in host memory between uses (``self.residency``; the disk
         tier's programs compute on device arrays, as without offload)."""
         return self.residency.tier == "host"
+
+    @property
+    def _moves(self) -> bool:
+        """Whether programs move their layer's state in from host memory and back themselves (the host tier
+        not streamed: the scanned executor, the deferred update); else they compute on device arrays."""
+        return self.offload and not self.residency.streamed
 
     @property
     def on_disk(self) -> bool:
@@ -420,10 +429,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE_MEMORY), tree))
 
     def _inside_to_device(self, tree):
-        return move_inside(tree, jax.memory.Space.Device) if self.offload else tree
+        return move_inside(tree, jax.memory.Space.Device) if self._moves else tree
 
     def _inside_to_host(self, tree):
-        return move_inside(tree, jax.memory.Space.Host) if self.offload else tree
+        return move_inside(tree, jax.memory.Space.Host) if self._moves else tree
 
     def _slice_to_device(self, stacks, j):
         """Inside a scan: slice ``j`` of stacked trees, moved to the device (with offload)."""
@@ -438,30 +447,39 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
 
+    def _refs(self, grouped: Stacked) -> list:
+        """The store's ref of each group (`revtrain.streaming`): the disk tier's files, or the host tier's
+        trees wrapped as `streaming.HostLayer`."""
+        if self.on_disk:
+            return list(grouped.params)
+        return [HostLayer(p, o) for p, o in zip(grouped.params, grouped.opt_state, strict=True)]
+
     def _streamed(self, grouped: Stacked, plan, step: int):
-        """The step's ``(params, opt_state)`` lists: the groups' own, or with the disk tier the views of a
-        `disk_tier.StepStream` that reads each layer ahead and writes each update back."""
-        if not self.on_disk:
+        """The step's ``(params, opt_state)`` lists: the groups' own, or with a streamed tier the views of a
+        `streaming.StepStream` that fetches each layer ahead and writes each update back."""
+        if not self.residency.streamed:
             return list(grouped.params), list(grouped.opt_state)
-        self._stream = self.residency.disk.stream(grouped.params, step + 1, disk_tier.train_schedule(plan.kinds),
-                                                  disk_tier.placer(self.mesh, self.shard_state))
+        self._stream = self.residency.store.stream(self._refs(grouped), step + 1, train_schedule(plan.kinds),
+                                                   disk_tier.placer(self.mesh, self.shard_state))
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
-        """The step's updated ``(params, opt_state)`` lists: as they are, or with the disk tier the new files'
-        `disk_tier.DiskLayer` of each group once every write is done."""
-        if not self.on_disk:
+        """The step's updated ``(params, opt_state)`` lists: as they are, or with a streamed tier the new refs
+        of each group once every write is done (the disk tier's `disk_tier.DiskLayer`, the host tier's trees)."""
+        if not self.residency.streamed:
             return params, opt_state
         stream, self._stream = self._stream, None
         refs = stream.finish()
         self._limit.clear()
         self.disk_stats = stream.stats()
-        return refs, list(refs)
+        if self.on_disk:
+            return refs, list(refs)
+        return [r.params for r in refs], [r.opt_state for r in refs]
 
     def _eval_grouped(self, grouped: Stacked) -> Stacked:
-        if not self.on_disk:
+        if not self.residency.streamed:
             return grouped
-        reader = self.residency.disk.reader(grouped.params, disk_tier.placer(self.mesh, self.shard_state))
+        reader = self.residency.store.reader(self._refs(grouped), disk_tier.placer(self.mesh, self.shard_state))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
     def tied_params(self, grouped: Stacked, g: int):
@@ -738,7 +756,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         steps = jnp.arange(count, dtype=jnp.int32)
         if self._fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
             return self._fenced_run(layer, params, states, x, skey, start, steps)
-        if not self.offload:
+        if not self._moves:
             def body(x, slices):
                 p, s, j = slices
                 return self._forward(layer, p, s, x, skey, start + j)
@@ -763,7 +781,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         shapes = jax.eval_shape(lambda p, s, x: self._forward(layer, p, s, x, skey, start)[2], first,
                                 jax.tree.map(lambda a: a[0], states), x)
         res = per_device(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
-        if not self.offload:
+        if not self._moves:
             def body(carry, slices):
                 p, s, j = slices
                 x, new_state, res = self._forward(layer, p, s, carry[0], skey, start + j)
@@ -898,7 +916,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # of token ids has no input cotangent for its output cotangent to become (`common._UsedDonation`).
         donate, maybe = (tuple(i for i in donate if in_specs[i] != _D or kind not in self._MAYBE_DONATED),
                          tuple(i for i in donate if in_specs[i] == _D and kind in self._MAYBE_DONATED))
-        if not self.offload:
+        if not self._moves:
             return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
         return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
                               out_shardings=self._offload_shardings(out_specs, outputs), moved=inputs,
@@ -941,7 +959,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                                   key=key)
         if kind == "reverse_run":
             in_specs, out_specs, shardings = (pspec, ospec, _R, _D, _D, _R, _R), (_D, _D, pspec, ospec, _R, _R), {}
-            if self.offload:  # the stacks stay in host memory
+            if self._moves:  # the stacks stay in host memory
                 shardings = {"out_shardings": self._offload_shardings(out_specs, (2, 3)),
                              "in_shardings": self._offload_shardings(in_specs, (0, 1))}
             return self._compiled(kind, layer, self._reverse_run, in_specs, out_specs, donate=(0, 1, 3, 4), key=key,
@@ -1113,7 +1131,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" + shard_state" if self.shard_state
                  else "") + (" + offload='disk'" if self.on_disk else ""))
         return {"trainer": "reversible", "label": label, "offload": self.offload, "disk": self.on_disk,
-                "shard_state": self.shard_state, "deferred": self.deferred, "rebuild": self.rebuild,
+                "streamed": self.offload and self.residency.streamed, "shard_state": self.shard_state, "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
 
     def update_text(self) -> str:

@@ -1,0 +1,222 @@
+"""The streaming engine (`revtrain.streaming`): the host and disk tiers move each layer to the device ahead of
+its program and back behind it, computing with the device tier's programs.
+
+Checked here: both stores train bit for bit like the device tier over 10 steps (and with ``shard_state`` on 2
+devices, in a child: this file is also that worker, ``python tests/test_streaming.py OUT.json``); the host
+store lives in pageable host memory between steps and its programs never see host memory; fetches follow the
+step's schedule, each gated on a program at least ``ahead + 1`` before the one that needs it; and with a link made slow
+on purpose (`streaming.FETCH_HOOK`, a delay per byte fetched) a step takes about the larger of its compute and
+its transfers, not their sum.
+"""
+
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import streaming
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import DEVICE_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
+from revtrain.trainers.reversible import ReversibleTrainer
+
+from helpers import run_worker
+
+T = 16
+TIERS = (False, True, "disk")
+
+
+def _model(layers=3, d_model=32, seq=T):
+    return ReversibleTransformerLM(seq, num_layers=layers, d_model=d_model, num_heads=2, dropout_rate=0.1)
+
+
+def _batches(steps, seq=T, batch=4):
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (batch, seq)).astype(np.int32) for _ in range(steps)]
+
+
+def _run(offload, directory, devices=1, shard_state=False, steps=10):
+    """``steps`` steps of AdamW on the per-layer executor: (losses, each layer's params and optimizer state as
+    numpy, the trainer)."""
+    mesh = make_mesh(jax.devices()[:devices])
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), mesh, seed=0, offload=offload, scan_layers=False,
+                                shard_state=shard_state, offload_dir=directory if offload == "disk" else None)
+    ts, losses = trainer.init(), []
+    for x in _batches(steps):
+        ts, metrics = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
+        losses.append(float(metrics["loss"]))
+    if offload == "disk":
+        from revtrain import disk_tier
+        state = [(disk_tier.read_tree(r.path, r.layout, "params"), disk_tier.read_tree(r.path, r.layout, "opt"))
+                 for r in ts.params]
+    else:
+        state = list(zip(ts.params, ts.opt_state))
+    return losses, jax.tree.map(np.asarray, state), trainer, ts
+
+
+def _same(a, b) -> bool:
+    return (jax.tree.structure(a) == jax.tree.structure(b)
+            and all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+
+
+def test_every_tier_trains_bit_for_bit_over_ten_steps(tmp_path):
+    """Device, host and disk tiers (one device): the same losses, weights and optimizer state, every bit."""
+    results = {tier: _run(tier, str(tmp_path / "tier")) for tier in TIERS}
+    losses, state = results[False][:2]
+    for tier in TIERS[1:]:
+        assert results[tier][0] == losses, tier
+        assert _same(results[tier][1], state), tier
+    host = results[True][2]
+    assert host.residency.streamed and results["disk"][2].residency.streamed and not results[False][2].residency.streamed
+
+
+@pytest.mark.slow  # make test-all (make test: the same worker on 2 devices without shard_state's variants)
+def test_every_tier_bit_for_bit_with_shard_state_on_two_devices(byte_lm_data_dir, tmp_path):
+    """On 2 devices, replicated and with ``shard_state``: every tier gives the replicated device tier's numbers."""
+    out = run_worker(__file__, 2, tmp_path / "out.json", str(tmp_path / "tier"), data_dir=byte_lm_data_dir)
+    for key, same in out["same"].items():
+        assert same, key
+
+
+def test_the_host_store_is_pageable_and_programs_see_the_device(tmp_path):
+    """Between steps the host tier's state is in pageable host memory; every program is called with its
+    layer's weights and optimizer state on the device (the engine's fetch), never in host memory."""
+    mesh = make_mesh(jax.devices()[:1])
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), mesh, seed=0, offload=True, scan_layers=False)
+    ts = trainer.init()
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {PAGEABLE_MEMORY}
+    fn, kinds = trainer._fn, set()
+
+    def tracked(kind, layer):
+        compiled = fn(kind, layer)
+        weights = ReversibleTrainer._PER_LAYER[kind][4]
+
+        def call(*args):
+            kinds.update(x.sharding.memory_kind for i in weights for x in jax.tree.leaves(args[i]))
+            return compiled(*args)
+        return call
+
+    trainer._fn = tracked
+    for x in _batches(2):
+        ts, _ = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
+    assert kinds == {DEVICE_MEMORY}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {PAGEABLE_MEMORY}
+    stats = trainer.disk_stats
+    held = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state)))
+    forward = sum(x.nbytes for x in jax.tree.leaves(ts.params[:-1]))
+    assert stats["host_write_bytes"] == held  # every layer written back once
+    assert stats["host_read_bytes"] == held + forward  # the forward's weights, then each layer whole once
+
+
+def _captured(trainer):
+    """The trainer's store with each training step's `StepStream` kept in a list (the second result)."""
+    store, streams = trainer.residency.store, []
+    make = store.stream
+
+    def stream(*args, **kwargs):
+        streams.append(make(*args, **kwargs))
+        return streams[-1]
+
+    store.stream = stream
+    return streams
+
+
+@pytest.mark.parametrize("offload", [True, "disk"])
+def test_fetches_follow_the_schedule_each_gated_on_the_program_before(tmp_path, offload):
+    """Every fetch of a step is the schedule's next (`streaming.train_schedule`), none twice, and is done
+    before the program that uses it is dispatched; a fetch submitted after a dispatch waits for the end of a
+    program at least ``ahead + 1`` before its user (host, ahead 2: layers move in while the programs before
+    compute; disk, ahead 0: a read waits for the end of the program before its user)."""
+    mesh = make_mesh(jax.devices()[:1])
+    trainer = ReversibleTrainer(_model(4), optax.adamw(1e-3), mesh, seed=0, offload=offload, scan_layers=False,
+                                offload_dir=str(tmp_path / "tier") if offload == "disk" else None)
+    streams = _captured(trainer)
+    ts = trainer.init()
+    for x in _batches(2):
+        ts, _ = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
+    stream = streams[-1]
+    fetches = [(e[1], e[2]) for e in stream.events if e[0] == "fetch"]
+    assert fetches == stream.schedule
+    dispatch = [e[2] for e in stream.events if e[0] == "dispatch"]
+    starts = [(e[3], e[5]) for e in stream.events if e[0] == "fetch"]
+    # The program that uses each access: the forward's (one per layer below the head), the head's, then the
+    # backward's, newest first.
+    below = len(trainer.model.layers) - 1
+    ahead = trainer.residency.store.ahead
+    assert ahead == (2 if offload is True else 0)
+    assert len(dispatch) == 2 * below + 1
+    early = 0  # fetches begun before the program before their user was dispatched
+    for k, ((g, part), (start, after)) in enumerate(zip(stream.schedule, starts)):
+        program = g if k < below else below if g == below else 2 * below - g
+        assert start < dispatch[program], (g, part)  # fetched before its program was dispatched
+        if after is not None:  # it waited for that program's end, one at least ``ahead + 1`` before its user
+            assert after <= program - 1 - ahead and start > dispatch[after], (g, part, after)
+        early += program >= 1 and start < dispatch[program - 1]
+    if offload is True:  # layers move in while the programs before them compute
+        assert early >= below, early
+
+
+def test_fetches_overlap_compute(monkeypatch):
+    """A link made slow on purpose (a delay per byte fetched, `streaming.FETCH_HOOK`) so that a step's
+    transfers take about as long as its compute: the step takes at most 1.25x the larger of the two and at
+    least 1.5x less than their sum (steps with and without the delay interleaved, medians of 4; the transfers
+    are the reader thread's busy time, the delay and the copies themselves)."""
+    seq = 128
+    mesh = make_mesh(jax.devices()[:1])
+    trainer = ReversibleTrainer(_model(6, d_model=256, seq=seq), optax.adam(1e-3), mesh, seed=0, offload=True,
+                                scan_layers=False)
+    streams = _captured(trainer)
+    ts = trainer.init()
+    x = _batches(1, seq=seq, batch=8)[0]
+    batch = global_batch({"inputs": x, "targets": x}, mesh)
+    per_byte = [0.0]
+
+    def slow(g, part, nbytes):
+        time.sleep(nbytes * per_byte[0])
+
+    monkeypatch.setattr(streaming, "FETCH_HOOK", slow)
+
+    def step(delay):
+        nonlocal ts
+        per_byte[0] = delay
+        start = time.perf_counter()
+        ts, metrics = trainer.train_step(ts, batch)
+        float(metrics["loss"])
+        return time.perf_counter() - start
+
+    for _ in range(2):
+        step(0.0)
+    fetched = trainer.disk_stats["host_read_bytes"]
+    compute = statistics.median(step(0.0) for _ in range(3))
+    per_byte[0] = compute / fetched  # the transfers' total: one step's compute
+    plain, slowed, busy = [], [], []
+    for _ in range(4):
+        plain.append(step(0.0))
+        slowed.append(step(compute / fetched))
+        busy.append(streams[-1].read_seconds)
+        assert busy[-1] >= compute  # the delay really was paid, on the reader thread
+    # The transfers: the reader's busy time (the delay and the fetches' own copies), against the compute of
+    # the steps without the delay.
+    compute, slow_step, transfers = statistics.median(plain), statistics.median(slowed), statistics.median(busy)
+    assert slow_step <= 1.25 * max(compute, transfers), (slow_step, compute, transfers)
+    assert slow_step * 1.5 <= compute + transfers, (slow_step, compute, transfers)
+
+
+def _worker(out_path: str, directory: str) -> None:
+    same = {}
+    losses, state = _run(False, directory, devices=2)[:2]
+    for shard in (False, True):
+        for tier in TIERS:
+            got_losses, got = _run(tier, f"{directory}_{shard}", devices=2, shard_state=shard)[:2]
+            if (tier, shard) != (False, False):
+                same[f"{tier} shard_state={shard}"] = got_losses == losses and _same(got, state)
+    with open(out_path, "w") as f:
+        json.dump({"same": same}, f)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
