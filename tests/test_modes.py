@@ -155,3 +155,16 @@ def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, 
         params, losses = train_params(trainer, batches, mesh)
     assert losses == std_losses
     assert worst_leaf(std_params, params)[0] == 0.0, worst_leaf(std_params, params)
+
+
+def test_the_planner_measures_a_top_mode_by_its_own_forward():
+    """The budget planner's head program with ``k`` blocks inside is compiled in the mode asked for
+    (`budget._Analysis.head`, ``top``): two blocks asked in checkpoint mode are the very program of two
+    checkpoint blocks (same bytes and FLOPs), and hold less than two backprop blocks."""
+    model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
+    trainer = ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0, scan_layers=False)
+    spec = {k: jax.ShapeDtypeStruct((BATCH, SEQ), np.int32) for k in ("inputs", "targets")}
+    an = budget_lib._Analysis(trainer, spec)
+    assert an.head(2, top=modes.CHECKPOINT) == an.head(0, 2)
+    assert an.head(2, top=modes.BACKPROP) == an.head(2)
+    assert an.head(2, top=modes.CHECKPOINT).extra < an.head(2).extra  # (one block's residuals at a time)
