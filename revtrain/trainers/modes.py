@@ -13,6 +13,8 @@ gives its input's cotangent and its parameters' gradient. How it does that is it
   a run of them is one ``lax.scan``, `checkpoint_scan`, since XLA holds every unrolled one's) in one
   program with the head's: a stack of such blocks is the rematerialised standard trainer's step (scan +
   ``jax.checkpoint``), without a program call per block.
+* **backprop_bf16** (`Bf16Backprop`): backprop with the block's vjp residuals stored in bfloat16: less
+  memory, approximate gradients (not offered by the memory budget).
 * **remat** (`Remat`): the forward keeps the block's input (in host memory with offload) and the backward
   recomputes the block under its ``vjp`` from it (rematerialisation; Chen et al. 2016). 3.75 forwards; one
   activation kept. A standard layer always runs this way (its input cannot be rebuilt).
@@ -35,6 +37,7 @@ treats a block.
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import jax
@@ -324,3 +327,65 @@ def mode_named(name: str, rebuild: str = "exact") -> BackwardMode:
       KeyError: no mode has that name.
     """
     return REBUILDS[rebuild] if name == Rebuild.plan_name else _NAMED[name]
+
+
+def _lowered_residuals(fn, params, x, state, keys, dtype):
+    """``fn(params, x, state, keys) -> (y, new_state)`` whose vjp keeps its residuals in ``dtype``: the forward is
+    ``fn``'s, but every wider float residual of its ``jax.vjp`` that it computes (not an argument: those are
+    live anyway; found by identity, as `ReversibleLayer._fenced_step` finds them) is stored rounded to
+    ``dtype`` (a ``jax.custom_vjp``) and widened back for the backward, so the pullback runs on rounded
+    activations (an approximation). ``state`` and ``keys`` get no cotangent."""
+    @jax.custom_vjp
+    def run(p, x, s, k):
+        return fn(p, x, s, k)
+
+    def fwd(p, x, s, k):
+        y, pullback, new_state = jax.vjp(lambda p, x: fn(p, x, s, k), p, x, has_aux=True)
+        leaves, treedef = jax.tree.flatten(pullback)
+        given = {id(a) for a in jax.tree.leaves((p, x, s, k))}
+        stored, where, slots = [], {}, []  # each residual stored once (a pullback names some several times)
+        for a in leaves:
+            if id(a) not in where:
+                low = (id(a) not in given and jnp.issubdtype(a.dtype, jnp.floating)
+                       and a.dtype.itemsize > jnp.dtype(dtype).itemsize)
+                where[id(a)] = len(stored)
+                stored.append(a.astype(dtype) if low else a)
+            slots.append(where[id(a)])
+        restore = functools.partial(_widened, treedef, tuple(a.dtype for a in leaves), tuple(slots))
+        return (y, new_state), jax.tree_util.Partial(restore, *stored)
+
+    def bwd(res, cot):
+        dy, _ = cot
+        dp, dx = res()(dy)
+        return dp, dx, None, None
+
+    run.defvjp(fwd, bwd)
+    return run(params, x, state, keys)
+
+
+def _widened(treedef, dtypes, slots, *stored):
+    """The pullback of `_lowered_residuals` rebuilt from its stored residuals (``slots``: each leaf's), each
+    back in its own dtype."""
+    return jax.tree.unflatten(treedef, [stored[i].astype(d) for i, d in zip(slots, dtypes)])
+
+
+class Bf16Backprop(Backprop):
+    """`Backprop` with the block's vjp residuals (its saved activations) kept in bfloat16 (`_lowered_residuals`):
+    each stored residual half its float32 bytes in the head's program, the forward as backprop's, the backward
+    on activations rounded to 8 significant bits. Activation-compressed training (Chen et al. 2021, "ActNN")
+    at its mildest. Not `exact`: it trains like backprop (tests/test_modes.py) without its bits, so the memory
+    budget (whose plans all give backprop's gradients) does not offer it; set it with
+    ``ReversibleTrainer.set_block_modes`` for blocks directly under the head. XLA keeps fewer residuals of
+    plain backprop than its jaxpr names (it fuses and recomputes cheap ones), so the saving is less than half
+    a block's held bytes (tests/test_modes.py measures it with the planner's own program)."""
+
+    name = plan_name = "backprop_bf16"
+    exact = False
+    residual_dtype = jnp.bfloat16
+
+    def forward(self, layer, params, state, x, keys):
+        return _lowered_residuals(lambda p, x, s, k: layer.apply(p, s, x, k, True), params, x, state, keys,
+                                  self.residual_dtype)
+
+
+BACKPROP_BF16 = Bf16Backprop()
