@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
-from revtrain.trainers.modes import REBUILDS, count_in_head, mode_named
+from revtrain.trainers.modes import REBUILDS, REMAT, count_in_head, mode_named
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -129,7 +129,7 @@ class _Checker:
         ``"remat"``, ``"rebuild"``) with ``"rebuild"`` meaning ``rebuild``; by default a reversible block is
         rebuilt and a standard layer recomputed (the trainer's default)."""
         if modes is None:
-            modes = ["rebuild" if layer.reversible else "remat" for layer in self.layers[:-1]]
+            return [REBUILDS[rebuild] if layer.reversible else REMAT for layer in self.layers[:-1]]
         names = [m if isinstance(m, str) else m.plan_name for m in modes]
         return [mode_named(m, rebuild) for m in names]
 

@@ -111,7 +111,7 @@ class BackwardMode:
     check_note: str | None = None
 
     def __init__(self):
-        _NAMED[self.name] = self  # (each mode's one instance, found by its name: `mode_named`)
+        _NAMED.setdefault(self.name, self)  # (the first instance of each mode, found by its name: `mode_named`)
 
     def forward(self, layer, params, state, x, keys):
         """The block's training forward on one device's examples: ``(y, new_state)`` (with
