@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import loop
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
-from revtrain.trainers.modes import REBUILDS, count_in_head, mode_named
+from revtrain.trainers.modes import REBUILDS, REMAT, count_in_head, mode_named
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -105,7 +105,7 @@ class _Checker:
         is `apply_fenced`, whose residuals the program outputs and this drops, as the trainer's does)."""
         if isinstance(mode, str):
             mode = REBUILDS[mode]
-        if layer.reversible and mode.name == "fenced" and layer.has_half_residuals:
+        if mode.outputs_residuals(layer):
             program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: mode.forward(
                 layer, p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
             return lambda *args: program(*args)[0]
@@ -129,8 +129,8 @@ class _Checker:
         ``"remat"``, ``"rebuild"``) with ``"rebuild"`` meaning ``rebuild``; by default a reversible block is
         rebuilt and a standard layer recomputed (the trainer's default)."""
         if modes is None:
-            modes = ["rebuild" if layer.reversible else "remat" for layer in self.layers[:-1]]
-        names = [m if isinstance(m, str) else "rebuild" if m.rebuilds else m.name for m in modes]
+            return [REBUILDS[rebuild] if layer.reversible else REMAT for layer in self.layers[:-1]]
+        names = [m if isinstance(m, str) else m.plan_name for m in modes]
         return [mode_named(m, rebuild) for m in names]
 
     def reversible(self, params, states, batch, rebuild: str = "exact", modes=None):
@@ -376,14 +376,15 @@ def _plan_text(budget) -> str:
 
 
 def _fused_hint(mode: str, rows, alternative) -> str | None:
-    """When the fused rebuild is not exact but the exact one is, a line saying so (the fused rebuild's F and
-    G are compiled inside the vjp and round differently from the forward's)."""
-    if mode != "fused" or not alternative or not any(rebuild for _, _, rebuild, _ in rows):
+    """When the configured rebuild flavour ``mode`` is not exact but the other one checked is, the flavour's
+    own line saying why (`modes.BackwardMode.check_note`: the fused rebuild's F and G are compiled inside the
+    vjp and round differently from the forward's)."""
+    note = REBUILDS[mode].check_note
+    if not note or not alternative or not any(rebuild for _, _, rebuild, _ in rows):
         return None
     if any(rebuild for _, _, rebuild, _ in alternative[1]):
         return None
-    return ("note: the fused rebuild's F and G (computed inside their vjp) round differently from the "
-            "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
+    return note
 
 
 def _rebuild_mode(trainer) -> str:

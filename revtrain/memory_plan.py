@@ -133,7 +133,8 @@ class Setup:
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
-      rebuild: reversible: ``"exact"``, ``"fused"`` or ``"fenced"`` (the backward program compiled).
+      rebuild: reversible: a rebuild flavour's name (`revtrain.trainers.modes.REBUILDS`: the backward program
+        compiled).
       label: how a table names it (``"ReversibleTrainer + offload"``).
       settings: the gin bindings that select it, beyond the run's own.
       budget_peak: reversible with ``memory_budget``: the budget plan's expected peak device bytes of a step
@@ -312,8 +313,10 @@ class _Programs:
             return new_p, new_o, finite
 
         if layer.reversible:
+            from revtrain.trainers.modes import REBUILDS  # (the trainer's rebuild flavour, `modes.Rebuild`)
+
             def fn(p, o, s, y, dy, k):
-                x, dx, grads = layer.reverse_vjp(p, s, y, dy, k, fused=rebuild != "exact", fenced=rebuild == "fenced")
+                x, dx, grads = REBUILDS[rebuild].reverse(layer, p, s, y, dy, k)
                 return (x, dx) + update(p, o, grads)
             args = (params, opt, state, y, y, keys)
             donate = (0, 1, 3, 4)

@@ -1,4 +1,4 @@
-"""The layer protocol's rebuild (`ReversibleLayer.reverse_vjp`): the fused half-residual recipe and the
+"""The layer protocol's rebuilds (`ReversibleLayer.exact_reverse_vjp`, ``fused_reverse_vjp``): the fused half-residual recipe and the
 generic fallback, on couplings a user could write, against ``jax.vjp`` of the layer at its true input."""
 
 import jax
@@ -72,6 +72,11 @@ def _streams(seed):
     return tuple(jnp.asarray(np.round(r.normal(size=(B, T, D)) * 2 ** 20) / 2 ** 20, jnp.float32) for _ in range(2))
 
 
+def _rebuild(layer, fused: bool):
+    """The layer's fused rebuild, or its exact one (`ReversibleLayer.fused_reverse_vjp`, ``exact_reverse_vjp``)."""
+    return layer.fused_reverse_vjp if fused else layer.exact_reverse_vjp
+
+
 def _case(layer):
     keys = jax.random.split(jax.random.PRNGKey(3), B)
     x, dy = _streams(0), _streams(1)
@@ -79,7 +84,7 @@ def _case(layer):
     y = jax.jit(lambda p, x: layer.apply(p, state, x, keys, True)[0])(params, x)
     _, vjp_fn = jax.vjp(lambda p, x: layer.apply(p, state, x, keys, True)[0], params, x)
     want_grads, want_dx = jax.jit(vjp_fn)(dy)
-    got = {fused: jax.jit(lambda p, y, dy, fused=fused: layer.reverse_vjp(p, state, y, dy, keys, fused=fused))(
+    got = {fused: jax.jit(lambda p, y, dy, fused=fused: _rebuild(layer, fused)(p, state, y, dy, keys))(
         params, y, dy) for fused in (False, True)}
     return x, want_dx, want_grads, got
 
@@ -132,7 +137,7 @@ def test_fused_hlo_runs_each_function_forward_once():
     y, dy = _streams(0), _streams(1)
     flops = {}
     for fused in (False, True):
-        fn = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, layer.init_state, y, dy, keys, fused=fused))
+        fn = jax.jit(lambda p, y, dy: _rebuild(layer, fused)(p, layer.init_state, y, dy, keys))
         flops[fused] = fn.lower(layer.init_params, y, dy).compile().cost_analysis()["flops"]
     forward = jax.jit(lambda p, x: layer.apply(p, layer.init_state, x, keys, True)[0]).lower(
         layer.init_params, y).compile().cost_analysis()["flops"]
@@ -168,7 +173,7 @@ def test_fenced_forward_is_the_forward_and_outputs_its_residuals():
     assert len(residuals) >= 4 and all(r.ndim == 1 for r in residuals)
     scale = max(float(jnp.abs(a).max()) for a in plain)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(fenced, plain)) <= 1e-6 * scale
-    rebuilt = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, state, y, dy, keys, fenced=True)[0])(params, fenced, dy)
+    rebuilt = jax.jit(lambda p, y, dy: layer.fenced_reverse_vjp(p, state, y, dy, keys)[0])(params, fenced, dy)
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(rebuilt, x)) <= 1e-6 * scale
-    exact = jax.jit(lambda p, y, dy: layer.reverse_vjp(p, state, y, dy, keys, fused=False)[0])(params, plain, dy)
+    exact = jax.jit(lambda p, y, dy: layer.exact_reverse_vjp(p, state, y, dy, keys)[0])(params, plain, dy)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(exact, x))

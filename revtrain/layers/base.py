@@ -172,7 +172,7 @@ class ReversibleCoupling(nnx.Module):
 
     def half_residuals(self, *, keys):
         """The coupling as additive half-residual steps, in forward order (the fused rebuild's recipe; see
-        `ReversibleLayer.reverse_vjp`): ``[(0, 1, F), (1, 0, G)]``, i.e. ``stream[0] += F(stream[1])``, then
+        `ReversibleLayer.fused_reverse_vjp`): ``[(0, 1, F), (1, 0, G)]``, i.e. ``stream[0] += F(stream[1])``, then
         ``stream[1] += G(stream[0])``, each function rounded to the grid and with its own keys exactly as in
         ``__call__`` (training mode)."""
         return [(0, 1, lambda x: self._f(x, keys, True)), (1, 0, lambda x: self._g(x, keys, True))]
@@ -391,9 +391,10 @@ class ReversibleLayer(Layer):
     The wrapped module implements ``__call__(x, *, keys, train)`` and ``inverse(y, *, keys)``. An additive
     coupling may also implement ``half_residuals(*, keys) -> [(target, source, fn), ...]``: its training
     forward as a sequence of steps ``stream[target] = stream[target] + fn(stream[source])`` on a tuple of
-    streams (``ReversibleCoupling``: ``[(0, 1, F), (1, 0, G)]``). Such a layer gets the fused rebuild of
-    `reverse_vjp`; any other reversible layer gets the generic one (``inverse``, then the ``vjp`` of
-    ``apply``).
+    streams (``ReversibleCoupling``: ``[(0, 1, F), (1, 0, G)]``). Such a layer gets the fused rebuilds
+    (`fused_reverse_vjp`, `fenced_reverse_vjp`); any other reversible layer gets the generic one in their place
+    (`exact_reverse_vjp`: ``inverse``, then the ``vjp`` of ``apply``). The rebuilds are the pieces a backward
+    mode (`revtrain.trainers.modes`) picks from; a layer takes no mode flags.
     """
 
     reversible = True
@@ -403,9 +404,10 @@ class ReversibleLayer(Layer):
         # Whether the module describes itself as additive half-residual steps (the fused rebuild).
         self.has_half_residuals = callable(getattr(module, "half_residuals", None))
 
-    def reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None,
-                    fused: bool = True, fenced: bool = False):
-        """Rebuilds the layer's input from its output and pulls the output cotangent back through it.
+    def exact_reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None):
+        """Rebuilds the layer's input from its output and pulls the output cotangent back through it, the
+        generic way: ``inverse`` behind an ``optimization_barrier``, then the ``vjp`` of ``apply`` at the
+        rebuilt input (F and G run twice, the rebuild compiled like the forward: bit-exact on the grid).
 
         Args:
           params, state: the weights and layer state the forward used (``state`` is read, never written;
@@ -413,55 +415,70 @@ class ReversibleLayer(Layer):
           y: the layer's output (a tuple of streams for a coupling).
           dy: the cotangent of ``y`` (same structure).
           keys: the forward's per-example keys (same dropout masks).
-          fused: True: the half-residual recipe when the module has ``half_residuals`` (Gomez et al. 2017,
-            algorithm 1; Trax ``ReversibleHalfResidual.reverse_and_grad``; minREV): for each step, last
-            first, one ``jax.vjp`` of ``fn`` at its source stream gives both ``fn``'s output, which rebuilds
-            the target stream (``x_t = y_t - fn(x_s)``), and ``fn``'s pullback, so every function runs
-            forward once (3.0 forwards of a Transformer block in all instead of 3.75). False, or a module
-            without ``half_residuals``: ``inverse`` behind an ``optimization_barrier``, then the ``vjp`` of
-            ``apply`` at the rebuilt input (F and G run twice, the rebuild compiled like the forward:
-            bit-exact on the grid). The fused rebuild is exact only where the primal outputs inside the
-            vjp round like the forward's F and G (XLA fuses them with the backward); given an exact
-            rebuild, its gradients are the exact recipe's bit for bit, because each source stream's
-            cotangent is accumulated in the whole layer's order (see below).
-
-          fenced: with ``fused``, each step computed as `apply_fenced` computes it (`_fenced_step`: the
-            vjp behind optimization barriers), for a forward that ran `apply_fenced`.
 
         Returns:
           ``(x, dx, grads)``: the rebuilt input, its cotangent, and the gradient with respect to ``params``
           (of this device's examples: the caller sums over devices).
         """
-        if not (fused and self.has_half_residuals):
-            x = lax.optimization_barrier(lax.stop_gradient(self.inverse(params, state, y, keys)))
-            _, vjp_fn = jax.vjp(lambda p, x: self.apply(p, state, x, keys, True)[0], params, x)
-            grads, dx = vjp_fn(dy)
-            return x, dx, grads
+        x = lax.optimization_barrier(lax.stop_gradient(self.inverse(params, state, y, keys)))
+        _, vjp_fn = jax.vjp(lambda p, x: self.apply(p, state, x, keys, True)[0], params, x)
+        grads, dx = vjp_fn(dy)
+        return x, dx, grads
+
+    def fused_reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None):
+        """`exact_reverse_vjp` by the half-residual recipe when the module has ``half_residuals`` (Gomez et
+        al. 2017, algorithm 1; Trax ``ReversibleHalfResidual.reverse_and_grad``; minREV): for each step,
+        last first, one ``jax.vjp`` of ``fn`` at its source stream gives both ``fn``'s output, which rebuilds
+        the target stream (``x_t = y_t - fn(x_s)``), and ``fn``'s pullback, so every function runs forward
+        once (3.0 forwards of a Transformer block in all instead of 3.75). A module without
+        ``half_residuals`` gets `exact_reverse_vjp`. The fused rebuild is exact only where the primal
+        outputs inside the vjp round like the forward's F and G (XLA fuses them with the backward); given an
+        exact rebuild, its gradients are the exact recipe's bit for bit, because each source stream's
+        cotangent is accumulated in the whole layer's order (`_plain_step`). Arguments and result as
+        `exact_reverse_vjp`'s."""
+        if not self.has_half_residuals:
+            return self.exact_reverse_vjp(params, state, y, dy, keys)
+        return self._reverse_steps(params, state, y, dy, keys, self._plain_step)
+
+    def fenced_reverse_vjp(self, params: dict, state: dict, y: PyTree, dy: PyTree, keys: jax.Array | None):
+        """`fused_reverse_vjp` with each step computed as `apply_fenced` computes it (`_fenced_step`: the
+        vjp behind optimization barriers), for a forward that ran `apply_fenced`. A module without
+        ``half_residuals`` gets `exact_reverse_vjp`. Arguments and result as `exact_reverse_vjp`'s."""
+        if not self.has_half_residuals:
+            return self.exact_reverse_vjp(params, state, y, dy, keys)
+        return self._reverse_steps(params, state, y, dy, keys,
+                                   lambda p, s, keys, k, src: self._fenced_step(p, s, keys, k, src)[:2])
+
+    def _reverse_steps(self, params, state, y, dy, keys, step):
+        """The half-residual rebuild's walk, last step first: ``step(params, state, keys, k, source)`` gives
+        step ``k``'s increment and pullback (of ``(cot[target], cot[source])``); returns ``(x, dx, grads)``."""
         container = type(y)
         streams, cots = list(y), list(dy)
         grads = None
         steps = self.merge(params, state).half_residuals(keys=keys)
         for k in range(len(steps) - 1, -1, -1):
             target, source, _ = steps[k]
-            if fenced:
-                increment, vjp_fn, _, _ = self._fenced_step(params, state, keys, k,
-                                                            lax.stop_gradient(streams[source]))
-            else:
-                # The step passes its source stream through as a second output, so the pullback starts the
-                # source's cotangent from that stream's own cotangent and adds fn's contributions to it one
-                # by one, in the order the vjp of the whole layer adds them (the same float sums, bit for bit).
-                def step(p, src, k=k):
-                    return self.merge(p, state).half_residuals(keys=keys)[k][2](src), src
-
-                (increment, _), vjp_fn = jax.vjp(step, params, lax.stop_gradient(streams[source]))
+            increment, vjp_fn = step(params, state, keys, k, lax.stop_gradient(streams[source]))
             streams[target] = streams[target] - increment  # this step's input
             g, cots[source] = vjp_fn((cots[target], cots[source]))
             grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
         return container(streams), container(cots), grads
 
+    def _plain_step(self, params, state, keys, k, src):
+        """Half-residual step ``k`` at source stream ``src`` under one ``jax.vjp``: ``(increment, pullback)``.
+
+        The step passes its source stream through as a second output, so the pullback starts the source's
+        cotangent from that stream's own cotangent and adds fn's contributions to it one by one, in the
+        order the vjp of the whole layer adds them (the same float sums, bit for bit)."""
+        def step(p, src):
+            return self.merge(p, state).half_residuals(keys=keys)[k][2](src), src
+
+        (increment, _), vjp_fn = jax.vjp(step, params, src)
+        return increment, vjp_fn
+
     def _fenced_step(self, params, state, keys, k, src):
         """Half-residual step ``k`` at source stream ``src``, computed as the forward (`apply_fenced`) and
-        the fused rebuild (`reverse_vjp`) both compute it: ``src`` behind an ``optimization_barrier``, one
+        the fenced rebuild (`fenced_reverse_vjp`) both compute it: ``src`` behind an ``optimization_barrier``, one
         ``jax.vjp`` of the step, then its primal output, the module's new state and the vjp's residuals (the
         leaves of the pullback) behind a second barrier. Returns ``(increment, pullback, new_state,
         residuals)``; the pullback takes ``(cot[target], cot[source])``, ``residuals`` are its leaves.
@@ -485,7 +502,7 @@ class ReversibleLayer(Layer):
 
     def apply_fenced(self, params: dict, state: dict, x: PyTree, keys: jax.Array | None):
         """The training forward computed step by step exactly as the fused rebuild computes it, so that the
-        rebuild gives back ``x`` bit for bit (`reverse_vjp`).
+        rebuild gives back ``x`` bit for bit (`fenced_reverse_vjp`).
 
         Each half-residual step is one ``jax.vjp`` whose primal output and residuals pass an
         ``optimization_barrier`` (`_fenced_step`), and the residuals are returned: a program must output

@@ -73,7 +73,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import TrainerError
-from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT, count_in_head
+from revtrain.trainers.modes import BACKPROP, BUDGET_MODES, CHECKPOINT, REMAT, count_in_head
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
@@ -178,24 +178,18 @@ class BudgetPlan:
     rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
 
     def counts(self) -> dict:
-        """Reversible blocks per mode: ``{"backprop": k, "checkpoint": h, "remat": r, "rebuild": n}``."""
-        out = {"backprop": 0, "checkpoint": 0, "remat": 0, "rebuild": 0}
+        """Reversible blocks per mode's plan name (`modes.BUDGET_MODES`, in that order): ``{"backprop": k,
+        "checkpoint": h, "remat": r, "rebuild": n}``."""
+        out = dict.fromkeys(BUDGET_MODES, 0)
         for m, rev in zip(self.modes, self.reversible):
-            if not rev:
-                continue
-            if m is BACKPROP:
-                out["backprop"] += 1
-            elif m is CHECKPOINT:
-                out["checkpoint"] += 1
-            elif m.rebuilds:
-                out["rebuild"] += 1
-            elif m is REMAT:
-                out["remat"] += 1
+            if rev:
+                out[m.plan_name] = out.get(m.plan_name, 0) + 1
         return out
 
     def names(self) -> list:
-        """Each block's mode as a plan's name (``"backprop"``, ``"checkpoint"``, ``"remat"``, ``"rebuild"``)."""
-        return ["rebuild" if m.rebuilds else m.name for m in self.modes]
+        """Each block's mode as a plan's name (`modes.BackwardMode.plan_name`: ``"backprop"``,
+        ``"checkpoint"``, ``"remat"``, ``"rebuild"``)."""
+        return [m.plan_name for m in self.modes]
 
     def line(self) -> str:
         """One log line: the blocks of each mode, the expected peak against the budget, FLOPs."""
@@ -206,17 +200,15 @@ class BudgetPlan:
             ratio = self.seconds / self.rebuild_seconds if self.rebuild_seconds else 1.0
             cost = (f"expected {self.seconds:.3g} s a step (its programs timed here), {ratio:.2f}x of rebuilding "
                     f"every block; {self.flops:.3g} FLOPs")
-        return (f"memory budget {gib(self.budget)}: blocks {c['backprop']} backprop, {c['checkpoint']} checkpoint, "
-                f"{c['remat']} remat, "
-                f"{c['rebuild']} rebuild ({self.rebuild}); expected peak {gib(self.peak)} (least {gib(self.least)}, "
-                f"fastest plan {gib(self.most)}); {cost}")
+        blocks = ", ".join(f"{count} {name}" for name, count in c.items())  # (the rebuild last: its flavour next)
+        return (f"memory budget {gib(self.budget)}: blocks {blocks} ({self.rebuild}); expected peak "
+                f"{gib(self.peak)} (least {gib(self.least)}, fastest plan {gib(self.most)}); {cost}")
 
     def record(self) -> dict:
         """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
         c = self.counts()
         return {"budget_bytes": self.budget, "budget_peak_bytes": self.peak, "budget_least_bytes": self.least,
-                "budget_backprop": c["backprop"], "budget_checkpoint": c["checkpoint"], "budget_remat": c["remat"],
-                "budget_rebuild": c["rebuild"]}
+                **{f"budget_{name}": count for name, count in c.items()}}
 
 
 def _nbytes(tree) -> int:
@@ -383,9 +375,9 @@ class _Analysis:
             self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
         return self.blocks[("bwd", i, kind)]
 
-    def head(self, k: int, h: int = 0) -> Cost:
-        """The head's program with the ``k`` blocks under it inside (backprop) and the ``h`` under those
-        (checkpoint)."""
+    def head(self, k: int, h: int = 0, top=BACKPROP) -> Cost:
+        """The head's program with the ``k`` blocks under it inside (in mode ``top``: backprop, or another mode
+        of `modes.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
         t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
         n = len(layers) - 1
         if k + h == 0:
@@ -401,9 +393,10 @@ class _Analysis:
                 tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
                 self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
         program = t._top_head_fn(tuple(layers[i] for i, _ in groups), layers[n],
-                                 tuple(CHECKPOINT if i < n - k else BACKPROP for i, _ in groups),
+                                 tuple(CHECKPOINT if i < n - k else top for i, _ in groups),
                                  tuple(c for _, c in groups))
-        return self._read(("head", k, h, layers[n], layers[n - 1]), program, args,
+        key = ("head", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
+        return self._read(key, program, args,
                           sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
 
 
@@ -485,20 +478,15 @@ def _simulate(an: _Analysis, modes: list, head: Cost, base: int, exact: bool = F
         costs.append((f, b))
         flops += f.flops + b.flops
         peak = max(peak, live + f.extra)
-        kept = mode.keeps_input and not an.offload
-        live += act(i + 1) - (0 if kept else act(i))  # the input kept on the device, or freed / moved out
+        live += mode.forward_bytes(act(i), act(i + 1), an.offload)  # the output; the input kept or not
     peak = max(peak, live + head.extra)
     live += act(below)  # the head's input cotangent beside the input (y)
     for i in range(below - 1, -1, -1):
         mode, (_, b) = modes[i], costs[i]
-        if mode.keeps_input:
-            if an.offload:
-                live += act(i)  # the kept input back on the device
-            peak = max(peak, live + b.extra)
-            live += act(i) - 2 * act(i + 1)  # dx replaces dy; y (the output) gives way to the kept input
-        else:
-            peak = max(peak, live + b.extra)
-            live += 2 * act(i) - 2 * act(i + 1)
+        before, after = mode.backward_bytes(act(i), act(i + 1), an.offload)  # (the mode's own terms)
+        live += before
+        peak = max(peak, live + b.extra)
+        live += after
     return peak, flops, seconds
 
 

@@ -13,22 +13,31 @@ gives its input's cotangent and its parameters' gradient. How it does that is it
   a run of them is one ``lax.scan``, `checkpoint_scan`, since XLA holds every unrolled one's) in one
   program with the head's: a stack of such blocks is the rematerialised standard trainer's step (scan +
   ``jax.checkpoint``), without a program call per block.
+* **backprop_bf16** (`Bf16Backprop`): backprop with the block's vjp residuals stored in bfloat16: less
+  memory, approximate gradients (not offered by the memory budget).
 * **remat** (`Remat`): the forward keeps the block's input (in host memory with offload) and the backward
   recomputes the block under its ``vjp`` from it (rematerialisation; Chen et al. 2016). 3.75 forwards; one
   activation kept. A standard layer always runs this way (its input cannot be rebuilt).
 * **rebuild** (`ExactRebuild`, `FusedRebuild`, `FencedRebuild`): nothing is kept; the backward rebuilds the
-  block's input from its output (`ReversibleLayer.reverse_vjp`; Gomez et al. 2017). 4.75 (exact) or 4.0
-  (fused, fenced) forwards. ``ReversibleTrainer.rebuild`` names the one a trainer uses.
+  block's input from its output (the layer's rebuilds: `ReversibleLayer.exact_reverse_vjp`,
+  ``fused_reverse_vjp``, ``fenced_reverse_vjp``; Gomez et al. 2017). 4.75 (exact) or 4.0 (fused, fenced)
+  forwards. ``ReversibleTrainer.rebuild`` names the one a trainer uses (a key of `REBUILDS`).
 
-Each mode owns its forward (`BackwardMode.forward`: the traced function on one device's examples) and its
-reverse-and-grad (`BackwardMode.grads`); the trainer's compiled programs and `revtrain check` both call
-those, so a new mode is one new class here. ``program_kinds`` name the trainer's per-layer programs
-(`ProgramSpec` in ``ReversibleTrainer._PER_LAYER``); `StepKind` says how the trainer's walk treats a block.
+Each mode owns its forward (`BackwardMode.forward`: the traced function on one device's examples), its
+reverse-and-grad (`BackwardMode.grads`), the names of its programs (``program_kinds``: the trainer's
+per-layer programs, `ProgramSpec` in ``ReversibleTrainer._PER_LAYER``), its memory terms for the budget
+planner (`BackwardMode.forward_bytes`, `BackwardMode.backward_bytes`), its name in a plan (``plan_name``)
+and what ``revtrain check`` must know of it (`BackwardMode.outputs_residuals`, ``check_note``). The
+trainer's compiled programs, the planner, the memory plan and `revtrain check` ask the mode object; none
+compares a mode's name, so a new mode is one new class here. Layers expose the pieces (``apply``,
+``inverse``, ``half_residuals`` and the rebuilds), never a mode flag. `StepKind` says how the trainer's walk
+treats a block.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from typing import NamedTuple
 
 import jax
@@ -69,27 +78,50 @@ def _is_float_tree(tree) -> bool:
     return all(jnp.issubdtype(x.dtype, jnp.inexact) for x in jax.tree.leaves(tree))
 
 
+_NAMED: dict = {}  # every mode by its name (`mode_named`)
+
+
 class BackwardMode:
-    """One way of getting a block's gradients (see the module note).
+    """One way of getting a block's gradients (see the module note): the class says everything the trainer,
+    the budget planner, the memory plan and `revtrain check` need to know about it, so a new mode is one new
+    class here.
 
     Attributes:
       name: the mode's name in plans and logs (``"backprop"``, ``"remat"``, ``"exact"``, ...).
+      plan_name: its name in a budget plan's counts (`BUDGET_MODES`; every rebuild flavour counts as
+        ``"rebuild"``).
       kind: the walk's `StepKind` for one block of this mode.
       keeps_input: the forward keeps the block's input for the backward (the walk holds it).
       rebuilds: the backward rebuilds the block's input from its output.
+      exact: its gradients are the standard trainer's bit for bit (where the layer's rebuild is exact: on the
+        fixed-point grid); False: an approximation that trains (the tests check it trains, not its bits).
       program_kinds: ``(forward, backward, accumulating backward)`` per-layer program names (None: the
-        block has no program of its own).
+        block has no program of its own; its forward is compiled into the head's program).
+      check_note: what ``revtrain check`` says when this rebuild flavour rebuilds inexactly where the exact
+        one does not (None: nothing).
     """
 
     name = ""
+    plan_name = ""
     kind = StepKind.REV
     keeps_input = False
     rebuilds = False
+    exact = True
     program_kinds: tuple = (None, None, None)
+    check_note: str | None = None
+
+    def __init__(self):
+        _NAMED.setdefault(self.name, self)  # (the first instance of each mode, found by its name: `mode_named`)
 
     def forward(self, layer, params, state, x, keys):
-        """The block's training forward on one device's examples: ``(y, new_state)``."""
+        """The block's training forward on one device's examples: ``(y, new_state)`` (with
+        `outputs_residuals`: ``(y, new_state, residuals)``)."""
         return layer.apply(params, state, x, keys, True)
+
+    def outputs_residuals(self, layer) -> bool:
+        """Whether ``layer``'s forward in this mode returns residuals too (its program outputs them so that
+        XLA keeps them; the trainer and ``revtrain check`` drop them)."""
+        return False
 
     def grads(self, layer, params, state, start, dy, keys, specs=None):
         """The block's reverse-and-grad: ``(x or None, dx, grads)`` from ``start`` (the output for a
@@ -98,6 +130,22 @@ class BackwardMode:
         ``dx`` None for integer inputs."""
         raise NotImplementedError
 
+    # The budget planner's memory terms (`revtrain.trainers.budget._simulate`): how the live device bytes of
+    # a step change around one block run below the head, given its input's and output's bytes.
+    def forward_bytes(self, x_bytes: int, y_bytes: int, offload: bool) -> int:
+        """The change of the live device bytes across the block's forward call: its output comes, its
+        input goes unless the mode keeps it on the device (with ``offload`` a kept input is in host memory)."""
+        kept = self.keeps_input and not offload
+        return y_bytes - (0 if kept else x_bytes)
+
+    def backward_bytes(self, x_bytes: int, y_bytes: int, offload: bool) -> tuple[int, int]:
+        """``(before, after)``: the change of the live device bytes just before the block's backward call
+        (a kept input back from host memory) and across it (``dx`` replaces ``dy``; ``x`` replaces ``y``:
+        rebuilt, or the kept input the walk goes on from)."""
+        if self.keeps_input:
+            return (x_bytes if offload else 0), x_bytes - 2 * y_bytes
+        return 0, 2 * x_bytes - 2 * y_bytes
+
     def __repr__(self):
         return f"<{type(self).__name__} {self.name!r}>"
 
@@ -105,7 +153,7 @@ class BackwardMode:
 class Remat(BackwardMode):
     """Keep the input, recompute the block under its ``vjp`` (a standard layer's only mode)."""
 
-    name = "remat"
+    name = plan_name = "remat"
     kind = StepKind.STD
     keeps_input = True
     program_kinds = ("forward_std", "recompute", "recompute_acc")
@@ -122,49 +170,72 @@ class Remat(BackwardMode):
 
 
 class Rebuild(BackwardMode):
-    """Keep nothing, rebuild the input from the output (`ReversibleLayer.reverse_vjp`)."""
+    """Keep nothing, rebuild the input from the output (one of the layer's rebuilds, `reverse`). A layer
+    without ``half_residuals`` rebuilds the exact way in every flavour (its own fallback)."""
 
+    plan_name = "rebuild"
     kind = StepKind.REV
     rebuilds = True
-    fused = fenced = False
     program_kinds = ("forward_rev", "reverse", "reverse_acc")
 
+    def reverse(self, layer, params, state, y, dy, keys):
+        """The layer's rebuild of this flavour on one device's examples: ``(x, dx, grads)``, the gradients
+        this device's own (`ReversibleLayer.exact_reverse_vjp` and its siblings)."""
+        raise NotImplementedError
+
     def grads(self, layer, params, state, start, dy, keys, specs=None):
-        x, dx, grads = layer.reverse_vjp(per_device(params), state, start, dy, keys, fused=self.fused,
-                                         fenced=self.fenced)
+        x, dx, grads = self.reverse(layer, per_device(params), state, start, dy, keys)
         return x, dx, reduce_grads(grads, specs)
 
 
 class ExactRebuild(Rebuild):
-    """The inverse behind an optimization barrier, then the vjp of the whole block (4.75 forwards)."""
+    """The inverse behind an optimization barrier, then the vjp of the whole block (4.75 forwards; F and G
+    run twice, the rebuild compiled like the forward: bit-exact wherever the streams stay on the
+    fixed-point grid). The trainer's default flavour."""
 
     name = "exact"
 
+    def reverse(self, layer, params, state, y, dy, keys):
+        return layer.exact_reverse_vjp(params, state, y, dy, keys)
+
 
 class FusedRebuild(Rebuild):
-    """One vjp per half-residual, whose primal output rebuilds that half's input (4.0 forwards)."""
+    """One vjp per half-residual, whose primal output rebuilds that half's input (4.0 forwards): F and G each
+    run forward once in the backward. They are compiled inside the vjp and may round differently from the
+    forward's (rebuild error 5.4e-6 in float32, 1.5e-2 in bfloat16 on a step-200 ``enwik_small``
+    checkpoint; bit-exact near initialisation). See docs/rebuild.md."""
 
     name = "fused"
-    fused = True
+    check_note = ("note: the fused rebuild's F and G (computed inside their vjp) round differently from the "
+                  "forward's, while ReversibleTrainer.rebuild = 'exact' rebuilds every input bit for bit")
+
+    def reverse(self, layer, params, state, y, dy, keys):
+        return layer.fused_reverse_vjp(params, state, y, dy, keys)
 
 
 class FencedRebuild(Rebuild):
     """The fused rebuild with a forward computing each half-residual as the rebuild does
-    (`ReversibleLayer.apply_fenced`): the forward returns ``(y, new_state, residuals)``, and the program
-    outputs the residuals so that XLA keeps them (the trainer drops them)."""
+    (`ReversibleLayer.apply_fenced`: the same vjp behind the same barriers): the forward returns ``(y,
+    new_state, residuals)``, and the program outputs the residuals so that XLA keeps them (the trainer drops
+    them). 0.0 rebuild error on the step-200 checkpoint (float32 and bfloat16, both executors, with and
+    without offload), but not guaranteed (XLA:CPU removes the barriers before fusing; a block with grown
+    random weights rebuilds inexactly), and its forward no longer rounds like backprop's (parameters 4.4e-7
+    relative apart from the standard trainer's after 5 steps at depth 12): not `exact`."""
 
     name = "fenced"
-    fused = fenced = True
+    exact = False
 
     def forward(self, layer, params, state, x, keys):
-        if not layer.has_half_residuals:
+        if not self.outputs_residuals(layer):
             return layer.apply(params, state, x, keys, True)
         y, new_state, residuals = layer.apply_fenced(params, state, x, keys)
         return y, new_state, per_device(residuals)  # each device's own (a scan carry's type)
 
     def outputs_residuals(self, layer) -> bool:
-        """Whether ``layer``'s forward returns residuals too."""
         return layer.reversible and layer.has_half_residuals
+
+    def reverse(self, layer, params, state, y, dy, keys):
+        return layer.fenced_reverse_vjp(params, state, y, dy, keys)
 
 
 class Backprop(BackwardMode):
@@ -172,7 +243,7 @@ class Backprop(BackwardMode):
     recompute, no rebuild). Only blocks directly under the head (or under other blocks in its program) can
     run so; their forward (`forward`, traced inside the vjp) is compiled there."""
 
-    name = "backprop"
+    name = plan_name = "backprop"
     kind = StepKind.TOP
 
 
@@ -181,16 +252,17 @@ class Checkpoint(Backprop):
     and recomputes its forward (Chen et al. 2016), inside the head's program. Such blocks sit directly
     under the backprop blocks (or the head)."""
 
-    name = "checkpoint"
+    name = plan_name = "checkpoint"
 
     def forward(self, layer, params, state, x, keys):
         return jax.checkpoint(lambda p, s, x, k: layer.apply(p, s, x, k, True))(params, state, x, keys)
 
 
+# The trainer's rebuild flavours (``ReversibleTrainer.rebuild``), the default first.
 REBUILDS = {m.name: m for m in (ExactRebuild(), FusedRebuild(), FencedRebuild())}
 BACKPROP, CHECKPOINT, REMAT = Backprop(), Checkpoint(), Remat()
-# What a memory budget chooses between (`revtrain.trainers.budget`), cheapest in FLOPs first.
-BUDGET_MODES = ("backprop", "checkpoint", "remat", "rebuild")
+# What a memory budget chooses between (`revtrain.trainers.budget`; a plan's counts), cheapest in FLOPs first.
+BUDGET_MODES = (BACKPROP.plan_name, CHECKPOINT.plan_name, REMAT.plan_name, Rebuild.plan_name)
 
 
 def count_in_head(modes) -> int:
@@ -248,11 +320,72 @@ def head_runs(tops, modes, counts=None) -> list:
 
 
 def mode_named(name: str, rebuild: str = "exact") -> BackwardMode:
-    """The mode object of a plan's name (``"rebuild"`` is the trainer's ``rebuild`` flavour)."""
-    if name == "backprop":
-        return BACKPROP
-    if name == "checkpoint":
-        return CHECKPOINT
-    if name == "remat":
-        return REMAT
-    return REBUILDS[rebuild if name == "rebuild" else name]
+    """The mode object of a plan's name (`BUDGET_MODES`; ``"rebuild"`` is the trainer's ``rebuild`` flavour)
+    or of a rebuild flavour (`REBUILDS`).
+
+    Raises:
+      KeyError: no mode has that name.
+    """
+    return REBUILDS[rebuild] if name == Rebuild.plan_name else _NAMED[name]
+
+
+def _lowered_residuals(fn, params, x, state, keys, dtype):
+    """``fn(params, x, state, keys) -> (y, new_state)`` whose vjp keeps its residuals in ``dtype``: the forward is
+    ``fn``'s, but every wider float residual of its ``jax.vjp`` that it computes (not an argument: those are
+    live anyway; found by identity, as `ReversibleLayer._fenced_step` finds them) is stored rounded to
+    ``dtype`` (a ``jax.custom_vjp``) and widened back for the backward, so the pullback runs on rounded
+    activations (an approximation). ``state`` and ``keys`` get no cotangent."""
+    @jax.custom_vjp
+    def run(p, x, s, k):
+        return fn(p, x, s, k)
+
+    def fwd(p, x, s, k):
+        y, pullback, new_state = jax.vjp(lambda p, x: fn(p, x, s, k), p, x, has_aux=True)
+        leaves, treedef = jax.tree.flatten(pullback)
+        given = {id(a) for a in jax.tree.leaves((p, x, s, k))}
+        stored, where, slots = [], {}, []  # each residual stored once (a pullback names some several times)
+        for a in leaves:
+            if id(a) not in where:
+                low = (id(a) not in given and jnp.issubdtype(a.dtype, jnp.floating)
+                       and a.dtype.itemsize > jnp.dtype(dtype).itemsize)
+                where[id(a)] = len(stored)
+                stored.append(a.astype(dtype) if low else a)
+            slots.append(where[id(a)])
+        restore = functools.partial(_widened, treedef, tuple(a.dtype for a in leaves), tuple(slots))
+        return (y, new_state), jax.tree_util.Partial(restore, *stored)
+
+    def bwd(res, cot):
+        dy, _ = cot
+        dp, dx = res()(dy)
+        return dp, dx, None, None
+
+    run.defvjp(fwd, bwd)
+    return run(params, x, state, keys)
+
+
+def _widened(treedef, dtypes, slots, *stored):
+    """The pullback of `_lowered_residuals` rebuilt from its stored residuals (``slots``: each leaf's), each
+    back in its own dtype."""
+    return jax.tree.unflatten(treedef, [stored[i].astype(d) for i, d in zip(slots, dtypes)])
+
+
+class Bf16Backprop(Backprop):
+    """`Backprop` with the block's vjp residuals (its saved activations) kept in bfloat16 (`_lowered_residuals`):
+    each stored residual half its float32 bytes in the head's program, the forward as backprop's, the backward
+    on activations rounded to 8 significant bits. Activation-compressed training (Chen et al. 2021, "ActNN")
+    at its mildest. Not `exact`: it trains like backprop (tests/test_modes.py) without its bits, so the memory
+    budget (whose plans all give backprop's gradients) does not offer it; set it with
+    ``ReversibleTrainer.set_block_modes`` for blocks directly under the head. XLA keeps fewer residuals of
+    plain backprop than its jaxpr names (it fuses and recomputes cheap ones), so the saving is less than half
+    a block's held bytes (tests/test_modes.py measures it with the planner's own program)."""
+
+    name = plan_name = "backprop_bf16"
+    exact = False
+    residual_dtype = jnp.bfloat16
+
+    def forward(self, layer, params, state, x, keys):
+        return _lowered_residuals(lambda p, x, s, k: layer.apply(p, s, x, k, True), params, x, state, keys,
+                                  self.residual_dtype)
+
+
+BACKPROP_BF16 = Bf16Backprop()

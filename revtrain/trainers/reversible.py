@@ -113,22 +113,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         the default model's size on XLA:CPU it measured 0.97-0.98x the step speed with a higher peak (the
         head's program then holds a block's residuals too); 1.04x with the fused rebuild at d_model 256
         (docs/rebuild.md).
-      rebuild: how the backward rebuilds a reversible layer's input and takes its vjp (``REBUILD_MODES``;
-        `ReversibleLayer.reverse_vjp`). ``"exact"`` (default): the forward is ``apply``, the backward the
-        inverse behind an optimization barrier, then the vjp of the whole layer (F and G run twice, the
-        rebuild's compiled like the forward's: bit-exact wherever the streams stay on the fixed-point
-        grid). ``"fused"``: one ``vjp`` per half-residual of a coupling, whose primal output is the
-        rebuild, so F and G each run forward once in the backward (3.0 forwards of a Transformer block
-        instead of 3.75); its F and G are compiled inside the vjp and may round differently from the
-        forward's (rebuild error 5.4e-6 in float32, 1.5e-2 in bfloat16 on a step-200 ``enwik_small``
-        checkpoint; bit-exact near initialisation). ``"fenced"``: the fused rebuild with a forward that
-        computes each half-residual the same way (`ReversibleLayer.apply_fenced`: the same vjp behind the
-        same barriers, its residuals output by the program): 0.0 rebuild error on that checkpoint (float32
-        and bfloat16, both executors, with and without offload), but not guaranteed (XLA:CPU removes the
-        barriers before fusing; a block with grown random weights rebuilds inexactly), and its forward no
-        longer rounds like backprop's (parameters 4.4e-7 relative apart from the standard trainer's after
-        5 steps at depth 12). Layers without ``half_residuals`` use the ``"exact"`` recipe in every mode.
-        See docs/rebuild.md.
+      rebuild: how the backward rebuilds a reversible layer's input and takes its vjp: a flavour of
+        `modes.REBUILDS` (``REBUILD_MODES``, its names; each a `modes.Rebuild` class saying what it does and
+        how exact it is: `modes.ExactRebuild`, the default, `modes.FusedRebuild`, `modes.FencedRebuild`).
+        Layers without ``half_residuals`` rebuild the exact way in every flavour. See docs/rebuild.md.
 
       microbatches: gradient accumulation (``TrainerBase``): M forward/backward passes per step, then the
         deferred update (`revtrain.trainers.deferred`).
@@ -163,7 +151,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     """
 
     name = "reversible"
-    REBUILD_MODES = ("exact", "fused", "fenced")
+    REBUILD_MODES = tuple(REBUILDS)  # the rebuild flavours' names (`modes.REBUILDS`), the default first
 
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool | str = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1,
@@ -583,7 +571,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     def _fenced(self, layer) -> bool:
         """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
         programs output the residuals too, and the trainer drops them (`_dropping`)."""
-        return self.rebuild == "fenced" and layer.reversible and layer.has_half_residuals
+        return self.rebuild_mode.outputs_residuals(layer)
 
     @staticmethod
     def _dropping(program):
@@ -634,7 +622,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     @staticmethod
     def reverse_grads(layer, params, state, y, dy, keys, specs=None, rebuild: str = "exact"):
         """Rebuilds a reversible layer's input from its output ``y`` and takes the ``vjp`` there with the
-        given weights (`ReversibleLayer.reverse_vjp`, the rebuild mode's `modes.Rebuild.grads`): returns
+        given weights (the rebuild mode's `modes.Rebuild.grads`): returns
         ``(x, dx, grads)``, gradients summed over devices (reduce-scattered to the local pieces with
         ``specs``, see ``reduce_grads``). ``rebuild``: a name of ``REBUILD_MODES``."""
         return REBUILDS[rebuild].grads(layer, params, state, y, dy, keys, specs)
