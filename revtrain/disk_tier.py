@@ -412,6 +412,12 @@ class DiskTier(Store):
     def holds(self, ref) -> bool:
         return isinstance(ref, DiskLayer)
 
+    def refs(self, params: list, opt_state: list) -> list:
+        return list(params)  # (a disk-tier state's params and opt_state are the same `DiskLayer`s)
+
+    def state(self, refs: list) -> tuple[list, list]:
+        return list(refs), list(refs)
+
     def nbytes(self, ref, part: str | None = None) -> int:
         return ref.layout.nbytes(part)
 

@@ -87,6 +87,14 @@ class Store:
         """Whether ``ref`` is this store's (else a value held in memory, used as it is)."""
         raise NotImplementedError
 
+    def refs(self, params: list, opt_state: list) -> list:
+        """A state's per-group ``params`` and ``opt_state`` lists (a `TrainState`'s) as this store's refs."""
+        raise NotImplementedError
+
+    def state(self, refs: list) -> tuple[list, list]:
+        """The per-group ``(params, opt_state)`` lists of a `TrainState` holding ``refs`` (`refs`' inverse)."""
+        raise NotImplementedError
+
     def nbytes(self, ref, part: str | None = None) -> int:
         """Bytes of ``ref``'s ``part`` (``"params"``, ``"opt"``; None: both)."""
         raise NotImplementedError
@@ -176,6 +184,12 @@ class HostStore(Store):
 
     def holds(self, ref) -> bool:
         return isinstance(ref, HostLayer)
+
+    def refs(self, params: list, opt_state: list) -> list:
+        return [HostLayer(p, o) for p, o in zip(params, opt_state, strict=True)]
+
+    def state(self, refs: list) -> tuple[list, list]:
+        return [r.params for r in refs], [r.opt_state for r in refs]
 
     def nbytes(self, ref, part: str | None = None) -> int:
         if part is None:

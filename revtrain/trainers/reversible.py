@@ -73,7 +73,7 @@ from revtrain import metrics as metrics_lib
 from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
                                 replicated, shard_spec, spec_axis)
 from revtrain.residency import HostStack, Residency
-from revtrain.streaming import HostLayer, HostStore, train_schedule
+from revtrain.streaming import HostStore, train_schedule
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
                                       check_flags, example_keys, gather_params, grad_norm, guarded_update,
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
@@ -435,20 +435,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
 
-    def _refs(self, grouped: Stacked) -> list:
-        """The store's ref of each group (`revtrain.streaming`): the disk tier's files, or the host tier's
-        trees wrapped as `streaming.HostLayer`."""
-        if self.on_disk:
-            return list(grouped.params)
-        return [HostLayer(p, o) for p, o in zip(grouped.params, grouped.opt_state, strict=True)]
-
     def _streamed(self, grouped: Stacked, plan, step: int):
         """The step's ``(params, opt_state)`` lists: the groups' own, or with a streamed tier the views of a
         `streaming.StepStream` that fetches each layer ahead and writes each update back."""
         if not self.residency.streamed:
             return list(grouped.params), list(grouped.opt_state)
-        self._stream = self.residency.store.stream(self._refs(grouped), step + 1, train_schedule(plan.kinds),
-                                                   disk_tier.placer(self.mesh, self.shard_state))
+        store = self.residency.store
+        self._stream = store.stream(store.refs(grouped.params, grouped.opt_state), step + 1,
+                                    train_schedule(plan.kinds), disk_tier.placer(self.mesh, self.shard_state))
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
@@ -460,14 +454,13 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         refs = stream.finish()
         self._limit.clear()
         self.disk_stats = stream.stats()
-        if self.on_disk:
-            return refs, list(refs)
-        return [r.params for r in refs], [r.opt_state for r in refs]
+        return self.residency.store.state(refs)
 
     def _eval_grouped(self, grouped: Stacked) -> Stacked:
         if not self.residency.streamed:
             return grouped
-        reader = self.residency.store.reader(self._refs(grouped), disk_tier.placer(self.mesh, self.shard_state))
+        store = self.residency.store
+        reader = store.reader(store.refs(grouped.params, grouped.opt_state), disk_tier.placer(self.mesh, self.shard_state))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
     def tied_params(self, grouped: Stacked, g: int):
@@ -1119,7 +1112,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" + shard_state" if self.shard_state
                  else "") + (" + offload='disk'" if self.on_disk else ""))
         return {"trainer": "reversible", "label": label, "offload": self.offload, "disk": self.on_disk,
-                "streamed": self.offload and self.residency.streamed, "shard_state": self.shard_state, "deferred": self.deferred, "rebuild": self.rebuild,
+                "streamed": self.offload and self.residency.streamed, "shard_state": self.shard_state,
+                "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
 
     def update_text(self) -> str:
