@@ -29,11 +29,7 @@ import re
 import sys
 import warnings
 
-from revtrain.errors import EXIT_FAILURE, EXIT_USAGE, InputError, exit_status
-
-
-class UsageError(InputError):
-    """Bad command-line usage (exit status 2)."""
+from revtrain.errors import EXIT_FAILURE, EXIT_USAGE, UsageError, exit_status  # noqa: F401  (cli.UsageError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -309,81 +305,17 @@ def _init_distributed(args) -> None:
         raise RuntimeError(f"cannot join the multi-host run at {where}: {first}") from e
 
 
-def _gin_names() -> list[str]:
-    """Every configurable's short name and ``name.parameter`` (for 'did you mean' suggestions)."""
-    import inspect
-
-    import gin
-    names = []
-    for selector, configurable in gin.config._REGISTRY.items():  # noqa: SLF001 (gin has no public listing)
-        names.append(configurable.name)
-        if isinstance(selector, str) and selector != configurable.name:
-            names.append(selector)  # module.Name
-        try:
-            wrapped = configurable.wrapped  # a class: its __init__ (NNX modules' own signature is *args)
-            params = inspect.signature(wrapped.__init__ if isinstance(wrapped, type) else wrapped).parameters
-        except (TypeError, ValueError):
-            continue
-        for prefix in {configurable.name, selector if isinstance(selector, str) else configurable.name}:
-            names.extend(f"{prefix}.{p}" for p in params if p not in ("self", "args", "kwargs"))
-    return names
-
-
-def _gin_error_line(e: Exception) -> str:
-    from revtrain import ginconfig
-    line = ginconfig.value_error_line(e) if isinstance(e, SyntaxError) else None
-    if line:
-        return line
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    m = re.search(r"No configurable matching (?:reference )?'@?([^']+)'", msg) or re.search(
-        r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", msg)
-    if m:
-        wanted = m.group(1) if m.lastindex == 1 else f"{m.group(1)}.{m.group(2)}"
-        close = difflib.get_close_matches(wanted, _gin_names(), n=1, cutoff=0.6)
-        if close:
-            msg += f" (did you mean '{close[0]}'?)"
-    return f"bad gin configuration: {msg}"
-
-
 def run_config(workdir: str, error: type[Exception] = UsageError) -> str:
-    """The path of the gin config ``revtrain train`` wrote in ``workdir`` (``workdir/config.gin``).
-
-    Raises:
-      ``error`` (default `UsageError`; one line, exit status 2): no such file, so ``workdir`` is not a run's
-        directory. The line names ``workdir`` as given.
-    """
-    config = os.path.join(workdir, "config.gin")
-    if not os.path.isfile(config):
-        raise error(f"no config.gin in {workdir}: is it a revtrain workdir?")
-    return config
+    """`ginconfig.workdir_config`: the path of ``workdir/config.gin``, else ``error`` (one line)."""
+    from revtrain import ginconfig
+    return ginconfig.workdir_config(workdir, error)
 
 
 def _parse_gin(configs: list[str], bindings: list[str], workdir: str | None = None) -> None:
-    """Parses config files (and their includes, see `ginconfig.include_search_path`), then bindings; with
-    ``workdir``, the Python modules its run imported are looked up where the run found them first, and a run
-    that imported a checkpoint rebuilds its model from the architecture kept in the workdir
-    (`revtrain.models.llama.workdir_bindings`, before ``bindings``, which win).
-
-    Raises:
-      UsageError: a missing file or include, or a bad binding or value (one line).
-    """
-    import gin
-
-    from revtrain import ginconfig
-    from revtrain import registry  # noqa: F401  (registers the configurables)
-    gin.clear_config()  # a fresh configuration per command (main() may run several times in one process)
-    if workdir:
-        from revtrain.models import llama
-        bindings = llama.workdir_bindings(workdir) + list(bindings)
-    try:
-        remembered = ginconfig.remembered_modules(workdir) if workdir else None
-        with ginconfig.include_search_path(remembered):
-            gin.parse_config_files_and_bindings([ginconfig.find_config(c) for c in configs], bindings,
-                                                finalize_config=False)
-    except ginconfig.IncludeNotFound as e:
-        raise UsageError(str(e).strip().splitlines()[0]) from e
-    except (ValueError, SyntaxError, TypeError, KeyError, NameError) as e:
-        raise UsageError(_gin_error_line(e)) from e
+    """`registry.parse_gin`; the registry (every model, layer and trainer) is imported here, on a command's
+    first parse, not with this module."""
+    from revtrain import registry
+    registry.parse_gin(configs, bindings, workdir)
 
 
 def _macro_defined(binding: str) -> str | None:

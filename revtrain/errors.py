@@ -29,6 +29,10 @@ class RunFailure(Exception):
     exit_status = EXIT_FAILURE
 
 
+class UsageError(InputError):
+    """Bad command-line usage, or a config file or binding that gin cannot parse (exit status 2)."""
+
+
 class ConfigError(InputError, ValueError):
     """A configuration that cannot run (reported as one line, exit status 2)."""
 

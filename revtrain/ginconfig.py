@@ -32,7 +32,7 @@ from typing import Any
 import gin
 from gin import config_parser
 
-from revtrain.errors import InputError
+from revtrain.errors import InputError, UsageError
 
 PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -430,3 +430,16 @@ def run_config(values: dict[str, Any], drop=()) -> tuple[str, dict[str, str], li
             folder = os.path.dirname(folder)
         modules[top] = folder
     return text, modules, unnamed
+
+
+def workdir_config(workdir: str, error: type[Exception] = UsageError) -> str:
+    """The path of the gin config ``revtrain train`` wrote in ``workdir`` (``workdir/config.gin``).
+
+    Raises:
+      ``error`` (default `UsageError`; one line, exit status 2): no such file, so ``workdir`` is not a run's
+        directory. The line names ``workdir`` as given.
+    """
+    config = os.path.join(workdir, "config.gin")
+    if not os.path.isfile(config):
+        raise error(f"no config.gin in {workdir}: is it a revtrain workdir?")
+    return config

@@ -22,7 +22,7 @@ import os
 import jax
 import numpy as np
 
-from revtrain.errors import ConfigError
+from revtrain.errors import ConfigError, UsageError
 
 
 class LogitsError(ConfigError):
@@ -112,14 +112,14 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
     import gin
 
     from revtrain import checkpoint as ckpt_lib
-    from revtrain import cli, loop
+    from revtrain import ginconfig, loop, registry
     from revtrain import metrics as metrics_lib
     workdir = os.path.abspath(workdir)
-    config = cli.run_config(workdir, ConfigError)
+    config = ginconfig.workdir_config(workdir, ConfigError)
     try:
         try:
-            cli._parse_gin([config], list(bindings), workdir=workdir)
-        except cli.UsageError as e:
+            registry.parse_gin([config], list(bindings), workdir=workdir)
+        except UsageError as e:
             raise ConfigError(str(e)) from None
         try:
             cfg = loop.TrainConfig()

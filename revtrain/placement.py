@@ -6,13 +6,15 @@ weights and optimizer state live in the ``pinned_host`` memory kind between uses
 replicated sharding. With ``ReversibleTrainer.shard_state`` every large leaf of a layer's weights and
 optimizer state is instead split along one of its axes over ``"data"`` (`shard_spec`; ZeRO-3, Rajbhandari
 et al. 2020, and ZeRO-Infinity, 2021, partition the same state over data-parallel ranks): each device holds
-1/N of it, in the same memory kind.
+1/N of it, in the same memory kind. Inside ``shard_map`` over ``"data"`` the trainers' programs mark, gather
+and reduce through `per_device`, `gather_params` and `reduce_grads`.
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -95,6 +97,58 @@ def spec_axis(spec: P) -> int | None:
         if name == DATA_AXIS:
             return a
     return None
+
+
+def per_device(tree):
+    """Marks replicated values (layer params) as per-device inside ``shard_map`` over ``"data"``.
+
+    Under ``shard_map``'s varying-axes typing, differentiating with respect to a replicated (invariant)
+    input already sums its cotangent over devices (the transpose of the implicit broadcast is a ``psum``),
+    so an explicit ``psum`` on top would multiply gradients by the device count. Differentiating with
+    respect to ``per_device(params)`` instead returns each device's own gradient, which the trainers then
+    sum explicitly: pmap's semantics, one all-reduce per layer.
+
+    Leaves that already vary over ``"data"`` (weights gathered from shards by `gather_params`) are left
+    as they are: their cotangent is each device's own already.
+    """
+    def mark(x):
+        if DATA_AXIS in jax.typeof(x).mat.varying:
+            return x
+        return lax.pcast(x, DATA_AXIS, to="varying")
+
+    return jax.tree.map(mark, tree)
+
+
+def _split(spec) -> int | None:
+    return None if spec is None else spec_axis(spec)
+
+
+def gather_params(tree, specs=None):
+    """Inside ``shard_map`` over ``"data"``: the whole of every leaf of ``tree`` that is held split
+    (``specs``: a matching tree of ``PartitionSpec``, `placement.shard_spec`; None: nothing is split). Each
+    split leaf is all-gathered (tiled) along its split axis; the result is the same on every device (pmap
+    semantics during compute) and typed as varying over ``"data"``.
+    """
+    if specs is None:
+        return tree
+    def gather(x, spec):
+        axis = _split(spec)
+        return x if axis is None else lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
+    return jax.tree.map(gather, tree, specs)
+
+
+def reduce_grads(grads, specs=None):
+    """Inside ``shard_map``: each device's gradients summed over ``"data"``: ``lax.psum`` (every device gets
+    the sum) for a replicated leaf, ``lax.psum_scatter`` (each device gets the sum of its own piece, along
+    the split axis of ``specs``) for a split one, so the optimizer then updates only the local piece."""
+    if specs is None:
+        return lax.psum(grads, DATA_AXIS)
+    def reduce(g, spec):
+        axis = _split(spec)
+        if axis is None:
+            return lax.psum(g, DATA_AXIS)
+        return lax.psum_scatter(g, DATA_AXIS, scatter_dimension=axis, tiled=True)
+    return jax.tree.map(reduce, grads, specs)
 
 
 def put_sharded(tree, mesh: Mesh, specs, memory_kind: str | None = None):

@@ -34,7 +34,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
-from revtrain.data.byte_lm import DataError, default_data_dir
+from revtrain.data.corpus import DataError, default_data_dir
 from revtrain.data.task import Task
 
 DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"

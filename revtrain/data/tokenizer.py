@@ -42,7 +42,7 @@ import shutil
 
 import numpy as np
 
-from revtrain.data.byte_lm import DataError
+from revtrain.data.corpus import DataError
 
 BYTES = "bytes"
 BPE = "bpe"

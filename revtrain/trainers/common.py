@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import InputError, RunFailure
 from revtrain.models.base import Model
-from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated, spec_axis
+from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
+from revtrain.placement import gather_params, per_device, reduce_grads  # noqa: F401  (common.per_device, ...)
 from revtrain.residency import Residency
 from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.stacking import Stacked
@@ -201,58 +202,6 @@ def grad_norm(pieces: list) -> jax.Array:
 
 def batch_size_of(tree) -> int:
     return jax.tree.leaves(tree)[0].shape[0]
-
-
-def per_device(tree):
-    """Marks replicated values (layer params) as per-device inside ``shard_map`` over ``"data"``.
-
-    Under ``shard_map``'s varying-axes typing, differentiating with respect to a replicated (invariant)
-    input already sums its cotangent over devices (the transpose of the implicit broadcast is a ``psum``),
-    so an explicit ``psum`` on top would multiply gradients by the device count. Differentiating with
-    respect to ``per_device(params)`` instead returns each device's own gradient, which the trainers then
-    sum explicitly: pmap's semantics, one all-reduce per layer.
-
-    Leaves that already vary over ``"data"`` (weights gathered from shards by `gather_params`) are left
-    as they are: their cotangent is each device's own already.
-    """
-    def mark(x):
-        if DATA_AXIS in jax.typeof(x).mat.varying:
-            return x
-        return lax.pcast(x, DATA_AXIS, to="varying")
-
-    return jax.tree.map(mark, tree)
-
-
-def _split(spec) -> int | None:
-    return None if spec is None else spec_axis(spec)
-
-
-def gather_params(tree, specs=None):
-    """Inside ``shard_map`` over ``"data"``: the whole of every leaf of ``tree`` that is held split
-    (``specs``: a matching tree of ``PartitionSpec``, `placement.shard_spec`; None: nothing is split). Each
-    split leaf is all-gathered (tiled) along its split axis; the result is the same on every device (pmap
-    semantics during compute) and typed as varying over ``"data"``.
-    """
-    if specs is None:
-        return tree
-    def gather(x, spec):
-        axis = _split(spec)
-        return x if axis is None else lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
-    return jax.tree.map(gather, tree, specs)
-
-
-def reduce_grads(grads, specs=None):
-    """Inside ``shard_map``: each device's gradients summed over ``"data"``: ``lax.psum`` (every device gets
-    the sum) for a replicated leaf, ``lax.psum_scatter`` (each device gets the sum of its own piece, along
-    the split axis of ``specs``) for a split one, so the optimizer then updates only the local piece."""
-    if specs is None:
-        return lax.psum(grads, DATA_AXIS)
-    def reduce(g, spec):
-        axis = _split(spec)
-        if axis is None:
-            return lax.psum(g, DATA_AXIS)
-        return lax.psum_scatter(g, DATA_AXIS, scatter_dimension=axis, tiled=True)
-    return jax.tree.map(reduce, grads, specs)
 
 
 def check_batch(batch: dict, num_devices: int, microbatches: int = 1) -> None:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from revtrain.trainers.common import per_device, reduce_grads
+from revtrain.placement import per_device, reduce_grads
 
 
 class StepKind(str, enum.Enum):

@@ -1,0 +1,128 @@
+"""The deferred update (`revtrain.trainers.deferred`): when the reversible trainer defers its optimizer step
+(a coupled optimizer, microbatches), that the deferred step trains bit for bit like the StandardTrainer
+(global-norm clipping, gradient accumulation over microbatches, both executors, the gradient buffer in host
+memory, the logged ``grad_norm``), that a non-finite step updates no layer, and `split_leaf_squares`.
+
+Float32 with ``jax_default_matmul_precision="highest"``, real text, dropout on (as tests/test_exactness.py).
+The 10-step and 4-device comparisons are in tests/test_exactness.py and tests/test_recipe.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from revtrain.models import ReversibleTransformerLM
+from revtrain.placement import DATA_AXIS, global_batch, make_mesh
+from revtrain.trainers import NonFiniteError, ReversibleTrainer, StandardTrainer
+from revtrain.trainers.deferred import split_leaf_squares
+
+from helpers import numpy_params, train_model, train_steps, worst_leaf
+
+SEQ, BATCH, STEPS = 128, 4, 3
+CLIP = 0.3  # below the gradient norm of these steps (asserted): the clip scales every step
+
+
+def _model():
+    return ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
+
+
+def _clip_adamw():
+    return optax.chain(optax.clip_by_global_norm(CLIP), optax.adamw(3e-3, weight_decay=0.01))
+
+
+def test_the_update_is_deferred_only_when_it_must_be():
+    """Adam alone keeps the fused per-layer update; a global-norm clip (one statistics round) or microbatches
+    defer it; the trainer says which in its update line."""
+    mesh = make_mesh(jax.devices()[:1])
+    fused = ReversibleTrainer(_model(), optax.adam(1e-3), mesh)
+    clipped = ReversibleTrainer(_model(), _clip_adamw(), mesh)
+    accumulated = ReversibleTrainer(_model(), optax.adam(1e-3), mesh, microbatches=2)
+    assert not fused.deferred
+    assert clipped.deferred and clipped.layerwise.rounds == 1
+    assert accumulated.deferred and accumulated.layerwise.rounds == 0
+    assert accumulated.update_text() == "deferred (2 microbatches)"
+
+
+@pytest.fixture(scope="module")
+def standard_runs(text_batches):
+    """StandardTrainer's parameters, losses and grad norms for clip + AdamW with M microbatches (``runs[M]``,
+    each trained when a test first asks for it)."""
+    batches, mesh = text_batches(BATCH, STEPS), make_mesh(jax.devices()[:1])
+
+    class Runs(dict):
+        def __missing__(self, m):
+            with jax.default_matmul_precision("highest"):
+                trainer = StandardTrainer(_model(), _clip_adamw(), mesh, seed=0, microbatches=m)
+                state, history = train_steps(trainer, batches, mesh)
+            self[m] = (numpy_params(state), [h["loss"] for h in history], [h["grad_norm"] for h in history])
+            return self[m]
+
+    return batches, Runs()
+
+
+@pytest.mark.parametrize("microbatches,kwargs", [
+    (2, {}),
+    *(pytest.param(m, kw, marks=pytest.mark.slow) for m, kw in [(1, {}), (2, {"scan_layers": False}),
+                                                               (2, {"offload": True})]),
+])
+def test_the_deferred_step_is_the_standard_trainers_bits(standard_runs, microbatches, kwargs):
+    """Clip + AdamW, 3 steps, the clip active on each: the deferred step's losses and every parameter are the
+    StandardTrainer's bits, with 2 microbatches (and in the slow tier: 1, the per-layer executor, the gradient
+    buffer in host memory with ``offload``); the logged grad norm within 1e-6 (its squares are summed layer
+    by layer, the StandardTrainer's over the whole tree: another order of float32 additions)."""
+    batches, runs = standard_runs
+    want_params, want_losses, want_norms = runs[microbatches]
+    assert all(n > CLIP for n in want_norms), want_norms
+    mesh = make_mesh(jax.devices()[:1])
+    with jax.default_matmul_precision("highest"):
+        trainer = ReversibleTrainer(_model(), _clip_adamw(), mesh, seed=0, microbatches=microbatches, **kwargs)
+        assert trainer.deferred
+        state, history = train_steps(trainer, batches, mesh)
+    assert [h["loss"] for h in history] == want_losses
+    assert all(abs(h["grad_norm"] - n) <= 1e-6 * n for h, n in zip(history, want_norms)), (history, want_norms)
+    assert worst_leaf(want_params, numpy_params(state))[0] == 0.0, worst_leaf(want_params, numpy_params(state))
+
+
+@pytest.mark.slow  # two reversible runs (tests/test_recipe.py: 4 microbatches against 1, also slow)
+def test_microbatches_train_like_one_batch(text_batches):
+    """Accumulation is one step on the whole batch: 2 microbatches of Adam (the deferred update) against the
+    fused update on the whole batch, 3 steps: losses within 1e-6 relative (the sums differ in order only)
+    and the same dropout masks (a different mask would move the loss far more)."""
+    batches = text_batches(BATCH, STEPS)
+    with jax.default_matmul_precision("highest"):
+        _, whole = train_model(ReversibleTrainer, _model(), optax.adam(1e-3), batches)
+        _, accumulated = train_model(ReversibleTrainer, _model(), optax.adam(1e-3), batches, microbatches=2)
+    assert whole[-1] < whole[0]
+    assert all(abs(a - b) <= 1e-6 * a for a, b in zip(whole, accumulated)), (whole, accumulated)
+
+
+def test_deferred_step_with_a_nonfinite_gradient_updates_no_layer(text_batches):
+    """A learning rate of 1e30 under clipping + SGD: the second step's loss is not finite; the error names
+    it and its state is the first step's (no layer updated). (Moved here from tests/test_recipe.py.)"""
+    mesh, batches = make_mesh(jax.devices()[:1]), text_batches(8, 3)
+    model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.1)
+    trainer = ReversibleTrainer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e30)), mesh)
+    ts, _ = trainer.train_step(trainer.init(), global_batch(batches[0], mesh))
+    before = jax.tree.map(np.asarray, ts.per_layer().params)
+    with pytest.raises(NonFiniteError) as e:
+        for batch in batches[1:]:
+            ts, _ = trainer.train_step(ts, global_batch(batch, mesh))
+            before = jax.tree.map(np.asarray, ts.per_layer().params)
+    after = jax.tree.map(np.asarray, e.value.state.per_layer().params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_split_leaf_squares_sums_a_split_leafs_pieces_over_the_devices():
+    """Inside ``shard_map`` over one device: a split leaf's sum of squares is its whole sum (the ``psum`` over
+    ``"data"``), a replicated leaf's its own, in tree order, float32."""
+    mesh = make_mesh(jax.devices()[:1])
+    grads = {"a": jnp.arange(6.0, dtype=jnp.bfloat16).reshape(2, 3), "b": jnp.full((4,), 0.5, jnp.float32)}
+    specs = {"a": P(DATA_AXIS), "b": P()}
+    fn = jax.shard_map(lambda g: split_leaf_squares(specs, g), mesh=mesh, in_specs=(P(),), out_specs=P(),
+                       check_vma=False)
+    got = np.asarray(jax.jit(fn)(grads))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, np.array([55.0, 1.0], np.float32))

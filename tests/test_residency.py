@@ -1,0 +1,133 @@
+"""Residency (`revtrain.residency`): where a layer's weights and optimizer state live between uses. The tiers
+and what each says (streamed, offloaded, memory kind, its words), the specs of a replicated and a sharded
+state, placing values and the shape-only restore template, `HostStack`, the errors it raises, and which
+residency the reversible trainer picks for each ``offload``.
+
+One CPU device (its memory spaces: ``device``, ``pinned_host``, ``unpinned_host``).
+"""
+
+import types
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from revtrain.disk_tier import DiskTier
+from revtrain.models import ReversibleTransformerLM
+from revtrain.placement import DATA_AXIS, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, make_mesh
+from revtrain.residency import TIERS, HostStack, Residency
+from revtrain.streaming import HostStore
+from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh(jax.devices()[:1])
+
+
+def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
+    """device: no memory kind, not offloaded; host: ``pinned_host`` when the programs move the state, the
+    pageable ``unpinned_host`` when the streaming engine does (a `HostStore`, where every device has that
+    space, as the CPU does); disk: the `DiskTier` is its store and its disk, no memory kind."""
+    assert TIERS == ("device", "host", "disk")
+    assert host_memory_supported(mesh, PAGEABLE_MEMORY)
+    device = Residency(mesh)
+    host = Residency(mesh, "host")
+    streamed = Residency(mesh, "host", store=HostStore())
+    disk = Residency(mesh, "disk", store=DiskTier(str(tmp_path / "offload")))
+    assert [r.tier for r in (device, host, streamed, disk)] == ["device", "host", "host", "disk"]
+    assert [r.memory_kind for r in (device, host, streamed, disk)] == [None, HOST_MEMORY, PAGEABLE_MEMORY, None]
+    assert [r.offloaded for r in (device, host, streamed, disk)] == [False, True, True, True]
+    assert [r.streamed for r in (device, host, streamed, disk)] == [False, False, True, True]
+    assert device.disk is None and host.disk is None and streamed.disk is None and disk.disk is disk.store
+    assert device.describe() == "device memory, replicated"
+    assert host.describe() == "host memory (pinned_host), replicated"
+    assert streamed.describe() == "host memory (unpinned_host), replicated"
+    assert disk.describe() == f"layer files in {tmp_path / 'offload'}, replicated"
+    assert Residency(mesh, sharded=True).describe() == "device memory, split over the devices"
+
+
+def test_unknown_tiers_and_misplaced_stores_are_refused(mesh, tmp_path):
+    with pytest.raises(ValueError, match="residency tier must be one of 'device', 'host', 'disk', got 'ssd'"):
+        Residency(mesh, "ssd")
+    with pytest.raises(ValueError, match="the disk tier needs its store, the device tier has none"):
+        Residency(mesh, "disk")
+    with pytest.raises(ValueError, match="the disk tier needs its store, the device tier has none"):
+        Residency(mesh, "device", store=DiskTier(str(tmp_path)))
+
+
+def test_specs_replicate_or_split_the_large_leaves(mesh):
+    """Replicated: ``P()`` for every leaf. Sharded: `placement.shard_spec` of each leaf over the mesh's devices
+    (a leaf of at least 4096 elements split along its largest axis that the device count divides; a small one
+    replicated; one device splits nothing), never along the ``leading`` stacked axes. (`specs` reads only the
+    mesh's size: four devices are a stand-in here; tests/test_shard.py trains on four.)"""
+    shapes = {"w": jax.ShapeDtypeStruct((64, 128), np.float32), "b": jax.ShapeDtypeStruct((128,), np.float32)}
+    assert Residency(mesh).specs(shapes) == {"w": P(), "b": P()}
+    assert Residency(mesh, sharded=True).specs(shapes) == {"w": P(), "b": P()}
+    four = Residency(types.SimpleNamespace(size=4), sharded=True)
+    assert four.specs(shapes) == {"w": P(None, DATA_AXIS), "b": P()}
+    stacked = {"w": jax.ShapeDtypeStruct((4, 64, 128), np.float32)}
+    assert four.specs(stacked, leading=1) == {"w": P(None, None, DATA_AXIS)}
+    assert four.specs({"w": jax.ShapeDtypeStruct((64, 127), np.float32)}) == {"w": P(DATA_AXIS, None)}
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "streamed"])
+def test_place_and_abstract_use_the_tiers_memory_kind(mesh, tier):
+    """`place_tree` puts each numpy leaf with its spec in the tier's memory kind, values unchanged; `abstract`
+    is the same shapes, dtypes and shardings as ``ShapeDtypeStruct`` leaves (a restore template)."""
+    residency = Residency(mesh, "device" if tier == "device" else "host",
+                          store=HostStore() if tier == "streamed" else None)
+    want_kind = {"device": "device", "host": HOST_MEMORY, "streamed": PAGEABLE_MEMORY}[tier]
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.array(7, np.int32)}
+    placed = residency.place_tree(tree)
+    for key, value in tree.items():
+        assert placed[key].sharding.memory_kind == want_kind
+        assert placed[key].dtype == value.dtype and np.array_equal(np.asarray(placed[key]), value)
+    template = residency.abstract(tree)
+    for key, value in tree.items():
+        assert isinstance(template[key], jax.ShapeDtypeStruct)
+        assert (template[key].shape, template[key].dtype) == (value.shape, value.dtype)
+        assert template[key].sharding == placed[key].sharding
+
+
+def test_a_host_stack_is_placed_leaf_by_leaf_and_released(mesh):
+    """`HostStack` stacks three layers' trees on a new leading axis; `Residency.place_stacked` places them and
+    drops each host buffer once placed. A layer of another structure is refused."""
+    stack = HostStack(3)
+    for j in range(3):
+        stack.put(j, {"w": np.full((2, 4), j, np.float32), "b": np.full((4,), 10 + j, np.float32)})
+    with pytest.raises(ValueError, match="layer 1's tree differs from the first layer's"):
+        stack.put(1, {"w": np.zeros((2, 4), np.float32)})
+    placed = Residency(mesh, "host").place_stacked(stack, None)
+    assert stack.buffers == [None, None]
+    assert placed["w"].shape == (3, 2, 4) and placed["w"].sharding.memory_kind == HOST_MEMORY
+    np.testing.assert_array_equal(np.asarray(placed["w"])[:, 0, 0], [0.0, 1.0, 2.0])
+    np.testing.assert_array_equal(np.asarray(placed["b"])[:, 0], [10.0, 11.0, 12.0])
+
+
+def test_the_reversible_trainer_picks_its_residency_from_offload(mesh, tmp_path):
+    """``offload``: False on the device; True under the per-layer executor and the fused update in a streamed
+    `HostStore` (pageable); True under the scanned executor or the deferred update in ``pinned_host``, moved by
+    the programs; ``'disk'`` in a `DiskTier` (under the per-layer executor only: one line otherwise). The
+    StandardTrainer keeps its state on the device."""
+    model = ReversibleTransformerLM(16, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.0)
+
+    def residency(tx=optax.adam(1e-3), **kwargs):
+        return ReversibleTrainer(model, tx, mesh, seed=0, **kwargs).residency
+
+    assert (residency().tier, residency().store) == ("device", None)
+    streamed = residency(offload=True, scan_layers=False)
+    assert isinstance(streamed.store, HostStore) and streamed.memory_kind == PAGEABLE_MEMORY
+    scanned = residency(offload=True, scan_layers=True)
+    assert scanned.store is None and scanned.memory_kind == HOST_MEMORY
+    clipped = residency(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), offload=True,
+                        scan_layers=False)
+    assert clipped.store is None and clipped.memory_kind == HOST_MEMORY
+    disk = residency(offload="disk", offload_dir=str(tmp_path / "layers"), scan_layers=False)
+    assert disk.tier == "disk" and isinstance(disk.store, DiskTier) and disk.streamed
+    assert StandardTrainer(model, optax.adam(1e-3), mesh, seed=0).residency.tier == "device"
+    with pytest.raises(TrainerError, match="offload = 'disk' runs the per-layer executor: set "
+                                           "ReversibleTrainer.scan_layers = False"):
+        residency(offload="disk", offload_dir=str(tmp_path / "layers"))
