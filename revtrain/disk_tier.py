@@ -450,11 +450,16 @@ class DiskTier(Store):
         self.seal(step)
         self.remove_step([r for r in refs if isinstance(r, DiskLayer)])
 
-    def deferred_stream(self, refs: list, step: int, schedule: list, place, grad_layouts: list) -> "DeferredStream":
+    def deferred_stream(self, refs: list, step: int, place, kinds: list, microbatches: int, passes: int,
+                        owners: list, param_shapes: list) -> "DeferredStream":
         """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step`` (the gradient
-        buffer's files in that step's directory, ``grads/``)."""
+        buffer's files in that step's directory, ``grads/``): its accesses from the plan's ``kinds``
+        (`deferred_schedule`), each layer's buffer shaped like its weights (``param_shapes``, one tree per
+        layer)."""
         self.begin(step, refs)
-        return self.listen(DeferredStream(self, refs, step, schedule, place, grad_layouts))
+        schedule = deferred_schedule(kinds, microbatches, passes, owners)
+        grads = [self.layout(("grad", i), shapes, ()) for i, shapes in enumerate(param_shapes)]
+        return self.listen(DeferredStream(self, refs, step, schedule, place, grads))
 
     def remove_step(self, refs: list) -> None:
         """Removes the step directories of ``refs`` that lie inside the tier's directory (a checkpoint's
@@ -813,16 +818,6 @@ def layer_layout(trainer, i: int) -> Layout:
     return tier._layouts[key]
 
 
-def grad_layout(trainer, i: int) -> Layout:
-    """The `Layout` of layer ``i``'s gradient buffer file (the deferred update): its params' shapes, no
-    optimizer state."""
-    tier = trainer.residency.disk
-    key = ("grad", i)
-    if key not in tier._layouts:
-        tier._layouts[key] = Layout.of(trainer.model.param_shapes()[i], ())
-    return tier._layouts[key]
-
-
 def init_layers(trainer) -> tuple[list, list]:
     """Every layer's initial state written to step 0's files one layer at a time (the values are made,
     written and dropped): returns ``(refs, layer states)``; the refs are each layer's params and opt_state."""
@@ -840,16 +835,3 @@ def init_layers(trainer) -> tuple[list, list]:
 def template_layers(trainer) -> list:
     """A `DiskLayer` template (no file) per layer: what `revtrain.checkpoint` restores a disk state into."""
     return [DiskLayer(layer_layout(trainer, i)) for i in range(len(trainer.model.layers))]
-
-
-def placer(mesh, split: bool = False):
-    """The function that places one read leaf over ``mesh`` (device memory): replicated, or with ``split``
-    (``shard_state``) split as the trainer's specs split a leaf of its shape (`placement.shard_spec`: a
-    function of the shape alone), so each device holds its piece of the layers in flight."""
-    from jax.sharding import NamedSharding
-
-    from revtrain.placement import replicated, shard_spec
-    if not split or mesh.size == 1:
-        sharding = replicated(mesh)
-        return lambda x: jax.device_put(x, sharding)
-    return lambda x: jax.device_put(x, NamedSharding(mesh, shard_spec(x.shape, mesh.size)))

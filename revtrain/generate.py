@@ -56,7 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
 from revtrain.errors import ConfigError
-from revtrain.placement import DATA_AXIS, HOST_MEMORY, DispatchLimiter, global_batch, move_inside
+from revtrain.placement import DATA_AXIS, HOST_MEMORY, DispatchLimiter, global_batch, move_inside, placer
 from revtrain.trainers.common import XLA_OPTIONS, per_device
 
 _D = P(DATA_AXIS)
@@ -440,11 +440,11 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
     compile_seconds = 0.0
     stream = fetch = limit = None
     if trainer.residency.tier == "disk":  # hold the weights (below) when they fit, else stream them from the files
-        from revtrain import disk_generate, disk_tier, streaming
+        from revtrain import disk_generate, streaming
         choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights)
         metrics_lib.log(choice.line)
         if choice.mode == disk_generate.STREAM:
-            stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, disk_tier.placer(mesh))
+            stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, placer(mesh))
             fetch = disk_generate.tied_fetch(trainer.model, stream.get)
             limit = streaming.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
     elif trainer.residency.tier == "host" and trainer.residency.memory_kind != HOST_MEMORY:

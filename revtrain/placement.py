@@ -243,3 +243,14 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
         if message:
             raise ValueError(message)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in local_batch.items()}
+
+
+def placer(mesh: Mesh, split: bool = False):
+    """The function that places one host leaf (a numpy array read by a store, `revtrain.streaming`) over
+    ``mesh`` in device memory: replicated, or with ``split`` (``shard_state``) split as the trainer's specs
+    split a leaf of its shape (`shard_spec`: a function of the shape alone), so each device holds its piece
+    of the layers in flight."""
+    if not split or mesh.size == 1:
+        sharding = replicated(mesh)
+        return lambda x: jax.device_put(x, sharding)
+    return lambda x: jax.device_put(x, NamedSharding(mesh, shard_spec(x.shape, mesh.size)))

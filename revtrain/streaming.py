@@ -418,6 +418,9 @@ class StepStream:
         new = [self._new[g].result() if g in self._new else self.store.unchanged(self.step, g, ref)
                for g, ref in enumerate(self.refs)]
         self.store.end(self.step, self.refs)
+        # The replaced state is released now: the stream and its views refer to each other (a cycle that
+        # only the garbage collector would break, holding a whole state's copy until it ran).
+        self.refs, self._new, self._updates = [], {}, {}
         return new
 
     def stats(self) -> dict:

@@ -54,8 +54,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain import disk_tier
-from revtrain.placement import DATA_AXIS, put_replicated, put_sharded, spec_axis
+from revtrain.placement import DATA_AXIS, placer, put_replicated, put_sharded, spec_axis
 from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
@@ -433,13 +432,11 @@ class DeferredUpdates:
         user = len(self.model.layers) - 1
         owners = sorted({t.owner for t in self.model.ties_of(user)})  # (a layer is a group on the disk tier)
         rounds = self.layerwise.rounds
-        schedule = disk_tier.deferred_schedule(plan.kinds, self.microbatches, max(rounds, 1) + 1, owners)
-        grad_layouts = [disk_tier.grad_layout(self, i) for i in range(len(groups))]
-        place = disk_tier.placer(self.mesh, self.shard_state)
-        stream = self._stream = self.residency.store.deferred_stream(grouped.params, ts.step + 1, schedule, place,
-                                                                   grad_layouts)
-        params, opt_state, acc = stream.params, stream.opt_state, stream.grads
         shapes = self.model.param_shapes()
+        stream = self._stream = self.residency.store.deferred_stream(
+            grouped.params, ts.step + 1, placer(self.mesh, self.shard_state), plan.kinds, self.microbatches,
+            max(rounds, 1) + 1, owners, [shapes[i] for i in range(len(groups))])
+        params, opt_state, acc = stream.params, stream.opt_state, stream.grads
         tied = self.model.tied_leaves(user, {o: shapes[o] for o in owners})
         held = {"tie": put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, None)}
         states = grouped.layer_state

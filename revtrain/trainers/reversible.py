@@ -40,9 +40,9 @@ Sharded state (``shard_state=True``, ZeRO-3 / ZeRO-Infinity over the ``"data"`` 
 of every layer's weights and optimizer state is split along one axis over the devices
 (`placement.shard_spec`) wherever it lives (host memory with offload, device memory otherwise), so N
 devices hold one copy between them instead of N. Each program takes the local pieces (moving them to the
-device with offload), all-gathers the weights over ``"data"`` (`common.gather_params`: whole and the same
+device with offload), all-gathers the weights over ``"data"`` (`placement.gather_params`: whole and the same
 on every device during the forward, rebuild and vjp, pmap semantics), reduce-scatters the gradients
-(``lax.psum_scatter``, `common.reduce_grads`) instead of summing them everywhere, and runs the optax
+(``lax.psum_scatter``, `placement.reduce_grads`) instead of summing them everywhere, and runs the optax
 update on the local piece; the updated piece goes back where it lives. An update that needs the whole leaf
 (`common.is_elementwise` says no: LAMB, Adafactor) runs in the deferred update pass instead.
 
@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
-from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside,
+from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside, placer,
                                 replicated, shard_spec, spec_axis)
 from revtrain.residency import HostStack, Residency
 from revtrain.streaming import HostStore, train_schedule
@@ -201,7 +201,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             self.block_modes[-1] = BACKPROP
         self._plans: dict = {}
         self.memory_budget, self.budget_plan = None, None
-        from revtrain.trainers import budget as budget_lib
+        import revtrain.trainers.budget as budget_lib
         if budget_objective not in budget_lib.OBJECTIVES:
             raise TrainerError(f"ReversibleTrainer.budget_objective must be one of "
                                f"{', '.join(map(repr, budget_lib.OBJECTIVES))}, got {budget_objective!r}")
@@ -430,7 +430,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         """A single layer's params on the device, whole (a copy from host memory with offload; gathered
         from the devices' pieces with ``shard_state``)."""
         if isinstance(tree, disk_tier.DiskLayer):  # the disk tier: the weights read from the layer's file
-            return disk_tier.read_tree(tree.path, tree.layout, "params", disk_tier.placer(self.mesh))
+            return disk_tier.read_tree(tree.path, tree.layout, "params", placer(self.mesh))
         if not self.offload and not self.shard_state:
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
@@ -442,7 +442,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return list(grouped.params), list(grouped.opt_state)
         store = self.residency.store
         self._stream = store.stream(store.refs(grouped.params, grouped.opt_state), step + 1,
-                                    train_schedule(plan.kinds), disk_tier.placer(self.mesh, self.shard_state))
+                                    train_schedule(plan.kinds), placer(self.mesh, self.shard_state))
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
@@ -460,7 +460,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         if not self.residency.streamed:
             return grouped
         store = self.residency.store
-        reader = store.reader(store.refs(grouped.params, grouped.opt_state), disk_tier.placer(self.mesh, self.shard_state))
+        reader = store.reader(store.refs(grouped.params, grouped.opt_state), placer(self.mesh, self.shard_state))
         return Stacked(grouped.groups, reader.params, grouped.opt_state, grouped.layer_state)
 
     def tied_params(self, grouped: Stacked, g: int):
@@ -1101,7 +1101,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         Raises:
           TrainerError: the budget is below the least any plan needs (the message names that least budget).
         """
-        from revtrain.trainers import budget as budget_lib
+        import revtrain.trainers.budget as budget_lib
         self.budget_plan = budget_lib.plan_budget(self, batch_spec, self.memory_budget, self.budget_objective)
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
