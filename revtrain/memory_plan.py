@@ -231,7 +231,8 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         key = (s.label, s.settings)
         if key not in seen and s != setup:
             seen.add(key)
-            unique.append(dataclasses.replace(s, budget_peak=0))  # (the budget is the run's own)
+            # (the budget is the run's own; a deferred update is not streamed: its programs move the state)
+            unique.append(dataclasses.replace(s, budget_peak=0, streamed=s.streamed and not s.deferred))
     return unique
 
 

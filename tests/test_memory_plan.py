@@ -120,6 +120,22 @@ def test_standard_and_deferred_parts(model):
     assert gpu.tiers["device"]["gradients"] == largest
 
 
+def test_the_streamed_host_tier_on_an_accelerator(model):
+    """The streaming engine's host tier (``Setup.streamed``) on an accelerator: the state pageable in host
+    memory, the pinned pool holding the transfers in flight (a layer fetched, a layer written back), four
+    layers on the device (the one computing, two fetched ahead, one written back); an alternative that defers
+    the update (microbatches) is not streamed."""
+    weights, opt, largest = _exact(model)
+    tx = optax.adamw(1e-3)
+    setup = memory_plan.Setup("reversible", tx, B, offload=True, streamed=True, label="s")
+    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
+                           platform="gpu")
+    assert gpu.tiers["pinned"]["weights"] == 2 * largest and gpu.tiers["device"]["weights"] == 4 * largest
+    assert gpu.tiers["host"]["weights"] == weights + 2 * largest
+    other = {s.label: s for s in memory_plan.alternatives(setup, model, 1, True)}
+    assert not other["s + 2 microbatches"].streamed and other["s + Adafactor"].streamed
+
+
 def test_refusal_names_the_settings_that_fit(model):
     tx = optax.adamw(1e-3)
     own = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="StandardTrainer"), _spec(B), 1,

@@ -68,7 +68,7 @@ def test_reversible_trainer_describes_its_features(model, tmp_path):
     for scan in (False, True):  # the host tier: streamed by the engine under the per-layer executor
         host = ReversibleTrainer(model, optax.adamw(1e-3), mesh, offload=True, scan_layers=scan)
         assert (_setup(host)["offload"], _setup(host)["streamed"]) == (True, not scan)
-        assert _setup(host)["label"] == "ReversibleTrainer + offload"
+        assert _setup(host)["label"] == "ReversibleTrainer + offload" + ("" if scan else " (streamed)")
 
 
 def test_models_name_their_memory_knobs(model):

@@ -1109,10 +1109,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
     def memory_setup(self) -> dict:
-        label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" + shard_state" if self.shard_state
-                 else "") + (" + offload='disk'" if self.on_disk else ""))
+        streamed = self.offload and self.residency.streamed
+        label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" (streamed)" if streamed else "")
+                 + (" + shard_state" if self.shard_state else "") + (" + offload='disk'" if self.on_disk else ""))
         return {"trainer": "reversible", "label": label, "offload": self.offload, "disk": self.on_disk,
-                "streamed": self.offload and self.residency.streamed, "shard_state": self.shard_state,
+                "streamed": streamed, "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
 
