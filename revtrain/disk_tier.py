@@ -427,10 +427,13 @@ class DiskTier(Store):
     def layer_path(self, step: int, g: int) -> str:
         return os.path.join(self.step_dir(step), f"layer_{g:05d}.bin")
 
-    def write(self, step: int, g: int, ref, params, opt_state) -> DiskLayer:
+    def write(self, step: int, g: int, ref, update: list) -> DiskLayer:
+        """Writes group ``g``'s file of step ``step`` from ``update = [params, opt_state]``, emptied here:
+        the list of leaves built from it is then the only reference, and each leaf is released as soon as it
+        is written (`write_layer`)."""
         path = self.layer_path(step, g)
-        leaves = jax.tree.leaves(params) + jax.tree.leaves(opt_state)
-        del params, opt_state  # (the list is the only reference: each leaf released once written)
+        leaves = jax.tree.leaves(update[0]) + jax.tree.leaves(update[1])
+        update.clear()
         return DiskLayer(ref.layout, path, write_layer(path, ref.layout, leaves))
 
     def begin(self, step: int, refs: list) -> None:

@@ -104,9 +104,10 @@ class Store:
         returns (called on the reader thread)."""
         raise NotImplementedError
 
-    def write(self, step: int, g: int, ref, params, opt_state):
-        """Group ``g``'s updated state (device arrays, released once written) stored for step ``step``;
-        returns its new ref (called on the writer thread)."""
+    def write(self, step: int, g: int, ref, update: list):
+        """Group ``g``'s updated state, ``update = [params, opt_state]`` (device arrays; the store empties
+        the list, so its references are the last and each array is released once written), stored for step
+        ``step``; returns its new ref (called on the writer thread)."""
         raise NotImplementedError
 
     def begin(self, step: int, refs: list) -> None:
@@ -130,10 +131,12 @@ class Store:
             self._bounded.listener = stream.dispatched
         return stream
 
-    def stream(self, refs: list, step: int, schedule: list, place) -> "StepStream":
-        """A training step's `StepStream` over ``refs`` (one per group) for the step that makes ``step``."""
+    def stream(self, refs: list, step: int, schedule: list, place, release=None) -> "StepStream":
+        """A training step's `StepStream` over ``refs`` (one per group) for the step that makes ``step``;
+        ``release(g)``: called once group ``g``'s new state is written, to drop the caller's references to its
+        old state (the host store: a state is replaced layer by layer instead of held twice to the end)."""
         self.begin(step, refs)
-        return self.listen(StepStream(self, refs, step, schedule, place))
+        return self.listen(StepStream(self, refs, step, schedule, place, release=release))
 
     def reader(self, refs: list, place) -> "StepStream":
         """A read-only `StepStream` that fetches every layer's weights in order (evaluation): at most one
@@ -200,7 +203,9 @@ class HostStore(Store):
         tree = ref.part(part)
         return jax.block_until_ready(jax.device_put(tree, _on_device(tree)))
 
-    def write(self, step: int, g: int, ref, params, opt_state):
+    def write(self, step: int, g: int, ref, update: list):
+        params, opt_state = update
+        update.clear()
         params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, ref.params))
         opt_state = jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, ref.opt_state))
         return HostLayer(*jax.block_until_ready((params, opt_state)))
@@ -279,8 +284,10 @@ class StepStream:
     the new ref of each group.
     """
 
-    def __init__(self, store: Store, refs: list, step: int | None, schedule: list, place, budget: int | None = None):
+    def __init__(self, store: Store, refs: list, step: int | None, schedule: list, place, budget: int | None = None,
+                 release=None):
         self.store, self.refs, self.step, self.place = store, list(refs), step, place
+        self.release = release  # called with a group once its new state is written (its old one can go)
         self.schedule, self._next, self._submitted = list(schedule), 0, 0
         self._pending: dict = {}  # (g, part) -> Future of the tree
         self._updates: dict = {}  # g -> {part: value}
@@ -384,15 +391,21 @@ class StepStream:
         while self._writes:  # one layer written at a time: wait for the previous one
             self._done(self._writes.popleft())
         update, self._updates[g] = self._updates[g], {}
-        # The writer's arguments are the only reference the stream keeps: released once written.
-        self._new[g] = self.store.submit_write(self._write, g, self.refs[g], update.pop("params"), update.pop("opt"))
+        # The box is the only reference the stream keeps: the writer empties it, so nothing (the executor's
+        # work item neither) holds the update or the old state once written.
+        box = [self.refs[g], update.pop("params"), update.pop("opt")]
+        self._new[g] = self.store.submit_write(self._write, g, box)
         self._writes.append((g, None, self._new[g]))
 
-    def _write(self, g, ref, params, opt_state):
+    def _write(self, g, box):
+        ref = box.pop(0)  # (``box`` is now ``[params, opt_state]``, the store's to empty)
         start = time.perf_counter()
-        new = self.store.write(self.step, g, ref, params, opt_state)
+        new = self.store.write(self.step, g, ref, box)
         self.write_seconds += time.perf_counter() - start
         self.write_bytes += self.store.nbytes(new)
+        if self.release is not None:  # the step's last use of group g: its old state is let go at once
+            self.refs[g] = None
+            self.release(g)
         return new
 
     def _done(self, entry) -> None:

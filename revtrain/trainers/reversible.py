@@ -435,14 +435,23 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
 
-    def _streamed(self, grouped: Stacked, plan, step: int):
+    def _streamed(self, grouped: Stacked, plan, ts: TrainState):
         """The step's ``(params, opt_state)`` lists: the groups' own, or with a streamed tier the views of a
-        `streaming.StepStream` that fetches each layer ahead and writes each update back."""
+        `streaming.StepStream` that fetches each layer ahead and writes each update back. The host store lets
+        go of each layer's old state (``ts`` is consumed, as donation consumes the device tier's) once its new
+        one is written: the state is replaced layer by layer, never held twice."""
         if not self.residency.streamed:
             return list(grouped.params), list(grouped.opt_state)
         store = self.residency.store
-        self._stream = store.stream(store.refs(grouped.params, grouped.opt_state), step + 1,
-                                    train_schedule(plan.kinds), placer(self.mesh, self.shard_state))
+        held = [grouped.params, grouped.opt_state] + list(ts.held()[:2])
+
+        def release(g):
+            for entries in held:
+                entries[g] = None
+
+        self._stream = store.stream(store.refs(grouped.params, grouped.opt_state), ts.step + 1,
+                                    train_schedule(plan.kinds), placer(self.mesh, self.shard_state),
+                                    release=None if self.on_disk else release)
         return self._stream.params, self._stream.opt_state
 
     def _stored(self, params, opt_state):
@@ -1053,7 +1062,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         plan = self._plan(grouped.groups)
         index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         skey = step_key(self.seed, ts.step)
-        params, opt_state = self._streamed(grouped, plan, ts.step)  # (the disk tier: read ahead, written back)
+        params, opt_state = self._streamed(grouped, plan, ts)  # (a streamed tier: fetched ahead, written back)
         states = grouped.layer_state
         new_states = list(states)
         finite, sq = [None] * (last + 1), [None] * (last + 1)
