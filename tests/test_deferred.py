@@ -63,10 +63,9 @@ def standard_runs(text_batches):
     return batches, Runs()
 
 
-@pytest.mark.parametrize("microbatches,kwargs", [
-    (2, {}),
-    *(pytest.param(m, kw, marks=pytest.mark.slow) for m, kw in [(1, {}), (2, {"scan_layers": False}),
-                                                               (2, {"offload": True})]),
+@pytest.mark.parametrize("microbatches,kwargs", [  # (make test: test_combinations' microbatches cells, test_exactness')
+    pytest.param(m, kw, marks=pytest.mark.slow) for m, kw in [(2, {}), (1, {}), (2, {"scan_layers": False}),
+                                                              (2, {"offload": True})]
 ])
 def test_the_deferred_step_is_the_standard_trainers_bits(standard_runs, microbatches, kwargs):
     """Clip + AdamW, 3 steps, the clip active on each: the deferred step's losses and every parameter are the

@@ -170,6 +170,7 @@ def test_the_planner_measures_a_top_mode_by_its_own_forward():
     assert an.head(2, top=modes.CHECKPOINT).extra < an.head(2).extra  # (one block's residuals at a time)
 
 
+@pytest.mark.slow  # make test keeps the mode's training test below
 def test_backprop_bf16_holds_less_than_backprop_in_the_head_program():
     """`modes.Bf16Backprop`'s memory term, from the class alone: the planner's head program (`budget._Analysis.head`)
     with one and with two blocks in that mode holds fewer bytes than with backprop's, and each block it adds
