@@ -10,10 +10,10 @@ The programs are the device tier's own: they never see where a layer lives, so e
 bit like ``offload = False``.
 
 **Overlap.** A fetch is submitted when a program is dispatched and starts once the program ``ahead`` before
-that one has run (`Store.ahead`): it may overlap the ``ahead`` programs before its user. With host memory (``ahead = 2``) a layer moves in while the layer before it
-computes, and each updated layer moves out while the next one computes: a step takes about the larger of its
-compute and its transfers, not their sum (the transfers run on the threads;
-XLA's runtime runs the copies on its own transfer streams). With ``ahead = 0`` (files) a read starts only
+that one has run (`Store.ahead`): it may overlap the ``ahead`` programs before its user. With host memory
+(``ahead = 2``) a layer moves in while the layers before it compute, and each updated layer moves out while
+the next one computes: a step takes about the larger of its compute and its transfers, not their sum (the
+transfers run on the threads; XLA's runtime runs the copies on its own transfer streams). With ``ahead = 0`` (files) a read starts only
 once the program before has run, so it never shares memory with that program's temporaries: the disk tier's
 plan keeps its peak at three layers, and the read hides behind the previous layer's write, which bounds a
 disk-tier step anyway (docs/disk.md).
@@ -25,7 +25,9 @@ written at a time: the device holds the layer computing, those fetched ahead and
 **Host memory as the store.** `HostStore` keeps a layer's state as JAX arrays in a host memory kind:
 ``unpinned_host`` (ordinary pageable memory) where the backend has it, so the state is not held in the
 runtime's pinned pool (on a GPU that pool grows by doubling regions and is capped, 64 GB by default), else
-``pinned_host``. The runtime stages a pageable copy through its own pinned buffers.
+``pinned_host``. The runtime stages a pageable copy through its own pinned buffers. A step replaces the
+state layer by layer: once a layer's new state is written its old one is let go (``release``), as donation
+consumes the device tier's, so host memory holds one state and the layers in flight, never two states.
 
 The same read-ahead / write-behind pattern moves optimizer state for ZeRO-Offload (Ren et al. 2021) and
 ZeRO-Infinity (Rajbhandari et al. 2021); here it follows a reversible step's schedule, one layer at a time.
@@ -175,11 +177,10 @@ def _on_device(tree):
 
 class HostStore(Store):
     """The host tier's store (``offload = True``): each group's state as JAX arrays in host memory
-    (`HostLayer`), fetched with one ``jax.device_put`` per tree and put back the same way. A fetch waits for
-    the program two before its user (``ahead = 2``: it moves in while the program before computes) and up to
-    two layers are fetched ahead (``read_ahead = 2``), so the reader never waits on the dispatch of the
-    program between (measured on the CPU with a slow link: 1.18x the larger of compute and transfers, against
-    1.28x with one layer ahead, docs/streaming.md)."""
+    (`HostLayer`), fetched with one ``jax.device_put`` per tree and put back the same way. A fetch may overlap
+    the two programs before its user (``ahead = 2``) and up to two layers are fetched ahead (``read_ahead =
+    2``), so the reader never waits for the dispatch of the program between (docs/streaming.md has the
+    measurement behind both)."""
 
     ahead = 2
     read_ahead = 2
