@@ -43,7 +43,8 @@ memory exactly what the plan counts.
 
 The deferred update (global-norm clipping, microbatches, tied parameters: `revtrain.trainers.deferred`)
 keeps its whole-step gradient buffer in files too, one per layer, read and written by the same threads
-(`DeferredStream`, `deferred_schedule`); it is used up within its step, so checkpoints never hold it.
+(`revtrain.streaming.DeferredStream`, whose buffers this store keeps as files); it is used up within its step,
+so checkpoints never hold it.
 
 ZeRO-Infinity (Rajbhandari et al. 2021) and Fuyou (Liao et al. 2024) keep optimizer state on NVMe in
 PyTorch; this module follows the same read-ahead / write-behind idea per reversible layer.
@@ -62,7 +63,7 @@ import numpy as np
 import xxhash
 
 from revtrain.errors import ConfigError, RunFailure
-from revtrain.streaming import StepStream, Store, View
+from revtrain.streaming import Store
 
 ALIGN = 4096
 STEP_PREFIX = "step_"
@@ -453,16 +454,29 @@ class DiskTier(Store):
         self.seal(step)
         self.remove_step([r for r in refs if isinstance(r, DiskLayer)])
 
-    def deferred_stream(self, refs: list, step: int, place, kinds: list, microbatches: int, passes: int,
-                        owners: list, param_shapes: list) -> "DeferredStream":
-        """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step`` (the gradient
-        buffer's files in that step's directory, ``grads/``): its accesses from the plan's ``kinds``
-        (`deferred_schedule`), each layer's buffer shaped like its weights (``param_shapes``, one tree per
-        layer)."""
-        self.begin(step, refs)
-        schedule = deferred_schedule(kinds, microbatches, passes, owners)
-        grads = [self.layout(("grad", i), shapes, ()) for i, shapes in enumerate(param_shapes)]
-        return self.listen(DeferredStream(self, refs, step, schedule, place, grads))
+    # -- the deferred update's gradient buffers (`revtrain.streaming.DeferredStream`): files too --
+    def grad_dir(self, step: int) -> str:
+        return os.path.join(self.step_dir(step), "grads")
+
+    def begin_buffers(self, step: int) -> None:
+        os.makedirs(self.grad_dir(step), exist_ok=True)
+
+    def buffer_ref(self, step: int, g: int, version: int, shapes) -> DiskLayer:
+        """A new buffer file ``<step dir>/grads/grad_<g>_<version>.bin`` (its checksums set by the writer,
+        before it is read)."""
+        return DiskLayer(self.layout(("grad", g), shapes, ()),
+                         os.path.join(self.grad_dir(step), f"grad_{g:05d}_{version}.bin"))
+
+    def write_buffer(self, ref: DiskLayer, value) -> None:
+        leaves = jax.tree.leaves(value)
+        del value
+        ref.sums = write_layer(ref.path, ref.layout, leaves)
+
+    def drop_buffer(self, ref: DiskLayer) -> None:
+        _remove(ref.path)
+
+    def end_buffers(self, step: int) -> None:
+        shutil.rmtree(self.grad_dir(step), ignore_errors=True)
 
     def remove_step(self, refs: list) -> None:
         """Removes the step directories of ``refs`` that lie inside the tier's directory (a checkpoint's
@@ -471,128 +485,6 @@ class DiskTier(Store):
         for folder in {os.path.dirname(os.path.abspath(r.path)) for r in refs if isinstance(r, DiskLayer) and r.path}:
             if os.path.dirname(folder) == root and os.path.basename(folder).startswith(STEP_PREFIX):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-class DeferredStream(StepStream):
-    """One deferred-update step's reads and writes of a disk-tier state (`revtrain.trainers.deferred`):
-    `StepStream` with a third part per group, ``"grad"``, the layer's whole-step gradient buffer.
-
-    The buffer lives in files as the weights and optimizer state do: each store (``put(g, "grad", value)``,
-    after each microbatch's backward of the layer) is written by the tier's writer thread to a new file
-    ``<step dir>/grads/grad_<g>_<n>.bin`` and the file it replaces is removed; each use (the next
-    microbatch's backward, the statistics and update passes) is read ahead by the reader thread as the
-    weights are. The first microbatch's buffer is zeros made at its use (nothing read). Memory holds the
-    layers in flight, each now with its gradient beside its weights (and optimizer state in the passes);
-    disk two gradients' sizes at most (a layer's old and new buffer files), one step's directory, removed
-    when the step ends. The buffer never outlives its step: the update pass consumes it before the step's
-    files are sealed, so a checkpoint (the step's layer files) never holds a pending gradient, and a run
-    killed mid-step leaves only files of an unsealed step directory, removed when the next run starts.
-
-    ``schedule``: the expected accesses ``(group, "params" | "opt" | "grad")`` in order
-    (`deferred_schedule`). A buffer's next read is never submitted before its previous store: read-ahead
-    stops at the schedule entry of a buffer that was read and not stored yet.
-    """
-
-    def __init__(self, tier: DiskTier, refs: list, step: int, schedule: list, place, grad_layouts: list):
-        n = len(refs)
-        self.count, self.grad_layouts = n, list(grad_layouts)
-        self.grad_dir = os.path.join(tier.step_dir(step), "grads")
-        self._awaiting: set = set()  # groups whose buffer was read and not stored yet
-        self._versions: dict = {}  # group -> buffer files written
-        self._grad_writes: dict = {}  # group -> Future of its newest buffer file's write
-        # A buffer is entry ``n + g`` of the stream's refs (its file's layout holds the gradient as "params").
-        entries = [(g + n, "params") if part == "grad" else (g, part) for g, part in schedule]
-        super().__init__(tier, list(refs) + [None] * n, step, entries, place)
-        os.makedirs(self.grad_dir, exist_ok=True)
-        self.grads = View(self, "grad")
-
-    def _not_yet(self, g: int) -> bool:
-        n = self.count
-        return g >= n and g - n in self._awaiting  # a buffer whose newest value is not stored yet
-
-    def _submit(self, g: int, part: str):
-        n = self.count
-        written = self._grad_writes.get(g - n) if g >= n else None
-        return self.tier.submit_read(self._read_after, g, part, self._gate, written)
-
-    def _read_after(self, g: int, part: str, gate, written):
-        if written is not None:  # (the reader waits for the writer's file)
-            written.result()
-        return self._read(g, part, gate)
-
-    def get(self, g: int, part: str):
-        """Group ``g``'s ``part`` as device arrays; ``"grad"``: its buffer (zeros before the first store)."""
-        if part != "grad":
-            return super().get(g, part)
-        n = self.count
-        self._awaiting.add(g)
-        if self.refs[g + n] is not None:
-            future = self._grad_writes.get(g)
-            if future is not None and (g + n, "params") not in self._pending:
-                future.result()  # read on demand: its file must be complete
-            return super().get(g + n, "params")
-        try:
-            self._next = self.schedule.index((g + n, "params"), self._next) + 1
-        except ValueError:
-            pass
-        layout = self.grad_layouts[g]
-        return jax.tree.unflatten(layout.params_def, [self.place(np.zeros(s, d))
-                                                      for s, d in zip(layout.shapes, layout.dtypes)])
-
-    def put(self, g: int, part: str, value) -> None:
-        """Stores group ``g``'s ``part``; ``"grad"``: written to a new buffer file at once (after the
-        previous write), the file it replaces removed."""
-        if part != "grad":
-            return super().put(g, part, value)
-        n = self.count
-        self._awaiting.discard(g)
-        while self._writes:  # one file written at a time
-            self._done(self._writes.popleft())
-        old = self.refs[g + n]
-        version = self._versions[g] = self._versions.get(g, 0) + 1
-        path = os.path.join(self.grad_dir, f"grad_{g:05d}_{version}.bin")
-        layout = self.grad_layouts[g]
-        ref = self.refs[g + n] = DiskLayer(layout, path)  # (its checksums set by the writer, before it is read)
-        future = self.tier.submit_write(self._write_grad, path, layout, jax.tree.leaves(value), ref)
-        self._writes.append((g + n, path, future))
-        self._grad_writes[g] = future
-        if old is not None:  # read already (it was this store's input)
-            _remove(old.path)
-
-    def _write_grad(self, path, layout, leaves, ref):
-        start = time.perf_counter()
-        ref.sums = write_layer(path, layout, leaves)
-        self.write_seconds += time.perf_counter() - start
-        self.write_bytes += layout.nbytes()
-
-    def finish(self) -> list:
-        """`StepStream.finish` after every write; the gradient buffer's files removed first."""
-        try:
-            self._drain()
-        finally:
-            shutil.rmtree(self.grad_dir, ignore_errors=True)
-        self.refs = self.refs[:self.count]
-        return super().finish()
-
-
-def deferred_schedule(kinds: list, microbatches: int, passes: int, owners=()) -> list:
-    """The accesses of one deferred-update step (`revtrain.trainers.deferred`) over a plan's ``kinds``: per
-    microbatch the forward's weights, the tied leaves' owners' weights (``owners``: their groups), the
-    weights and buffers of the head's program (the blocks inside it first), the backward's weights and
-    buffers newest first; then ``passes`` statistics and update passes, each layer's weights, optimizer
-    state and buffer in order."""
-    last = len(kinds) - 1
-    top = 0
-    while top < last and kinds[last - 1 - top] == "top":
-        top += 1
-    below = last - top
-    one = [(g, "params") for g in range(below)] + [(g, "params") for g in owners]
-    one += [(g, "params") for g in range(below, last)] + [(g, "grad") for g in range(below, last)]
-    one += [(last, "params"), (last, "grad")]
-    for g in range(below - 1, -1, -1):
-        one += [(g, "params"), (g, "grad")]
-    passes_ = [(g, part) for g in range(last + 1) for part in ("params", "opt", "grad")]
-    return one * microbatches + passes_ * passes
 
 
 def deferred_io(weights: int, opt: int, head_weights: int, owner_weights: int, microbatches: int,
@@ -802,9 +694,6 @@ def bandwidth(directory: str, cache: str | None = _CACHE, nbytes: int = BANDWIDT
 def refusal(trainer) -> str | None:
     """Why ``trainer`` (a `ReversibleTrainer` asked for ``offload = 'disk'``) cannot run the disk tier, in one
     line, or None."""
-    if trainer.scan_layers:
-        return ("ReversibleTrainer.offload = 'disk' runs the per-layer executor: set ReversibleTrainer.scan_layers "
-                "= False")
     if jax.process_count() > 1:
         return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
     return None

@@ -39,10 +39,12 @@ makes the link slow on purpose); every stream records its fetches and dispatches
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections import deque
 
 import jax
+import numpy as np
 
 from revtrain.placement import DEVICE_MEMORY
 
@@ -65,6 +67,26 @@ def train_schedule(kinds: list) -> list:
     for g in range(below - 1, -1, -1):
         out += [(g, "params"), (g, "opt")]
     return out
+
+
+def deferred_schedule(kinds: list, microbatches: int, passes: int, owners=()) -> list:
+    """The accesses of one deferred-update step (`revtrain.trainers.deferred`) over a plan's ``kinds``: per
+    microbatch the forward's weights, the tied leaves' owners' weights (``owners``: their groups), the
+    weights and buffers of the head's program (the blocks inside it first), the backward's weights and
+    buffers newest first; then ``passes`` statistics and update passes, each layer's weights, optimizer
+    state and buffer in order."""
+    last = len(kinds) - 1
+    top = 0
+    while top < last and kinds[last - 1 - top] == "top":
+        top += 1
+    below = last - top
+    one = [(g, "params") for g in range(below)] + [(g, "params") for g in owners]
+    one += [(g, "params") for g in range(below, last)] + [(g, "grad") for g in range(below, last)]
+    one += [(last, "params"), (last, "grad")]
+    for g in range(below - 1, -1, -1):
+        one += [(g, "params"), (g, "grad")]
+    passes_ = [(g, part) for g in range(last + 1) for part in ("params", "opt", "grad")]
+    return one * microbatches + passes_ * passes
 
 
 class Store:
@@ -147,6 +169,34 @@ class Store:
         budget = max((self.nbytes(r, "params") for r in refs if self.holds(r)), default=0)
         return StepStream(self, refs, None, schedule, place, budget=budget)
 
+    def deferred_stream(self, refs: list, step: int, place, kinds: list, microbatches: int, passes: int,
+                        owners: list, grad_shapes: list, release=None) -> "DeferredStream":
+        """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step``: its accesses
+        from the plan's ``kinds`` (`deferred_schedule`), each group's gradient buffer shaped like its weights
+        (``grad_shapes``: one tree of ``jax.ShapeDtypeStruct`` per group); ``release`` as in `stream`."""
+        self.begin(step, refs)
+        schedule = deferred_schedule(kinds, microbatches, passes, owners)
+        return self.listen(DeferredStream(self, refs, step, schedule, place, grad_shapes, release=release))
+
+    # -- the deferred update's gradient buffers (`DeferredStream`) --
+    def begin_buffers(self, step: int) -> None:
+        """Prepares the gradient buffers of the step that makes ``step``."""
+
+    def buffer_ref(self, step: int, g: int, version: int, shapes):
+        """A new ref for version ``version`` of group ``g``'s gradient buffer (``shapes``: a tree of
+        ``jax.ShapeDtypeStruct``), read as its ``"params"`` once `write_buffer` has filled it."""
+        raise NotImplementedError
+
+    def write_buffer(self, ref, value) -> None:
+        """Stores ``value`` (device arrays) as the buffer ``ref`` (called on the writer thread)."""
+        raise NotImplementedError
+
+    def drop_buffer(self, ref) -> None:
+        """Lets go of a buffer that a newer version replaced."""
+
+    def end_buffers(self, step: int) -> None:
+        """Removes whatever is left of the step's gradient buffers."""
+
     def submit_read(self, fn, *args):
         return self._readers.submit(fn, *args)
 
@@ -168,7 +218,7 @@ class HostLayer:
 
 
 def _nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
 def _on_device(tree):
@@ -185,6 +235,10 @@ class HostStore(Store):
     ahead = 2
     read_ahead = 2
     prefix = "host"
+
+    def __init__(self, memory_kind: str | None = None):
+        super().__init__()
+        self.memory_kind = memory_kind  # where a gradient buffer is kept (`write_buffer`)
 
     def holds(self, ref) -> bool:
         return isinstance(ref, HostLayer)
@@ -210,6 +264,14 @@ class HostStore(Store):
         params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, ref.params))
         opt_state = jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, ref.opt_state))
         return HostLayer(*jax.block_until_ready((params, opt_state)))
+
+    def buffer_ref(self, step: int, g: int, version: int, shapes):
+        return HostLayer(shapes, ())  # (its params, shapes until `write_buffer` puts the values there)
+
+    def write_buffer(self, ref, value) -> None:
+        kind = self.memory_kind
+        ref.params = jax.block_until_ready(
+            jax.device_put(value, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), value)))
 
 
 class Bounded:
@@ -442,3 +504,102 @@ class StepStream:
         p = self.store.prefix
         return {f"{p}_read_bytes": self.read_bytes, f"{p}_write_bytes": self.write_bytes,
                 f"{p}_read_seconds": self.read_seconds, f"{p}_write_seconds": self.write_seconds}
+
+
+class DeferredStream(StepStream):
+    """One deferred-update step's reads and writes of a store's layers (`revtrain.trainers.deferred`):
+    `StepStream` with a third part per group, ``"grad"``, the layer's whole-step gradient buffer.
+
+    The buffer lives in the store as the weights and optimizer state do (host memory, or files on the disk
+    tier: `Store.buffer_ref`): each store (``put(g, "grad", value)``, after each microbatch's backward of the
+    layer) is written by the store's writer thread as a new version, and the version it replaces is dropped;
+    each use (the next microbatch's backward, the statistics and update passes) is read ahead by the reader
+    thread as the weights are. The first microbatch's buffer is zeros made at its use (nothing read). The
+    device holds the layers in flight, each now with its gradient beside its weights (and optimizer state in
+    the passes); the store two versions of one buffer at most besides the others. The buffers never outlive
+    their step: the update pass consumes them before the step ends (`Store.end_buffers`), so a checkpoint
+    never holds a pending gradient.
+
+    ``schedule``: the expected accesses ``(group, "params" | "opt" | "grad")`` in order
+    (`deferred_schedule`). A buffer's next read is never submitted before its previous store: read-ahead
+    stops at the schedule entry of a buffer that was read and not stored yet.
+    """
+
+    def __init__(self, store: Store, refs: list, step: int, schedule: list, place, grad_shapes: list,
+                 release=None):
+        n = len(refs)
+        self.count, self.grad_shapes = n, list(grad_shapes)
+        self._awaiting: set = set()  # groups whose buffer was read and not stored yet
+        self._versions: dict = {}  # group -> buffer versions written
+        self._grad_writes: dict = {}  # group -> Future of its newest buffer's write
+        # A buffer is entry ``n + g`` of the stream's refs (read as its "params").
+        entries = [(g + n, "params") if part == "grad" else (g, part) for g, part in schedule]
+        super().__init__(store, list(refs) + [None] * n, step, entries, place, release=release)
+        store.begin_buffers(step)
+        self.grads = View(self, "grad")
+
+    def _not_yet(self, g: int) -> bool:
+        n = self.count
+        return g >= n and g - n in self._awaiting  # a buffer whose newest value is not stored yet
+
+    def _submit(self, g: int, part: str):
+        n = self.count
+        written = self._grad_writes.get(g - n) if g >= n else None
+        after = None if self._gate is None else self._dispatched - 1 - self.store.ahead
+        return self.store.submit_read(self._read_after, g, part, self._gate, after, written)
+
+    def _read_after(self, g: int, part: str, gate, after, written):
+        if written is not None:  # (the reader waits for the writer's copy)
+            written.result()
+        return self._read(g, part, gate, after)
+
+    def get(self, g: int, part: str):
+        """Group ``g``'s ``part`` as device arrays; ``"grad"``: its buffer (zeros before the first store)."""
+        if part != "grad":
+            return super().get(g, part)
+        n = self.count
+        self._awaiting.add(g)
+        if self.refs[g + n] is not None:
+            future = self._grad_writes.get(g)
+            if future is not None and (g + n, "params") not in self._pending:
+                future.result()  # read on demand: its write must be complete
+            return super().get(g + n, "params")
+        try:
+            self._next = self.schedule.index((g + n, "params"), self._next) + 1
+        except ValueError:
+            pass
+        return jax.tree.map(lambda x: self.place(np.zeros(x.shape, x.dtype)), self.grad_shapes[g])
+
+    def put(self, g: int, part: str, value) -> None:
+        """Stores group ``g``'s ``part``; ``"grad"``: written as a new version at once (after the previous
+        write), the version it replaces dropped."""
+        if part != "grad":
+            return super().put(g, part, value)
+        n = self.count
+        self._awaiting.discard(g)
+        while self._writes:  # one write at a time
+            self._done(self._writes.popleft())
+        old = self.refs[g + n]
+        version = self._versions[g] = self._versions.get(g, 0) + 1
+        ref = self.refs[g + n] = self.store.buffer_ref(self.step, g, version, self.grad_shapes[g])
+        future = self.store.submit_write(self._write_grad, ref, [value])
+        del value
+        self._writes.append((g + n, None, future))
+        self._grad_writes[g] = future
+        if old is not None:  # read already (it was this store's input)
+            self.store.drop_buffer(old)
+
+    def _write_grad(self, ref, box):
+        start = time.perf_counter()
+        self.store.write_buffer(ref, box.pop())
+        self.write_seconds += time.perf_counter() - start
+        self.write_bytes += self.store.nbytes(ref, "params")
+
+    def finish(self) -> list:
+        """`StepStream.finish` after every write; the gradient buffers dropped first."""
+        try:
+            self._drain()
+        finally:
+            self.store.end_buffers(self.step)
+        self.refs = self.refs[:self.count]
+        return super().finish()
