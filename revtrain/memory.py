@@ -171,14 +171,8 @@ class MemoryMeter:
             self._count(_distinct_buffers(jax.live_arrays()[::-1], self.device))  # (oldest first: see there)
             self.peak = self._total
 
-    def observe(self, fn, args, moved: tuple = ()) -> None:
-        """Accounts for one compiled call of ``fn(*args)`` that is about to run (estimate method only).
-
-        ``moved``: positions of arguments in host memory that the program moves to the device itself
-        (an offloaded layer's weights and optimizer state). Their bytes count as device bytes while the
-        call runs: XLA:CPU, whose host and device memory are one, compiles those moves to nothing, so its
-        temporary bytes do not show them.
-        """
+    def observe(self, fn, args) -> None:
+        """Accounts for one compiled call of ``fn(*args)`` that is about to run (estimate method only)."""
         if not self.active or self.method != "estimate":
             return
         leaves, treedef = jax.tree.flatten(args)
@@ -193,10 +187,6 @@ class MemoryMeter:
                     0, int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes))
             except Exception:  # a backend without memory analysis: count live arrays only
                 extra = 0
-            for i in moved:
-                for x in jax.tree.leaves(args[i]):
-                    if isinstance(x, jax.Array) and self.device in x.sharding.device_set:
-                        extra += _shard_bytes(x)
             self._temp_cache[key] = extra
         self.peak = max(self.peak, self._total + extra)
 

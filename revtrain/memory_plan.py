@@ -36,10 +36,9 @@ moved past (`disk_tier.disk_need`), and with the deferred update two gradients' 
 (memory: two layers' buffers in flight and a tied leaf's other use), against the free space of the offload
 directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
-On a GPU, the host tier's state lives in XLA's pinned host pool (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB
-by default) when its programs move it themselves (the scanned executor, the deferred update): a **pinned** tier
-checks it. Streamed (`revtrain.streaming`: the per-layer executor and the fused update) it is pageable and the
-pinned tier holds only the transfers in flight; the disk tier reads into pageable memory and does not use it.
+On a GPU, the host tier's state is pageable (`revtrain.streaming`) and XLA's pinned host pool
+(``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB by default) holds only the transfers in flight: a **pinned** tier
+checks it; the disk tier reads into pageable memory and does not use it.
 
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
@@ -126,10 +125,9 @@ class Setup:
       optimizer: the optax ``GradientTransformation`` (its state's shapes).
       batch_size: the global batch, in examples.
       microbatches: M (each device's share runs as M microbatches).
-      offload: reversible: weights, optimizer state and saved inputs in host memory.
+      offload: reversible: weights, optimizer state and saved inputs in host memory (pageable, moved by the
+        streaming engine, `revtrain.streaming`).
       disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
-      streamed: reversible with ``offload``: the state moved by the streaming engine (`revtrain.streaming`:
-        the per-layer executor and the fused update), in pageable host memory, not by the programs.
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
@@ -147,7 +145,6 @@ class Setup:
     microbatches: int = 1
     offload: bool = False
     disk: bool = False
-    streamed: bool = False
     shard_state: bool = False
     deferred: bool = False
     remat: bool = False
@@ -204,10 +201,9 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         out.append(dataclasses.replace(base_rev, offload=True, disk=False, label=label,
                                        settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
     head = out[-1]  # the leanest so far: the next choices add to it
-    if not base_rev.disk and not base_rev.shard_state:  # the disk tier (per-layer executor)
+    if not base_rev.disk and not base_rev.shard_state:  # the disk tier
         out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
-                                       settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",
-                                                                     "ReversibleTrainer.scan_layers = False")))
+                                       settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",)))
     ada = optax.adafactor(1e-3)
     out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
                                    deferred=head.deferred or head.shard_state,
@@ -231,8 +227,7 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         key = (s.label, s.settings)
         if key not in seen and s != setup:
             seen.add(key)
-            # (the budget is the run's own; a deferred update is not streamed: its programs move the state)
-            unique.append(dataclasses.replace(s, budget_peak=0, streamed=s.streamed and not s.deferred))
+            unique.append(dataclasses.replace(s, budget_peak=0))  # (the budget is the run's own)
     return unique
 
 
@@ -554,12 +549,9 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
 
 
 def _pinned_tier(setup: Setup, tiers: dict, state: tuple) -> None:
-    """Adds XLA's pinned host pool (an accelerator's host tier) to ``tiers``: the state itself when the
-    programs move it, or with the streaming engine (pageable state) the transfers in flight, a layer fetched
-    and a layer written back, staged there by the runtime (pinned memory is host RAM too: counted in both)."""
-    if not setup.streamed:
-        tiers["pinned"] = {k: tiers["host"][k] for k in ("weights", "optimizer_state", "gradients", "activations")}
-        return
+    """Adds XLA's pinned host pool (an accelerator's host tier) to ``tiers``: the streaming engine's
+    transfers in flight (the state is pageable), a layer fetched and a layer written back, staged there by the
+    runtime (pinned memory is host RAM too: counted in both)."""
     lw, ls = max(state[2]), max(state[3])
     tiers["pinned"] = {"weights": 2 * lw, "optimizer_state": 2 * (ls - lw)}
     for k in ("weights", "optimizer_state"):
@@ -707,22 +699,21 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
         temp = max(0, temp - max(layer_state))
     elif step.offload:
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
-        # deferred gradient buffer (it lives where the state lives). Device: the program's layer (two
-        # slices of a scanned run), one layer's gradient, the current activation, temporaries.
+        # deferred gradient buffer (it lives where the state lives). Device: the layers in flight, one
+        # layer's gradient (two buffers of the deferred update), the current activation, temporaries.
         host["weights"], host["optimizer_state"] = weights * n, opt * n
         host["activations"] = step.saved_std * n
         host["gradients"] = (step.grads - one_layer) * n
-        if setup.streamed:  # the layer computing, those fetched ahead and the one being written back
-            from revtrain.streaming import HostStore
-            lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
-            if setup.shard_state:
-                lw, lo = -(-lw // n), -(-lo // n)
-            flight = 2 + HostStore.read_ahead
-            device["weights"], device["optimizer_state"] = flight * lw, flight * lo
-        elif not one_tier:  # (XLA:CPU compiles the moves to nothing: no second copy there)
-            device["weights"] = 2 * one_layer
-            device["optimizer_state"] = 2 * (max(layer_state) - one_layer)
-        device["gradients"] = one_layer
+        # The layer computing, those fetched ahead and the one being written back (`revtrain.streaming`).
+        from revtrain.streaming import HostStore
+        lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+        if setup.shard_state:
+            lw, lo = -(-lw // n), -(-lo // n)
+        flight = 2 + HostStore.read_ahead
+        device["weights"], device["optimizer_state"] = flight * lw, flight * lo
+        # A deferred update's buffers live in the store too: two in flight beside their layers' weights (and
+        # the tied leaves' other use, held all step); else one layer's gradient.
+        device["gradients"] = 2 * lw + _tied_bytes(model) if setup.deferred else one_layer
         device["activations"] = acts - step.saved_std
     else:
         device.update(weights=weights, optimizer_state=opt, gradients=step.grads, activations=acts)

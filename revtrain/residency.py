@@ -4,11 +4,9 @@ A trainer holds each layer's weights and optimizer state in one *tier* between t
 
 * ``"device"``: device memory (the default; on a CPU that is host RAM);
 * ``"host"``: host memory (``ReversibleTrainer.offload = True``; ZeRO-Offload, Ren et al. 2021, keeps the same
-  state in CPU memory). Under the per-layer executor and the fused update the state is a
-  `revtrain.streaming.HostStore`'s (memory kind ``unpinned_host``, pageable, where the backend has it): the
-  streaming engine moves each layer to the device ahead of its program and the update back behind it. Else
-  (the scanned executor, the deferred update) it is in ``pinned_host`` and each program moves its layer's
-  state to the device and the updated state back itself;
+  state in CPU memory), a `revtrain.streaming.HostStore`'s (memory kind ``unpinned_host``, pageable, where the
+  backend has it, else ``pinned_host``): the streaming engine moves each layer to the device ahead of its
+  program and the update back behind it;
 * ``"disk"``: files, one per layer (``ReversibleTrainer.offload = 'disk'``; `revtrain.disk_tier`, whose
   `DiskTier` is this object's ``store``): each layer is read ahead of its program into device memory and
   written back after its update by the same engine, so memory holds only the layers in flight;
@@ -32,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, shard_spec
+from revtrain.streaming import HostStore
 
 TIERS = ("device", "host", "disk")
 
@@ -41,26 +40,26 @@ class Residency:
 
     Args:
       mesh: the data mesh.
-      tier: ``"device"``, ``"host"`` (``pinned_host`` memory) or ``"disk"`` (layer files).
+      tier: ``"device"``, ``"host"`` (host memory) or ``"disk"`` (layer files).
       sharded: split each large leaf over the ``"data"`` axis (``shard_state``) instead of replicating it.
-      store: the `revtrain.streaming.Store` whose engine moves the state between uses: the disk tier's
-        `revtrain.disk_tier.DiskTier` (always), a `revtrain.streaming.HostStore` (the host tier, streamed), or
-        None (the device tier; the host tier whose programs move the state themselves).
+      store: the disk tier's `revtrain.disk_tier.DiskTier` (the host tier makes its own
+        `revtrain.streaming.HostStore`; the device tier has none).
 
     Raises:
-      ValueError: an unknown tier, a disk tier without a store or a device tier with one.
+      ValueError: an unknown tier, a disk tier without a store or another tier with one.
     """
 
     def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False, store=None):
         if tier not in TIERS:
             raise ValueError(f"residency tier must be one of {', '.join(map(repr, TIERS))}, got {tier!r}")
-        if (tier == "disk" and store is None) or (tier == "device" and store is not None):
-            raise ValueError("the disk tier needs its store, the device tier has none")
-        self.mesh, self.tier, self.sharded, self.store = mesh, tier, sharded, store
-        # A streamed host store in pageable memory where every device has it: only the engine's copies
-        # touch it, never a program (XLA's in-program moves need pinned memory).
+        if (tier == "disk") != (store is not None):
+            raise ValueError("the disk tier needs its store, the other tiers take none")
+        self.mesh, self.tier, self.sharded = mesh, tier, sharded
+        # The host store in pageable memory where every device has it: only the engine's copies touch it,
+        # never a program.
         self._kind = None if tier != "host" else (
-            PAGEABLE_MEMORY if store is not None and host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY)
+            PAGEABLE_MEMORY if host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY)
+        self.store = HostStore(self._kind) if tier == "host" else store
 
     @property
     def disk(self):
@@ -69,13 +68,12 @@ class Residency:
 
     @property
     def streamed(self) -> bool:
-        """True when the streaming engine moves the state (`revtrain.streaming`): the disk tier, and the host
-        tier under the per-layer executor and the fused update."""
+        """True when the streaming engine moves the state (`revtrain.streaming`): the host and disk tiers."""
         return self.store is not None
 
     @property
     def offloaded(self) -> bool:
-        """True when the state lives outside device memory (programs move it in and out)."""
+        """True when the state lives outside device memory (the engine moves it in and out)."""
         return self.tier != "device"
 
     @property

@@ -118,7 +118,7 @@ def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer, me
         with jax.default_matmul_precision("highest"):
             model = ComposedModel(seed=0, d_model=32, input_key="inputs", sequence_length=128)
             kwargs = {} if trainer_cls is not ReversibleTrainer else {
-                "offload": offload, "scan_layers": False, "offload_dir": directory, **more}
+                "offload": offload, "offload_dir": directory, **more}
             trainer = trainer_cls(model, tx, mesh, seed=0, microbatches=2, **kwargs)
             ts, losses, norms = trainer.init(), [], []
             for b in batches:
@@ -132,18 +132,23 @@ def _recipe_train(offload, directory, batches, trainer_cls=ReversibleTrainer, me
     return losses, norms, params, scores, trainer, ts
 
 
-def test_recipe_on_the_disk_tier_bit_equal_to_the_host_tier(tmp_path, text_batches):
-    """clip_by_global_norm(0.5) + AdamW, 2 microbatches and a tied embedding/head over 10 steps of real text:
-    the disk tier (its gradient buffer in files) gives the host tier's losses, gradient norms, every
-    parameter leaf and evaluation bit for bit; it reads and writes exactly `disk_tier.deferred_io`'s bytes
-    and leaves only the newest step's layer files; the table is held once (in the embedding's file)."""
+def test_recipe_on_every_tier_bit_for_bit(tmp_path, text_batches):
+    """clip_by_global_norm(0.5) + AdamW, 2 microbatches and a tied embedding/head over 10 steps of real text,
+    the default ``scan_layers``: the host tier (its gradient buffer in the host store) and the disk tier (in
+    files), both streamed per layer, give the device tier's losses, gradient norms, every parameter leaf and
+    evaluation bit for bit; both move exactly `disk_tier.deferred_io`'s bytes (the same schedule); the disk
+    tier leaves only the newest step's layer files; the table is held once (in the embedding's file)."""
     batches = text_batches(8, 10)
+    device = _recipe_train(False, None, batches)
     host = _recipe_train(True, None, batches)
     disk = _recipe_train("disk", str(tmp_path / "tier"), batches)
     assert disk[4].deferred and disk[4].layerwise.rounds == 1 and disk[4].model.ties
+    assert any(count > 1 for _, count in device[4].groups)  # (the device tier's scanned run; the others per layer)
+    assert all(count == 1 for _, count in host[4].groups + disk[4].groups)
     assert sum(n > 0.5 for n in host[1]) >= 5, host[1]  # the clip is active
-    assert disk[0] == host[0] and disk[1] == host[1] and disk[3] == host[3]
-    assert _same(disk[2], host[2])
+    for tier in (host, disk):
+        assert tier[0] == device[0] and tier[1] == device[1] and tier[3] == device[3]
+        assert _same(tier[2], device[2])
     assert host[0][-1] < host[0][0] - 0.5  # it trains
     refs = disk[5].params
     assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000010"]
@@ -153,12 +158,11 @@ def test_recipe_on_the_disk_tier_bit_equal_to_the_host_tier(tmp_path, text_batch
     read, write = disk_tier.deferred_io(weights, opt, refs[-1].layout.nbytes("params"), refs[0].layout.nbytes("params"),
                                         2, 2)
     assert (disk[4].disk_stats["disk_read_bytes"], disk[4].disk_stats["disk_write_bytes"]) == (read, write)
+    assert (host[4].disk_stats["host_read_bytes"], host[4].disk_stats["host_write_bytes"]) == (read, write)
 
 
 def test_refusals(tmp_path):
     mesh, tx = make_mesh(), optax.adamw(1e-3)
-    with pytest.raises(TrainerError, match="scan_layers = False"):
-        ReversibleTrainer(_model(), tx, mesh, offload="disk", offload_dir=str(tmp_path))
     with pytest.raises(TrainerError, match="False, True or 'disk'"):
         ReversibleTrainer(_model(), tx, mesh, offload="nvme")
     trainer = ReversibleTrainer(_model(), tx, mesh, offload="disk", scan_layers=False)

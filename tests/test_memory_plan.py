@@ -110,30 +110,26 @@ def test_standard_and_deferred_parts(model):
     expected = 2 * sum(x.nbytes // 2 if memory_plan_shard(x.shape) else x.nbytes
                        for layer in model.layers for x in jax.tree.leaves(layer.init_params))
     assert weights <= sharded["weights"] == expected < two["weights"]
-    # An accelerator: two tiers; offload moves the state to the host and leaves two layers on the device. The
-    # host state lives in XLA's pinned host pool: a third tier, checked against its size (64 GB by default).
-    gpu = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="o"), _spec(B), 1,
-                           limits={"host": (2**50, "t"), "device": (2**40, "t")}, platform="gpu")
-    assert set(gpu.tiers) == {"device", "host", "pinned"}
-    assert gpu.tiers["pinned"]["weights"] == weights and gpu.limits["pinned"] == 64 * 2**30
-    assert gpu.tiers["host"]["weights"] == weights and gpu.tiers["device"]["weights"] == 2 * largest
-    assert gpu.tiers["device"]["gradients"] == largest
 
 
-def test_the_streamed_host_tier_on_an_accelerator(model):
-    """The streaming engine's host tier (``Setup.streamed``) on an accelerator: the state pageable in host
-    memory, the pinned pool holding the transfers in flight (a layer fetched, a layer written back), four
-    layers on the device (the one computing, two fetched ahead, one written back); an alternative that defers
-    the update (microbatches) is not streamed."""
+def test_the_host_tier_on_an_accelerator(model):
+    """The host tier (``offload``) on an accelerator: three tiers. The state is pageable in host memory and
+    XLA's pinned pool holds only the transfers in flight (a layer fetched, a layer written back), checked
+    against the pool's size (64 GB by default); four layers on the device (the one computing, two fetched
+    ahead, one written back) and one layer's gradient, or with the deferred update (microbatches) two
+    buffers in flight."""
     weights, opt, largest = _exact(model)
     tx = optax.adamw(1e-3)
-    setup = memory_plan.Setup("reversible", tx, B, offload=True, streamed=True, label="s")
-    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
-                           platform="gpu")
+    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    limits = {"host": (2**50, "t"), "device": (2**40, "t")}
+    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu")
+    assert set(gpu.tiers) == {"device", "host", "pinned"} and gpu.limits["pinned"] == 64 * 2**30
     assert gpu.tiers["pinned"]["weights"] == 2 * largest and gpu.tiers["device"]["weights"] == 4 * largest
     assert gpu.tiers["host"]["weights"] == weights + 2 * largest
+    assert gpu.tiers["device"]["gradients"] == largest
     other = {s.label: s for s in memory_plan.alternatives(setup, model, 1, True)}
-    assert not other["s + 2 microbatches"].streamed and other["s + Adafactor"].streamed
+    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="gpu")
+    assert other["s + 2 microbatches"].offload and deferred.tiers["device"]["gradients"] == 2 * largest
 
 
 def test_refusal_names_the_settings_that_fit(model):

@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.disk_tier import DiskTier
 from revtrain.models import ReversibleTransformerLM
-from revtrain.placement import DATA_AXIS, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, make_mesh
+from revtrain.placement import DATA_AXIS, PAGEABLE_MEMORY, host_memory_supported, make_mesh
 from revtrain.residency import TIERS, HostStack, Residency
 from revtrain.streaming import HostStore
-from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError
+from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +28,22 @@ def mesh():
 
 
 def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
-    """device: no memory kind, not offloaded; host: ``pinned_host`` when the programs move the state, the
-    pageable ``unpinned_host`` when the streaming engine does (a `HostStore`, where every device has that
-    space, as the CPU does); disk: the `DiskTier` is its store and its disk, no memory kind."""
+    """device: no memory kind, not offloaded, no store; host: its own `HostStore` in the pageable
+    ``unpinned_host`` (where every device has that space, as the CPU does), streamed; disk: the `DiskTier` is
+    its store and its disk, no memory kind."""
     assert TIERS == ("device", "host", "disk")
     assert host_memory_supported(mesh, PAGEABLE_MEMORY)
     device = Residency(mesh)
     host = Residency(mesh, "host")
-    streamed = Residency(mesh, "host", store=HostStore())
     disk = Residency(mesh, "disk", store=DiskTier(str(tmp_path / "offload")))
-    assert [r.tier for r in (device, host, streamed, disk)] == ["device", "host", "host", "disk"]
-    assert [r.memory_kind for r in (device, host, streamed, disk)] == [None, HOST_MEMORY, PAGEABLE_MEMORY, None]
-    assert [r.offloaded for r in (device, host, streamed, disk)] == [False, True, True, True]
-    assert [r.streamed for r in (device, host, streamed, disk)] == [False, False, True, True]
-    assert device.disk is None and host.disk is None and streamed.disk is None and disk.disk is disk.store
+    assert [r.tier for r in (device, host, disk)] == ["device", "host", "disk"]
+    assert [r.memory_kind for r in (device, host, disk)] == [None, PAGEABLE_MEMORY, None]
+    assert [r.offloaded for r in (device, host, disk)] == [False, True, True]
+    assert [r.streamed for r in (device, host, disk)] == [False, True, True]
+    assert device.store is None and isinstance(host.store, HostStore) and host.store.memory_kind == PAGEABLE_MEMORY
+    assert device.disk is None and host.disk is None and disk.disk is disk.store
     assert device.describe() == "device memory, replicated"
-    assert host.describe() == "host memory (pinned_host), replicated"
-    assert streamed.describe() == "host memory (unpinned_host), replicated"
+    assert host.describe() == "host memory (unpinned_host), replicated"
     assert disk.describe() == f"layer files in {tmp_path / 'offload'}, replicated"
     assert Residency(mesh, sharded=True).describe() == "device memory, split over the devices"
 
@@ -52,10 +51,12 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
 def test_unknown_tiers_and_misplaced_stores_are_refused(mesh, tmp_path):
     with pytest.raises(ValueError, match="residency tier must be one of 'device', 'host', 'disk', got 'ssd'"):
         Residency(mesh, "ssd")
-    with pytest.raises(ValueError, match="the disk tier needs its store, the device tier has none"):
+    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
         Residency(mesh, "disk")
-    with pytest.raises(ValueError, match="the disk tier needs its store, the device tier has none"):
+    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
         Residency(mesh, "device", store=DiskTier(str(tmp_path)))
+    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
+        Residency(mesh, "host", store=HostStore())
 
 
 def test_specs_replicate_or_split_the_large_leaves(mesh):
@@ -73,13 +74,12 @@ def test_specs_replicate_or_split_the_large_leaves(mesh):
     assert four.specs({"w": jax.ShapeDtypeStruct((64, 127), np.float32)}) == {"w": P(DATA_AXIS, None)}
 
 
-@pytest.mark.parametrize("tier", ["device", "host", "streamed"])
+@pytest.mark.parametrize("tier", ["device", "host"])
 def test_place_and_abstract_use_the_tiers_memory_kind(mesh, tier):
     """`place_tree` puts each numpy leaf with its spec in the tier's memory kind, values unchanged; `abstract`
     is the same shapes, dtypes and shardings as ``ShapeDtypeStruct`` leaves (a restore template)."""
-    residency = Residency(mesh, "device" if tier == "device" else "host",
-                          store=HostStore() if tier == "streamed" else None)
-    want_kind = {"device": "device", "host": HOST_MEMORY, "streamed": PAGEABLE_MEMORY}[tier]
+    residency = Residency(mesh, tier)
+    want_kind = {"device": "device", "host": PAGEABLE_MEMORY}[tier]
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.array(7, np.int32)}
     placed = residency.place_tree(tree)
     for key, value in tree.items():
@@ -100,34 +100,30 @@ def test_a_host_stack_is_placed_leaf_by_leaf_and_released(mesh):
         stack.put(j, {"w": np.full((2, 4), j, np.float32), "b": np.full((4,), 10 + j, np.float32)})
     with pytest.raises(ValueError, match="layer 1's tree differs from the first layer's"):
         stack.put(1, {"w": np.zeros((2, 4), np.float32)})
-    placed = Residency(mesh, "host").place_stacked(stack, None)
+    placed = Residency(mesh).place_stacked(stack, None)
     assert stack.buffers == [None, None]
-    assert placed["w"].shape == (3, 2, 4) and placed["w"].sharding.memory_kind == HOST_MEMORY
+    assert placed["w"].shape == (3, 2, 4) and placed["w"].sharding.memory_kind == "device"
     np.testing.assert_array_equal(np.asarray(placed["w"])[:, 0, 0], [0.0, 1.0, 2.0])
     np.testing.assert_array_equal(np.asarray(placed["b"])[:, 0], [10.0, 11.0, 12.0])
 
 
 def test_the_reversible_trainer_picks_its_residency_from_offload(mesh, tmp_path):
-    """``offload``: False on the device; True under the per-layer executor and the fused update in a streamed
-    `HostStore` (pageable); True under the scanned executor or the deferred update in ``pinned_host``, moved by
-    the programs; ``'disk'`` in a `DiskTier` (under the per-layer executor only: one line otherwise). The
-    StandardTrainer keeps its state on the device."""
-    model = ReversibleTransformerLM(16, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.0)
+    """``offload``: False on the device (the scanned executor stacks its runs); True in a streamed `HostStore`
+    (pageable) under every executor and update (a scanned or deferred configuration runs per layer); ``'disk'``
+    in a `DiskTier`, also with the default ``scan_layers``. The StandardTrainer keeps its state on the device."""
+    model = ReversibleTransformerLM(16, num_layers=4, d_model=32, num_heads=2, dropout_rate=0.0)
 
-    def residency(tx=optax.adam(1e-3), **kwargs):
-        return ReversibleTrainer(model, tx, mesh, seed=0, **kwargs).residency
+    def trainer(tx=optax.adam(1e-3), **kwargs):
+        return ReversibleTrainer(model, tx, mesh, seed=0, **kwargs)
 
-    assert (residency().tier, residency().store) == ("device", None)
-    streamed = residency(offload=True, scan_layers=False)
-    assert isinstance(streamed.store, HostStore) and streamed.memory_kind == PAGEABLE_MEMORY
-    scanned = residency(offload=True, scan_layers=True)
-    assert scanned.store is None and scanned.memory_kind == HOST_MEMORY
-    clipped = residency(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), offload=True,
-                        scan_layers=False)
-    assert clipped.store is None and clipped.memory_kind == HOST_MEMORY
-    disk = residency(offload="disk", offload_dir=str(tmp_path / "layers"), scan_layers=False)
-    assert disk.tier == "disk" and isinstance(disk.store, DiskTier) and disk.streamed
+    device = trainer()
+    assert (device.residency.tier, device.residency.store) == ("device", None)
+    assert any(count > 1 for _, count in device.groups)  # (the scanned executor's stacked run)
+    clip = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    for host in (trainer(offload=True, scan_layers=False), trainer(offload=True), trainer(clip, offload=True)):
+        assert isinstance(host.residency.store, HostStore) and host.residency.memory_kind == PAGEABLE_MEMORY
+        assert all(count == 1 for _, count in host.groups)
+    disk = trainer(offload="disk", offload_dir=str(tmp_path / "layers"))
+    assert disk.residency.tier == "disk" and isinstance(disk.residency.store, DiskTier) and disk.residency.streamed
+    assert all(count == 1 for _, count in disk.groups)
     assert StandardTrainer(model, optax.adam(1e-3), mesh, seed=0).residency.tier == "device"
-    with pytest.raises(TrainerError, match="offload = 'disk' runs the per-layer executor: set "
-                                           "ReversibleTrainer.scan_layers = False"):
-        residency(offload="disk", offload_dir=str(tmp_path / "layers"))

@@ -250,7 +250,7 @@ def _program_state(trainer, held):
     on_device = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
     for i, layer in enumerate(trainer.model.layers):
-        if trainer.residency.streamed and not trainer.on_disk:  # the host store's: fetched to the device
+        if trainer.offload:  # the host store's: fetched to the device
             params[i], opt[i] = on_device(params[i]), on_device(opt[i])
         if trainer.on_disk or i in users:
             like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
@@ -323,8 +323,6 @@ class _Analysis:
                 extra = moved + self.in_flight + max(extra, self.in_flight)
             elif self.streamed:  # its layer, the one before being written back and those fetched ahead, beside it
                 extra += moved + (1 + self.trainer.residency.store.read_ahead) * self.in_flight
-            elif self.offload:  # its layer moved in from host memory
-                extra += moved
             self.cache[key] = Cost(extra, flops, seconds)
         return self.cache[key]
 

@@ -360,13 +360,13 @@ class _Dispatch:
     Other attributes (``lower``, ``trace``, ...) are those of the jitted function.
     """
 
-    def __init__(self, fn, trainer: "TrainerBase", moved: tuple = ()):
-        self.fn, self._trainer, self.moved = fn, trainer, moved
+    def __init__(self, fn, trainer: "TrainerBase"):
+        self.fn, self._trainer = fn, trainer
 
     def __call__(self, *args):
         meter = self._trainer.meter
         if meter is not None and meter.active:
-            meter.observe(self.fn, args, self.moved)
+            meter.observe(self.fn, args)
             out = self._trainer._limit(self.fn(*args))
             meter.record(out)
             return out
@@ -385,8 +385,8 @@ class _UsedDonation(_Dispatch):
     of its output (both residual streams) can become no result; donated, JAX warned "Some donated buffers
     were not usable" at every step and freed nothing earlier."""
 
-    def __init__(self, make, donate: tuple, maybe: tuple, trainer: "TrainerBase", moved: tuple = ()):
-        super().__init__(make(tuple(sorted(set(donate) | set(maybe)))), trainer, moved)
+    def __init__(self, make, donate: tuple, maybe: tuple, trainer: "TrainerBase"):
+        super().__init__(make(tuple(sorted(set(donate) | set(maybe)))), trainer)
         self._make, self._donate, self._maybe = make, tuple(donate), tuple(maybe)
         self._jitted: dict = {}  # donated positions -> jitted function
         self._decided: dict = {}  # input signature -> donated positions
@@ -502,30 +502,18 @@ class TrainerBase:
     # -- compiled-function cache: one jit(shard_map(...)) per key; equal layers share it --------------
     # Looking a function up hashes the layer (its whole module graph): the trainers do it once per layer
     # index when they build their plan, never per call.
-    def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=(), out_shardings=None, key=None,
-                  moved=(), in_shardings=None, donate_if_used=()):
-        """The compiled ``fn`` of ``layer`` (cached under ``key``); ``moved``: positions of the arguments the
-        program moves from host to device memory itself (for the memory meter, see ``MemoryMeter.observe``).
-
-        A program with results in host memory (``out_shardings``) should also give ``in_shardings``: JAX
-        pairs donated arguments with results by shape and dtype alone unless the memory kinds of every
-        argument and result are known, and would otherwise alias a result on the device with a donated
-        argument in host memory of the same shape (``FAILED_PRECONDITION: Memory kind mismatch``; e.g. a
-        stack of two layers' (2, d, d) weights and a (2, T, d) activation of 2 examples per device).
-
+    def _compiled(self, kind: str, layer, fn, in_specs, out_specs, donate=(), key=None, donate_if_used=()):
+        """The compiled ``fn`` of ``layer`` (cached under ``key``): ``jit(shard_map(fn))`` over the data mesh;
         ``donate_if_used``: positions donated only where a result can reuse them (`_UsedDonation`)."""
         key = (kind, layer) if key is None else key
         if key not in self._cache:
             mapped = jax.shard_map(functools.partial(fn, layer), mesh=self.mesh, in_specs=in_specs,
                                    out_specs=out_specs)
-            shardings = {} if out_shardings is None else {"out_shardings": out_shardings}
-            if in_shardings is not None:
-                shardings["in_shardings"] = in_shardings
             def make(donate):
-                return jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS, **shardings)
+                return jax.jit(mapped, donate_argnums=donate, compiler_options=XLA_OPTIONS)
 
-            self._cache[key] = (_UsedDonation(make, donate, donate_if_used, self, moved) if donate_if_used
-                                else _Dispatch(make(donate), self, moved))
+            self._cache[key] = (_UsedDonation(make, donate, donate_if_used, self) if donate_if_used
+                                else _Dispatch(make(donate), self))
         return self._cache[key]
 
     @property
@@ -545,11 +533,6 @@ class TrainerBase:
         groups = tuple((i, 1) for i in range(len(self.model.layers)))
         return Stacked(groups, ts.params, ts.opt_state, ts.layer_state)
 
-    def _inside_to_device(self, tree):
-        """Inside a compiled program: moves a slice of a stacked tree to device memory (trainers that
-        offload override this; the others compute where the stack is)."""
-        return tree
-
     def _param_specs(self, layer, leading: int = 0):
         """``in_specs`` of a layer's params in its programs (``leading``: stacked layer axes): ``P()``, a
         prefix for the whole tree (replicated); a trainer that shards its state returns a tree of specs."""
@@ -562,7 +545,7 @@ class TrainerBase:
 
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_layer(self, layer, params, state, x):
-        return layer.apply(self._whole(layer, self._inside_to_device(params)), state, x, None, False)[0]
+        return layer.apply(self._whole(layer, params), state, x, None, False)[0]
 
     def _eval_run(self, layer, params, states, x):
         """``_eval_layer`` over a stacked run: one ``lax.scan``, one layer's weights on the device at a time."""
@@ -572,7 +555,7 @@ class TrainerBase:
         return lax.scan(body, x, (params, states))[0]
 
     def _eval_head(self, layer, params, state, x, batch):
-        loss_sum, stats, _ = layer.loss(self._whole(layer, self._inside_to_device(params)), state, x, batch, None,
+        loss_sum, stats, _ = layer.loss(self._whole(layer, params), state, x, batch, None,
                                         False)
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)

@@ -15,7 +15,7 @@ layer needs nothing from the others. Three things need the whole step's gradient
 
 Then the backward programs *accumulate* each layer's gradient (summed over devices, or reduce-scattered
 to the local piece with ``shard_state``) into a buffer that lives where that layer's weights live: host
-memory with offload, files with the disk tier (`_disk_deferred_step`, `disk_tier.DeferredStream`), a 1/N
+memory with offload, files with the disk tier (`streaming.DeferredStream`), a 1/N
 piece with ``shard_state``, the device otherwise (the one figure that grows with
 depth there: the gradients of every layer). The gradient of a tied leaf's other use waits beside its
 owner's. When the last microbatch is done, two streamed passes run over the layers (per layer, or one
@@ -71,8 +71,7 @@ def _add(acc, grads):
 
 class DeferredUpdates:
     """Mixin of `ReversibleTrainer`: the accumulating backward programs and the update passes (see the
-    module note). Uses the trainer's placement helpers (``_whole``, ``_grad_specs``, ``_inside_to_device``,
-    ...)."""
+    module note). Uses the trainer's placement helpers (``_whole``, ``_grad_specs``, ...)."""
 
     # -- the accumulating backward programs (inside shard_map over "data") --------------------------
     def _head_acc(self, layer, params, acc, state, x, batch, ctx, index, borrowed, tie_acc):
@@ -127,7 +126,7 @@ class DeferredUpdates:
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
         return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
-                                        out_specs, (1, 4), (0, 1, 3, 4), (1, 3))
+                                        out_specs, (1, 4))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(y))
@@ -141,26 +140,23 @@ class DeferredUpdates:
 
     def _reverse_run_acc(self, layer, params, acc, states, y, dy, ctx, start):
         """``_reverse_acc`` of every layer of a stacked run, last first: one reverse ``lax.scan`` that reads
-        each slice of the weights (moved to the device with offload) and adds to the gradient stack in
-        place. As in ``_reverse_run``, the gradient slice a step adds to is read (and carried) only after
+        each slice of the weights and adds to the gradient stack in place. As in ``_reverse_run``, the gradient slice a step adds to is read (and carried) only after
         the previous step's write, so XLA keeps one copy of the stack."""
         count = jax.tree.leaves(params)[0].shape[0]
 
         def body(carry, slices):
             accs, y, dy, a = carry
             s, j = slices
-            x, dx, a = self._reverse_acc(layer, self._slice_to_device(params, j), a, s, y, dy, ctx, start + j)
-            accs = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), accs,
-                                self._inside_to_host(a))
-            return (accs, x, dx, self._slice_to_device(accs, jnp.maximum(j - 1, 0))), None
+            x, dx, a = self._reverse_acc(layer, _slice(params, j), a, s, y, dy, ctx, start + j)
+            accs = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), accs, a)
+            return (accs, x, dx, _slice(accs, jnp.maximum(j - 1, 0))), None
 
-        carry = (acc, y, dy, self._slice_to_device(acc, count - 1))
+        carry = (acc, y, dy, _slice(acc, count - 1))
         (acc, x, dx, _), _ = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)), reverse=True)
         return x, dx, acc
 
-    # Per-layer programs of the accumulating backward: (function, in_specs, out_specs, donated arguments,
-    # arguments moved to the device and results moved back to host memory with offload). "A" marks the
-    # layer's params/gradient specs (the gradient buffer is split like the params with shard_state).
+    # Per-layer programs of the accumulating backward (`modes.ProgramSpec`). "A" marks the layer's
+    # params/gradient specs (the gradient buffer is split like the params with shard_state).
     _ACC = {
         "head_acc": ProgramSpec("_head_acc", ("A", "A", _R, _D, _D, _R, _R, _R, _R), (_D, "A", _R, _R, _R), (1, 8),
                                 (0, 1, 7, 8), (1, 4)),
@@ -171,20 +167,15 @@ class DeferredUpdates:
     }
 
     def _acc_fn(self, kind, layer):
-        name, in_specs, out_specs, donate, inputs, outputs = self._ACC[kind]
+        name, in_specs, out_specs, donate = self._ACC[kind][:4]
         pspec = self.layer_specs(layer)[0]
         fill = lambda specs: tuple(pspec if s == "A" else s for s in specs)  # noqa: E731
-        return self._per_layer_compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate,
-                                        inputs, outputs)
+        return self._per_layer_compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate)
 
     def _acc_run_fn(self, layer, count):
         pspec = self._group_specs(layer, count)[0]
-        in_specs, out_specs, shardings = (pspec, pspec, _R, _D, _D, _R, _R), (_D, _D, pspec), {}
-        if self._moves:  # the weights and gradient stacks stay in host memory
-            shardings = {"out_shardings": self._offload_shardings(out_specs, (2,)),
-                         "in_shardings": self._offload_shardings(in_specs, (0, 1))}
-        return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, in_specs, out_specs, donate=(1, 3, 4),
-                              key=("reverse_run_acc", layer, count), **shardings)
+        return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, (pspec, pspec, _R, _D, _D, _R, _R),
+                              (_D, _D, pspec), donate=(1, 3, 4), key=("reverse_run_acc", layer, count))
 
     # -- the gradient buffers ------------------------------------------------------------------------
     def _buffers(self, grouped: Stacked):
@@ -192,7 +183,7 @@ class DeferredUpdates:
         uses (beside their owners), made once per layout and zeroed again by each update pass."""
         key = grouped.groups
         if getattr(self, "_acc_key", None) != key or not self._acc_clean:
-            kind = self.residency.memory_kind
+            kind = None  # (device memory: a streamed tier's buffers are its store's, `DeferredStream`)
             acc = []
             for g, (start, count) in enumerate(grouped.groups):
                 zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grouped.params[g])
@@ -210,10 +201,8 @@ class DeferredUpdates:
 
     # -- the update passes (plain jit over the global arrays) --------------------------------------
     def _shardings(self, layer, count: int):
-        """(params, optimizer state) shardings of a group, where they live."""
-        kind = self.residency.memory_kind
-        return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=kind), s)
-                     for s in self._group_specs(layer, count))
+        """(params, optimizer state) shardings of a group on the device (where every program computes)."""
+        return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p), s) for s in self._group_specs(layer, count))
 
     def _grads_of(self, index: int, acc, tie_in, scale, scalars: list):
         """A layer's step gradient from its buffer: plus its tied leaves' other uses, over the whole
@@ -273,26 +262,22 @@ class DeferredUpdates:
                if not self.layerwise.separable else None)
         if key in self._cache:
             return self._cache[key]
-        dev = self._inside_to_device
-        host = self._inside_to_host
-
         if what == "stats":
             def one(params, opt, acc, tie_in, scale, globals_):
-                return self._layer_stats(k, start, *dev((params, opt, acc, tie_in)), scale, globals_)
+                return self._layer_stats(k, start, params, opt, acc, tie_in, scale, globals_)
 
             if count == 1:
                 fn = one
             else:
                 def fn(params, opt, acc, tie_in, scale, globals_):
                     def body(_, j):
-                        slices = self._slice_to_device((params, opt, acc), j)
+                        slices = _slice((params, opt, acc), j)
                         return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_)
                     return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
             jitted = jax.jit(fn)
         else:
             def one(params, opt, acc, tie_in, scale, globals_, ok):
-                out = self._layer_update(start, *dev((params, opt, acc, tie_in)), scale, globals_, ok)
-                return host(out)
+                return self._layer_update(start, params, opt, acc, tie_in, scale, globals_, ok)
 
             if count == 1:
                 fn = one
@@ -302,21 +287,16 @@ class DeferredUpdates:
                     def body(carry, j):
                         stacks, (p, o, a) = carry
                         new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok)[:3]
-                        stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks,
-                                              host(new))
-                        return (stacks, self._slice_to_device(stacks, jnp.minimum(j + 1, count - 1))), None
+                        stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks, new)
+                        return (stacks, _slice(stacks, jnp.minimum(j + 1, count - 1))), None
                     stacks = (params, opt, acc)
-                    (stacks, _), _ = lax.scan(body, (stacks, self._slice_to_device(stacks, 0)),
+                    (stacks, _), _ = lax.scan(body, (stacks, _slice(stacks, 0)),
                                               jnp.arange(count, dtype=jnp.int32))
                     return (*stacks, tie_in)
             pshard, oshard = self._shardings(layer, count)
-            kind = self.residency.memory_kind
-            tie = NamedSharding(self.mesh, _R, memory_kind=kind)
-            shardings = (pshard, oshard, pshard, tie)
+            shardings = (pshard, oshard, pshard, NamedSharding(self.mesh, _R))
             jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
-        # The memory meter counts the moved arguments as device bytes while the program runs: one layer's
-        # (a stacked run moves one slice at a time, which its temporary bytes show).
-        self._cache[key] = _Dispatch(jitted, self, (0, 1, 2, 3) if count == 1 and self._moves else ())
+        self._cache[key] = _Dispatch(jitted, self)
         return self._cache[key]
 
     def _combine_fn(self, k: int, groups):
@@ -329,116 +309,42 @@ class DeferredUpdates:
                     for (start, count), e in zip(groups, ex):
                         layers.extend([e] if count == 1 else [tuple(v[j] for v in e) for j in range(count)])
                     per_layer.append(layers)
-                leaves = self._inside_to_device(global_leaves)  # the first layer's (of a run: its first slice)
+                leaves = global_leaves  # the first layer's (of a run: its first slice)
                 if groups[0][1] > 1:
                     leaves = tuple(x[0] for x in leaves)
                 return self.layerwise.combine(k, per_layer, leaves, globals_)
-            self._cache[key] = _Dispatch(jax.jit(fn), self, (1,))
+            self._cache[key] = _Dispatch(jax.jit(fn), self)
         return self._cache[key]
 
     # -- one step ------------------------------------------------------------------------------------
     def _deferred_step(self, ts, batch: dict):
-        if self.on_disk:
-            return self._disk_deferred_step(ts, batch)
-        grouped = self._working(ts)
-        plan = self._plan(grouped.groups)
-        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
-        groups = grouped.groups
-        skey = step_key(self.seed, ts.step)
-        params, opt_state = list(grouped.params), list(grouped.opt_state)
-        states = grouped.layer_state
-        acc, tie_acc = self._buffers(grouped)
-        acc = list(acc)
-        self._acc_clean = False  # until the update pass has zeroed them again
-        owners = {s: params[k] for k, (s, c) in enumerate(groups) if c == 1}
-        borrowed = self.model.tied_leaves(len(self.model.layers) - 1, owners)
-        if self.shard_state and borrowed:  # the head takes its tied leaves whole (an owner's are split)
-            borrowed = jax.device_put(borrowed, NamedSharding(self.mesh, _R, memory_kind=self.residency.memory_kind))
-        m_count = self.microbatches
-        local = batch_size_of(batch) // self.num_devices
-        current, sums, held = list(states), None, {"tie": tie_acc}
-        for m in range(m_count):
-            mb = batch if m_count == 1 else self._microbatch(batch, m)
-            ctx = skey if m_count == 1 else (skey, self._where(m, local))
-            new_states = list(current)
-
-            def head(x, mb=mb, ctx=ctx, new_states=new_states, current=current):
-                if top:  # the backprop blocks under the head run inside its program
-                    t = slice(last - top, last)
-                    dy, top_acc, top_states, acc[last], new_states[last], s = plan.head(
-                        tuple(params[t]), tuple(acc[t]), tuple(current[t]), params[last], acc[last], current[last],
-                        x, mb, ctx, tuple(index[t]), index[last])
-                    acc[t], new_states[t] = top_acc, top_states
-                else:
-                    dy, acc[last], new_states[last], s, held["tie"] = plan.head(
-                        params[last], acc[last], current[last], x, mb, ctx, index[last], borrowed, held["tie"])
-                held["sums"] = s
-                return dy
-
-            def store(g, rest):
-                acc[g], = rest
-
-            self._walk(plan, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
-            sums = held["sums"] if sums is None else self._add_sums(sums, held["sums"])
-            current = new_states
-        tie_acc = held["tie"]
-        loss_sum, correct, total = sums
-        if m_count == 1:  # the head's loss is the mean already, its gradient normalised
-            loss, scale = loss_sum, None
-        else:
-            loss, scale = self._over(loss_sum, total), total
-        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
-
-        # The statistics passes (the first also gives each layer's squares and finite flag), the globals.
-        def tie_in(g):
-            start, count = groups[g]
-            return tie_acc if count == 1 and any(t.owner == start for t in self.model.ties) else ()
-
-        rounds = self.layerwise.rounds
-        exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
-        for k in range(max(rounds, 1)):
-            ex = []
-            for g in range(len(groups)):
-                out = self._pass_fn("stats", g, groups, k)(params[g], opt_state[g], acc[g], tie_in(g), scale, globals_)
-                if k == 0:
-                    out, sq[g], finite[g] = out
-                ex.append(out)
-            exports.append(ex)
-            if k < rounds:
-                globals_ = self._combine_fn(k, groups)(exports, self.layerwise.global_leaves(0, opt_state[0]), globals_)
-        ok = self._all_ok(finite, loss)
-        for g in range(len(groups)):
-            params[g], opt_state[g], acc[g], zeroed = self._pass_fn("update", g, groups)(
-                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
-            if tie_in(g):
-                tie_acc = zeroed
-        self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
-        metrics["grad_norm"] = grad_norm(sq)
-        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
-        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
-                     self.model.layers)
-        return new_ts, metrics
-
-    def _disk_deferred_step(self, ts, batch: dict):
-        """`_deferred_step` with the disk tier (``offload = 'disk'``, one group per layer): the same programs
-        on the same values, the weights, optimizer state and gradient buffers read from and written to
-        files as each program needs them (`disk_tier.DeferredStream`): memory holds the layers in flight and
-        the tied leaves' other-use buffer (one leaf the size of the embedding), not a whole-model buffer."""
+        """One step with the deferred update (see the module note): every microbatch's forward and
+        accumulating backward, then the statistics and update passes. The gradient buffers live where the
+        weights do: on the device (made once and zeroed by each update pass, `_buffers`), or with a streamed
+        tier in its store beside each layer (`streaming.DeferredStream`: read ahead and written behind as the
+        weights are; memory holds the layers in flight and the tied leaves' other-use buffer)."""
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
         index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         groups = grouped.groups
         skey = step_key(self.seed, ts.step)
         user = len(self.model.layers) - 1
-        owners = sorted({t.owner for t in self.model.ties_of(user)})  # (a layer is a group on the disk tier)
+        # The tied leaves' owners (each a group of its own): group -> layer.
+        owners = {k: s for k, (s, c) in enumerate(groups) if c == 1 and any(t.owner == s for t in self.model.ties)}
+        streamed = self.residency.streamed
         rounds = self.layerwise.rounds
-        shapes = self.model.param_shapes()
-        stream = self._stream = self.residency.store.deferred_stream(
-            grouped.params, ts.step + 1, placer(self.mesh, self.shard_state), plan.kinds, self.microbatches,
-            max(rounds, 1) + 1, owners, [shapes[i] for i in range(len(groups))])
-        params, opt_state, acc = stream.params, stream.opt_state, stream.grads
-        tied = self.model.tied_leaves(user, {o: shapes[o] for o in owners})
-        held = {"tie": put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, None)}
+        if streamed:
+            params, opt_state, acc = self._streamed(grouped, plan, ts, deferred=(max(rounds, 1) + 1, sorted(owners)))
+            shapes = self.model.param_shapes()
+            tied = self.model.tied_leaves(user, {s: shapes[s] for s in owners.values()})
+            tie_acc = put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, None)
+        else:
+            params, opt_state = list(grouped.params), list(grouped.opt_state)
+            acc, tie_acc = self._buffers(grouped)
+            acc = list(acc)
+            self._acc_clean = False  # until the update pass has zeroed them again
+        held = {"tie": tie_acc}
+        del tie_acc
         states = grouped.layer_state
         m_count = self.microbatches
         local = batch_size_of(batch) // self.num_devices
@@ -455,9 +361,9 @@ class DeferredUpdates:
                         tuple(params[t]), tuple(acc[t]), tuple(current[t]), params[last], acc[last], current[last],
                         x, mb, ctx, tuple(index[t]), index[last])
                 else:
-                    borrowed = self.model.tied_leaves(user, {o: params[o] for o in owners})
                     dy, acc[last], new_states[last], s, held["tie"] = plan.head(
-                        params[last], acc[last], current[last], x, mb, ctx, index[last], borrowed, held["tie"])
+                        params[last], acc[last], current[last], x, mb, ctx, index[last], self._borrowed(params, owners),
+                        held["tie"])
                 held["sums"] = s
                 return dy
 
@@ -469,7 +375,7 @@ class DeferredUpdates:
             current = new_states
         tie_acc = held.pop("tie")
         loss_sum, correct, total = sums
-        if m_count == 1:
+        if m_count == 1:  # the head's loss is the mean already, its gradient normalised
             loss, scale = loss_sum, None
         else:
             loss, scale = self._over(loss_sum, total), total
@@ -478,12 +384,13 @@ class DeferredUpdates:
         def tie_in(g):
             return tie_acc if g in owners else ()
 
+        # The statistics passes (the first also gives each layer's squares and finite flag), the globals.
         exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
         shared = None  # the first layer's leaves every layer has (the step count), kept from its first read
         for k in range(max(rounds, 1)):
             ex = []
             for g in range(len(groups)):
-                p, opt = params[g], opt_state[g]  # (read in the schedule's order: weights, state, buffer)
+                p, opt = params[g], opt_state[g]  # (read in a streamed schedule's order: weights, state, buffer)
                 if shared is None:
                     shared = self.layerwise.global_leaves(0, opt)
                 out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_)
@@ -496,18 +403,33 @@ class DeferredUpdates:
                 globals_ = self._combine_fn(k, groups)(exports, shared, globals_)
         ok = self._all_ok(finite, loss)
         for g in range(len(groups)):
-            new_params, new_opt, _, zeroed = self._pass_fn("update", g, groups)(
+            new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
                 params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
-            params[g], opt_state[g] = new_params, new_opt  # (the layer's file written; its buffer dropped)
+            params[g], opt_state[g] = new_params, new_opt  # (a streamed layer written back; its buffer dropped)
+            del new_params, new_opt
+            if not streamed:  # the zeroed buffer is the next step's
+                acc[g] = zeroed
             if tie_in(g):
-                tie_acc = zeroed
-        del tie_acc
+                tie_acc = zeroed_tie
+            del zeroed, zeroed_tie
+        if streamed:
+            del tie_acc
+            params, opt_state = self._stored(params, opt_state)
+        else:
+            self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
         metrics["grad_norm"] = grad_norm(sq)
-        params, opt_state = self._stored(params, opt_state)
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
                      self.model.layers)
         return new_ts, metrics
+
+    def _borrowed(self, params, owners: dict):
+        """The head's tied leaves from their owners' weights (``owners``: group -> layer), whole on every
+        device (an owner's are split with ``shard_state``)."""
+        borrowed = self.model.tied_leaves(len(self.model.layers) - 1, {s: params[k] for k, s in owners.items()})
+        if self.shard_state and borrowed:
+            borrowed = jax.device_put(borrowed, NamedSharding(self.mesh, _R))
+        return borrowed
 
     # -- small helpers of the step -----------------------------------------------------------------
     def _microbatch(self, batch: dict, m: int) -> dict:
@@ -549,3 +471,8 @@ def split_leaf_squares(layer_specs, grads):
         s = jnp.sum(jnp.square(g.astype(jnp.float32)))
         sq.append(lax.psum(s, DATA_AXIS) if spec_axis(spec) is not None else s)
     return jnp.stack(sq) if sq else jnp.zeros((0,), jnp.float32)
+
+
+def _slice(stacks, j):
+    """Inside a scan: slice ``j`` of stacked trees."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)

@@ -60,18 +60,17 @@ class StepKind(str, enum.Enum):
 class ProgramSpec(NamedTuple):
     """A per-layer program of the reversible trainer: the method it compiles and its calling convention.
 
-    ``in_specs`` / ``out_specs``: ``PartitionSpec`` per argument / result (the weights' and optimizer
-    state's entries are replaced by the layer's own specs); ``donate``: donated argument positions;
-    ``moved_in``: arguments (weights, optimizer state) the program moves from host memory to the device itself
-    with offload; ``moved_out``: results (the updated ones) it moves back to host memory.
+    ``in_specs`` / ``out_specs``: ``PartitionSpec`` per argument / result; ``donate``: donated argument
+    positions; ``state_in`` / ``state_out``: the positions of the layer's weights and optimizer state (or
+    gradient buffer) among the arguments / results, whose entries are replaced by the layer's own specs.
     """
 
     method: str
     in_specs: tuple
     out_specs: tuple
     donate: tuple
-    moved_in: tuple
-    moved_out: tuple
+    state_in: tuple
+    state_out: tuple
 
 
 def _is_float_tree(tree) -> bool:

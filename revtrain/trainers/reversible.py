@@ -12,17 +12,12 @@ layer's optax update, and hand the input cotangent to the layer below. A standar
 input (rematerialisation) and the walk continues from that saved input, which also resets reconstruction
 drift at every block boundary. At most one layer's gradients exist at a time.
 
-With ``offload=True`` every layer's weights and optimizer state live in host memory (memory kind
-``pinned_host``, replicated) between uses. Each compiled call takes them there, moves them to the device
-inside the program (``jax.device_put`` to ``jax.memory.Space.Device`` under ``jit``) and returns the updated
-ones in host memory, so the Python loop itself never places weights on the device and never waits: the
-device holds the weights of the program it is running (one layer; two slices of a stacked run), however
-far asynchronous dispatch runs ahead, and XLA schedules the copies inside each program (it may start the
-optimizer state's copy while the layer's rebuild and vjp run). Saved standard-layer inputs go to host
-memory too. (An earlier design moved each layer from Python and prefetched the next one, which needed a
-host wait per layer to bound residency; on a CPU those waits and the Python copies cost 0.31x of
-no-offload speed at d_model 64, where XLA:CPU compiles the in-program moves to nothing, host and device
-memory being one.)
+With ``offload=True`` every layer's weights and optimizer state live in host memory between uses, with
+``offload='disk'`` in one file per layer (`revtrain.residency`). The streaming engine (`revtrain.streaming`)
+follows the step's access schedule: it fetches each layer to the device on a reader thread ahead of the
+program that needs it and writes each update back on a writer thread while the next layer computes, with a
+bounded number of layers in flight. The programs are the device tier's own (they compute on device arrays),
+so every tier trains bit for bit like ``offload=False``. Saved standard-layer inputs go to host memory too.
 
 Two executors (docs/design.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
 (``scan_layers=True``): each maximal run of consecutive, structurally identical reversible layers is held
@@ -31,16 +26,14 @@ pass over it is one compiled program: the forward a ``lax.scan``, the backward a
 body does exactly what one "reverse and update" call does (same keys from the global layer index, same
 rebuild barrier, same gradient sum, the optax update of that layer's slice). The backward carries the
 stacks and updates each slice in place, reading the next slice only after writing the current one, so XLA
-needs no copy of the stack. With offload the stacks stay in ``pinned_host`` memory and each iteration
-moves its slice to the device inside the program (and the updated slice back): the current layer and the
-prefetched next one are the only layers on the device. Other layers keep the per-layer path. Both executors
-compute the same numbers; checkpoints hold the per-layer layout either way.
+needs no copy of the stack. Other layers keep the per-layer path. Both executors compute the same numbers;
+checkpoints hold the per-layer layout either way. The host and disk tiers run the per-layer executor (the
+engine moves one layer at a time).
 
 Sharded state (``shard_state=True``, ZeRO-3 / ZeRO-Infinity over the ``"data"`` axis): every large leaf
 of every layer's weights and optimizer state is split along one axis over the devices
 (`placement.shard_spec`) wherever it lives (host memory with offload, device memory otherwise), so N
-devices hold one copy between them instead of N. Each program takes the local pieces (moving them to the
-device with offload), all-gathers the weights over ``"data"`` (`placement.gather_params`: whole and the same
+devices hold one copy between them instead of N. Each program takes the local pieces, all-gathers the weights over ``"data"`` (`placement.gather_params`: whole and the same
 on every device during the forward, rebuild and vjp, pmap semantics), reduce-scatters the gradients
 (``lax.psum_scatter``, `placement.reduce_grads`) instead of summing them everywhere, and runs the optax
 update on the local piece; the updated piece goes back where it lives. An update that needs the whole leaf
@@ -65,15 +58,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
-from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, move_inside, placer,
+from revtrain.placement import (DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, placer,
                                 replicated, shard_spec, spec_axis)
 from revtrain.residency import HostStack, Residency
-from revtrain.streaming import HostStore, train_schedule
+from revtrain.streaming import train_schedule
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, batch_size_of, check_batch, check_finite,
                                       check_flags, example_keys, gather_params, grad_norm, guarded_update,
                                       is_elementwise, leaf_squares, per_device, reduce_grads, step_key)
@@ -95,11 +87,13 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
       model, optimizer, mesh, seed: see ``TrainerBase``.
       offload: where weights and optimizer state live between uses (`revtrain.residency`): False, device
         memory; True, host memory (with the saved standard-layer inputs); ``'disk'``, one file per layer in
-        ``offload_dir``, read ahead of each program and written back after each update (`revtrain.disk_tier`;
-        the per-layer executor, ``scan_layers = False``, and the fused update only).
+        ``offload_dir`` (`revtrain.disk_tier`). Either is read ahead of each program and written back after
+        each update by the streaming engine (`revtrain.streaming`), one layer at a time: the per-layer
+        executor, whatever ``scan_layers`` says.
       offload_dir: the disk tier's directory (default: ``<workdir>/offload``, set by the train command).
-      scan_layers: run each run of consecutive identical reversible layers as one ``lax.scan`` per pass
-        (the scanned executor; see the module note). Same results as the per-layer executor.
+      scan_layers: with the state in device memory, run each run of consecutive identical reversible layers
+        as one ``lax.scan`` per pass (the scanned executor; see the module note). Same results as the
+        per-layer executor.
       shard_state: split every large leaf of the weights and optimizer state over the ``"data"`` devices
         (see the module note): each device holds 1/N of it. One log line at construction says how many
         leaves (and bytes) are split and which stay replicated.
@@ -179,15 +173,14 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         if offload is True and not host_memory_supported(mesh):
             raise TrainerError("offload needs a backend with a pinned_host memory space")
         self.scan_layers = scan_layers
-        self._stream, self.disk_stats = None, {}  # the disk tier's step in progress; its last step's I/O
+        self._stream, self.disk_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
         if offload == "disk":
             self.residency = Residency(mesh, "disk", shard_state, store=disk_tier.DiskTier(offload_dir))
             why = disk_tier.refusal(self)
             if why:
                 raise TrainerError(why)
-        else:  # host memory: streamed by the engine under the per-layer executor and the fused update
-            store = HostStore() if offload and not scan_layers and not self.deferred else None
-            self.residency = Residency(mesh, "host" if offload else "device", shard_state, store=store)
+        else:  # host memory: a store the streaming engine moves each layer in and out of
+            self.residency = Residency(mesh, "host" if offload else "device", shard_state)
         if self.residency.streamed:
             self._limit = self.residency.store.bounded(self._limit)  # the layers in flight, bounded
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
@@ -223,9 +216,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def layout(self, modes: list) -> tuple:
         """The groups ``((start, count), ...)`` of the working layout under block ``modes`` (one
-        `modes.BackwardMode` per layer but the head): with ``scan_layers`` each maximal run of identical
-        reversible blocks of one mode that scans (`_scans`) is stacked, every other layer alone."""
-        runs = find_runs(self.model.layers) if self.scan_layers else []
+        `modes.BackwardMode` per layer but the head): with ``scan_layers`` and the state in device memory each
+        maximal run of identical reversible blocks of one mode that scans (`_scans`) is stacked, every other
+        layer alone (a streamed tier runs every layer alone: the engine moves one layer at a time)."""
+        runs = find_runs(self.model.layers) if self.scan_layers and not self.residency.streamed else []
         split = []
         for start, count in runs:  # sub-runs by mode: consecutive blocks of one mode that scans
             j = start
@@ -244,11 +238,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     def _scans(self, mode) -> bool:
         """Whether a run of identical blocks in ``mode`` is one ``lax.scan`` per pass: rebuilt runs always;
-        rematerialised runs with the fused update and the weights on the device (the scan keeps its blocks'
-        inputs as one stack on the device: with offload the walk keeps each in host memory, and the deferred
-        update's accumulating programs are per layer); backprop blocks run inside the head's program."""
-        return mode.rebuilds or (mode in (REMAT, CHECKPOINT) and not self.offload and not self.on_disk
-                                 and not self.deferred and not (mode is CHECKPOINT and self.shard_state))
+        rematerialised runs with the fused update (the deferred update's accumulating programs are per
+        layer); backprop blocks run inside the head's program."""
+        return mode.rebuilds or (mode in (REMAT, CHECKPOINT) and not self.deferred
+                                 and not (mode is CHECKPOINT and self.shard_state))
 
     def set_block_modes(self, modes: list) -> None:
         """Sets each block's backward mode (`modes`: one strategy object per layer but the head) and the
@@ -265,15 +258,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     @property
     def offload(self) -> bool:
-        """Whether weights and optimizer state live in host memory between uses (``self.residency``; the disk
-        tier's programs compute on device arrays, as without offload)."""
+        """Whether weights and optimizer state live in host memory between uses (``self.residency``; every
+        tier's programs compute on device arrays)."""
         return self.residency.tier == "host"
-
-    @property
-    def _moves(self) -> bool:
-        """Whether programs move their layer's state in from host memory and back themselves (the host tier
-        not streamed: the scanned executor, the deferred update); else they compute on device arrays."""
-        return self.offload and not self.residency.streamed
 
     @property
     def on_disk(self) -> bool:
@@ -416,16 +403,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return tree
         return jax.device_put(tree, jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE_MEMORY), tree))
 
-    def _inside_to_device(self, tree):
-        return move_inside(tree, jax.memory.Space.Device) if self._moves else tree
-
-    def _inside_to_host(self, tree):
-        return move_inside(tree, jax.memory.Space.Host) if self._moves else tree
-
-    def _slice_to_device(self, stacks, j):
-        """Inside a scan: slice ``j`` of stacked trees, moved to the device (with offload)."""
-        return self._inside_to_device(jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks))
-
     def _fetch(self, tree):
         """A single layer's params on the device, whole (a copy from host memory with offload; gathered
         from the devices' pieces with ``shard_state``)."""
@@ -435,11 +412,13 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
 
-    def _streamed(self, grouped: Stacked, plan, ts: TrainState):
+    def _streamed(self, grouped: Stacked, plan, ts: TrainState, deferred: tuple | None = None):
         """The step's ``(params, opt_state)`` lists: the groups' own, or with a streamed tier the views of a
         `streaming.StepStream` that fetches each layer ahead and writes each update back. The host store lets
         go of each layer's old state (``ts`` is consumed, as donation consumes the device tier's) once its new
-        one is written: the state is replaced layer by layer, never held twice."""
+        one is written: the state is replaced layer by layer, never held twice. ``deferred = (passes, the tied
+        leaves' owners' groups)``: a deferred-update step's `streaming.DeferredStream`, whose gradient buffers
+        are the third view returned."""
         if not self.residency.streamed:
             return list(grouped.params), list(grouped.opt_state)
         store = self.residency.store
@@ -449,10 +428,16 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             for entries in held:
                 entries[g] = None
 
-        self._stream = store.stream(store.refs(grouped.params, grouped.opt_state), ts.step + 1,
-                                    train_schedule(plan.kinds), placer(self.mesh, self.shard_state),
-                                    release=None if self.on_disk else release)
-        return self._stream.params, self._stream.opt_state
+        refs, place = store.refs(grouped.params, grouped.opt_state), placer(self.mesh, self.shard_state)
+        release = None if self.on_disk else release
+        if deferred is None:
+            self._stream = store.stream(refs, ts.step + 1, train_schedule(plan.kinds), place, release=release)
+            return self._stream.params, self._stream.opt_state
+        passes, owners = deferred
+        shapes = self.model.param_shapes()
+        self._stream = store.deferred_stream(refs, ts.step + 1, place, plan.kinds, self.microbatches, passes, owners,
+                                             shapes, release=release)
+        return self._stream.params, self._stream.opt_state, self._stream.grads
 
     def _stored(self, params, opt_state):
         """The step's updated ``(params, opt_state)`` lists: as they are, or with a streamed tier the new refs
@@ -736,58 +721,31 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
     def _forward_run(self, layer, params, states, x, skey, start):
-        """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``.
-
-        With offload each iteration also moves the next layer's weights to the device and carries them,
-        so that copy can run while this layer computes (as the backward's scan does): two slices on the
-        device at most.
-        """
+        """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``."""
         count = jax.tree.leaves(params)[0].shape[0]
         steps = jnp.arange(count, dtype=jnp.int32)
         if self._fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
             return self._fenced_run(layer, params, states, x, skey, start, steps)
-        if not self._moves:
-            def body(x, slices):
-                p, s, j = slices
-                return self._forward(layer, p, s, x, skey, start + j)
 
-            return lax.scan(body, x, (params, states, steps))
+        def body(x, slices):
+            p, s, j = slices
+            return self._forward(layer, p, s, x, skey, start + j)
 
-        def prefetching(carry, slices):
-            x, p = carry
-            s, j = slices
-            nxt = self._slice_to_device(params, jnp.minimum(j + 1, count - 1))
-            x, new_state = self._forward(layer, p, s, x, skey, start + j)
-            return (x, nxt), new_state
-
-        (x, _), new_states = lax.scan(prefetching, (x, self._slice_to_device(params, 0)), (states, steps))
-        return x, new_states
+        return lax.scan(body, x, (params, states, steps))
 
     def _fenced_run(self, layer, params, states, x, skey, start, steps):
         """`_forward_run` with fenced forwards (`_fenced`): each iteration writes its layer's residuals into
         the carry, and the last layer's are the program's third result, so XLA keeps their computation."""
-        count = steps.shape[0]
-        first = self._slice_to_device(params, 0)
-        shapes = jax.eval_shape(lambda p, s, x: self._forward(layer, p, s, x, skey, start)[2], first,
-                                jax.tree.map(lambda a: a[0], states), x)
+        first = jax.tree.map(lambda a: a[0], (params, states))
+        shapes = jax.eval_shape(lambda p, s, x: self._forward(layer, p, s, x, skey, start)[2], *first, x)
         res = per_device(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), shapes))
-        if not self._moves:
-            def body(carry, slices):
-                p, s, j = slices
-                x, new_state, res = self._forward(layer, p, s, carry[0], skey, start + j)
-                return (x, res), new_state
 
-            (x, res), new_states = lax.scan(body, (x, res), (params, states, steps))
-            return x, new_states, res
+        def body(carry, slices):
+            p, s, j = slices
+            x, new_state, res = self._forward(layer, p, s, carry[0], skey, start + j)
+            return (x, res), new_state
 
-        def prefetching(carry, slices):
-            x, p, _ = carry
-            s, j = slices
-            nxt = self._slice_to_device(params, jnp.minimum(j + 1, count - 1))
-            x, new_state, res = self._forward(layer, p, s, x, skey, start + j)
-            return (x, nxt, res), new_state
-
-        (x, _, res), new_states = lax.scan(prefetching, (x, first, res), (states, steps))
+        (x, res), new_states = lax.scan(body, (x, res), (params, states, steps))
         return x, new_states, res
 
     def _reverse_run(self, layer, params, opt_state, states, y, dy, skey, start):
@@ -804,12 +762,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             stacks, y, dy, (p, o) = carry
             s, j = slices
             x, dx, p, o, finite, sq = self._reverse_and_update(layer, p, o, s, y, dy, skey, start + j)
-            stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks,
-                                  self._inside_to_host((p, o)))
-            return (stacks, x, dx, self._slice_to_device(stacks, jnp.maximum(j - 1, 0))), (finite, sq)
+            stacks = jax.tree.map(lambda a, v: lax.dynamic_update_index_in_dim(a, v, j, 0), stacks, (p, o))
+            return (stacks, x, dx, _slice(stacks, jnp.maximum(j - 1, 0))), (finite, sq)
 
         stacks = (params, opt_state)
-        carry = (stacks, y, dy, self._slice_to_device(stacks, count - 1))
+        carry = (stacks, y, dy, _slice(stacks, count - 1))
         (stacks, x, dx, _), (finite, sq) = lax.scan(body, carry, (states, jnp.arange(count, dtype=jnp.int32)),
                                                     reverse=True)
         return x, dx, stacks[0], stacks[1], finite, sq
@@ -847,17 +804,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             body, ((params, opt_state), dy), (states, inputs, jnp.arange(count, dtype=jnp.int32)), reverse=True)
         return dx, first, params, opt_state, finite, sq
 
-    def _moved(self, fn, inputs: tuple, outputs: tuple):
-        """``fn`` (a per-layer function) moving its arguments at positions ``inputs`` (weights, optimizer
-        state: in host memory) to the device inside the program and its results at positions ``outputs``
-        (the updated ones) back to host memory (offload)."""
-        def moved(layer, *args):
-            args = [self._inside_to_device(a) if i in inputs else a for i, a in enumerate(args)]
-            out = fn(layer, *args)
-            return tuple(self._inside_to_host(o) if i in outputs else o for i, o in enumerate(out))
-
-        return moved
-
     # Per-layer programs, by name (`modes.ProgramSpec`; each mode's ``program_kinds`` name its own).
     _PER_LAYER = {
         "forward_rev": ProgramSpec("_forward", (_R, _R, _D, _R, _R), (_D, _R), (2,), (0,), ()),
@@ -877,16 +823,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             specs[i] = spec
         return tuple(specs)
 
-    def _host_shardings(self, specs):
-        """Host-memory shardings of a tree of specs (or of one spec, a prefix)."""
-        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=HOST_MEMORY), specs)
-
-    def _offload_shardings(self, specs: tuple, host: tuple) -> tuple:
-        """Shardings of a program's arguments or results (offload): in host memory at positions ``host``,
-        on the device elsewhere (see ``TrainerBase._compiled`` on why the arguments' are given too)."""
-        return tuple(self._host_shardings(spec) if i in host else NamedSharding(self.mesh, spec)
-                     for i, spec in enumerate(specs))
-
     def _fn(self, kind, layer):
         """The compiled per-layer program ``kind`` (a name of ``_PER_LAYER``) of ``layer``."""
         name, in_specs, out_specs, donate, inputs, outputs = self._PER_LAYER[kind]
@@ -895,26 +831,18 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         in_specs = self._with_specs(in_specs, inputs, state_specs)
         out_specs = self._with_specs(out_specs, outputs, state_specs)
         if kind == "forward_rev" and self._fenced(layer):
-            return self._dropping(self._per_layer_compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate,
-                                                           inputs, outputs))
-        return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate, inputs, outputs)
+            return self._dropping(self._per_layer_compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate))
+        return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate)
 
-    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate, inputs, outputs):
-        """``fn`` compiled; with offload it moves its arguments at ``inputs`` to the device and its results at
-        ``outputs`` back to host memory (`_moved`), with both sides' shardings given."""
-        # Activations (split over "data") are donated only where a result reuses them: a recomputed layer
-        # of token ids has no input cotangent for its output cotangent to become (`common._UsedDonation`).
+    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate):
+        """``fn`` compiled. Activations (split over "data") are donated only where a result reuses them: a
+        recomputed layer of token ids has no input cotangent for its output cotangent to become
+        (`common._UsedDonation`)."""
         donate, maybe = (tuple(i for i in donate if in_specs[i] != _D or kind not in self._MAYBE_DONATED),
                          tuple(i for i in donate if in_specs[i] == _D and kind in self._MAYBE_DONATED))
-        if not self._moves:
-            return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
-        return self._compiled(kind, layer, self._moved(fn, inputs, outputs), in_specs, out_specs, donate=donate,
-                              out_shardings=self._offload_shardings(out_specs, outputs), moved=inputs,
-                              in_shardings=self._offload_shardings(in_specs, inputs), donate_if_used=maybe)
+        return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
 
     _MAYBE_DONATED = ("recompute", "recompute_acc")  # programs of a layer whose input may be token ids
-
-    TOP_HEAD_MOVED = (0, 1, 3, 4)  # `_top_head`'s arguments in host memory with offload (weights, opt state)
 
     def _top_specs(self, tops, head, counts=None):
         """(top params specs, top optimizer state specs) as tuples over ``tops``, and the head's."""
@@ -933,9 +861,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
-        inputs, outputs, donate = self.TOP_HEAD_MOVED, (1, 2, 4, 5), (0, 1, 3, 4)
         return self._per_layer_compiled("top_head", (tops, head, modes, counts), self._top_head, in_specs,
-                                        out_specs, donate, inputs, outputs)
+                                        out_specs, (0, 1, 3, 4))
 
     def _run_fn(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
@@ -948,12 +875,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
                                   key=key)
         if kind == "reverse_run":
-            in_specs, out_specs, shardings = (pspec, ospec, _R, _D, _D, _R, _R), (_D, _D, pspec, ospec, _R, _R), {}
-            if self._moves:  # the stacks stay in host memory
-                shardings = {"out_shardings": self._offload_shardings(out_specs, (2, 3)),
-                             "in_shardings": self._offload_shardings(in_specs, (0, 1))}
-            return self._compiled(kind, layer, self._reverse_run, in_specs, out_specs, donate=(0, 1, 3, 4), key=key,
-                                  **shardings)
+            return self._compiled(kind, layer, self._reverse_run, (pspec, ospec, _R, _D, _D, _R, _R),
+                                  (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 3, 4), key=key)
         if kind == "remat_forward_run":
             return self._compiled(kind, layer, self._remat_forward_run, (pspec, _R, _D, _R, _R), (_D, _R, _SD),
                                   key=key)  # (x is copied into the stack: nothing to donate)
@@ -1068,12 +991,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         finite, sq = [None] * (last + 1), [None] * (last + 1)
         out = {}
 
-        # With offload every program takes its layer's weights and optimizer state where they live (host
-        # memory), moves them to the device itself and writes the updated ones back to host memory (a
-        # stacked run moves one slice at a time inside its scan). Nothing in this loop allocates weights
-        # on the device, so the device holds at most the layers of the program it runs, however far
-        # asynchronous dispatch runs ahead: the loop never waits. The step's one host sync is the final
-        # check of non-finite values.
+        # With a streamed tier each access of ``params[g]`` / ``opt_state[g]`` takes the layer the engine
+        # fetched ahead, and each store hands the update to its writer; the dispatch limiter keeps at most
+        # `streaming.IN_FLIGHT` programs ahead of the device. Otherwise the loop never waits: the step's one
+        # host sync is the final check of non-finite values.
         def head(x):
             # Loss, vjp and update in one call (through the backprop blocks under the head).
             if top:
@@ -1118,11 +1039,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
 
     # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
     def memory_setup(self) -> dict:
-        streamed = self.offload and self.residency.streamed
-        label = ("ReversibleTrainer" + (" + offload" if self.offload else "") + (" (streamed)" if streamed else "")
+        label = ("ReversibleTrainer" + (" + offload" if self.offload else "")
                  + (" + shard_state" if self.shard_state else "") + (" + offload='disk'" if self.on_disk else ""))
         return {"trainer": "reversible", "label": label, "offload": self.offload, "disk": self.on_disk,
-                "streamed": streamed, "shard_state": self.shard_state,
+                "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
 
@@ -1197,3 +1117,8 @@ class _Dropping:
 
     def __getattr__(self, name):
         return getattr(self.program, name)
+
+
+def _slice(stacks, j):
+    """Inside a scan: slice ``j`` of stacked trees."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)
