@@ -37,7 +37,7 @@ def run(args) -> dict:
     device = jax.devices()[0]
     rec = {"d_model": args.d_model, "num_layers": args.num_layers, "num_heads": args.num_heads,
            "num_kv_heads": args.num_kv_heads, "d_ff": args.d_ff, "batch": args.batch, "seq": args.seq,
-           "steps": args.steps, "compute_dtype": args.compute_dtype, "trainer": "ReversibleTrainer + offload", "executor": args.executor,
+           "steps": args.steps, "compute_dtype": args.compute_dtype, "trainer": "ReversibleTrainer + offload",
            "optimizer": "AdamW float32", "platform": device.platform, "device_kind": device.device_kind}
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
@@ -49,8 +49,7 @@ def run(args) -> dict:
                            compute_dtype=args.compute_dtype, form="standard")
         params = model.num_params()
         rec["num_params"] = params
-        trainer = ReversibleTrainer(model, optax.adamw(1e-4), mesh, seed=0, offload=True,
-                                    scan_layers=args.executor == "scan")
+        trainer = ReversibleTrainer(model, optax.adamw(1e-4), mesh, seed=0, offload=True)
         t0 = time.perf_counter()
         ts = trainer.init()
         jax.block_until_ready(ts.held())
@@ -91,8 +90,6 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3, help="steps (the first compiles; tokens/s from the others)")
     p.add_argument("--compute_dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--executor", default="per-layer", choices=("per-layer", "scan"),
-                   help="per-layer: the streaming engine (pageable host state); scan: in-program moves (pinned)")
     p.add_argument("--peak_flops", type=float, default=989e12, help="the device's peak FLOP/s for the MFU")
     print(json.dumps(run(p.parse_args())), flush=True)
 

@@ -64,10 +64,7 @@ TRAINERS = {
     "standard": ("StandardTrainer", ["train.trainer = @StandardTrainer"]),
     "reversible": ("ReversibleTrainer", ["train.trainer = @ReversibleTrainer"]),
     "offload": ("ReversibleTrainer + offload", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = True"]),
-    "streamed": ("ReversibleTrainer + streamed offload", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = True",
-                                                          "ReversibleTrainer.scan_layers = False"]),
-    "disk": ("ReversibleTrainer + offload='disk'", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = 'disk'",
-                                                    "ReversibleTrainer.scan_layers = False"]),
+    "disk": ("ReversibleTrainer + offload='disk'", ["train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = 'disk'"]),
 }
 OPTIMIZERS = {
     "adamw": ("AdamW", []),  # the config's own: optax.adamw, float32 moments

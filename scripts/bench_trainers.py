@@ -59,14 +59,12 @@ CONFIGS = [
     ("reversible exact", "reversible", {"rebuild": "exact"}),
     ("reversible fused", "reversible", {"rebuild": "fused"}),
     ("reversible fenced", "reversible", {"rebuild": "fenced"}),
+    # Offload runs the streaming engine (revtrain/streaming.py): per-layer programs, the state in pageable host
+    # memory, each layer fetched ahead and written back behind; against the per-layer trainer in device memory.
     ("reversible exact + offload", "reversible", {"rebuild": "exact", "offload": True}),
     ("reversible fused + offload", "reversible", {"rebuild": "fused", "offload": True}),
-    # The streaming engine (revtrain/streaming.py): per-layer programs, the state in pageable host memory,
-    # each layer fetched ahead and written back behind; against the per-layer trainer in device memory.
     ("reversible exact per layer", "reversible", {"rebuild": "exact", "scan_layers": False}),
     ("reversible fused per layer", "reversible", {"rebuild": "fused", "scan_layers": False}),
-    ("reversible exact + streamed offload", "reversible", {"rebuild": "exact", "offload": True, "scan_layers": False}),
-    ("reversible fused + streamed offload", "reversible", {"rebuild": "fused", "offload": True, "scan_layers": False}),
     ("reversible fused, top fused", "reversible", {"rebuild": "fused", "fuse_top": True}),
 ]
 _BY_LABEL = {label: (kind, kwargs) for label, kind, kwargs in CONFIGS}

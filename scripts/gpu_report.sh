@@ -136,8 +136,8 @@ fi
 LARGE_FRACTION=${LARGE_FRACTION:-0.17}  # 24 GB of an H200's 141 GB
 LARGE_LIMIT_S=${LARGE_LIMIT_S:-240}
 SCRIPT=scripts/bench_transfer.py point "host <-> device bandwidth" -- "${TRANSFER[@]}"
-POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$SCALE_SIZE Llama, reversible + streamed offload (host and device peaks)" -- \
-  --sizes "$SCALE_SIZE" --trainers streamed --optimizers adamw --quick --timeout "$SCALE_LIMIT_S" --out "$TMP/bench_scale.out"
+POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$SCALE_SIZE Llama, reversible + offload (host and device peaks)" -- \
+  --sizes "$SCALE_SIZE" --trainers offload --optimizers adamw --quick --timeout "$SCALE_LIMIT_S" --out "$TMP/bench_scale.out"
 POINT_LIMIT_S=$LARGE_LIMIT_S SCRIPT=scripts/bench_large.py point "$LARGE_NAME Llama, device capped at 24 GB, reversible + offload" \
   XLA_PYTHON_CLIENT_MEM_FRACTION="$LARGE_FRACTION" -- "${LARGE[@]}"
 POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$DISK_SIZE Llama, reversible + offload='disk'" -- \
@@ -146,9 +146,8 @@ POINT_LIMIT_S=$SCALE_LIMIT_S SCRIPT=scripts/bench_scale.py point "$DISK_SIZE Lla
 COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 8 --compute_dtype bfloat16 --warmup 1 --steps 3)
 [ "${DRY_RUN:-0}" = 1 ] && COMMON=(--d_model "$D" --seq "$T" --batch "$B" --heads 4 --compute_dtype bfloat16 --warmup 1 --steps 2)
 for depth in $DEPTHS; do
-  for cfg in "standard" "remat" "remat + offload" "reversible fused" "reversible fused + offload" \
-             "reversible exact per layer" "reversible exact + streamed offload" "reversible fused per layer" \
-             "reversible fused + streamed offload"; do
+  for cfg in "standard" "remat" "remat + offload" "reversible fused" "reversible exact per layer" \
+             "reversible exact + offload" "reversible fused per layer" "reversible fused + offload"; do
     point "$cfg, depth $depth" -- --point "$cfg" --depth "$depth" "${COMMON[@]}"
   done
 done
@@ -184,7 +183,7 @@ for r in records:
         r["moved_d2h_bytes"] / bw["d2h_pinned_bytes_per_sec"]
     same = ("config", "depth", "d_model", "seq", "batch", "compute_dtype", "attention_block")
     mem = next((m for m in records if m.get("step_s") and not m.get("offload")
-                and m.get("config") == r["config"].replace(" + offload", "").replace(" + streamed offload", " per layer")
+                and m.get("config") == r["config"].replace(" + offload", " per layer")
                 and all(m.get(k) == r.get(k) for k in same[1:])), None)
     r["memory_step_s"] = mem["step_s"] if mem else None
     r["ratio_to_bound"] = r["step_s"] / max(r["memory_step_s"] or 0.0, r["transfer_bound_s"])
