@@ -173,17 +173,16 @@ def test_next_tokens_filters():
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_offload_streams_layers_and_gives_the_same_samples(lm, seeded, scan_layers):
-    """With ReversibleTrainer.offload the weights stay in host memory and each step runs layer by layer:
-    the samples are those of the fused program, past the context too. Pinned memory (scanned executor: each
-    program moves its layer in) or pageable (per-layer executor, the streaming engine's store: each layer
-    copied in before its program)."""
+    """With ReversibleTrainer.offload the weights stay in host memory (pageable, the streaming engine's store,
+    whatever ``scan_layers`` says) and each step runs layer by layer, each layer copied in before its program:
+    the samples are those of the fused program, past the context too."""
     from revtrain import sample
-    from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY
+    from revtrain.placement import PAGEABLE_MEMORY
     model, _, _, _ = lm
     opts, (first, _) = seeded
     offload = _trainer(model, offload=True, scan_layers=scan_layers)
     ots = offload.init()
-    kind = HOST_MEMORY if scan_layers else PAGEABLE_MEMORY
+    kind = PAGEABLE_MEMORY
     assert all(x.sharding.memory_kind == kind for x in jax.tree.leaves(ots.params))
     assert sample.generate(offload, ots, PROMPT, CONTEXT, opts).samples == first
     assert all(x.sharding.memory_kind == kind for x in jax.tree.leaves(ots.params))
