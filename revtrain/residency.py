@@ -1,25 +1,29 @@
-"""Residency: where a layer's weights and optimizer state live between uses, as one object.
+"""Residency: where a layer's weights and optimizer state live between uses, one class per tier.
 
 A trainer holds each layer's weights and optimizer state in one *tier* between the programs that use them:
 
-* ``"device"``: device memory (the default; on a CPU that is host RAM);
-* ``"host"``: host memory (``ReversibleTrainer.offload = True``; ZeRO-Offload, Ren et al. 2021, keeps the same
-  state in CPU memory), a `revtrain.streaming.HostStore`'s (memory kind ``unpinned_host``, pageable, where the
-  backend has it, else ``pinned_host``): the streaming engine moves each layer to the device ahead of its
-  program and the update back behind it;
-* ``"disk"``: files, one per layer (``ReversibleTrainer.offload = 'disk'``; `revtrain.disk_tier`, whose
-  `DiskTier` is this object's ``store``): each layer is read ahead of its program into device memory and
-  written back after its update by the same engine, so memory holds only the layers in flight;
+* `Residency` (``"device"``): device memory (the default; on a CPU that is host RAM);
+* `HostResidency` (``"host"``): host memory (``ReversibleTrainer.offload = True``; ZeRO-Offload, Ren et al.
+  2021, keeps the same state in CPU memory), a `revtrain.streaming.HostStore`'s (memory kind
+  ``unpinned_host``, pageable, where the backend has it, else ``pinned_host``);
+* `DiskResidency` (``"disk"``): files, one per layer (``ReversibleTrainer.offload = 'disk'``;
+  `revtrain.disk_tier`, whose `DiskTier` is its ``store``).
 
-and either replicated on every device (pmap semantics) or, with ``shard_state``, each large leaf split over the
-``"data"`` devices (`placement.shard_spec`; ZeRO-3). The trainer, checkpoint restore templates, generation and
-the memory plan ask this object instead of reading flags: what tier, which sharding a leaf has, how to place a
-layer's numpy values, and the shape-only (abstract) form of a state to restore into.
+Both offloaded tiers are streamed: the engine (`revtrain.streaming`) moves each layer to the device ahead of
+its program and the update back behind it, so the programs always compute on device arrays. Each tier is
+replicated on every device (pmap semantics) or, with ``shard_state``, has each large leaf split over the
+``"data"`` devices (`placement.shard_spec`; ZeRO-3).
 
-It also places a state *one layer at a time* (`place_layers`): the initial values of a lazy model
-(`revtrain.layers.Layer.lazy`) are made per layer, put where they live, and dropped, so a whole model never
-exists twice in host memory (docs/memory.md). A run of stacked identical layers is filled into one host buffer
-per leaf and placed leaf by leaf, each buffer released as soon as it is placed.
+The trainer, checkpoint restore templates, generation and the memory plan ask this object instead of
+reading flags: where a new layer goes (`put_layer`) and its shape-only restore template (`layer_template`),
+how a layer's weights come to the device whole (`fetch`), where a kept activation waits for the backward
+(`keep`, `bring`), whether a step lets go of each layer's old state as it writes the new one (`releases`),
+the update's form (`branch_update`) and how a plan names it (`label`, `describe`).
+
+A state is placed *one layer at a time*: the initial values of a lazy model (`revtrain.layers.Layer.lazy`)
+are made per layer, put where they live, and dropped, so a whole model never exists twice in host memory
+(docs/memory.md). A run of stacked identical layers (the device tier's scanned executor) is filled into one
+host buffer per leaf and placed leaf by leaf, each buffer released as soon as it is placed.
 """
 
 from __future__ import annotations
@@ -29,42 +33,36 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, shard_spec
+from revtrain.disk_tier import DiskLayer, DiskTier, read_tree
+from revtrain.placement import (DEVICE_MEMORY, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, placer,
+                                replicated, shard_spec)
 from revtrain.streaming import HostStore
 
 TIERS = ("device", "host", "disk")
 
 
 class Residency:
-    """Where weights and optimizer state live between uses (see the module note).
+    """The device tier, and the interface every tier has (see the module note).
 
     Args:
       mesh: the data mesh.
-      tier: ``"device"``, ``"host"`` (host memory) or ``"disk"`` (layer files).
       sharded: split each large leaf over the ``"data"`` axis (``shard_state``) instead of replicating it.
-      store: the disk tier's `revtrain.disk_tier.DiskTier` (the host tier makes its own
-        `revtrain.streaming.HostStore`; the device tier has none).
-
-    Raises:
-      ValueError: an unknown tier, a disk tier without a store or another tier with one.
     """
 
-    def __init__(self, mesh: Mesh, tier: str = "device", sharded: bool = False, store=None):
-        if tier not in TIERS:
-            raise ValueError(f"residency tier must be one of {', '.join(map(repr, TIERS))}, got {tier!r}")
-        if (tier == "disk") != (store is not None):
-            raise ValueError("the disk tier needs its store, the other tiers take none")
-        self.mesh, self.tier, self.sharded = mesh, tier, sharded
-        # The host store in pageable memory where every device has it: only the engine's copies touch it,
-        # never a program.
-        self._kind = None if tier != "host" else (
-            PAGEABLE_MEMORY if host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY)
-        self.store = HostStore(self._kind) if tier == "host" else store
+    tier = "device"
+    label = ""  # what a trainer's label adds for this tier
+    releases = False  # a step lets go of each layer's old state once its new one is written
+    branch_update = False  # the per-layer update's form (`common.guarded_update`): the conditional
+
+    def __init__(self, mesh: Mesh, sharded: bool = False):
+        self.mesh, self.sharded = mesh, sharded
+        self.store = None  # the streaming engine's store (`revtrain.streaming.Store`) of an offloaded tier
+        self._kind = None
 
     @property
     def disk(self):
         """The disk tier's `revtrain.disk_tier.DiskTier` (None for the other tiers)."""
-        return self.store if self.tier == "disk" else None
+        return None
 
     @property
     def streamed(self) -> bool:
@@ -81,6 +79,40 @@ class Residency:
         """The JAX memory kind of the state (None: the device's default; the disk tier's programs compute on
         device arrays read from its files)."""
         return self._kind
+
+    def refusal(self) -> str | None:
+        """Why this tier cannot run here, in one line, or None."""
+        return None
+
+    # -- a layer's state --
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        """Layer ``index``'s initial ``params`` and ``opt_state`` (numpy trees) placed where they live, with
+        specs ``pspec`` / ``ospec`` (trees of ``PartitionSpec``, default `specs`): ``(params, opt_state)`` as
+        a state holds them."""
+        opt_state = self.place_tree(opt_state, ospec)
+        return self.place_tree(params, pspec), opt_state
+
+    def end_init(self) -> None:
+        """Every layer is placed (`put_layer`)."""
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        """Layer ``index``'s ``(params, opt_state)`` restore template from their shapes (`abstract`)."""
+        return self.abstract(shapes, pspec), self.abstract(opt_shapes, ospec)
+
+    def fetch(self, tree):
+        """One layer's params (as a state holds them) on the device, whole: gathered from the devices' pieces
+        when sharded."""
+        if not self.sharded:
+            return tree
+        return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
+
+    def keep(self, x):
+        """An activation kept for the backward (a standard layer's input), where it waits."""
+        return x
+
+    def bring(self, x):
+        """A kept activation back on the device (`keep`'s inverse)."""
+        return x
 
     def specs(self, shapes, leading: int = 0):
         """A tree of ``PartitionSpec`` matching ``shapes`` (a tree of arrays or ``ShapeDtypeStruct``):
@@ -135,10 +167,112 @@ class Residency:
         return jax.tree.unflatten(stack.treedef, placed)
 
     def describe(self) -> str:
-        """A few words for logs and the memory plan, e.g. ``"host memory, replicated"``."""
-        where = {"device": "device memory", "host": f"host memory ({self.memory_kind})",
-                 "disk": f"layer files in {getattr(self.disk, 'directory', None) or 'the offload directory'}"}[self.tier]
-        return f"{where}, {'split over the devices' if self.sharded else 'replicated'}"
+        """A few words for logs and the memory plan, e.g. ``"host memory (unpinned_host), replicated"``."""
+        return f"{self._where()}, {'split over the devices' if self.sharded else 'replicated'}"
+
+    def _where(self) -> str:
+        return "device memory"
+
+
+class HostResidency(Residency):
+    """The host tier (``offload = True``): the state in host memory, pageable where every device has that
+    space, in a `revtrain.streaming.HostStore` that the engine streams; kept activations in host memory."""
+
+    tier = "host"
+    label = " + offload"
+    releases = True
+
+    def __init__(self, mesh: Mesh, sharded: bool = False):
+        super().__init__(mesh, sharded)
+        # Pageable where every device has it: only the engine's copies touch it, never a program.
+        self._kind = PAGEABLE_MEMORY if host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY
+        self.store = HostStore(self._kind)
+
+    def refusal(self) -> str | None:
+        if not host_memory_supported(self.mesh):
+            return "offload needs a backend with a pinned_host memory space"
+        return None
+
+    def fetch(self, tree):
+        return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
+
+    def keep(self, x):
+        return jax.device_put(x, jax.tree.map(lambda a: a.sharding.with_memory_kind(HOST_MEMORY), x))
+
+    def bring(self, x):
+        return jax.device_put(x, jax.tree.map(lambda a: a.sharding.with_memory_kind(DEVICE_MEMORY), x))
+
+    def _where(self) -> str:
+        return f"host memory ({self._kind})"
+
+
+class DiskResidency(Residency):
+    """The disk tier (``offload = 'disk'``): one file per layer (`revtrain.disk_tier`), its `DiskTier` the
+    store the engine streams. A state's params and optimizer state are the same `DiskLayer` per layer.
+
+    Args:
+      mesh, sharded: see `Residency`.
+      store: the `DiskTier` (its directory: ``ReversibleTrainer.offload_dir``).
+    """
+
+    tier = "disk"
+    label = " + offload='disk'"
+    # The conditional update: the disk tier's peak is the layers in flight plus one program's temporaries,
+    # and the select form's update holds a copy of the weights' size (on a d 3200 Llama block 1.21 GiB of
+    # temporaries against 0.83); elsewhere the select form (a conditional makes an accelerator wait).
+    branch_update = True
+
+    def __init__(self, mesh: Mesh, sharded: bool = False, store: DiskTier | None = None):
+        super().__init__(mesh, sharded)
+        self.store = store if store is not None else DiskTier()
+
+    @property
+    def disk(self) -> DiskTier:
+        return self.store
+
+    def refusal(self) -> str | None:
+        if jax.process_count() > 1:
+            return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
+        return None
+
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        """Writes layer ``index``'s initial state as step 0's file (synchronously): its `DiskLayer`, twice."""
+        params, opt_state = jax.tree.map(np.asarray, (params, opt_state))
+        layout = self.store.layout(("layer", index), params, opt_state)
+        ref = self.store.write_initial(0, index, layout, params, opt_state)
+        return ref, ref
+
+    def end_init(self) -> None:
+        self.store.seal(0)
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        """A `DiskLayer` with no file: what `revtrain.checkpoint` restores a disk state into."""
+        ref = DiskLayer(self.store.layout(("layer", index), shapes, opt_shapes))
+        return ref, ref
+
+    def fetch(self, tree):
+        if isinstance(tree, DiskLayer):  # the weights read from the layer's file
+            return read_tree(tree.path, tree.layout, "params", placer(self.mesh))
+        return super().fetch(tree)
+
+    def _where(self) -> str:
+        return f"layer files in {self.store.directory or 'the offload directory'}"
+
+
+def for_offload(mesh: Mesh, offload, sharded: bool = False, directory: str | None = None) -> Residency:
+    """The tier of ``ReversibleTrainer.offload``: False the device, True host memory, ``'disk'`` layer files in
+    ``directory`` (None: set later by the train command, `DiskTier.attach`).
+
+    Raises:
+      ValueError: ``offload`` is none of those.
+    """
+    if offload is False:
+        return Residency(mesh, sharded)
+    if offload is True:
+        return HostResidency(mesh, sharded)
+    if offload == "disk":
+        return DiskResidency(mesh, sharded, DiskTier(directory))
+    raise ValueError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
 
 
 class HostStack:

@@ -63,7 +63,7 @@ def main() -> None:
     x = batch[run.model.input_key]
     for g in range(last):
         if kinds[g] == "std":
-            saved[g] = trainer._act_to_host(x)
+            saved[g] = trainer.residency.keep(x)
         else:
             seen[g] = jax.tree.map(np.array, x)  # a copy: the forward donates x
         x, _ = plan.forward[g](params[g], states[g], x, skey, index[g])
@@ -71,7 +71,7 @@ def main() -> None:
     y, worst = x, 0.0
     for g in range(last - 1, -1, -1):
         if kinds[g] == "std":
-            xs = trainer._act_to_device(saved.pop(g))
+            xs = trainer.residency.bring(saved.pop(g))
             dy, *_ = plan.backward[g](params[g], opt[g], states[g], xs, dy, skey, index[g])
             y = xs
             continue

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DATA_AXIS, global_batch, make_mesh
 from revtrain.trainers import NonFiniteError, ReversibleTrainer, StandardTrainer
-from revtrain.trainers.deferred import split_leaf_squares
+from revtrain.trainers.specs import split_leaf_squares
 
 from helpers import numpy_params, train_model, train_steps, worst_leaf
 

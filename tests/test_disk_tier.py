@@ -673,7 +673,7 @@ def _worker(out_path: str) -> None:
     for name, run in runs.items():
         out[name] = {"losses": run[0] == ref[0], "norms": run[1] == ref[1], "params": _same(run[2], ref[2]),
                      "scores": run[3] == ref[3], "shard_state": bool(run[4].shard_state),
-                     "split": run[4].shard_summary()}
+                     "split": run[4].specs.summary()}
     with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
 

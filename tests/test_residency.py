@@ -1,11 +1,12 @@
-"""Residency (`revtrain.residency`): where a layer's weights and optimizer state live between uses. The tiers
-and what each says (streamed, offloaded, memory kind, its words), the specs of a replicated and a sharded
-state, placing values and the shape-only restore template, `HostStack`, the errors it raises, and which
-residency the reversible trainer picks for each ``offload``.
+"""Residency (`revtrain.residency`): where a layer's weights and optimizer state live between uses, one class
+per tier. What each says (streamed, offloaded, memory kind, label, its words), the specs of a replicated and a
+sharded state, placing a layer and its shape-only restore template in each tier, fetching a layer and keeping
+an activation, `HostStack`, the errors, and which tier the reversible trainer picks for each ``offload``.
 
 One CPU device (its memory spaces: ``device``, ``pinned_host``, ``unpinned_host``).
 """
 
+import os
 import types
 
 import jax
@@ -16,10 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain.disk_tier import DiskTier
 from revtrain.models import ReversibleTransformerLM
-from revtrain.placement import DATA_AXIS, PAGEABLE_MEMORY, host_memory_supported, make_mesh
-from revtrain.residency import TIERS, HostStack, Residency
+from revtrain.placement import DATA_AXIS, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, make_mesh
+from revtrain.residency import TIERS, DiskResidency, HostResidency, HostStack, Residency, for_offload
 from revtrain.streaming import HostStore
-from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError
 
 
 @pytest.fixture(scope="module")
@@ -34,29 +35,30 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
     assert TIERS == ("device", "host", "disk")
     assert host_memory_supported(mesh, PAGEABLE_MEMORY)
     device = Residency(mesh)
-    host = Residency(mesh, "host")
-    disk = Residency(mesh, "disk", store=DiskTier(str(tmp_path / "offload")))
+    host = HostResidency(mesh)
+    disk = DiskResidency(mesh, store=DiskTier(str(tmp_path / "offload")))
     assert [r.tier for r in (device, host, disk)] == ["device", "host", "disk"]
     assert [r.memory_kind for r in (device, host, disk)] == [None, PAGEABLE_MEMORY, None]
     assert [r.offloaded for r in (device, host, disk)] == [False, True, True]
     assert [r.streamed for r in (device, host, disk)] == [False, True, True]
     assert device.store is None and isinstance(host.store, HostStore) and host.store.memory_kind == PAGEABLE_MEMORY
     assert device.disk is None and host.disk is None and disk.disk is disk.store
+    assert [r.label for r in (device, host, disk)] == ["", " + offload", " + offload='disk'"]
+    assert [r.releases for r in (device, host, disk)] == [False, True, False]
+    assert [r.branch_update for r in (device, host, disk)] == [False, False, True]
     assert device.describe() == "device memory, replicated"
     assert host.describe() == "host memory (unpinned_host), replicated"
     assert disk.describe() == f"layer files in {tmp_path / 'offload'}, replicated"
     assert Residency(mesh, sharded=True).describe() == "device memory, split over the devices"
 
 
-def test_unknown_tiers_and_misplaced_stores_are_refused(mesh, tmp_path):
-    with pytest.raises(ValueError, match="residency tier must be one of 'device', 'host', 'disk', got 'ssd'"):
-        Residency(mesh, "ssd")
-    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
-        Residency(mesh, "disk")
-    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
-        Residency(mesh, "device", store=DiskTier(str(tmp_path)))
-    with pytest.raises(ValueError, match="the disk tier needs its store, the other tiers take none"):
-        Residency(mesh, "host", store=HostStore())
+def test_for_offload_picks_the_tier_and_refuses_others(mesh, tmp_path):
+    assert type(for_offload(mesh, False)) is Residency
+    assert type(for_offload(mesh, True, sharded=True)) is HostResidency and for_offload(mesh, True, True).sharded
+    disk = for_offload(mesh, "disk", directory=str(tmp_path / "layers"))
+    assert type(disk) is DiskResidency and disk.store.directory == str(tmp_path / "layers")
+    with pytest.raises(ValueError, match="ReversibleTrainer.offload must be False, True or 'disk', got 'ssd'"):
+        for_offload(mesh, "ssd")
 
 
 def test_specs_replicate_or_split_the_large_leaves(mesh):
@@ -78,7 +80,7 @@ def test_specs_replicate_or_split_the_large_leaves(mesh):
 def test_place_and_abstract_use_the_tiers_memory_kind(mesh, tier):
     """`place_tree` puts each numpy leaf with its spec in the tier's memory kind, values unchanged; `abstract`
     is the same shapes, dtypes and shardings as ``ShapeDtypeStruct`` leaves (a restore template)."""
-    residency = Residency(mesh, tier)
+    residency = Residency(mesh) if tier == "device" else HostResidency(mesh)
     want_kind = {"device": "device", "host": PAGEABLE_MEMORY}[tier]
     tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": np.array(7, np.int32)}
     placed = residency.place_tree(tree)
@@ -90,6 +92,34 @@ def test_place_and_abstract_use_the_tiers_memory_kind(mesh, tier):
         assert isinstance(template[key], jax.ShapeDtypeStruct)
         assert (template[key].shape, template[key].dtype) == (value.shape, value.dtype)
         assert template[key].sharding == placed[key].sharding
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_each_tier_puts_a_layer_and_gives_it_back_on_the_device(mesh, tier, tmp_path):
+    """`put_layer` puts a layer's initial state where the tier keeps it (the disk tier: one file, its
+    `DiskLayer` for both parts, sealed by `end_init`); `layer_template` is the same as a restore template; `fetch`
+    gives the weights on the device, the same values; `keep` / `bring` move an activation out and back (host
+    memory for the host tier, untouched elsewhere)."""
+    residency = {"device": lambda: Residency(mesh), "host": lambda: HostResidency(mesh),
+                 "disk": lambda: DiskResidency(mesh, store=DiskTier(str(tmp_path / "layers")))}[tier]()
+    params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    opt = {"m": np.ones((3, 4), np.float32), "n": np.array(1, np.int32)}
+    p, o = residency.put_layer(0, params, opt)
+    residency.end_init()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt))
+    tp, to = residency.layer_template(0, *shapes)
+    if tier == "disk":
+        assert p is o and os.path.exists(p.path) and tp.layout == p.layout and tp.path is None
+    else:
+        assert {x.sharding.memory_kind for x in jax.tree.leaves((p, o))} == {residency.memory_kind or "device"}
+        assert jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), (tp, to)) == \
+            jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), (p, o))
+    fetched = residency.fetch(p)
+    assert fetched["w"].sharding.memory_kind == "device" and np.array_equal(np.asarray(fetched["w"]), params["w"])
+    x = jax.device_put(np.ones((2, 3), np.float32))
+    kept = residency.keep(x)
+    assert kept.sharding.memory_kind == (HOST_MEMORY if tier == "host" else "device")
+    assert residency.bring(kept).sharding.memory_kind == "device"
 
 
 def test_a_host_stack_is_placed_leaf_by_leaf_and_released(mesh):
@@ -110,7 +140,8 @@ def test_a_host_stack_is_placed_leaf_by_leaf_and_released(mesh):
 def test_the_reversible_trainer_picks_its_residency_from_offload(mesh, tmp_path):
     """``offload``: False on the device (the scanned executor stacks its runs); True in a streamed `HostStore`
     (pageable) under every executor and update (a scanned or deferred configuration runs per layer); ``'disk'``
-    in a `DiskTier`, also with the default ``scan_layers``. The StandardTrainer keeps its state on the device."""
+    in a `DiskTier`, also with the default ``scan_layers``; anything else one line. The StandardTrainer keeps
+    its state on the device."""
     model = ReversibleTransformerLM(16, num_layers=4, d_model=32, num_heads=2, dropout_rate=0.0)
 
     def trainer(tx=optax.adam(1e-3), **kwargs):
@@ -127,3 +158,5 @@ def test_the_reversible_trainer_picks_its_residency_from_offload(mesh, tmp_path)
     assert disk.residency.tier == "disk" and isinstance(disk.residency.store, DiskTier) and disk.residency.streamed
     assert all(count == 1 for _, count in disk.groups)
     assert StandardTrainer(model, optax.adam(1e-3), mesh, seed=0).residency.tier == "device"
+    with pytest.raises(TrainerError, match="ReversibleTrainer.offload must be False, True or 'disk', got 'nvme'"):
+        trainer(offload="nvme")

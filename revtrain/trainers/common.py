@@ -24,6 +24,7 @@ from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
 from revtrain.placement import gather_params, per_device, reduce_grads  # noqa: F401  (common.per_device, ...)
 from revtrain.residency import Residency
+from revtrain.trainers.specs import StateSpecs, leaf_squares  # noqa: F401  (common.leaf_squares)
 from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.stacking import Stacked
 
@@ -182,14 +183,6 @@ def take_microbatch(batch: dict, m, microbatches: int) -> dict:
         size = x.shape[0] // microbatches
         return lax.dynamic_slice_in_dim(x, m * size, size, axis=0)
     return jax.tree.map(take, batch)
-
-
-def leaf_squares(grads) -> jax.Array:
-    """float32 ``[leaves]``: each floating leaf's sum of squares, in tree order (the pieces of
-    ``optax.global_norm``; `grad_norm` adds them up)."""
-    sq = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)
-          if jnp.issubdtype(g.dtype, jnp.inexact)]
-    return jnp.stack(sq) if sq else jnp.zeros((0,), jnp.float32)
 
 
 @jax.jit
@@ -471,6 +464,8 @@ class TrainerBase:
         # Where weights and optimizer state live between uses: the one object generation, the memory plan and
         # the loop ask (a trainer that offloads or shards replaces it).
         self.residency = Residency(mesh)
+        # How each layer's state is split over the devices (replicated here; `shard_state` splits it).
+        self.specs = StateSpecs(model, optimizer, mesh.size, sharded=False)
         self.disk_stats: dict = {}  # the last step's disk I/O (a trainer with disk files sets it each step)
 
     # -- the declared interface: what the loop, the memory plan, check and the CLI ask ----------------
@@ -533,19 +528,19 @@ class TrainerBase:
         groups = tuple((i, 1) for i in range(len(self.model.layers)))
         return Stacked(groups, ts.params, ts.opt_state, ts.layer_state)
 
-    def _param_specs(self, layer, leading: int = 0):
-        """``in_specs`` of a layer's params in its programs (``leading``: stacked layer axes): ``P()``, a
-        prefix for the whole tree (replicated); a trainer that shards its state returns a tree of specs."""
-        return P()
+    @property
+    def offload(self) -> bool:
+        """Whether weights and optimizer state live in host memory between uses (`residency`)."""
+        return self.residency.tier == "host"
 
-    def _whole(self, layer, params):
-        """Inside a program: a layer's params as whole leaves (a trainer that shards its state gathers
-        them; see ``gather_params``)."""
-        return params
+    @property
+    def on_disk(self) -> bool:
+        """Whether weights and optimizer state live in layer files (`residency`)."""
+        return self.residency.tier == "disk"
 
     # -- evaluation ------------------------------------------------------------------------------
     def _eval_layer(self, layer, params, state, x):
-        return layer.apply(self._whole(layer, params), state, x, None, False)[0]
+        return layer.apply(self.specs.whole(layer, params), state, x, None, False)[0]
 
     def _eval_run(self, layer, params, states, x):
         """``_eval_layer`` over a stacked run: one ``lax.scan``, one layer's weights on the device at a time."""
@@ -555,8 +550,7 @@ class TrainerBase:
         return lax.scan(body, x, (params, states))[0]
 
     def _eval_head(self, layer, params, state, x, batch):
-        loss_sum, stats, _ = layer.loss(self._whole(layer, params), state, x, batch, None,
-                                        False)
+        loss_sum, stats, _ = layer.loss(self.specs.whole(layer, params), state, x, batch, None, False)
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
 
@@ -564,23 +558,24 @@ class TrainerBase:
         """``grouped`` as the evaluation reads it (a trainer whose state lives in files streams it)."""
         return grouped
 
-    def _fetch(self, tree):
-        """A single layer's params as device arrays (trainers that offload override this)."""
-        return tree
-
     def layer_params(self, ts: TrainState, i: int):
-        """Layer ``i``'s params as device arrays (tied leaves included, `Model.merge_tied`)."""
-        params = ts.params
-        return self._fetch(self.model.merge_tied(i, params[i], params) if self.model.ties_of(i) else params[i])
+        """Layer ``i``'s params as device arrays, whole (`Residency.fetch`), tied leaves included from their
+        owners (`Model.merge_tied`; only the owners are fetched)."""
+        params, fetch = ts.params, self.residency.fetch
+        ties = self.model.ties_of(i)
+        own = fetch(params[i])
+        return self.model.merge_tied(i, own, {t.owner: fetch(params[t.owner]) for t in ties}) if ties else own
 
     def tied_params(self, grouped: Stacked, g: int):
         """Group ``g``'s params with the tied leaves of its (single) layer put back from their owners' groups
-        (a tie's owner is always a group of its own)."""
+        (a tie's owner is always a group of its own; only the owners are read: a streamed tier's views fetch
+        what is read)."""
         start, count = grouped.groups[g]
-        if count > 1 or not self.model.ties_of(start):
+        ties = self.model.ties_of(start)
+        if count > 1 or not ties:
             return grouped.params[g]
-        owners = {s: grouped.params[k] for k, (s, c) in enumerate(grouped.groups) if c == 1}
-        return self.model.merge_tied(start, grouped.params[g], owners)
+        where = {s: k for k, (s, c) in enumerate(grouped.groups) if c == 1}
+        return self.model.merge_tied(start, grouped.params[g], {t.owner: grouped.params[where[t.owner]] for t in ties})
 
     def layer_state(self, ts: TrainState, i: int):
         return ts.layer_state[i]
@@ -594,10 +589,10 @@ class TrainerBase:
                 layer = layers[start]
                 if count == 1:
                     fns.append(self._compiled("eval", layer, self._eval_layer,
-                                              (self._param_specs(layer), P(), P(DATA_AXIS)), P(DATA_AXIS)))
+                                              (self.specs.params(layer), P(), P(DATA_AXIS)), P(DATA_AXIS)))
                 else:
                     fns.append(self._compiled("eval_run", layer, self._eval_run,
-                                              (self._param_specs(layer, 1), P(), P(DATA_AXIS)), P(DATA_AXIS),
+                                              (self.specs.params(layer, 1), P(), P(DATA_AXIS)), P(DATA_AXIS),
                                               key=("eval_run", layer, count)))
             self._cache[key] = fns
         return self._cache[key]
@@ -622,5 +617,5 @@ class TrainerBase:
             x = fn(grouped.params[g], grouped.layer_state[g], x)
         last = self.model.layers[-1]
         head = self._compiled("eval_head", last, self._eval_head,
-                              (self._param_specs(last), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+                              (self.specs.params(last), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
         return head(self.tied_params(grouped, len(grouped.groups) - 1), grouped.layer_state[-1], x, batch)

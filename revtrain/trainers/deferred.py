@@ -54,12 +54,14 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from revtrain.placement import DATA_AXIS, placer, put_replicated, put_sharded, spec_axis
+from revtrain.placement import DATA_AXIS, put_replicated, put_sharded
 from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
                                       leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
+from revtrain.trainers.programs import _slice
+from revtrain.trainers.walk import walk
 from revtrain.trainers.stacking import Stacked
 
 _R, _D = P(), P(DATA_AXIS)
@@ -71,7 +73,11 @@ def _add(acc, grads):
 
 class DeferredUpdates:
     """Mixin of `ReversibleTrainer`: the accumulating backward programs and the update passes (see the
-    module note). Uses the trainer's placement helpers (``_whole``, ``_grad_specs``, ...)."""
+    module note). Its interface to the host: the trainer's settings (``model``, ``tx``, ``layerwise``,
+    ``microbatches``, ``shard_state``, ``mesh``, ``seed``, ``rebuild_mode``), where and how the state lives
+    (``specs``: `StateSpecs`; ``residency``), the per-layer programs (`programs.LayerPrograms`:
+    ``_block_grads``, ``_per_layer_compiled``; ``_compiled`` and its ``_cache``) and the step's walk (``_working``,
+    ``_plan``, ``_streamed``, ``_stored``, ``_state``)."""
 
     # -- the accumulating backward programs (inside shard_map over "data") --------------------------
     def _head_acc(self, layer, params, acc, state, x, batch, ctx, index, borrowed, tie_acc):
@@ -88,9 +94,9 @@ class DeferredUpdates:
             return (loss_sum / total if normalize else loss_sum), (stats, new_state, total)
 
         obj, vjp_fn, (stats, new_state, total) = jax.vjp(
-            objective, per_device(self._whole(layer, params)), per_device(borrowed), x, has_aux=True)
+            objective, per_device(self.specs.whole(layer, params)), per_device(borrowed), x, has_aux=True)
         grads, tied, dx = vjp_fn(jnp.ones_like(obj))
-        acc = _add(acc, reduce_grads(grads, self._grad_specs(layer)))
+        acc = _add(acc, reduce_grads(grads, self.specs.grads(layer)))
         tie_acc = _add(tie_acc, lax.psum(tied, DATA_AXIS))
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, acc, new_state, sums, tie_acc
@@ -113,16 +119,16 @@ class DeferredUpdates:
             return (loss_sum / total if normalize else loss_sum), (stats, new_states, new_head_state, total)
 
         obj, vjp_fn, (stats, new_top_states, new_head_state, total) = jax.vjp(
-            objective, tuple(per_device(self._whole(t, p)) for t, p in zip(tops, top_params)),
-            per_device(self._whole(head, head_params)), x, has_aux=True)
+            objective, tuple(per_device(self.specs.whole(t, p)) for t, p in zip(tops, top_params)),
+            per_device(self.specs.whole(head, head_params)), x, has_aux=True)
         top_grads, head_grads, dx = vjp_fn(jnp.ones_like(obj))
-        top_acc = tuple(_add(a, reduce_grads(g, self._grad_specs(t))) for t, a, g in zip(tops, top_acc, top_grads))
-        head_acc = _add(head_acc, reduce_grads(head_grads, self._grad_specs(head)))
+        top_acc = tuple(_add(a, reduce_grads(g, self.specs.grads(t))) for t, a, g in zip(tops, top_acc, top_grads))
+        head_acc = _add(head_acc, reduce_grads(head_grads, self.specs.grads(head)))
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, top_acc, new_top_states, head_acc, new_head_state, sums
 
     def _top_head_acc_fn(self, tops, head, modes):
-        tspec, hspec = tuple(self.layer_specs(t)[0] for t in tops), self.layer_specs(head)[0]
+        tspec, hspec = tuple(self.specs.layer(t)[0] for t in tops), self.specs.layer(head)[0]
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
         return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
@@ -168,12 +174,12 @@ class DeferredUpdates:
 
     def _acc_fn(self, kind, layer):
         name, in_specs, out_specs, donate = self._ACC[kind][:4]
-        pspec = self.layer_specs(layer)[0]
+        pspec = self.specs.layer(layer)[0]
         fill = lambda specs: tuple(pspec if s == "A" else s for s in specs)  # noqa: E731
         return self._per_layer_compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate)
 
     def _acc_run_fn(self, layer, count):
-        pspec = self._group_specs(layer, count)[0]
+        pspec = self.specs.group(layer, count)[0]
         return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, (pspec, pspec, _R, _D, _D, _R, _R),
                               (_D, _D, pspec), donate=(1, 3, 4), key=("reverse_run_acc", layer, count))
 
@@ -188,7 +194,7 @@ class DeferredUpdates:
             for g, (start, count) in enumerate(grouped.groups):
                 zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grouped.params[g])
                 if self.shard_state:
-                    acc.append(put_sharded(zeros, self.mesh, self._group_specs(self.model.layers[start], count)[0], kind))
+                    acc.append(put_sharded(zeros, self.mesh, self.specs.group(self.model.layers[start], count)[0], kind))
                 else:
                     acc.append(put_replicated(zeros, self.mesh, kind))
             user = len(self.model.layers) - 1
@@ -202,7 +208,7 @@ class DeferredUpdates:
     # -- the update passes (plain jit over the global arrays) --------------------------------------
     def _shardings(self, layer, count: int):
         """(params, optimizer state) shardings of a group on the device (where every program computes)."""
-        return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p), s) for s in self._group_specs(layer, count))
+        return tuple(jax.tree.map(lambda p: NamedSharding(self.mesh, p), s) for s in self.specs.group(layer, count))
 
     def _grads_of(self, index: int, acc, tie_in, scale, scalars: list):
         """A layer's step gradient from its buffer: plus its tied leaves' other uses, over the whole
@@ -370,7 +376,7 @@ class DeferredUpdates:
             def store(g, rest):
                 acc[g], = rest
 
-            self._walk(plan, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
+            walk(plan, self.residency, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
             sums = held["sums"] if sums is None else self._add_sums(sums, held["sums"])
             current = new_states
         tie_acc = held.pop("tie")
@@ -462,17 +468,3 @@ class DeferredUpdates:
         flags = [jnp.all(f) for f in finite] + [jnp.isfinite(loss)]
         return jnp.all(jnp.stack(flags))
 
-
-def split_leaf_squares(layer_specs, grads):
-    """Inside ``shard_map`` with sharded state: each leaf's sum of squares over the whole leaf (a split
-    leaf's pieces summed over ``"data"``)."""
-    sq = []
-    for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(layer_specs, is_leaf=lambda s: isinstance(s, P))):
-        s = jnp.sum(jnp.square(g.astype(jnp.float32)))
-        sq.append(lax.psum(s, DATA_AXIS) if spec_axis(spec) is not None else s)
-    return jnp.stack(sq) if sq else jnp.zeros((0,), jnp.float32)
-
-
-def _slice(stacks, j):
-    """Inside a scan: slice ``j`` of stacked trees."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)
