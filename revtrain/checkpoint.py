@@ -186,7 +186,10 @@ class DiskStateHandler(ocp.CheckpointHandler):
         disk_tier.save_links(str(directory), args.refs, args.layer_state, args.step)
 
     def restore(self, directory, args=None):
-        return disk_tier.load_links(str(directory))
+        item = disk_tier.load_links(str(directory))
+        if item["note"]:
+            metrics_lib.log(item["note"])
+        return item
 
     def metadata(self, directory):
         return None

@@ -549,9 +549,10 @@ def save_links(directory: str, refs: list, layer_state: list, step: int) -> None
 
 
 def load_links(directory: str) -> dict:
-    """The item `save_links` wrote: ``{"directory", "index", "layer_state": {name: array}}``. Every file is
-    checked whole against its leaves' checksums (`verify_file`: one read of the checkpoint's state); a
-    checkpoint written before checksums is read unverified, with a note (one line on stderr).
+    """The item `save_links` wrote: ``{"directory", "index", "layer_state": {name: array}, "note"}``. Every
+    file is checked whole against its leaves' checksums (`verify_file`: one read of the checkpoint's state); a
+    checkpoint written before checksums is read unverified, and ``note`` says so (one line for the log;
+    None otherwise).
 
     Raises:
       ValueError: the index is missing or garbled, or a file is missing or of the wrong size.
@@ -569,14 +570,14 @@ def load_links(directory: str) -> dict:
         if CHECKSUM in entry:
             verify_file(os.path.join(directory, entry["file"]), _saved_layout(entry),
                         [int(x, 16) for x in entry[CHECKSUM]])
+    note = None
     if unverified:
-        from revtrain import metrics as metrics_lib
-        metrics_lib.log(f"the disk-tier checkpoint at step {index.get('step')} ({directory}) has no checksums for "
-                        f"{len(unverified)} of its {len(index['layers'])} layer files (written before they "
-                        "existed): those are read unverified")
+        note = (f"the disk-tier checkpoint at step {index.get('step')} ({directory}) has no checksums for "
+                f"{len(unverified)} of its {len(index['layers'])} layer files (written before they existed): those "
+                "are read unverified")
     with np.load(os.path.join(directory, "layer_state.npz")) as z:
         layer_state = {k: z[k] for k in z.files}
-    return {"directory": str(directory), "index": index, "layer_state": layer_state}
+    return {"directory": str(directory), "index": index, "layer_state": layer_state, "note": note}
 
 
 def _saved_layout(entry: dict) -> Layout:

@@ -259,22 +259,6 @@ class DiskResidency(Residency):
         return f"layer files in {self.store.directory or 'the offload directory'}"
 
 
-def for_offload(mesh: Mesh, offload, sharded: bool = False, directory: str | None = None) -> Residency:
-    """The tier of ``ReversibleTrainer.offload``: False the device, True host memory, ``'disk'`` layer files in
-    ``directory`` (None: set later by the train command, `DiskTier.attach`).
-
-    Raises:
-      ValueError: ``offload`` is none of those.
-    """
-    if offload is False:
-        return Residency(mesh, sharded)
-    if offload is True:
-        return HostResidency(mesh, sharded)
-    if offload == "disk":
-        return DiskResidency(mesh, sharded, DiskTier(directory))
-    raise ValueError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
-
-
 class HostStack:
     """Host buffers for ``count`` layers' trees of one structure, stacked on a new leading axis and filled one
     layer at a time (`put`), so the layers' own copies can be dropped as they come (see `Residency.place_stacked`)."""

@@ -23,9 +23,8 @@ from revtrain.errors import InputError, RunFailure
 from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
 from revtrain.placement import gather_params, per_device, reduce_grads  # noqa: F401  (common.per_device, ...)
-from revtrain.residency import Residency
-from revtrain.trainers.specs import StateSpecs, leaf_squares  # noqa: F401  (common.leaf_squares)
 from revtrain.trainers.layerwise import fence, fenced_update
+from revtrain.trainers.specs import leaf_squares  # noqa: F401  (common.leaf_squares)
 from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
@@ -445,6 +444,8 @@ class TrainerBase:
     """
 
     name: str = ""
+    residency = None  # where weights and optimizer state live between uses: each trainer sets its tier
+    specs = None  # how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`)
     memory_budget: int | None = None
     budget_plan = None
     rebuild: str | None = None
@@ -461,11 +462,6 @@ class TrainerBase:
         self._cache: dict = {}
         self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
         self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
-        # Where weights and optimizer state live between uses: the one object generation, the memory plan and
-        # the loop ask (a trainer that offloads or shards replaces it).
-        self.residency = Residency(mesh)
-        # How each layer's state is split over the devices (replicated here; `shard_state` splits it).
-        self.specs = StateSpecs(model, optimizer, mesh.size, sharded=False)
         self.disk_stats: dict = {}  # the last step's disk I/O (a trainer with disk files sets it each step)
 
     # -- the declared interface: what the loop, the memory plan, check and the CLI ask ----------------

@@ -60,9 +60,9 @@ from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, chec
                                       take_microbatch)
 from revtrain.trainers.layerwise import fence, fenced_update
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
-from revtrain.trainers.programs import _slice
 from revtrain.trainers.walk import walk
 from revtrain.trainers.stacking import Stacked
+from revtrain.trainers.stacking import slice_of as _slice
 
 _R, _D = P(), P(DATA_AXIS)
 

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import batch_size_of, example_keys, guarded_update, per_device, reduce_grads
 from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, forward_in_head
+from revtrain.trainers.stacking import slice_of as _slice
 
 _R, _D = P(), P(DATA_AXIS)
 _SD = P(None, DATA_AXIS)  # a stack of activations (a leading layer axis)
@@ -392,7 +393,3 @@ class _Dropping:
     def __getattr__(self, name):
         return getattr(self.program, name)
 
-
-def _slice(stacks, j):
-    """Inside a scan: slice ``j`` of stacked trees."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)

@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
 from revtrain.placement import placer, replicated
-from revtrain.residency import HostStack, for_offload
+from revtrain.disk_tier import DiskTier
+from revtrain.residency import DiskResidency, HostResidency, HostStack, Residency
 from revtrain.streaming import train_schedule
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, check_batch, check_finite, check_flags,
                                       grad_norm, is_elementwise, step_key)
@@ -493,3 +494,19 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     def memory_knobs(self, evaluation: bool = False) -> list[str]:
         return [] if evaluation or self.residency.offloaded else ["ReversibleTrainer.offload = True"]
+
+
+def for_offload(mesh, offload, sharded: bool = False, directory: str | None = None) -> Residency:
+    """The tier of ``ReversibleTrainer.offload``: False the device, True host memory, ``'disk'`` layer files in
+    ``directory`` (None: set later by the train command, `DiskTier.attach`).
+
+    Raises:
+      ValueError: ``offload`` is none of those.
+    """
+    if offload is False:
+        return Residency(mesh, sharded)
+    if offload is True:
+        return HostResidency(mesh, sharded)
+    if offload == "disk":
+        return DiskResidency(mesh, sharded, DiskTier(directory))
+    raise ValueError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")

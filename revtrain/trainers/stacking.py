@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -219,3 +220,8 @@ class Stacked:
             for dst, src in zip(lists, (params, opt_state, layer_state)):
                 dst.append(src[start] if count == 1 else stack(src[start:start + count], consume=consume))
         return cls(tuple(groups), *lists)
+
+
+def slice_of(stacks, j):
+    """Inside a program: slice ``j`` (a traced index) of stacked trees (a leading layer axis)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)

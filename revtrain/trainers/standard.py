@@ -14,6 +14,8 @@ from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memor
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, all_finite,
                                       batch_size_of, check_batch, check_finite, check_flags, example_keys,
                                       guarded_update, per_device, step_key, take_microbatch)
+from revtrain.residency import Residency
+from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import find_runs, groups_of
 
 
@@ -70,6 +72,8 @@ class StandardTrainer(TrainerBase):
         if remat_offload and not host_memory_supported(mesh):
             raise TrainerError("StandardTrainer.remat_offload needs a backend with a pinned_host memory space")
         super().__init__(model, optimizer, mesh, seed, microbatches)
+        self.residency = Residency(mesh)  # (device memory, replicated)
+        self.specs = StateSpecs(model, optimizer, mesh.size, sharded=False)
         self.scan_layers, self.remat_layers, self.remat_offload = scan_layers, remat_layers, remat_offload
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []
         self.groups = groups_of(len(model.layers), runs)
