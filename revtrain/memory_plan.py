@@ -847,7 +847,7 @@ def _traced_inputs(model, shapes: _Shapes, programs: _Programs) -> tuple[int, in
 
 
 def floor_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
-    """The `floor` of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    """The `floor` of a built run (`revtrain.run.build`): its model, trainer and batch."""
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:  # (`plan_run` says why there is no plan)
         return plan_run(run, limits, programs)
@@ -931,7 +931,7 @@ def plan_budget(run):
 
 
 def plan_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
-    """The plan of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    """The plan of a built run (`revtrain.run.build`): its model, trainer and batch."""
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:
