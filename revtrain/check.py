@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from revtrain import loop
+from revtrain import run as run_lib
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
 from revtrain.trainers.modes import REBUILDS, REMAT, count_in_head, mode_named
@@ -293,7 +293,7 @@ def run_check(layers_per_chunk: int | None = None, workdir: str | None = None, s
       0 when every layer is within tolerance, 1 otherwise.
 
     Raises:
-      loop.ConfigError, DataError: as for ``revtrain train``.
+      revtrain.errors.ConfigError, DataError: as for ``revtrain train``.
       CheckpointError: no checkpoint (or no such step) in ``workdir``, or it does not fit the model.
     """
     from revtrain.lifecycle import interrupts
@@ -305,7 +305,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
     from revtrain import metrics as metrics_lib
     progress = progress or metrics_lib.log
     jax.config.update("jax_default_matmul_precision", "highest")
-    run = loop.build(workdir=workdir)
+    run = run_lib.build(workdir=workdir)
     cfg, mesh = run.cfg, run.mesh
     pc, pi = jax.process_count(), jax.process_index()
     batch = global_batch(next(run.task.train_iterator(cfg.batch_size // pc, cfg.seed, pi, pc)), mesh)
@@ -459,7 +459,7 @@ def _checkpoint_params(run, workdir: str, step: int | None):
     try:
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,
                                                  optimizer_state=False,  # skips a damaged newest one
-                                                 accept=loop.same_model(run, workdir))
+                                                 accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
     # Offloaded or sharded runs restore into host memory or shards: the check's programs take replicated

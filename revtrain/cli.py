@@ -441,13 +441,13 @@ def _check_command(args) -> int:
 
 
 def _plan_command(args) -> int:
-    from revtrain import loop
+    from revtrain import run as run_lib
     if not args.config:
         raise UsageError("plan needs --config FILE (the experiment's gin file)")
     _parse_gin(args.config, args.gin)
     _check_macros_used(args.gin)
     from revtrain import memory_plan
-    run = loop.build()
+    run = run_lib.build()
     budget = memory_plan.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
     if budget is not None:
         print(budget.line())

@@ -171,10 +171,10 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     Raises:
       ExportError: the run's model is not a `LlamaModel`, a bad dtype, or ``out`` exists.
       revtrain.checkpoint.CheckpointError: no checkpoints, or no such step.
-      revtrain.loop.ConfigError: the run's config cannot be built.
+      revtrain.errors.ConfigError: the run's config cannot be built.
     """
     from revtrain import checkpoint as ckpt_lib
-    from revtrain import loop
+    from revtrain import run as run_lib
     from revtrain.models.llama import iter_model_tensors
 
     if dtype not in DTYPES:
@@ -184,19 +184,19 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
         raise ExportError(f"--to {out} exists and is not an empty directory")
     workdir = os.path.abspath(workdir)
     try:
-        cfg = loop.TrainConfig()
+        cfg = run_lib.TrainConfig()
     except (ValueError, TypeError) as e:
-        raise loop.ConfigError(str(e).splitlines()[0]) from e
+        raise run_lib.ConfigError(str(e).splitlines()[0]) from e
     if getattr(cfg.model, "__name__", "") != "LlamaModel":
         raise ExportError(f"the run in {workdir} trains {getattr(cfg.model, '__name__', cfg.model)}; export writes "
                           "Llama checkpoints (train.model = @LlamaModel)")
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         checkpointer.chosen_step(step)
-        run = loop.build(cfg, workdir)
+        run = run_lib.build(cfg, workdir)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
                                                  files=True,  # a disk-tier state: its layer files, unread
-                                                 accept=loop.same_model(run, workdir))
+                                                 accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
     from revtrain.disk_tier import LayerWeights

@@ -112,7 +112,8 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
     import gin
 
     from revtrain import checkpoint as ckpt_lib
-    from revtrain import ginconfig, loop, registry
+    from revtrain import ginconfig, registry
+    from revtrain import run as run_lib
     from revtrain import metrics as metrics_lib
     workdir = os.path.abspath(workdir)
     config = ginconfig.workdir_config(workdir, ConfigError)
@@ -122,7 +123,7 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
         except UsageError as e:
             raise ConfigError(str(e)) from None
         try:
-            cfg = loop.TrainConfig()
+            cfg = run_lib.TrainConfig()
         except (ValueError, TypeError) as e:
             raise ConfigError(str(e).splitlines()[0]) from e
         # A library call: no progress lines (the shard_state summary), no Orbax warnings of a read-only restore.
@@ -130,9 +131,9 @@ def load(workdir: str, step: int | None = None, bindings: list[str] | tuple = ()
             checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
             try:
                 checkpointer.chosen_step(step)
-                run = loop.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
+                run = run_lib.build(cfg, workdir, say_data=False)  # the workdir: its kept tokenizer and architecture
                 ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
-                                                         accept=loop.same_model(run, workdir))
+                                                         accept=run_lib.same_model(run, workdir))
             finally:
                 checkpointer.close()
     finally:

@@ -17,7 +17,9 @@ from shapes alone, after the model is built and before the trainer places its st
   of its standard layers plus the current activation and its cotangent (the batch too, for both);
 * **temporaries**: the largest ``temp_size_in_bytes`` of ``jit(...).lower(shapes).compile()
   .memory_analysis()`` over one forward, one backward (rebuild or recompute, vjp and optax update) and the
-  head's program of each distinct layer, on one device's (micro)batch. Identical layers share one entry.
+  head's program of each distinct layer, on one device's (micro)batch: the trainer's own code (its backward
+  modes' ``forward`` and ``grads``, ``ReversibleTrainer.head_grads``, `guarded_update`). Identical layers
+  share one entry.
   ``StandardTrainer`` runs one program for the whole step; compiling it for a 32-block model costs minutes on
   two CPU cores, so its temporaries are an analytic bound: the residuals and gradients counted above plus
   the largest one-layer backward program's own temporaries (`MemoryPlan.method` says so);
@@ -79,6 +81,8 @@ from revtrain import limits
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.trainers.common import guarded_update
+from revtrain.trainers.modes import REBUILDS, REMAT
+from revtrain.trainers.reversible import ReversibleTrainer
 
 # The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
 # step's own parts: imports (JAX, XLA, Flax, optax, Orbax, Grain, TensorBoard), the backend, the data pipeline,
@@ -295,48 +299,34 @@ class _Programs:
                 self.cache[key] = 0
         return self.cache[key]
 
-    def forward(self, layer, params, state, x, keys) -> int:
+    def forward(self, layer, params, state, x, keys, mode) -> int:
+        """The forward program of a layer below the head in the reversible trainer: its backward mode's
+        (`BackwardMode.forward`: a rebuild flavour's for a reversible layer, `modes.Remat`'s for a standard
+        one; the fenced flavour's outputs its residuals too)."""
         def fn(p, s, x, k):
-            return layer.apply(p, s, x, k, True)
-        return self._compile(("fwd", layer, _key(x)), fn, (params, state, x, keys))
+            return mode.forward(layer, p, s, x, k)
+        return self._compile(("fwd", layer, _key(x), mode.name), fn, (params, state, x, keys))
 
-    def backward(self, layer, params, opt, state, x, y, keys, tx, rebuild: str, branch: bool = False) -> int:
-        """The reverse-and-update program of a reversible layer (from its output ``y``), or the
-        recompute-and-update one of a standard layer (from its input ``x``); ``branch``: the update's form
-        (`guarded_update`; the disk tier's is the conditional)."""
-        def update(p, o, grads):  # the trainers' own update (fenced, skipped unless finite)
-            new_p, new_o, finite = guarded_update(tx, grads, o, p, branch=branch)
-            return new_p, new_o, finite
+    def backward(self, layer, params, opt, state, x, y, keys, tx, mode, branch: bool = False) -> int:
+        """The reverse-and-update program of a layer below the head as the reversible trainer runs it: its
+        backward mode's reverse-and-grad (`BackwardMode.grads`: from its output ``y`` for a rebuild, from its
+        input ``x`` for `modes.Remat`), then `guarded_update` (``branch``: the update's form; the disk tier's
+        is the conditional), donating what the trainer's program donates (its `modes.ProgramSpec`)."""
+        start = y if mode.rebuilds else x
 
-        if layer.reversible:
-            from revtrain.trainers.modes import REBUILDS  # (the trainer's rebuild flavour, `modes.Rebuild`)
-
-            def fn(p, o, s, y, dy, k):
-                x, dx, grads = REBUILDS[rebuild].reverse(layer, p, s, y, dy, k)
-                return (x, dx) + update(p, o, grads)
-            args = (params, opt, state, y, y, keys)
-            donate = (0, 1, 3, 4)
-        elif _is_float(x):
-            def fn(p, o, s, x, dy, k):
-                _, vjp = jax.vjp(lambda p, x: layer.apply(p, s, x, k, True)[0], p, x)
-                grads, dx = vjp(dy)
-                return (dx,) + update(p, o, grads)
-            args, donate = (params, opt, state, x, y, keys), (0, 1, 4)
-        else:
-            def fn(p, o, s, x, dy, k):
-                _, vjp = jax.vjp(lambda p: layer.apply(p, s, x, k, True)[0], p)
-                return update(p, o, vjp(dy)[0])
-            args, donate = (params, opt, state, x, y, keys), (0, 1, 4)
-        return self._compile(("bwd", layer, _key(x), id(tx), rebuild, branch), fn, args, donate)
+        def fn(p, o, s, start, dy, k):
+            x, dx, grads = mode.grads(layer, p, s, start, dy, k)
+            return (x, dx) + guarded_update(tx, grads, o, p, branch=branch)
+        donate = ReversibleTrainer._PER_LAYER[mode.program_kinds[1]].donate
+        return self._compile(("bwd", layer, _key(x), id(tx), mode.name, branch), fn,
+                             (params, opt, state, start, y, keys), donate)
 
     def head(self, layer, params, opt, state, x, batch, keys, tx) -> int:
+        """The head's program: the trainer's loss and vjp (`ReversibleTrainer.head_grads`), then
+        `guarded_update` (skipped unless the loss is finite too)."""
         def fn(p, o, s, x, batch, k):
-            def objective(p, x):
-                loss_sum, _, _ = layer.loss(p, s, x, batch, k, True)
-                return loss_sum
-            _, vjp = jax.vjp(objective, p, x)
-            grads, dx = vjp(jnp.float32(1.0))
-            new_p, new_o, finite = guarded_update(tx, grads, o, p)
+            obj, grads, dx, _, _, _ = ReversibleTrainer.head_grads(layer, p, s, x, batch, k)
+            new_p, new_o, finite = guarded_update(tx, grads, o, p, ok=jnp.isfinite(obj))
             return dx, new_p, new_o, finite
         return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))
 
@@ -605,13 +595,15 @@ def _walk_programs(model, setup: Setup, shapes: _Shapes, programs: _Programs) ->
             break
         y = programs.output(layer, p, s, x, keys)
         if setup.trainer == "reversible":
+            mode = REBUILDS[setup.rebuild] if layer.reversible else REMAT  # (the trainer's `rebuild_mode`)
             if not layer.reversible:
                 walk.saved_std += _nbytes(x)
-            walk.temps.append(programs.forward(layer, p, s, x, keys))
-            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, setup.rebuild, branch=setup.disk))
+            walk.temps.append(programs.forward(layer, p, s, x, keys, mode))
+            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, mode, branch=setup.disk))
         else:
             walk.residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
-            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, "exact"))
+            mode = REBUILDS["exact"] if layer.reversible else REMAT
+            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, mode))
         x = y
     return walk
 
@@ -855,7 +847,7 @@ def _traced_inputs(model, shapes: _Shapes, programs: _Programs) -> tuple[int, in
 
 
 def floor_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
-    """The `floor` of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    """The `floor` of a built run (`revtrain.run.build`): its model, trainer and batch."""
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:  # (`plan_run` says why there is no plan)
         return plan_run(run, limits, programs)
@@ -939,7 +931,7 @@ def plan_budget(run):
 
 
 def plan_run(run, limits: dict | None = None, programs: _Programs | None = None) -> MemoryPlan:
-    """The plan of a built run (`revtrain.loop.build`): its model, trainer and batch."""
+    """The plan of a built run (`revtrain.run.build`): its model, trainer and batch."""
     local = _local_devices(run.mesh)
     spec = run.task.input_spec(run.cfg.batch_size)
     if spec is None:

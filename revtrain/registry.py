@@ -16,7 +16,7 @@ import optax
 
 from revtrain import ginconfig
 from revtrain.errors import UsageError
-from revtrain import loop  # noqa: F401  (train, evaluate)
+from revtrain import run  # noqa: F401  (train, evaluate)
 from revtrain.data import fashion_mnist  # noqa: F401  (FashionMNISTTask)
 from revtrain import optim  # noqa: F401  (decay_mask, optax.inject_hyperparams)
 from revtrain.data import tasks  # noqa: F401

@@ -2,7 +2,7 @@
 
 The generation itself (key/value caches, the fused and the layer-by-layer programs, how the context
 window slides) is `revtrain.generate`, which the training loop also uses; its public names are
-re-exported here. Import order: ``sample -> loop -> generate``.
+re-exported here. Import order: ``sample -> run, generate`` (the run built as `revtrain.run` builds it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 
 from revtrain import checkpoint as ckpt_lib
 from revtrain.lifecycle import interrupts
-from revtrain import loop
+from revtrain import run as run_lib
 from revtrain import metrics as metrics_lib
 from revtrain.generate import (Options, Result, SampleError, check_decodable, check_training_sample,  # noqa: F401
                                generate, next_tokens, sample_keys, show, slides, training_sample)
@@ -76,7 +76,7 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
       SampleError: bad options or output path, or a run whose model cannot generate text.
       revtrain.checkpoint.CheckpointError: no checkpoints, no such step, the chosen step damaged, or every
         checkpoint damaged (without ``step`` the newest one that restores is used, naming any skipped).
-      revtrain.loop.ConfigError, revtrain.data.byte_lm.DataError: the run's config cannot be built.
+      revtrain.run_lib.ConfigError, revtrain.data.byte_lm.DataError: the run's config cannot be built.
     """
     opts.check()
     paths = output_paths(output, opts.num_samples)
@@ -88,11 +88,11 @@ def sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | No
 def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | None, paths: list[str],
                        guard: interrupts.Interrupts) -> Result:
     try:
-        cfg = loop.TrainConfig()
+        cfg = run_lib.TrainConfig()
     except (ValueError, TypeError) as e:  # gin evaluates bound calls (schedules, optimizers) here
-        raise loop.ConfigError(str(e).splitlines()[0]) from e
-    if not (isinstance(cfg.task, type) and issubclass(cfg.task, loop.Task)):
-        raise loop.ConfigError(f"train.task must be a task class (a subclass of revtrain.data.task.Task), got "
+        raise run_lib.ConfigError(str(e).splitlines()[0]) from e
+    if not (isinstance(cfg.task, type) and issubclass(cfg.task, run_lib.Task)):
+        raise run_lib.ConfigError(f"train.task must be a task class (a subclass of revtrain.data.task.Task), got "
                                f"{cfg.task!r}")
     if not cfg.task.bits_per_byte:  # before the task loads its data
         raise SampleError(f"the run in {workdir} trains {getattr(cfg.model, '__name__', cfg.model)} on "
@@ -101,12 +101,12 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
     checkpointer = ckpt_lib.Checkpointer(workdir, read_only=True)
     try:
         checkpointer.chosen_step(step)  # no checkpoints, or no such step: before the data loads
-        run = loop.build(cfg, workdir)
+        run = run_lib.build(cfg, workdir)
         check_decodable(run.model)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,  # a damaged newest one is skipped
                                                  optimizer_state=False,  # (weights alone: a third of the bytes)
                                                  files=True,  # (a disk-tier state: its files, held or streamed)
-                                                 accept=loop.same_model(run, workdir))
+                                                 accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
     guard.idle = False

@@ -261,7 +261,7 @@ def load_byte_lm(source: str, sequence_length: int, data_dir: str) -> tfds.core.
 
     ``builder.data_status`` is one line saying what was prepared, how much and how long, or that the data was
     found in the cache (`describe`); ``builder.data_prepared`` whether it was prepared by this call. (The
-    caller says it: `revtrain.loop.build` once the run is built, so that a later configuration error is
+    caller says it: `revtrain.run.build` once the run is built, so that a later configuration error is
     still the only line; ``scripts/prepare_data.py`` always.)
 
     Read records with ``builder.as_data_source(split)``: each is ``{'bytes': uint8 [L + 1]}``.

@@ -21,7 +21,7 @@ class Task:
       bytes_per_token: mean UTF-8 bytes per target of the training split (1.0 for bytes).
       data_status: one line saying what preparing the data did: prepared now (how much, how long) or found
         in the cache (None: the task does not say).
-      data_prepared: whether this task prepared its data (then `revtrain.loop.build` prints ``data_status``
+      data_prepared: whether this task prepared its data (then `revtrain.run.build` prints ``data_status``
         once the run is built; ``scripts/prepare_data.py``, ``make data``, prints it either way).
     """
 

@@ -7,7 +7,7 @@ process's share of each global batch) and ``eval_batches``; a language-model tas
 ``decode`` and, when it tokenizes, its ``tokenizer`` (kept in the workdir by ``save_tokenizer``) and
 ``bytes_per_token``.
 
-The run's tokenizer is passed in explicitly: `revtrain.loop.build_task` asks the task class
+The run's tokenizer is passed in explicitly: `revtrain.run.build_task` asks the task class
 (`Task.tokenizer_arguments`) which constructor arguments give it the tokenizer the run keeps in its workdir,
 or the one of the checkpoint it imports.
 """
@@ -117,13 +117,13 @@ class TokenLMTask(Task):
         beside an imported checkpoint (``LlamaModel.path``) that has a tokenizer, the checkpoint's is used;
         beside one that has none, the run is refused (name its tokenizer, or ``'bytes'``, or ``'bpe'``): a new
         BPE would give its ids other meanings (`tokenizer_arguments`). A run keeps a copy in its workdir and
-        uses that copy from then on (`revtrain.loop.build_task` passes it here).
+        uses that copy from then on (`revtrain.run.build_task` passes it here).
       vocab_size: ids of the BPE trained by ``"bpe"`` (>= 258; the end-of-text id included); unused otherwise.
       text_field: the JSONL field / Parquet column / dataset column holding each document's text.
       data_dir: cache (default ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``).
 
     The model's vocabulary follows the tokenizer (``model_kwargs`` passes ``vocab_size``) unless the model's
-    ``vocab_size`` is bound in gin; a bound one smaller than the tokenizer's is refused (`revtrain.loop.build`).
+    ``vocab_size`` is bound in gin; a bound one smaller than the tokenizer's is refused (`revtrain.run.build`).
 
     Raises:
       byte_lm.DataError: a bad corpus or tokenizer file, a bad ``vocab_size`` or ``sequence_length``, or a split

@@ -38,7 +38,7 @@ activation, a ``head_dim`` other than ``D / heads``, missing tensors or wrong sh
 
 Vocabulary: token ids. A checkpoint's own tokenizer (``tokenizer.json``, or a SentencePiece
 ``tokenizer.model``; `tokenizer_of`) is what `revtrain.data.tasks.TokenLMTask` tokenizes with when its
-``tokenizer`` is left unbound (`revtrain.loop.build` passes it), and `revtrain export` writes the run's
+``tokenizer`` is left unbound (`revtrain.run.build` passes it), and `revtrain export` writes the run's
 tokenizer back beside the weights. The byte task (`revtrain.data.tasks.ByteLMTask`) feeds byte values
 (0..255) as ids, so a byte-level model imports, fine-tunes and exports without a tokenizer file. A task whose
 vocabulary does not fit the checkpoint's embedding rows is refused (ids past the table would read nothing).
