@@ -18,7 +18,7 @@ from shapes alone, after the model is built and before the trainer places its st
 * **temporaries**: the largest ``temp_size_in_bytes`` of ``jit(...).lower(shapes).compile()
   .memory_analysis()`` over one forward, one backward (rebuild or recompute, vjp and optax update) and the
   head's program of each distinct layer, on one device's (micro)batch: the trainer's own code (its backward
-  modes' ``forward`` and ``grads``, ``ReversibleTrainer.head_grads``, `guarded_update`). Identical layers
+  modes' ``forward`` and ``grads``, ``LayerPrograms.head_grads``, `guarded_update`). Identical layers
   share one entry.
   ``StandardTrainer`` runs one program for the whole step; compiling it for a 32-block model costs minutes on
   two CPU cores, so its temporaries are an analytic bound: the residuals and gradients counted above plus
@@ -82,7 +82,7 @@ from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.trainers.common import guarded_update
 from revtrain.trainers.modes import REBUILDS, REMAT
-from revtrain.trainers.reversible import ReversibleTrainer
+from revtrain.trainers.programs import LayerPrograms
 
 # The process's own constant: what a ``revtrain train`` step holds beyond the weights, optimizer state and the
 # step's own parts: imports (JAX, XLA, Flax, optax, Orbax, Grain, TensorBoard), the backend, the data pipeline,
@@ -317,15 +317,15 @@ class _Programs:
         def fn(p, o, s, start, dy, k):
             x, dx, grads = mode.grads(layer, p, s, start, dy, k)
             return (x, dx) + guarded_update(tx, grads, o, p, branch=branch)
-        donate = ReversibleTrainer._PER_LAYER[mode.program_kinds[1]].donate
+        donate = LayerPrograms._PER_LAYER[mode.program_kinds[1]].donate
         return self._compile(("bwd", layer, _key(x), id(tx), mode.name, branch), fn,
                              (params, opt, state, start, y, keys), donate)
 
     def head(self, layer, params, opt, state, x, batch, keys, tx) -> int:
-        """The head's program: the trainer's loss and vjp (`ReversibleTrainer.head_grads`), then
+        """The head's program: the trainer's loss and vjp (`programs.LayerPrograms.head_grads`), then
         `guarded_update` (skipped unless the loss is finite too)."""
         def fn(p, o, s, x, batch, k):
-            obj, grads, dx, _, _, _ = ReversibleTrainer.head_grads(layer, p, s, x, batch, k)
+            obj, grads, dx, _, _, _ = LayerPrograms.head_grads(layer, p, s, x, batch, k)
             new_p, new_o, finite = guarded_update(tx, grads, o, p, ok=jnp.isfinite(obj))
             return dx, new_p, new_o, finite
         return self._compile(("head", layer, _key(x), id(tx)), fn, (params, opt, state, x, batch, keys), (0, 1))
