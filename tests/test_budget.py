@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.tree_util import keystr, tree_flatten_with_path
 
 from revtrain.check import _Checker
 from revtrain.memory import MemoryMeter
@@ -31,34 +30,8 @@ def _spec(batch):
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
-@pytest.fixture(scope="module")
-def depth12_standard(text_batches):
-    batches = text_batches(BATCH, STEPS)
-    with jax.default_matmul_precision("highest"):
-        model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
-        params, losses = train_params(StandardTrainer(model, optax.adam(1e-3), _mesh(), seed=0), batches, _mesh())
-    return model, batches, params, losses
-
-
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12_standard, scan_layers):
-    """Depth 12, the budget planner's plan (1, 2, 3): the top block backprop'd, the 2 under it checkpointed
-    in the head's program, the lowest 3 recomputed, 6 rebuilt. Losses and every parameter after 5 Adam steps
-    identical to StandardTrainer's bits (both executors: the scanned one scans the 3 rematerialised blocks
-    and the 6 rebuilt ones). (A budget's plan for identical blocks seldom mixes them all; the plan is set
-    here so that all four meet in one step.)"""
-    model, batches, std_params, std_losses = depth12_standard
-    with jax.default_matmul_precision("highest"):
-        trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=scan_layers)
-        modes = budget_lib.Candidates(trainer, _spec(batches[0])).modes(1, 2, 3)
-        trainer.set_block_modes(modes)
-        assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 6 + ["checkpoint"] * 2 + ["backprop"]
-        if scan_layers:
-            assert (1, 3) in trainer.groups and (4, 6) in trainer.groups  # a remat scan, a rebuild scan
-        params, losses = train_params(trainer, batches, _mesh())
-    assert losses == std_losses
-    for (path, a), b in zip(tree_flatten_with_path(std_params)[0], jax.tree.leaves(params)):
-        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
+# (the plan mixing all four modes at depth 12, bitwise backprop: tests/test_exactness.py, beside the standard
+# depth-12 run it is compared with)
 
 
 @pytest.mark.slow  # make test-all (about 2 min on 2 cores)

@@ -160,6 +160,38 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
                 assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
 
 
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12, scan_layers):
+    """Depth 12, the budget planner's plan (1, 2, 3) (`budget.Candidates.modes`): the top block backprop'd, the 2
+    under it checkpointed in the head's program, the lowest 3 recomputed, 6 rebuilt. Losses and every parameter
+    after 5 Adam steps identical to StandardTrainer's bits (both executors: the scanned one scans the 3
+    rematerialised blocks and the 6 rebuilt ones). (A budget's plan for identical blocks seldom mixes them all;
+    the plan is set here so that all four meet in one step. The modes are written out here; the slow tier also
+    has the planner derive them, which compiles its candidate programs: about 20 s on 2 cores.)"""
+    from revtrain.trainers import budget as budget_lib
+    from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT
+
+    from helpers import train_params
+    std = depth12["standard"]
+    mesh = _mesh()
+    with jax.default_matmul_precision("highest"):
+        model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
+        trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, scan_layers=scan_layers)
+        # (the embedding and the lowest 3 blocks recomputed, 6 rebuilt, 2 checkpointed, the top one backprop'd)
+        modes = [REMAT] * 4 + [trainer.rebuild_mode] * 6 + [CHECKPOINT] * 2 + [BACKPROP]
+        if scan_layers:
+            spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in depth12.batches[0].items()}
+            assert budget_lib.Candidates(trainer, spec).modes(1, 2, 3) == modes
+        trainer.set_block_modes(modes)
+        assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 6 + ["checkpoint"] * 2 + ["backprop"]
+        if scan_layers:
+            assert (1, 3) in trainer.groups and (4, 6) in trainer.groups  # a remat scan, a rebuild scan
+        params, losses = train_params(trainer, depth12.batches, mesh)
+    assert losses == std["losses"]
+    for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(params)):
+        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
+
+
 @pytest.mark.slow  # the opt-in fused rebuild (make test keeps the default exact one)
 @pytest.mark.parametrize("executor", ["fused", "fused_per_layer"])
 def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
