@@ -13,7 +13,7 @@ from revtrain.check import _Checker
 from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh, put_replicated
-from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers import ReversibleTrainer
 from revtrain.trainers import budget as budget_lib
 from revtrain.trainers.common import TrainerError
 
@@ -148,7 +148,7 @@ def test_a_scanned_remat_run_is_planned_at_its_scans_peak(text_batches):
     assert measured <= budget and abs(measured - plan.peak) <= 0.02 * plan.peak, (budget, measured, plan.line())
 
 
-@pytest.mark.slow  # (make test: the CLI's refusal, test_train_refuses_a_budget_below_the_least_with_exit_2)
+@pytest.mark.slow  # (make test: the CLI's refusal, test_memory_plan's test_train_refuses_a_budget_below_the_least_...)
 def test_budget_below_the_least_is_refused_naming_it(text_batches):
     batch = text_batches(4, 1)[0]
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4)
@@ -192,28 +192,7 @@ def test_check_is_exact_on_a_run_mixing_all_four_modes(text_batches):
             assert rebuild is None, (name, rebuild)
 
 
-def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
-    """``revtrain train`` with a budget below the least plan's peak: exit 2, one error line naming the least
-    budget, before the state is placed (no checkpoint, the new workdir removed)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-    repo = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    env.pop("XLA_FLAGS", None)
-    args = ["--config", str(repo / "configs" / "enwik_small.gin"), "--workdir", str(tmp_path / "w"),
-            "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
-            "--gin", "train.batch_size = 8", "--gin", "train.trainer = @ReversibleTrainer",
-            "--gin", "ReversibleTrainer.memory_budget = '64KiB'"]
-    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
-                            env=env, timeout=300)
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("revtrain: error: ")]
-    assert len(errors) == 1 and "memory_budget 0.1 MiB" in errors[0], errors
-    assert "is below the least this step needs" in errors[0] and "raise it to at least" in errors[0], errors
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "w").exists()
+# (`revtrain train` refusing a budget below the least: tests/test_memory_plan.py, after `revtrain plan` refuses it)
 
 
 @pytest.mark.slow  # make test-all (the four-mode depth-12 test covers the walk in make test)
