@@ -44,7 +44,7 @@ eval: venv
 # marked slow (long multi-process scenarios); make test-all runs every test.
 TEST_WORKERS ?= 2
 test: data
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" --durations=15 tests
 
 test-all: data
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests

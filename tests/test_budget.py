@@ -8,13 +8,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.tree_util import keystr, tree_flatten_with_path
 
 from revtrain.check import _Checker
 from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh, put_replicated
-from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers import ReversibleTrainer
 from revtrain.trainers import budget as budget_lib
 from revtrain.trainers.common import TrainerError
 
@@ -31,34 +30,8 @@ def _spec(batch):
     return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
 
 
-@pytest.fixture(scope="module")
-def depth12_standard(text_batches):
-    batches = text_batches(BATCH, STEPS)
-    with jax.default_matmul_precision("highest"):
-        model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
-        params, losses = train_params(StandardTrainer(model, optax.adam(1e-3), _mesh(), seed=0), batches, _mesh())
-    return model, batches, params, losses
-
-
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12_standard, scan_layers):
-    """Depth 12, the budget planner's plan (1, 2, 3): the top block backprop'd, the 2 under it checkpointed
-    in the head's program, the lowest 3 recomputed, 6 rebuilt. Losses and every parameter after 5 Adam steps
-    identical to StandardTrainer's bits (both executors: the scanned one scans the 3 rematerialised blocks
-    and the 6 rebuilt ones). (A budget's plan for identical blocks seldom mixes them all; the plan is set
-    here so that all four meet in one step.)"""
-    model, batches, std_params, std_losses = depth12_standard
-    with jax.default_matmul_precision("highest"):
-        trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=scan_layers)
-        modes = budget_lib.Candidates(trainer, _spec(batches[0])).modes(1, 2, 3)
-        trainer.set_block_modes(modes)
-        assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 6 + ["checkpoint"] * 2 + ["backprop"]
-        if scan_layers:
-            assert (1, 3) in trainer.groups and (4, 6) in trainer.groups  # a remat scan, a rebuild scan
-        params, losses = train_params(trainer, batches, _mesh())
-    assert losses == std_losses
-    for (path, a), b in zip(tree_flatten_with_path(std_params)[0], jax.tree.leaves(params)):
-        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
+# (the plan mixing all four modes at depth 12, bitwise backprop: tests/test_exactness.py, beside the standard
+# depth-12 run it is compared with)
 
 
 @pytest.mark.slow  # make test-all (about 2 min on 2 cores)
@@ -175,7 +148,7 @@ def test_a_scanned_remat_run_is_planned_at_its_scans_peak(text_batches):
     assert measured <= budget and abs(measured - plan.peak) <= 0.02 * plan.peak, (budget, measured, plan.line())
 
 
-@pytest.mark.slow  # (make test: the CLI's refusal, test_train_refuses_a_budget_below_the_least_with_exit_2)
+@pytest.mark.slow  # (make test: the CLI's refusal, test_memory_plan's test_train_refuses_a_budget_below_the_least_...)
 def test_budget_below_the_least_is_refused_naming_it(text_batches):
     batch = text_batches(4, 1)[0]
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4)
@@ -219,28 +192,7 @@ def test_check_is_exact_on_a_run_mixing_all_four_modes(text_batches):
             assert rebuild is None, (name, rebuild)
 
 
-def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
-    """``revtrain train`` with a budget below the least plan's peak: exit 2, one error line naming the least
-    budget, before the state is placed (no checkpoint, the new workdir removed)."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-    repo = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo))
-    env.pop("XLA_FLAGS", None)
-    args = ["--config", str(repo / "configs" / "enwik_small.gin"), "--workdir", str(tmp_path / "w"),
-            "--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
-            "--gin", "train.batch_size = 8", "--gin", "train.trainer = @ReversibleTrainer",
-            "--gin", "ReversibleTrainer.memory_budget = '64KiB'"]
-    result = subprocess.run([sys.executable, "-m", "revtrain", "train", *args], capture_output=True, text=True,
-                            env=env, timeout=300)
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("revtrain: error: ")]
-    assert len(errors) == 1 and "memory_budget 0.1 MiB" in errors[0], errors
-    assert "is below the least this step needs" in errors[0] and "raise it to at least" in errors[0], errors
-    assert "Traceback" not in result.stderr
-    assert not (tmp_path / "w").exists()
+# (`revtrain train` refusing a budget below the least: tests/test_memory_plan.py, after `revtrain plan` refuses it)
 
 
 @pytest.mark.slow  # make test-all (the four-mode depth-12 test covers the walk in make test)

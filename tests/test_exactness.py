@@ -160,6 +160,38 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
                 assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
 
 
+@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12, scan_layers):
+    """Depth 12, the budget planner's plan (1, 2, 3) (`budget.Candidates.modes`): the top block backprop'd, the 2
+    under it checkpointed in the head's program, the lowest 3 recomputed, 6 rebuilt. Losses and every parameter
+    after 5 Adam steps identical to StandardTrainer's bits (both executors: the scanned one scans the 3
+    rematerialised blocks and the 6 rebuilt ones). (A budget's plan for identical blocks seldom mixes them all;
+    the plan is set here so that all four meet in one step. The modes are written out here; the slow tier also
+    has the planner derive them, which compiles its candidate programs: about 20 s on 2 cores.)"""
+    from revtrain.trainers import budget as budget_lib
+    from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT
+
+    from helpers import train_params
+    std = depth12["standard"]
+    mesh = _mesh()
+    with jax.default_matmul_precision("highest"):
+        model = ReversibleTransformerLM(SEQ, num_layers=12, d_model=64, num_heads=4, dropout_rate=0.1)
+        trainer = ReversibleTrainer(model, optax.adam(1e-3), mesh, seed=0, scan_layers=scan_layers)
+        # (the embedding and the lowest 3 blocks recomputed, 6 rebuilt, 2 checkpointed, the top one backprop'd)
+        modes = [REMAT] * 4 + [trainer.rebuild_mode] * 6 + [CHECKPOINT] * 2 + [BACKPROP]
+        if scan_layers:
+            spec = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in depth12.batches[0].items()}
+            assert budget_lib.Candidates(trainer, spec).modes(1, 2, 3) == modes
+        trainer.set_block_modes(modes)
+        assert [m.name for m in modes] == ["remat"] * 4 + ["exact"] * 6 + ["checkpoint"] * 2 + ["backprop"]
+        if scan_layers:
+            assert (1, 3) in trainer.groups and (4, 6) in trainer.groups  # a remat scan, a rebuild scan
+        params, losses = train_params(trainer, depth12.batches, mesh)
+    assert losses == std["losses"]
+    for (path, a), b in zip(tree_flatten_with_path(std["params"])[0], jax.tree.leaves(params)):
+        assert np.array_equal(a, b), (f"{keystr(path)}: {np.mean(a != b):.2%} of the elements differ")
+
+
 @pytest.mark.slow  # the opt-in fused rebuild (make test keeps the default exact one)
 @pytest.mark.parametrize("executor", ["fused", "fused_per_layer"])
 def test_fused_rebuild_follows_backprop_depth12_adam(depth12, executor):
@@ -349,12 +381,20 @@ _BITWISE_CASES = {
     "llama_adamw": (_llama_model, lambda: optax.adamw(1e-3, weight_decay=0.01), {}),
     "llama_clip": (_llama_model, _clip_adamw, {}),
 }
+# A case whose StandardTrainer run is another's (only the reversible trainer's executor differs): trained once.
+_SAME_STANDARD = {"default_per_layer": "default_adamw"}
+
+
+@pytest.fixture(scope="module")
+def standard_runs():
+    """``{case: (losses, params)}``: the StandardTrainer runs of `_BITWISE_CASES` trained so far in this module."""
+    return {}
 
 
 # default_clip_microbatches covers clip and microbatches together in make test; each alone in the slow tier
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("default_clip", "default_microbatches")
                                   else c for c in _BITWISE_CASES])
-def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
+def test_default_and_llama_models_are_bitwise_backprop(text_batches, standard_runs, case):
     """The default run's model and the Llama model, 10 steps: losses and every parameter leaf of
     ReversibleTrainer equal StandardTrainer's bit for bit, with AdamW, a clipped chain (the deferred update),
     2 microbatches, and both (the quotients by the batch's weight fenced before the clip divides them). Both token embeddings are layers with a single leaf, whose per-layer update once
@@ -363,6 +403,9 @@ def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
     model, mesh, batches, runs = make_model(), _mesh(), text_batches(BATCH, 10), {}
     with jax.default_matmul_precision("highest"):
         for name, cls in [("standard", StandardTrainer), ("reversible", ReversibleTrainer)]:
+            if cls is StandardTrainer and _SAME_STANDARD.get(case) in standard_runs:
+                runs[name] = standard_runs[_SAME_STANDARD[case]]
+                continue
             extra = kwargs if cls is ReversibleTrainer else {k: v for k, v in kwargs.items() if k == "microbatches"}
             trainer = cls(model, make_tx(), mesh, seed=0, **extra)
             ts, losses = trainer.init(), []
@@ -370,6 +413,7 @@ def test_default_and_llama_models_are_bitwise_backprop(text_batches, case):
                 ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
                 losses.append(float(metrics["loss"]))
             runs[name] = (losses, jax.tree.map(np.asarray, ts.per_layer().params))
+    standard_runs.setdefault(case, runs["standard"])
     (std_losses, std), (rev_losses, rev) = runs["standard"], runs["reversible"]
     assert len(jax.tree.leaves(std[0])) == 1  # the single-leaf embedding layer
     assert std_losses[-1] < std_losses[0]  # it trains

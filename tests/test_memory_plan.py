@@ -284,6 +284,22 @@ def test_plan_with_a_budget_runs_the_budget_planner(row, bindings, label, blocks
     assert "raise it to at least" in errors[0] and result.stdout == ""
 
 
+def test_train_refuses_a_budget_below_the_least_with_exit_2(tmp_path):
+    """``revtrain train`` (a process of its own) with the tied row's budget below the least plan's peak: exit
+    2, one error line naming the least budget, no traceback, before the state is placed (no checkpoint, the
+    new workdir removed). (Run after the test above, its programs come from the session's compilation cache:
+    about 20 s less than compiling the planner's candidates afresh.)"""
+    workdir = tmp_path / "w"
+    result = revtrain("train", *MODERN, "--gin", "RMSNormLanguageModelHead.tie_embedding = True",
+                      "--gin", "ReversibleTrainer.memory_budget = '64KiB'", "--workdir", workdir)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("revtrain: error: ")]
+    assert len(errors) == 1 and "memory_budget 0.1 MiB" in errors[0], errors
+    assert "is below the least this step needs" in errors[0] and "raise it to at least" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()
+
+
 @pytest.fixture
 def compiles(monkeypatch):
     """A function that says how many programs were compiled (``jax.jit(...).lower(...).compile()``, as

@@ -141,7 +141,7 @@ def _block_modes(mode, rebuild_mode, n: int) -> list:
 def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, name):
     """Depth 4, every block in one exact mode (backprop and checkpoint: the top two, in the head's program):
     losses and every parameter after 3 Adam steps identical to StandardTrainer's bits (per-layer executor;
-    the scanned one and the modes mixed: tests/test_budget.py and tests/test_exactness.py at depth 12)."""
+    the scanned one and the modes mixed: tests/test_exactness.py at depth 12)."""
     batches, std_params, std_losses = standard_run
     mode = modes.mode_named(name)
     assert mode.exact
