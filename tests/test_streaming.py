@@ -195,7 +195,6 @@ def test_fetches_follow_the_schedule_each_gated_on_the_program_before(tmp_path, 
         assert early >= below, early
 
 
-@pytest.mark.slow  # make test-all (a timing test; make test: the overlap's order above, offload=True)
 def test_fetches_overlap_compute(monkeypatch):
     """A link made slow on purpose (a delay per byte fetched, `streaming.FETCH_HOOK`) so that a step's
     transfers take about as long as its compute: the step takes at most 1.25x the larger of the two and at
