@@ -367,12 +367,16 @@ class DiskTier(Store):
         return os.path.join(self._dir(), f"{STEP_PREFIX}{step:08d}")
 
     def check_directory(self) -> None:
-        """Refuses an ``offload_dir`` whose parent directory does not exist (a typo would otherwise create a
-        whole new tree). The default, ``<workdir>/offload``, passes: the train command creates the workdir.
+        """Refuses an ``offload_dir`` that is a file, or whose parent directory does not exist (a typo would
+        otherwise create a whole new tree). The default, ``<workdir>/offload``, passes: the train command
+        creates the workdir.
 
         Raises:
-          ConfigError: one line naming the directory and its missing parent.
+          ConfigError: one line naming the directory and what is wrong with it.
         """
+        if self.directory is not None and os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ConfigError(f"ReversibleTrainer.offload_dir = {self.directory!r} is a file, not a directory (name a "
+                              "directory, or leave offload_dir unset for <workdir>/offload)")
         if self.directory is None or (self.workdir is not None and self.directory == os.path.join(self.workdir, "offload")):
             return
         parent = os.path.dirname(self.directory)

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain import metrics as metrics_lib
 from revtrain.disk_tier import DiskLayer, DiskTier, read_tree
 from revtrain.placement import (DEVICE_MEMORY, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, placer,
                                 replicated, shard_spec)
@@ -257,6 +258,26 @@ class DiskResidency(Residency):
 
     def _where(self) -> str:
         return f"layer files in {self.store.directory or 'the offload directory'}"
+
+
+def for_offload(mesh: Mesh, offload, sharded: bool = False, directory: str | None = None) -> Residency:
+    """The tier of ``ReversibleTrainer.offload``: False the device, True host memory, ``'disk'`` layer files in
+    ``directory`` (None: set later by the train command, `DiskTier.attach`; given with another tier, a note
+    says it is not used).
+
+    Raises:
+      ValueError: ``offload`` is none of those.
+    """
+    if directory is not None and offload in (False, True):
+        metrics_lib.log(f"ReversibleTrainer.offload_dir = {directory!r} is not used: it is the directory of "
+                        "offload = 'disk'")
+    if offload is False:
+        return Residency(mesh, sharded)
+    if offload is True:
+        return HostResidency(mesh, sharded)
+    if offload == "disk":
+        return DiskResidency(mesh, sharded, DiskTier(directory))
+    raise ValueError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
 
 
 class HostStack:

@@ -607,7 +607,8 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
 
 
 def test_offload_dir_without_its_parent_is_refused(tmp_path):
-    """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir)."""
+    """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir);
+    one that is a file: refused too."""
     missing = tmp_path / "no" / "such"
     result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
                        f"ReversibleTrainer.offload_dir = '{missing}/offload'", "--workdir", str(tmp_path / "run"))
@@ -618,6 +619,11 @@ def test_offload_dir_without_its_parent_is_refused(tmp_path):
     trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload="disk", scan_layers=False,
                                 offload_dir=str(missing / "offload"))
     with pytest.raises(ConfigError, match="parent directory"):
+        trainer.init()
+    (tmp_path / "a_file").write_text("")  # an offload_dir that is a file: one line too
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload="disk",
+                                offload_dir=str(tmp_path / "a_file"))
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
         trainer.init()
 
 

@@ -18,10 +18,9 @@ from jax.sharding import PartitionSpec as P
 from revtrain.disk_tier import DiskTier
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DATA_AXIS, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, make_mesh
-from revtrain.residency import TIERS, DiskResidency, HostResidency, HostStack, Residency
+from revtrain.residency import TIERS, DiskResidency, HostResidency, HostStack, Residency, for_offload
 from revtrain.streaming import HostStore
 from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError
-from revtrain.trainers.reversible import for_offload
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
 from revtrain.placement import placer, replicated
-from revtrain.disk_tier import DiskTier
-from revtrain.residency import DiskResidency, HostResidency, HostStack, Residency
+from revtrain.residency import HostStack, for_offload
 from revtrain.streaming import train_schedule
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, check_batch, check_finite, check_flags,
                                       grad_norm, is_elementwise, step_key)
@@ -494,19 +493,3 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     def memory_knobs(self, evaluation: bool = False) -> list[str]:
         return [] if evaluation or self.residency.offloaded else ["ReversibleTrainer.offload = True"]
-
-
-def for_offload(mesh, offload, sharded: bool = False, directory: str | None = None) -> Residency:
-    """The tier of ``ReversibleTrainer.offload``: False the device, True host memory, ``'disk'`` layer files in
-    ``directory`` (None: set later by the train command, `DiskTier.attach`).
-
-    Raises:
-      ValueError: ``offload`` is none of those.
-    """
-    if offload is False:
-        return Residency(mesh, sharded)
-    if offload is True:
-        return HostResidency(mesh, sharded)
-    if offload == "disk":
-        return DiskResidency(mesh, sharded, DiskTier(directory))
-    raise ValueError(f"ReversibleTrainer.offload must be False, True or 'disk', got {offload!r}")
