@@ -676,7 +676,7 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
     if step.on_disk:
         # The layers in flight: the one computing and the one read ahead (on the device), the one being written
         # (its host copy). The saved inputs and the current activation stay on the device. A layer is read
-        # only once the program before it has run (`disk_tier.StepStream`), so a program's temporaries (its
+        # only once the program before it has run (`streaming.StepStream`), so a program's temporaries (its
         # gradient among them: compiled) and the layer read ahead are never live together: in flight is the
         # more of three layers and two layers plus the temporaries.
         lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)

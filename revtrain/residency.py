@@ -141,7 +141,7 @@ class Residency:
 
     def place_tree(self, tree, specs=None):
         """`place` of every leaf of ``tree`` (``specs``: a matching tree of ``PartitionSpec``, default from
-        `specs`). The leaves are released from ``tree``'s list as they are placed only by `place_layers`."""
+        `specs`)."""
         specs = self.specs(tree) if specs is None else specs
         return jax.tree.map(self.place, tree, specs)
 

@@ -435,12 +435,14 @@ class TrainerBase:
         mode is fixed by the configuration, nothing is planned).
       budget_plan: the `revtrain.trainers.budget.BudgetPlan` made by `plan_budget` (None until then, or
         without a budget): its ``peak`` and ``budget`` bound what a background checkpoint save may add.
-      rebuild: the rebuild mode of the reversible blocks (``"exact"``, ``"fused"``, ``"fenced"``), or None
+      rebuild: the rebuild mode of the reversible blocks (a name of `revtrain.trainers.modes.REBUILDS`), or None
         for a trainer that rebuilds nothing.
-      disk_stats: the last step's disk I/O (``disk_read_bytes``, ``disk_write_bytes``, ...; the disk tier's
-        `revtrain.disk_tier.StepStream.stats`) for the step's ``train.jsonl`` record; ``{}`` without disk
-        files.
-      residency: where weights and optimizer state live between uses (`revtrain.residency.Residency`).
+      disk_stats: the last step's I/O of a streamed tier (``host_read_bytes``, ``disk_read_bytes``, ...;
+        `revtrain.streaming.StepStream.stats`) for the step's ``train.jsonl`` record; ``{}`` without one.
+      residency: where weights and optimizer state live between uses (a tier of `revtrain.residency`), set
+        by each trainer.
+      specs: how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`), set by
+        each trainer.
     """
 
     name: str = ""

@@ -331,7 +331,6 @@ class DeferredUpdates:
         weights are; memory holds the layers in flight and the tied leaves' other-use buffer)."""
         grouped = self._working(ts)
         plan = self._plan(grouped.groups)
-        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         groups = grouped.groups
         skey = step_key(self.seed, ts.step)
         user = len(self.model.layers) - 1
@@ -352,6 +351,45 @@ class DeferredUpdates:
         held = {"tie": tie_acc}
         del tie_acc
         states = grouped.layer_state
+        current, (loss_sum, correct, total) = self._accumulate(plan, params, acc, states, batch, skey, owners, held)
+        tie_acc = held.pop("tie")
+        if self.microbatches == 1:  # the head's loss is the mean already, its gradient normalised
+            loss, scale = loss_sum, None
+        else:
+            loss, scale = self._over(loss_sum, total), total
+        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
+
+        def tie_in(g):
+            return tie_acc if g in owners else ()
+
+        globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale)
+        ok = self._all_ok(finite, loss)
+        for g in range(len(groups)):
+            new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
+                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
+            params[g], opt_state[g] = new_params, new_opt  # (a streamed layer written back; its buffer dropped)
+            del new_params, new_opt
+            if not streamed:  # the zeroed buffer is the next step's
+                acc[g] = zeroed
+            if tie_in(g):
+                tie_acc = zeroed_tie
+            del zeroed, zeroed_tie
+        if streamed:
+            del tie_acc
+            params, opt_state = self._stored(params, opt_state)
+        else:
+            self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
+        metrics["grad_norm"] = grad_norm(sq)
+        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
+        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
+                     self.model.layers)
+        return new_ts, metrics
+
+    def _accumulate(self, plan, params, acc, states, batch: dict, skey, owners: dict, held: dict):
+        """Every microbatch's forward and accumulating backward (`walk`), each layer's gradient added to its
+        buffer in ``acc`` (``held["tie"]``: the tied leaves' other-use buffer). Returns ``(the new layer states,
+        (loss sum, correct, weight))`` summed over the microbatches."""
+        index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         m_count = self.microbatches
         local = batch_size_of(batch) // self.num_devices
         current, sums = list(states), None
@@ -377,20 +415,15 @@ class DeferredUpdates:
                 acc[g], = rest
 
             walk(plan, self.residency, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
-            sums = held["sums"] if sums is None else self._add_sums(sums, held["sums"])
+            sums = held.pop("sums") if sums is None else self._add_sums(sums, held.pop("sums"))
             current = new_states
-        tie_acc = held.pop("tie")
-        loss_sum, correct, total = sums
-        if m_count == 1:  # the head's loss is the mean already, its gradient normalised
-            loss, scale = loss_sum, None
-        else:
-            loss, scale = self._over(loss_sum, total), total
-        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
+        return current, sums
 
-        def tie_in(g):
-            return tie_acc if g in owners else ()
-
-        # The statistics passes (the first also gives each layer's squares and finite flag), the globals.
+    def _statistics(self, groups, params, opt_state, acc, tie_in, scale):
+        """The statistics passes (`layerwise.LayerwiseUpdate.rounds`, at least one): each layer's exports for
+        the optimizer's global reductions, combined into the globals; the first pass also gives each layer's
+        squares and finite flag. Returns ``(globals, squares, finite)``."""
+        rounds = self.layerwise.rounds
         exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
         shared = None  # the first layer's leaves every layer has (the step count), kept from its first read
         for k in range(max(rounds, 1)):
@@ -407,27 +440,7 @@ class DeferredUpdates:
             exports.append(ex)
             if k < rounds:
                 globals_ = self._combine_fn(k, groups)(exports, shared, globals_)
-        ok = self._all_ok(finite, loss)
-        for g in range(len(groups)):
-            new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
-                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
-            params[g], opt_state[g] = new_params, new_opt  # (a streamed layer written back; its buffer dropped)
-            del new_params, new_opt
-            if not streamed:  # the zeroed buffer is the next step's
-                acc[g] = zeroed
-            if tie_in(g):
-                tie_acc = zeroed_tie
-            del zeroed, zeroed_tie
-        if streamed:
-            del tie_acc
-            params, opt_state = self._stored(params, opt_state)
-        else:
-            self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
-        metrics["grad_norm"] = grad_norm(sq)
-        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
-        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
-                     self.model.layers)
-        return new_ts, metrics
+        return globals_, sq, finite
 
     def _borrowed(self, params, owners: dict):
         """The head's tied leaves from their owners' weights (``owners``: group -> layer), whole on every
