@@ -22,7 +22,7 @@ from revtrain import ginconfig
 from revtrain.lifecycle import interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
-from revtrain.disk_tier import DiskTierError
+from revtrain.disk_tier import STEP_PREFIX, DiskTierError
 from revtrain.errors import ConfigError, RunFailure  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, device_state_bytes, host_resident, host_state_bytes
 from revtrain.placement import global_batch
@@ -43,6 +43,20 @@ class StepFailed(RunFailure, RuntimeError):
 class WriteFailed(RunFailure, RuntimeError):
     """Training stopped because a checkpoint or metrics file could not be written, e.g. the disk is full
     (reported as one line naming the newest checkpoint, which is kept; exit status 1)."""
+
+
+def unused_offload(workdir: str) -> str | None:
+    """One line when ``<workdir>/offload`` holds a disk-tier state that this run, of another tier, will not
+    use (left by an earlier run with ``offload = 'disk'``): its steps and size, and that removing it loses
+    nothing (a disk-tier checkpoint holds hard links of its own); else None."""
+    folder = os.path.join(workdir, "offload")
+    steps = sorted(n for n in os.listdir(folder) if n.startswith(STEP_PREFIX)) if os.path.isdir(folder) else []
+    if not steps:
+        return None
+    size = sum(e.stat().st_size for n in steps for e in os.scandir(os.path.join(folder, n)) if e.is_file())
+    return (f"{folder} holds {len(steps)} step(s) of an earlier disk-tier state ({size / 2**20:,.0f} MiB) that this "
+            "run does not use: the checkpoints keep links of their own, so removing it frees the space and loses "
+            "nothing")
 
 
 def _writable(workdir: str) -> bool:
@@ -175,6 +189,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
             sample_lib.check_training_sample(run)
         if run.trainer.residency.disk is not None:  # an offload_dir whose parent is missing: before anything is made
             run.trainer.residency.disk.check_directory()
+        elif unused_offload(workdir):
+            metrics_lib.log(unused_offload(workdir))
         if run.task.data_prepared:  # (after the last configuration check)
             metrics_lib.log(run.task.data_status)
         created = _writable(workdir)

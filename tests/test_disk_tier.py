@@ -606,6 +606,18 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
     assert not (disk_run / "offload").exists()  # the readers made no offload directory
 
 
+def test_an_unused_disk_state_in_the_workdir_is_named(tmp_path):
+    """A run of another tier in a workdir whose ``offload/`` holds an earlier disk-tier state (a resume after
+    switching tiers) is told in one line what it holds and that removing it loses nothing; nothing otherwise."""
+    from revtrain import loop
+    assert loop.unused_offload(str(tmp_path)) is None
+    (tmp_path / "offload" / "step_00000008").mkdir(parents=True)
+    (tmp_path / "offload" / "step_00000008" / "layer_00000.bin").write_bytes(b"x" * 2**21)
+    line = loop.unused_offload(str(tmp_path))
+    assert f"{tmp_path / 'offload'} holds 1 step(s) of an earlier disk-tier state (2 MiB)" in line
+    assert "loses nothing" in line
+
+
 def test_offload_dir_without_its_parent_is_refused(tmp_path):
     """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir);
     one that is a file: refused too."""
