@@ -37,6 +37,11 @@ class ConfigError(InputError, ValueError):
     """A configuration that cannot run (reported as one line, exit status 2)."""
 
 
+class DataError(InputError):
+    """A data problem the user can fix (a missing source, a corrupt download, a split too small for its
+    sequence length); ``str(error)`` is one line saying what and how (exit status 2)."""
+
+
 def exit_status(error: BaseException) -> int | None:
     """The CLI's exit status for ``error``: 2 for an `InputError`, 1 for a `RunFailure`, None for anything else
     (an unexpected error: the CLI then names its type and points to ``--verbose``)."""

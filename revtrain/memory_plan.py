@@ -80,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import limits
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
-from revtrain.trainers.common import guarded_update
+from revtrain.trainers.layerwise import guarded_update
 from revtrain.trainers.modes import REBUILDS, REMAT
 from revtrain.trainers.programs import LayerPrograms
 

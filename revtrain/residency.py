@@ -53,7 +53,7 @@ class Residency:
     tier = "device"
     label = ""  # what a trainer's label adds for this tier
     releases = False  # a step lets go of each layer's old state once its new one is written
-    branch_update = False  # the per-layer update's form (`common.guarded_update`): the conditional
+    branch_update = False  # the per-layer update's form (`layerwise.guarded_update`): the conditional
 
     def __init__(self, mesh: Mesh, sharded: bool = False):
         self.mesh, self.sharded = mesh, sharded
@@ -187,7 +187,7 @@ class HostResidency(Residency):
         super().__init__(mesh, sharded)
         # Pageable where every device has it: only the engine's copies touch it, never a program.
         self._kind = PAGEABLE_MEMORY if host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY
-        self.store = HostStore(self._kind)
+        self.store = HostStore(self._kind, DEVICE_MEMORY)
 
     def refusal(self) -> str | None:
         if not host_memory_supported(self.mesh):

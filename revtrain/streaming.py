@@ -46,7 +46,6 @@ from collections import deque
 import jax
 import numpy as np
 
-from revtrain.placement import DEVICE_MEMORY
 
 IN_FLIGHT = 2  # programs dispatched ahead of the device at most (each holds its layer's state)
 FETCH_HOOK = None  # test-only: called as FETCH_HOOK(group, part, bytes) on the reader thread after each fetch
@@ -221,10 +220,6 @@ def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _on_device(tree):
-    return jax.tree.map(lambda x: x.sharding.with_memory_kind(DEVICE_MEMORY), tree)
-
-
 class HostStore(Store):
     """The host tier's store (``offload = True``): each group's state as JAX arrays in host memory
     (`HostLayer`), fetched with one ``jax.device_put`` per tree and put back the same way. A fetch may overlap
@@ -236,9 +231,13 @@ class HostStore(Store):
     read_ahead = 2
     prefix = "host"
 
-    def __init__(self, memory_kind: str | None = None):
+    def __init__(self, memory_kind: str | None, device_kind: str):
         super().__init__()
         self.memory_kind = memory_kind  # where a gradient buffer is kept (`write_buffer`)
+        self.device_kind = device_kind  # the memory kind a fetch moves a layer to (`placement.DEVICE_MEMORY`)
+
+    def _on_device(self, tree):
+        return jax.tree.map(lambda x: x.sharding.with_memory_kind(self.device_kind), tree)
 
     def holds(self, ref) -> bool:
         return isinstance(ref, HostLayer)
@@ -256,7 +255,11 @@ class HostStore(Store):
 
     def read(self, ref, part: str, place):
         tree = ref.part(part)
-        return jax.block_until_ready(jax.device_put(tree, _on_device(tree)))
+        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
+            return jax.block_until_ready(jax.device_put(tree, self._on_device(tree)))
+        # (numpy leaves: a checkpoint of another tier restored for reading, e.g. an evaluation's)
+        return jax.block_until_ready(jax.tree.map(
+            lambda x: jax.device_put(x, self._on_device(x)) if isinstance(x, jax.Array) else place(x), tree))
 
     def write(self, step: int, g: int, ref, update: list):
         params, opt_state = update

@@ -14,7 +14,7 @@ from revtrain.models import ReversibleTransformerLM
 from revtrain.models.revnet import RevNet
 from revtrain.placement import HOST_MEMORY, global_batch, make_mesh, put_replicated
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
-from revtrain.trainers.common import guarded_update
+from revtrain.trainers.layerwise import guarded_update
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
 
 

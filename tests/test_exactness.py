@@ -438,7 +438,7 @@ def test_single_leaf_layer_update_is_the_whole_models(name):
     whole-model update (other layers beside it) bit for bit: separable optimizers with a schedule, an
     update inside a ``cond``, injected hyperparameters, a weight-decay mask; four steps of gradients of
     varied scale."""
-    from revtrain.trainers.common import guarded_update
+    from revtrain.trainers.layerwise import guarded_update
     tx = _SINGLE_LEAF_TXS[name]()
     rng = np.random.default_rng(0)
     params = [{"e": rng.normal(size=(64, 16)).astype(np.float32)},
@@ -463,7 +463,7 @@ def test_fenced_update_inside_shard_map_keeps_replication(branch):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from revtrain.trainers.common import guarded_update
+    from revtrain.trainers.layerwise import guarded_update
     tx, mesh, rng = optax.adam(_SCHEDULE), _mesh(), np.random.default_rng(0)
     params = {"e": rng.normal(size=(64, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}
     spec = {"e": P("data"), "b": P()}

@@ -112,6 +112,16 @@ def test_the_host_store_is_pageable_and_programs_see_the_device(tmp_path):
     assert stats["host_read_bytes"] == held + forward  # the forward's weights, then each layer whole once
 
 
+def test_the_host_store_reads_numpy_leaves_onto_the_device(tmp_path):
+    """A state restored for reading from another tier's checkpoint holds numpy leaves (an evaluation of a
+    disk-tier checkpoint under offload = True): the host store places them on the device as it reads them."""
+    from revtrain.placement import placer
+    mesh = make_mesh(jax.devices()[:1])
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    tree = streaming.HostStore(None, DEVICE_MEMORY).read(streaming.HostLayer(params, ()), "params", placer(mesh))
+    assert tree["w"].sharding.memory_kind == DEVICE_MEMORY and np.array_equal(np.asarray(tree["w"]), params["w"])
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_step_replaces_the_state_layer_by_layer(monkeypatch, deferred):
     """With the cycle collector off: during a step the host-memory arrays alive never exceed one state plus

@@ -46,27 +46,16 @@ from revtrain.data.corpus import (  # noqa: F401
     GENSIM_NUM_BYTES,
     GENSIM_SOURCE,
     GENSIM_VERSION,
+    SPLITS,
     TEXT_SUFFIXES,
     DataError,
     default_data_dir,
     ensure_gensim_wheel,
+    split_bounds,
     text_files,
     zip_text_member,
 )
 from revtrain.data.corpus import read_bytes as read_source
-
-SPLITS = ("train", "validation", "test")
-
-
-def split_bounds(num_bytes: int) -> dict[str, tuple[int, int]]:
-    """Returns ``{split: (start, end)}`` byte offsets: contiguous 90% / 5% / 5% of ``num_bytes``."""
-    train_end, valid_end = num_bytes * 90 // 100, num_bytes * 95 // 100
-    return {
-        "train": (0, train_end),
-        "validation": (train_end, valid_end),
-        "test": (valid_end, num_bytes),
-    }
-
 
 def num_records(num_bytes: int, sequence_length: int) -> int:
     """Number of length-``L+1`` windows with stride ``L`` that fit in ``num_bytes`` bytes."""

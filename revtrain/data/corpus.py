@@ -32,7 +32,7 @@ import sys
 import zipfile
 import zlib
 
-from revtrain.errors import InputError
+from revtrain.errors import DataError  # noqa: F401  (corpus.DataError: every data problem)
 
 GENSIM_SOURCE = "gensim_enwiki"
 GENSIM_VERSION = "4.4.0"
@@ -49,8 +49,18 @@ BLOCK = 1 << 20  # bytes read at a time from a text file
 _READ_ERRORS = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
 
 
-class DataError(InputError):
-    """A data problem the user can fix; ``str(error)`` is one line saying what and how."""
+SPLITS = ("train", "validation", "test")
+
+
+def split_bounds(num_bytes: int) -> dict[str, tuple[int, int]]:
+    """Returns ``{split: (start, end)}`` byte offsets: contiguous 90% / 5% / 5% of ``num_bytes`` (both tasks
+    split a corpus so)."""
+    train_end, valid_end = num_bytes * 90 // 100, num_bytes * 95 // 100
+    return {
+        "train": (0, train_end),
+        "validation": (train_end, valid_end),
+        "test": (valid_end, num_bytes),
+    }
 
 
 def default_data_dir() -> str:

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from revtrain.data.corpus import DataError
+from revtrain.errors import DataError
 
 # Ordered thread prefetch: deterministic, and the iterator state is the index of the next batch.
 _READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)

@@ -12,7 +12,7 @@ separated by an end-of-text token):
   files are read as UTF-8 (an invalid sequence becomes U+FFFD).
 * Splits: a dataset saved with its own splits (a ``DatasetDict``) keeps them (``train`` and ``validation``
   are required, ``test`` is used when present); every other corpus is cut as the byte task cuts it
-  (`byte_lm.split_bounds`): train = the first 90% of its UTF-8 bytes (the documents in order), validation =
+  (`corpus_lib.split_bounds`): train = the first 90% of its UTF-8 bytes (the documents in order), validation =
   the next 5%, test = the last 5%, a cut falling inside a document moved forward to a character boundary.
   So a one-document corpus (``gensim_enwiki``) has the byte task's splits, and bits per byte compare on
   the same text.
@@ -48,14 +48,13 @@ import sys
 
 import numpy as np
 
-from revtrain.data import byte_lm
 from revtrain.data import corpus as corpus_lib
 from revtrain.data import tokenizer as tokenizer_lib
 # The corpus readers (revtrain.data.corpus, shared with the byte task); their names stay importable from here.
 from revtrain.data.corpus import DataError, corpus_kind, dataset_splits, documents  # noqa: F401
 
 FORMAT = "token_lm-2"
-SPLITS = byte_lm.SPLITS
+SPLITS = corpus_lib.SPLITS
 CHUNK_CHARS = 1 << 16  # a document is tokenized in pieces of at most this many characters
 # (the `tokenizers` library holds about 100 bytes per character of a batch while it encodes: 3 MiB batches of
 # 1 Mi-character pieces peaked at 645 MiB resident on a 60 MB corpus, 64 Ki / 512 KiB at 256 MiB, same speed)
@@ -74,7 +73,7 @@ def fingerprint(source: str, memo_path: str | None = None) -> tuple[str, dict | 
       (None when nothing changed), so that a corpus refused as bad leaves nothing behind.
     """
     if corpus_kind(source) == "gensim":
-        return f"{byte_lm.GENSIM_SOURCE}-{byte_lm.GENSIM_VERSION}-{byte_lm.GENSIM_NUM_BYTES}", None
+        return f"{corpus_lib.GENSIM_SOURCE}-{corpus_lib.GENSIM_VERSION}-{corpus_lib.GENSIM_NUM_BYTES}", None
     root = pathlib.Path(source).expanduser().resolve()
     memo: dict = {}
     if memo_path:
@@ -176,7 +175,7 @@ class Plan:
     def pieces(self, progress=None):
         """Every piece of every split, in split order: ``(split, text, ends)``."""
         if self.own is None:
-            bounds = byte_lm.split_bounds(self.total_bytes)
+            bounds = corpus_lib.split_bounds(self.total_bytes)
             stream = _cut(documents(self.source, self.text_field), bounds)
         else:
             stream = (item for s, ds in self.own.items()
@@ -210,7 +209,7 @@ def plan(source: str, text_field: str) -> Plan:
                     bar.update(n)
         if total == 0:
             raise DataError(f"data source {source} is empty (it holds no text)")
-        bounds = byte_lm.split_bounds(total)
+        bounds = corpus_lib.split_bounds(total)
         split_bytes = {s: e - b for s, (b, e) in bounds.items()}
     else:
         split_bytes = {}

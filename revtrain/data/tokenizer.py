@@ -42,7 +42,7 @@ import shutil
 
 import numpy as np
 
-from revtrain.data.corpus import DataError
+from revtrain.errors import DataError
 
 BYTES = "bytes"
 BPE = "bpe"

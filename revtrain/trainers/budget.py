@@ -375,7 +375,7 @@ class _Analysis:
 
     def head(self, k: int, h: int = 0, top=BACKPROP) -> Cost:
         """The head's program with the ``k`` blocks under it inside (in mode ``top``: backprop, or another mode
-        of `modes.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
+        of `walk.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
         t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
         n = len(layers) - 1
         if k + h == 0:

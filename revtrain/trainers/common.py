@@ -20,11 +20,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import InputError, RunFailure
-from revtrain.models.base import Model
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
 from revtrain.placement import gather_params, per_device, reduce_grads  # noqa: F401  (common.per_device, ...)
-from revtrain.trainers.layerwise import fence, fenced_update
-from revtrain.trainers.specs import leaf_squares  # noqa: F401  (common.leaf_squares)
 from revtrain.trainers.stacking import Stacked
 
 # XLA options of every trainer program (and of `revtrain check`'s). ``xla_allow_excess_precision`` (on by
@@ -186,7 +183,7 @@ def take_microbatch(batch: dict, m, microbatches: int) -> dict:
 
 @jax.jit
 def grad_norm(pieces: list) -> jax.Array:
-    """The global gradient norm (float32 scalar) from per-layer `leaf_squares` (any leading axes: a stacked
+    """The global gradient norm (float32 scalar) from per-layer `specs.leaf_squares` (any leading axes: a stacked
     run's ``[count, leaves]``), in layer order."""
     flat = [p.reshape(-1) for p in pieces]
     return jnp.sqrt(jnp.sum(jnp.concatenate(flat))) if flat else jnp.float32(0.0)
@@ -210,55 +207,6 @@ def check_batch(batch: dict, num_devices: int, microbatches: int = 1) -> None:
 def microbatch_error(batch_size: int, num_devices: int, microbatches: int) -> str:
     return (f"train.batch_size {batch_size} on {num_devices} device(s) is {batch_size / num_devices:g} per device, "
             f"which does not split into train.microbatches = {microbatches} equal microbatches")
-
-
-def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
-    """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
-    `layerwise.fenced_update` (``scalars``: what to `layerwise.fence`)."""
-    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_opt_state, scalars
-
-
-def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, branch: bool = False,
-                   across: str | None = None):
-    """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
-    finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
-
-    ``branch=False`` computes the update and keeps it with one ``select`` per leaf; ``branch=True`` runs it
-    under ``lax.cond`` on the flag. Use ``branch`` for an update of many leaves (a whole model): XLA fuses
-    the flag's AND over every leaf into each leaf's select, so a program of N leaves grows as N**2
-    (measured on XLA:CPU, whole-model backprop of tiny blocks: 96,549 optimised HLO lines and a 13 s
-    compile at depth 8, 165 s at depth 32). The select form suits one layer's few leaves inside a scanned
-    body, where a conditional would make an accelerator wait for its flag at every iteration. Both give
-    the same values.
-
-    Both forms `layerwise.fence` the scalars the update broadcasts over its leaves (against the flag, or
-    inside the conditional against the update's results), so a leaf's update compiles to the same
-    operations whether the program updates one layer or the whole model.
-
-    ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
-    the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
-    or skip the update together.
-    """
-    finite = all_finite(grads)
-    if ok is not None:
-        finite = jnp.logical_and(finite, ok)
-    if across is not None:
-        finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
-    if branch:
-        def update():
-            new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
-            return fence(scalars, (new_params, new_opt))
-
-        new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))
-        return new_params, new_opt, finite
-    new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
-    finite = fence(scalars, finite)
-
-    def keep(new, old):
-        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-
-    return keep(new_params, params), keep(new_opt, opt_state), finite
 
 
 def check_finite(error_state: "TrainState", metrics: dict, finite: list, layers) -> None:
@@ -292,12 +240,6 @@ def check_finite(error_state: "TrainState", metrics: dict, finite: list, layers)
     if not math.isfinite(loss):
         raise NonFiniteError(error_state.step, None, "loss", error_state)
     raise NonFiniteError(error_state.step, layers[max(failed)].name, "gradient", error_state)
-
-
-def all_finite(tree) -> jax.Array:
-    """bool scalar: every element of every floating leaf is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def is_elementwise(tx: optax.GradientTransformation, pieces: int = 2, steps: int = 2) -> bool:
@@ -415,7 +357,7 @@ class TrainerBase:
     """Shared construction and the forward-only, layer-by-layer evaluation pass.
 
     Args:
-      model: the layer list.
+      model: the layer list (a `revtrain.models.base.Model`).
       optimizer: an optax ``GradientTransformation``.
       mesh: the 1-D data mesh (``placement.make_mesh()``).
       seed: the seed of the dropout keys.
@@ -452,7 +394,7 @@ class TrainerBase:
     budget_plan = None
     rebuild: str | None = None
 
-    def __init__(self, model: Model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0,
+    def __init__(self, model, optimizer: optax.GradientTransformation, mesh: Mesh, seed: int = 0,
                  microbatches: int = 1):
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise TrainerError(f"train.microbatches must be a positive integer, got {microbatches!r}")

@@ -55,10 +55,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS, put_replicated, put_sharded
-from revtrain.trainers.common import (_Dispatch, all_finite, batch_size_of, check_finite, example_keys, grad_norm,
-                                      leaf_squares, microbatch_where, per_device, reduce_grads, step_key,
-                                      take_microbatch)
-from revtrain.trainers.layerwise import fence, fenced_update
+from revtrain.trainers.common import (_Dispatch, batch_size_of, check_finite, example_keys, grad_norm,
+                                      microbatch_where, per_device, reduce_grads, step_key, take_microbatch)
+from revtrain.trainers.layerwise import all_finite, fence, fenced_update
+from revtrain.trainers.specs import leaf_squares
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.walk import walk
 from revtrain.trainers.stacking import Stacked

@@ -56,6 +56,10 @@ leaf of the whole state that belongs to no layer (the step count) exists in ever
 copy is updated alike; the whole state's leaves are matched to the layers' by path (the whole state's path
 has the layer's index where the layer's own state has none).
 
+The guarded update (`guarded_update`, every trainer's per-layer and whole-model update alike) runs the
+fenced update and keeps the old values unless every gradient is finite; it lives here, beside the
+evaluation it wraps, so the trainers' shared module (`revtrain.trainers.common`) stays below the update.
+
 Lineage: ZeRO-Offload / ZeRO-Infinity (Ren et al. 2021, Rajbhandari et al. 2021) compute the global norm
 from per-partition pieces before their streamed optimizer step; here the split is derived from optax's own
 program, so any chain the user writes keeps its meaning.
@@ -68,6 +72,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax import lax
 from jax.extend import core as jcore
 from jax.tree_util import SequenceKey
 
@@ -640,3 +646,58 @@ class LayerwiseUpdate:
         outs = tuple(name(v) for v in self._out_updates[i] + self._out_state[i])
         ex = tuple(tuple(name(v) for v in self._exports[k][i]) for k in range(self.rounds))
         return tuple(sig), outs, ex
+
+
+def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
+    """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
+    `fenced_update` (``scalars``: what to `fence`)."""
+    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_opt_state, scalars
+
+
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, branch: bool = False,
+                   across: str | None = None):
+    """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
+    finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
+
+    ``branch=False`` computes the update and keeps it with one ``select`` per leaf; ``branch=True`` runs it
+    under ``lax.cond`` on the flag. Use ``branch`` for an update of many leaves (a whole model): XLA fuses
+    the flag's AND over every leaf into each leaf's select, so a program of N leaves grows as N**2
+    (measured on XLA:CPU, whole-model backprop of tiny blocks: 96,549 optimised HLO lines and a 13 s
+    compile at depth 8, 165 s at depth 32). The select form suits one layer's few leaves inside a scanned
+    body, where a conditional would make an accelerator wait for its flag at every iteration. Both give
+    the same values.
+
+    Both forms `fence` the scalars the update broadcasts over its leaves (against the flag, or
+    inside the conditional against the update's results), so a leaf's update compiles to the same
+    operations whether the program updates one layer or the whole model.
+
+    ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
+    the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
+    or skip the update together.
+    """
+    finite = all_finite(grads)
+    if ok is not None:
+        finite = jnp.logical_and(finite, ok)
+    if across is not None:
+        finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
+    if branch:
+        def update():
+            new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+            return fence(scalars, (new_params, new_opt))
+
+        new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))
+        return new_params, new_opt, finite
+    new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+    finite = fence(scalars, finite)
+
+    def keep(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    return keep(new_params, params), keep(new_opt, opt_state), finite
+
+
+def all_finite(tree) -> jax.Array:
+    """bool scalar: every element of every floating leaf is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

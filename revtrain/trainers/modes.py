@@ -30,13 +30,12 @@ planner (`BackwardMode.forward_bytes`, `BackwardMode.backward_bytes`), its name 
 and what ``revtrain check`` must know of it (`BackwardMode.outputs_residuals`, ``check_note``). The
 trainer's compiled programs, the planner, the memory plan and `revtrain check` ask the mode object; none
 compares a mode's name, so a new mode is one new class here. Layers expose the pieces (``apply``,
-``inverse``, ``half_residuals`` and the rebuilds), never a mode flag. `StepKind` says how the trainer's walk
-treats a block.
+``inverse``, ``half_residuals`` and the rebuilds), never a mode flag. Each mode's ``kind`` (a
+`revtrain.trainers.walk.StepKind`) says how the trainer's walk treats its block.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 from typing import NamedTuple
 
@@ -45,16 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from revtrain.placement import per_device, reduce_grads
-
-
-class StepKind(str, enum.Enum):
-    """How the trainer's walk runs a group of its plan (a ``str``: ``StepKind.STD == "std"``)."""
-
-    RUN = "run"    # a stacked run of rebuilt blocks: one scan per pass
-    REV = "rev"    # one block rebuilt from its output
-    STD = "std"    # one block (or standard layer) recomputed from its kept input
-    TOP = "top"    # one block inside the head's program (backprop)
-    HEAD = "head"  # the head
+from revtrain.trainers.walk import StepKind
 
 
 class ProgramSpec(NamedTuple):

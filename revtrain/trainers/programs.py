@@ -24,7 +24,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import batch_size_of, example_keys, guarded_update, per_device, reduce_grads
+from revtrain.trainers.common import batch_size_of, example_keys, per_device, reduce_grads
+from revtrain.trainers.layerwise import guarded_update
 from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.stacking import slice_of as _slice
 

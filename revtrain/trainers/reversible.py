@@ -46,11 +46,11 @@ from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, che
                                       grad_norm, is_elementwise, step_key)
 from revtrain.trainers.deferred import DeferredUpdates
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
-from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, StepKind, count_in_head
+from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
-from revtrain.trainers.walk import Block, Plan, walk
+from revtrain.trainers.walk import Block, Plan, StepKind, walk
 
 
 

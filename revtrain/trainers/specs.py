@@ -97,7 +97,7 @@ class StateSpecs:
 
     @property
     def across(self):
-        """The axis a guarded update's finite flag is agreed over (`common.guarded_update`), or None."""
+        """The axis a guarded update's finite flag is agreed over (`layerwise.guarded_update`), or None."""
         return DATA_AXIS if self.sharded else None
 
     def squares(self, layer, grads):

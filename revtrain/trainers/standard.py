@@ -11,9 +11,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, replicated
-from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, all_finite,
-                                      batch_size_of, check_batch, check_finite, check_flags, example_keys,
-                                      guarded_update, per_device, step_key, take_microbatch)
+from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, batch_size_of,
+                                      check_batch, check_finite, check_flags, example_keys, per_device, step_key,
+                                      take_microbatch)
+from revtrain.trainers.layerwise import all_finite, guarded_update
 from revtrain.residency import Residency
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import find_runs, groups_of

@@ -6,16 +6,26 @@ backward programs (`revtrain.trainers.programs`). `walk` runs one forward and on
 same for the fused update and the deferred one (`revtrain.trainers.deferred`): forward, oldest first,
 keeping a block's input where its mode needs it (in the tier's memory for kept activations, `Residency.keep`);
 the head's program (with the blocks run inside it); then backward, newest first, each block rebuilt from its
-output or recomputed from its kept input, its results handed to the caller's ``store``.
+output or recomputed from its kept input, its results handed to the caller's ``store``. `StepKind` names how
+the walk treats a group (each mode declares its own kind).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
-from revtrain.trainers.modes import StepKind
+
+class StepKind(str, enum.Enum):
+    """How the trainer's walk runs a group of its plan (a ``str``: ``StepKind.STD == "std"``)."""
+
+    RUN = "run"    # a stacked run of rebuilt blocks: one scan per pass
+    REV = "rev"    # one block rebuilt from its output
+    STD = "std"    # one block (or standard layer) recomputed from its kept input
+    TOP = "top"    # one block inside the head's program (backprop)
+    HEAD = "head"  # the head
 
 
 def walk(plan: "Plan", residency, params: list, slot: list, states, new_states: list, x, ctx, head, store) -> None:
