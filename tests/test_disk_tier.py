@@ -55,12 +55,13 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("fuse_top", [False, True])
-def test_bit_equal_to_host_and_device_tiers(tmp_path, fuse_top):
+def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
+    """The disk tier's losses, weights and evaluation are the device tier's, bit for bit (the host tier's too:
+    tests/test_streaming.py, every tier over ten steps), and it reads and writes each layer once a step."""
     _, _, dev_losses, dev_params, dev_scores = _train(False, fuse_top=fuse_top)
-    _, _, host_losses, host_params, _ = _train(True, fuse_top=fuse_top)
     trainer, ts, losses, params, scores = _train("disk", str(tmp_path / "tier"), fuse_top=fuse_top)
-    assert losses == dev_losses == host_losses
-    assert _same(params, dev_params) and _same(params, host_params)
+    assert losses == dev_losses
+    assert _same(params, dev_params)
     assert scores == dev_scores
     # Only the newest step's files are left; the state holds no arrays, only the layer files.
     assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
