@@ -80,6 +80,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import limits
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
+from revtrain.trainers.common import TrainerBase
 from revtrain.trainers.layerwise import guarded_update
 from revtrain.trainers.modes import REBUILDS, REMAT
 from revtrain.trainers.programs import LayerPrograms
@@ -350,17 +351,16 @@ class _Programs:
         return self.cache[key]
 
     def eval_forward(self, layer, params, state, x) -> int:
-        """``temp_size_in_bytes`` of ``layer``'s evaluation program (forward, evaluation mode) at ``x``."""
-        def fn(p, s, x):
-            return layer.apply(p, s, x, None, False)[0]
-        return self._compile(("eval", layer, _key(x)), fn, (params, state, x))
+        """``temp_size_in_bytes`` of ``layer``'s evaluation program at ``x`` (the trainers',
+        `TrainerBase.eval_forward`)."""
+        return self._compile(("eval", layer, _key(x)), functools.partial(TrainerBase.eval_forward, layer),
+                             (params, state, x))
 
     def eval_head(self, layer, params, state, x, batch) -> int:
-        """``temp_size_in_bytes`` of the head's evaluation program (its loss sums) at ``x``."""
-        def fn(p, s, x, batch):
-            loss_sum, stats, _ = layer.loss(p, s, x, batch, None, False)
-            return loss_sum, stats
-        return self._compile(("eval_head", layer, _key(x)), fn, (params, state, x, batch))
+        """``temp_size_in_bytes`` of the head's evaluation program (its loss sums) at ``x`` (the trainers',
+        `TrainerBase.eval_loss`)."""
+        return self._compile(("eval_head", layer, _key(x)), functools.partial(TrainerBase.eval_loss, layer),
+                             (params, state, x, batch))
 
     def residuals(self, layer, params, state, x, keys) -> int:
         """Bytes of the vjp residuals of ``layer`` at ``x`` (leaves of the pullback that are not inputs):

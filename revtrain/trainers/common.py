@@ -479,8 +479,21 @@ class TrainerBase:
         return self.residency.tier == "disk"
 
     # -- evaluation ------------------------------------------------------------------------------
+    @staticmethod
+    def eval_forward(layer, params, state, x):
+        """A layer's evaluation on its whole ``params``: its output at ``x`` in evaluation mode (no dropout,
+        running statistics). The trainers' evaluation programs and the memory plan's compile this."""
+        return layer.apply(params, state, x, None, False)[0]
+
+    @staticmethod
+    def eval_loss(layer, params, state, x, batch) -> tuple:
+        """The head's evaluation on its whole ``params``: ``(loss_sum, stats)`` of this device's share of
+        ``batch`` (float32 scalars, nats; ``stats``: ``weight``, ``correct``), as `eval_forward`."""
+        loss_sum, stats, _ = layer.loss(params, state, x, batch, None, False)
+        return loss_sum, stats
+
     def _eval_layer(self, layer, params, state, x):
-        return layer.apply(self.specs.whole(layer, params), state, x, None, False)[0]
+        return self.eval_forward(layer, self.specs.whole(layer, params), state, x)
 
     def _eval_run(self, layer, params, states, x):
         """``_eval_layer`` over a stacked run: one ``lax.scan``, one layer's weights on the device at a time."""
@@ -490,7 +503,7 @@ class TrainerBase:
         return lax.scan(body, x, (params, states))[0]
 
     def _eval_head(self, layer, params, state, x, batch):
-        loss_sum, stats, _ = layer.loss(self.specs.whole(layer, params), state, x, batch, None, False)
+        loss_sum, stats = self.eval_loss(layer, self.specs.whole(layer, params), state, x, batch)
         out = {"loss_sum": loss_sum, **stats}
         return jax.tree.map(lambda v: lax.psum(v, DATA_AXIS), out)
 
