@@ -380,6 +380,9 @@ class DiskTier(Store):
         if self.directory is None or (self.workdir is not None and self.directory == os.path.join(self.workdir, "offload")):
             return
         parent = os.path.dirname(self.directory)
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise ConfigError(f"ReversibleTrainer.offload_dir = {self.directory!r}: its parent {parent} is a file, not "
+                              "a directory (name a directory, or leave offload_dir unset for <workdir>/offload)")
         if not os.path.isdir(parent):
             raise ConfigError(f"ReversibleTrainer.offload_dir = {self.directory!r}: its parent directory {parent} does "
                               "not exist (create it, or leave offload_dir unset for <workdir>/offload)")

@@ -456,8 +456,9 @@ class _Training:
                                 "the final evaluation is skipped (rerun the same command to run it)")
             else:
                 _eval_and_write(self.run, ts, self.writer)
-                metrics_lib.log(f"done: {cfg.steps} steps in {time.time() - self.t_start:.0f} s; "
-                                f"workdir {self.workdir}")
+                ran = cfg.steps - self.resumed_or_zero
+                what = f"{ran} steps" if not self.resumed_or_zero else f"{ran} steps ({self.resumed_or_zero} -> {cfg.steps})"
+                metrics_lib.log(f"done: {what} in {time.time() - self.t_start:.0f} s; workdir {self.workdir}")
 
     def close(self) -> None:
         """Waits for saves in flight (an exit never leaves a half-written checkpoint) and flushes the events of

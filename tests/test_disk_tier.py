@@ -638,6 +638,10 @@ def test_offload_dir_without_its_parent_is_refused(tmp_path):
                                 offload_dir=str(tmp_path / "a_file"))
     with pytest.raises(ConfigError, match="is a file, not a directory"):
         trainer.init()
+    trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload="disk",
+                                offload_dir=str(tmp_path / "a_file" / "offload"))  # under a file: named so
+    with pytest.raises(ConfigError, match="its parent .*a_file is a file, not a directory"):
+        trainer.init()
 
 
 @pytest.fixture(scope="module")

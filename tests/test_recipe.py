@@ -362,6 +362,7 @@ def test_recipe_from_the_command_line_resumes_bit_exactly(recipe_run):
     result = _cli("train", *RECIPE, "--workdir", "resumed", cwd=base)
     assert result.returncode == 0, result.stderr
     assert "resumed from checkpoint at step 2" in result.stderr and "grad norm" in result.stderr
+    assert "done: 2 steps (2 -> 4) in " in result.stderr  # the steps this process ran
     straight, resumed = records_by_step(base / "straight"), records_by_step(base / "resumed")
     assert sorted(straight) == [1, 2, 3, 4] and all(r["grad_norm"] > 0 for r in straight.values())
     for step in (3, 4):
