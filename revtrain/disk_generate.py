@@ -1,15 +1,17 @@
-"""Sampling from a disk-tier state: hold the weights in memory when they fit beside the run, else stream them.
+"""Sampling from an offloaded state: hold the weights in device memory when they fit beside the run, else stream.
 
-Generation (`revtrain.generate`) runs every layer for every new token. A disk-tier state
-(``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) keeps each layer's weights in a file, so a sample
-can either
+Generation (`revtrain.generate`) runs every layer for every new token. An offloaded state keeps each layer's
+weights outside device memory: in a file (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) or in
+host memory (``offload = True``, `revtrain.streaming.HostStore`). So a sample can either
 
-* **hold** the weights: read every layer's weights once into memory (device memory; host RAM on the CPU
-  backend), 4 bytes a float32 parameter, and run the fused program (`generate._fused_program`); or
+* **hold** the weights: bring every layer's weights once into device memory (host RAM on the CPU backend),
+  4 bytes a float32 parameter, and run the fused program (`generate._fused_program`), as a state in device
+  memory does; or
 * **stream** them: run the layer-by-layer schedule (`generate._generate_layerwise`: the prompt, then each token,
-  through one layer at a time, the key/value caches kept in memory) and read each layer's weights from its file
-  when its program is dispatched, the next layer read ahead on the tier's reader thread (`LayerCycle`). Memory
-  holds the caches and the layers in flight; every token reads the whole model's weights from disk.
+  through one layer at a time, the key/value caches kept in memory) and bring each layer's weights when its
+  program is dispatched: from its file, the next layer read ahead on the tier's reader thread (`LayerCycle`),
+  or copied from host memory. Memory holds the caches and the layers in flight; every token moves the whole
+  model's weights.
 
 `choose` decides, from the memory plan's figures: hold when the weights, the caches and one layer's margin fit
 beside what the run holds (its planned peak while training, `revtrain.memory_plan.MemoryPlan`, else what the
@@ -30,6 +32,7 @@ import numpy as np
 
 from revtrain import disk_tier
 from revtrain.limits import device_limit, gib, host_limit
+from revtrain.placement import DEVICE_MEMORY
 
 HOLD, STREAM = "hold", "stream"
 MODES = (HOLD, STREAM)
@@ -54,9 +57,19 @@ class Choice:
     line: str
 
 
+def _outside(ref) -> int:
+    """Bytes of one layer's weights held outside device memory: a `disk_tier.DiskLayer`'s in its file, else the
+    leaves in host memory (a host store's arrays, numpy arrays of a restored checkpoint)."""
+    if isinstance(ref, disk_tier.DiskLayer):
+        return ref.layout.nbytes("params")
+    return sum(int(x.nbytes) for x in jax.tree.leaves(ref)
+               if not isinstance(x, jax.Array) or x.sharding.memory_kind != DEVICE_MEMORY)
+
+
 def weight_bytes(refs: list) -> int:
-    """Bytes of the weights of the `disk_tier.DiskLayer` entries of ``refs`` (a state's ``params``)."""
-    return sum(r.layout.nbytes("params") for r in refs if isinstance(r, disk_tier.DiskLayer))
+    """Bytes of the weights of ``refs`` (a state's ``params``) held outside device memory: what holding them in
+    device memory adds."""
+    return sum(_outside(r) for r in refs)
 
 
 def cache_bytes(model, batch_size: int, context: int) -> int:
@@ -77,11 +90,11 @@ def _device_in_use() -> int:
 
 
 def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: dict | None = None,
-           mode: str | None = None) -> Choice:
+           mode: str | None = None, tier: str = "disk") -> Choice:
     """Whether a sample of ``batch_size`` rows holds or streams the weights of ``refs`` (see the module note).
 
     Args:
-      refs: the state's ``params``, one `disk_tier.DiskLayer` (or tree held in memory) per layer.
+      refs: the state's ``params``, one `disk_tier.DiskLayer` or tree per layer.
       model: the run's model (its layers' caches).
       batch_size: rows sampled (padded to the devices).
       context: the model's sequence length (cache positions).
@@ -89,6 +102,7 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
         what the process holds now is the base).
       limits: ``{tier: (bytes or None, source)}`` instead of `revtrain.limits.host_limit` / `device_limit`.
       mode: `HOLD` or `STREAM` to force one (the line says so); None: decide.
+      tier: where the weights live, ``"disk"`` or ``"host"`` (the line's words).
 
     Returns:
       a `Choice`.
@@ -100,15 +114,15 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     from revtrain.memory import host_resident
     weights = weight_bytes(refs)
-    largest = max((r.layout.nbytes("params") for r in refs if isinstance(r, disk_tier.DiskLayer)), default=0)
+    largest = max((_outside(r) for r in refs), default=0)
     caches = cache_bytes(model, batch_size, context)
     device = device_limit() if limits is None else limits.get("device", (None, ""))
     if device[0] is not None:  # an accelerator: held weights live in device memory
-        tier, (limit, source) = "device", device
+        where, (limit, source) = "device", device
         planned = plan is not None and "device" in plan.tiers
         base = plan.total("device") if planned else _device_in_use()
     else:  # the CPU backend: device memory is host memory
-        tier, (limit, source) = "host", host_limit() if limits is None else limits["host"]
+        where, (limit, source) = "host", host_limit() if limits is None else limits["host"]
         planned = plan is not None and "host" in plan.tiers
         base = plan.total("host") if planned else host_resident()[0]
     what = f"the run's planned peak {gib(base)}" if planned else f"the {gib(base)} in use now"
@@ -118,12 +132,14 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
     chosen = mode or (HOLD if fits else STREAM)
     why = "as asked" if mode is not None else ("they fit" if fits else "they do not fit")
     if chosen == HOLD:
-        line = (f"sampling holds the disk tier's weights in {tier} memory ({gib(weights)}), {why}: {gib(need)} with "
-                f"{what} and {gib(caches)} of caches, {of}")
+        line = (f"sampling holds the {tier} tier's weights in {where} memory ({gib(weights)}), {why}: {gib(need)} "
+                f"with {what} and {gib(caches)} of caches, {of}")
     else:
-        line = (f"sampling streams the disk tier's weights layer by layer from their files, {why}: holding them "
-                f"({gib(weights)}) would take {tier} {gib(need)} with {what} and {gib(caches)} of caches, {of}; "
-                f"each token reads {gib(weights)} from disk")
+        origin = "from their files" if tier == "disk" else "from host memory"
+        moved = f"reads {gib(weights)} from disk" if tier == "disk" else f"copies {gib(weights)} to the device"
+        line = (f"sampling streams the {tier} tier's weights layer by layer {origin}, {why}: holding them "
+                f"({gib(weights)}) would take {where} {gib(need)} with {what} and {gib(caches)} of caches, {of}; "
+                f"each token {moved}")
     return Choice(chosen, weights, need, limit, line)
 
 

@@ -26,11 +26,10 @@ How a sample is made (context ``T`` = the model's sequence length, window ``W = 
    over its last ``T`` bytes (see `revtrain.layers.modern` and ``docs/modern.md``).
 
 Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
-samples); the sampling settings are runtime values. With ``ReversibleTrainer.offload``, weights stay in host
-memory and every byte runs layer by layer, each layer's program moving its weights to the device itself, as
-in training (no host wait between layers). With the disk tier (``offload = 'disk'``) the weights are read
-from their files once and held when they fit beside the run, else streamed layer by layer, each layer read
-from its file per use (`revtrain.disk_generate`). Samples are split over the ``"data"``
+samples); the sampling settings are runtime values. An offloaded state (``ReversibleTrainer.offload``: host
+memory or layer files) is brought into device memory once and run the same way when its weights fit beside the
+run, else streamed: every byte runs layer by layer, each layer's weights copied from host memory or read from
+its file per use (`revtrain.disk_generate`). Samples are split over the ``"data"``
 mesh (all devices of all processes); their count is padded up to a multiple of the device count (the extra
 rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the same text.
 
@@ -405,16 +404,17 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
 
     Args:
       trainer: a trainer whose model's layers all support decoding (`check_decodable`); with
-        ``offload`` its weights stay in host memory and are streamed layer by layer.
+        ``offload`` its weights are held in device memory when they fit, else streamed layer by layer
+        (`revtrain.disk_generate.choose`).
       ts: the `TrainState` (restored checkpoint, or the training loop's current state).
       prompt: at least one byte (bytes: a byte-level model), or at least one token id (an int sequence: a
         model of a tokenizer's ids); only its last ``context`` bytes / ids are used. ``opts.length`` counts
         the same units.
       context: the model's sequence length (its learned positions).
       opts: sampling settings (checked here).
-      plan: the training run's `revtrain.memory_plan.MemoryPlan` (a disk-tier state: the weights are held only
+      plan: the training run's `revtrain.memory_plan.MemoryPlan` (an offloaded state: the weights are held only
         when they fit beside it; `revtrain.disk_generate.choose`).
-      weights: a disk-tier state: ``"hold"`` or ``"stream"`` its weights whatever the plan says (None: the
+      weights: an offloaded state: ``"hold"`` or ``"stream"`` its weights whatever the plan says (None: the
         plan decides; one line says which and why).
 
     Returns:
@@ -439,19 +439,22 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
     inputs = global_batch({"prompt": rows, "keys": keys}, mesh)
     compile_seconds = 0.0
     stream = fetch = limit = None
-    if trainer.residency.tier == "disk":  # hold the weights (below) when they fit, else stream them from the files
+    layerwise = False
+    if trainer.residency.offloaded:  # hold the weights (below) when they fit, else stream them layer by layer
         from revtrain import disk_generate, streaming
-        choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights)
+        choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights,
+                                      tier=trainer.residency.tier)
         metrics_lib.log(choice.line)
-        if choice.mode == disk_generate.STREAM:
+        layerwise = choice.mode == disk_generate.STREAM
+        if layerwise and trainer.residency.tier == "disk":  # each layer read from its file, the next read ahead
             stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, placer(mesh))
             fetch = disk_generate.tied_fetch(trainer.model, stream.get)
             limit = streaming.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
-    elif trainer.residency.tier == "host" and trainer.residency.memory_kind != HOST_MEMORY:
-        # A pageable host store: each layer's weights copied to the device as it is used (a program moves
-        # only pinned memory itself), as the training step's engine does.
-        fetch = lambda i: trainer.layer_params(ts, i)  # noqa: E731
-    if trainer.residency.tier == "host" or stream is not None:
+        elif layerwise and trainer.residency.memory_kind != HOST_MEMORY:
+            # A pageable host store: each layer's weights copied to the device as it is used (a program moves
+            # only pinned memory itself), as the training step's engine does.
+            fetch = lambda i: trainer.layer_params(ts, i)  # noqa: E731
+    if layerwise:
         start = time.perf_counter()
         try:
             out = _generate_layerwise(trainer, ts, inputs["prompt"], inputs["keys"], context, opts, fetch, limit)

@@ -334,8 +334,9 @@ def _modern_model(tie: bool):
 @pytest.mark.parametrize("tie", [pytest.param(False, marks=pytest.mark.slow), True])  # (tied: issue 40's crash)
 def test_every_tie_offload_executor_combination_samples_the_full_forward(tie, text_batches):
     """After two training steps (the tied table then differs from its initial value), greedy samples of the
-    default model are the same bytes with and without offload, per-layer and scanned executors and in
-    StandardTrainer, and equal greedy decoding by full forwards with the merged (tied) params."""
+    default model are the same bytes with and without offload (its weights held in device memory or streamed
+    layer by layer), per-layer and scanned executors and in StandardTrainer, and equal greedy decoding by full
+    forwards with the merged (tied) params."""
     from revtrain import sample
     from revtrain.placement import global_batch, make_mesh
     from revtrain.trainers import ReversibleTrainer, StandardTrainer
@@ -354,6 +355,8 @@ def test_every_tie_offload_executor_combination_samples_the_full_forward(tie, te
         for batch in batches:
             ts, _ = trainer.train_step(ts, global_batch(batch, mesh))
         samples[name] = sample.generate(trainer, ts, PROMPT, CONTEXT, opts).samples[0]
+        if trainer.residency.offloaded:  # (held in device memory above: they fit) and streamed layer by layer
+            samples[(*name, "stream")] = sample.generate(trainer, ts, PROMPT, CONTEXT, opts, weights="stream").samples[0]
         states[name] = ts.per_layer() if hasattr(ts, "per_layer") else ts
     assert len(set(samples.values())) == 1, samples
     ts = states[(False, False)]
