@@ -74,7 +74,7 @@ class _Checker:
     Every program is compiled once per distinct layer (structurally identical layers compare equal, see
     `revtrain.layers.base.Layer`) and takes the layer's index as an argument (its dropout keys), so a model
     of 48 identical blocks compiles each pass's block program once, as the trainer does. ``progress(text)``
-    is called after each layer of each pass ("forward", "reversible backward", "backprop").
+    is called after each layer of each pass ("forward", "reversible backward (exact rebuild)", "backprop").
     """
 
     def __init__(self, model, mesh, seed: int, progress=None):
@@ -184,7 +184,7 @@ class _Checker:
                 _, dy, grads = fn(params[i], states[i], xs, dy, np.int32(i))
                 item = (i, None, None, grads)
                 y = xs
-            self._tell("reversible backward", n - i, n)
+            self._tell(f"reversible backward ({rebuild} rebuild)", n - i, n)
             yield item
 
     def backprop(self, params, states, batch, inputs, chunk: int | None):

@@ -339,7 +339,7 @@ def _check_deep_passes(result, depth: int) -> None:
         assert [v for v in row[2:] if v != "-"] == ["0.0e+00"] * (6 if row[1] == "reversible" else 3), row
     assert out[-1].startswith("PASS: compute dtype float32") and "every layer bit-identical" in out[-1]
     for dtype in ("float32", "bfloat16"):  # progress on stderr, every few layers of each pass
-        for what in ("forward", "reversible backward", "backprop"):
+        for what in ("forward", "reversible backward (exact rebuild)", "backprop"):
             seen = [l for l in err if l.startswith(f"check {dtype} {what}: ")]
             assert len(seen) >= 4 and seen[-1] == f"check {dtype} {what}: {n} of {n} layers", err
 
