@@ -195,11 +195,13 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
             metrics_lib.log(run.task.data_status)
         created = _writable(workdir)
         lock = workdir_lib.acquire(workdir, "train")
+        offload_lock = None
         primary = jax.process_index() == 0
         guard.workdir, guard.created, guard.lock, guard.primary = workdir, created, lock, primary
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
+            offload_lock = _lock_offload_dir(run, workdir)
             if run.trainer.memory_budget is not None:  # each block's mode, before trainer.init
                 spec = run.task.input_spec(run.cfg.batch_size)
                 if spec is not None:  # (else the first step plans from its batch)
@@ -214,8 +216,25 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
             raise
         finally:
             guard.lock = None
-            if lock is not None:
-                lock.release()
+            for held in (offload_lock, lock):
+                if held is not None:
+                    held.release()
+
+
+def _lock_offload_dir(run: Run, workdir: str):
+    """The lock of a disk-tier run's ``offload_dir`` outside its workdir (`workdir_lib.WorkdirLock`; the default,
+    ``<workdir>/offload``, is the workdir's), or None.
+
+    Raises:
+      workdir_lib.WorkdirBusy: another run writes its layer files there.
+    """
+    disk = run.trainer.residency.disk
+    if disk is None or disk.directory is None or \
+            os.path.abspath(disk.directory) == os.path.abspath(os.path.join(workdir, "offload")):
+        return None
+    os.makedirs(disk.directory, exist_ok=True)
+    return workdir_lib.acquire(disk.directory, "train", name="ReversibleTrainer.offload_dir",
+                               instead="set another ReversibleTrainer.offload_dir")
 
 
 def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:

@@ -619,6 +619,27 @@ def test_an_unused_disk_state_in_the_workdir_is_named(tmp_path):
     assert "loses nothing" in line
 
 
+def test_an_offload_dir_in_use_by_another_run_is_refused(tmp_path):
+    """Two runs writing layer files into one ``offload_dir`` would overwrite each other's: the second is refused
+    in one line naming the directory and its holder, exit 2, and its new workdir is not left behind."""
+    from revtrain.lifecycle import workdir as workdir_lib
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    holder = workdir_lib.WorkdirLock(str(shared), "train")  # (another open file: flock refuses this process too)
+    try:
+        result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
+                           f"ReversibleTrainer.offload_dir = '{shared}'", "--workdir", str(tmp_path / "run"))
+    finally:
+        holder.release()
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"revtrain: error: ReversibleTrainer.offload_dir {shared} is in use by revtrain "
+                               f"train, PID {os.getpid()}"), lines
+    assert "set another ReversibleTrainer.offload_dir" in lines[0]
+    assert not (tmp_path / "run").exists() and os.listdir(shared) == [".lock"]
+
+
 def test_offload_dir_without_its_parent_is_refused(tmp_path):
     """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir);
     one that is a file: refused too."""

@@ -2,10 +2,11 @@
 
 ``revtrain train``, ``eval`` and ``check --workdir`` take the lock before they write (or read checkpoints
 a writer could be changing); a second command on the same workdir is refused at once with one line naming
-the holder. The lock is ``flock(2)`` on the open file: the kernel releases it when the holding process
-ends in any way (exit, crash, ``kill -9``), so a lock left by a dead process never blocks the next run and
-nothing needs cleaning up. The file stays (empty or with the last holder's PID, host, command and start
-time); only a held lock counts. On NFS, Linux emulates ``flock`` with POSIX byte-range locks, which works
+the holder. A disk-tier run whose ``ReversibleTrainer.offload_dir`` lies outside its workdir locks that
+directory the same way: two runs writing layer files there would overwrite each other's. The lock is
+``flock(2)`` on the open file: the kernel releases it when the holding process ends in any way (exit, crash,
+``kill -9``), so a lock left by a dead process never blocks the next run and nothing needs cleaning up. The
+file stays (empty or with the last holder's PID, host, command and start time); only a held lock counts. On NFS, Linux emulates ``flock`` with POSIX byte-range locks, which works
 across hosts with NFSv4 (or NFSv3 with lockd).
 
 Multi-host: process 0 takes the lock for all processes and tells them whether it got it, so that every
@@ -55,6 +56,8 @@ class WorkdirLock:
     Args:
       workdir: an existing directory.
       command: what holds it (``"train"``, ``"eval"``, ``"check"``), shown to a refused process.
+      name: what the directory is, in the refusal (``"the workdir"``, ``"ReversibleTrainer.offload_dir"``).
+      instead: what a refused user can do instead (the refusal's end).
 
     Raises:
       WorkdirBusy: another process holds the lock (the message names it: command, PID, host, since when).
@@ -62,7 +65,7 @@ class WorkdirLock:
         since nobody can write there; `held` is False).
     """
 
-    def __init__(self, workdir: str, command: str):
+    def __init__(self, workdir: str, command: str, name: str = "the workdir", instead: str = "use another --workdir"):
         self.path = os.path.join(os.path.abspath(workdir), LOCK_FILE)
         self.fd: int | None = None
         try:
@@ -76,8 +79,8 @@ class WorkdirLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise WorkdirBusy(f"the workdir {os.path.dirname(self.path)} is in use by {holder}; wait for it to "
-                              "finish or use another --workdir") from None
+            raise WorkdirBusy(f"{name} {os.path.dirname(self.path)} is in use by {holder}; wait for it to "
+                              f"finish or {instead}") from None
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
                 "since": datetime.datetime.now().isoformat(timespec="seconds")}
         try:
@@ -98,8 +101,9 @@ class WorkdirLock:
             os.close(fd)
 
 
-def acquire(workdir: str, command: str) -> WorkdirLock | None:
-    """Locks ``workdir`` for ``command`` on behalf of every process of the run.
+def acquire(workdir: str, command: str, **words) -> WorkdirLock | None:
+    """Locks ``workdir`` for ``command`` on behalf of every process of the run (``words``: `WorkdirLock`'s
+    ``name`` and ``instead``).
 
     Single process: a `WorkdirLock`. Multi-process (``jax.distributed``): process 0 takes the lock and
     broadcasts whether it got it; it returns the lock, the other processes None.
@@ -111,7 +115,7 @@ def acquire(workdir: str, command: str) -> WorkdirLock | None:
     lock, error = None, None
     if jax.process_index() == 0:
         try:
-            lock = WorkdirLock(workdir, command)
+            lock = WorkdirLock(workdir, command, **words)
         except WorkdirBusy as e:
             error = e
     if jax.process_count() > 1:
