@@ -475,8 +475,8 @@ class _Training:
                                 "the final evaluation is skipped (rerun the same command to run it)")
             else:
                 _eval_and_write(self.run, ts, self.writer)
-                ran = cfg.steps - self.resumed_or_zero
-                what = f"{ran} steps" if not self.resumed_or_zero else f"{ran} steps ({self.resumed_or_zero} -> {cfg.steps})"
+                start = self.resumed_or_zero
+                what = f"{cfg.steps - start} steps" + (f" ({start} -> {cfg.steps})" if start else "")
                 metrics_lib.log(f"done: {what} in {time.time() - self.t_start:.0f} s; workdir {self.workdir}")
 
     def close(self) -> None:
