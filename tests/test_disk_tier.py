@@ -54,7 +54,7 @@ def _same(a, b):
     return all(np.array_equal(u, v) for p, q in zip(a, b) for u, v in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
 
 
-@pytest.mark.parametrize("fuse_top", [False, True])
+@pytest.mark.parametrize("fuse_top", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
     """The disk tier's losses, weights and evaluation are the device tier's, bit for bit (the host tier's too:
     tests/test_streaming.py, every tier over ten steps), and it reads and writes each layer once a step."""

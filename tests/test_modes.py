@@ -136,8 +136,9 @@ def _block_modes(mode, rebuild_mode, n: int) -> list:
     return [modes.REMAT] + [mode] * (n - 1)
 
 
-@pytest.mark.parametrize("name", ["exact", "backprop", *(pytest.param(n, marks=pytest.mark.slow) for n in
-                                                         ("fused", "remat", "checkpoint"))])  # (make test: depth 12)
+# (make test: all four at depth 12 in test_exactness; backprop here, the default exact rebuild there too)
+@pytest.mark.parametrize("name", ["backprop", *(pytest.param(n, marks=pytest.mark.slow) for n in
+                                               ("exact", "fused", "remat", "checkpoint"))])
 def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, name):
     """Depth 4, every block in one exact mode (backprop and checkpoint: the top two, in the head's program):
     losses and every parameter after 3 Adam steps identical to StandardTrainer's bits (per-layer executor;

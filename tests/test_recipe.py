@@ -138,7 +138,8 @@ def one_device(text_batches):
     return Runs()
 
 
-@pytest.mark.parametrize("executor", ["scan", *(pytest.param(e, marks=pytest.mark.slow) for e in ("per_layer", "fuse_top"))])
+# (make test-all; make test: test_exactness's default_clip_microbatches, clipping bit for bit under the scan)
+@pytest.mark.parametrize("executor", [pytest.param(e, marks=pytest.mark.slow) for e in ("scan", "per_layer", "fuse_top")])
 def test_global_clipping_equals_backprop(one_device, executor):
     """Clipping active on most steps; losses, grad norms and every parameter leaf within 1e-6."""
     std, rev = one_device["standard"], one_device[executor]
