@@ -132,7 +132,8 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
     chosen = mode or (HOLD if fits else STREAM)
     why = "as asked" if mode is not None else ("they fit" if fits else "they do not fit")
     if chosen == HOLD:
-        line = (f"sampling holds the {tier} tier's weights in {where} memory ({gib(weights)}), {why}: {gib(need)} "
+        held = "device memory" + (" (host RAM on the CPU backend)" if where == "host" else "")
+        line = (f"sampling holds the {tier} tier's weights in {held} ({gib(weights)}), {why}: {gib(need)} "
                 f"with {what} and {gib(caches)} of caches, {of}")
     else:
         origin = "from their files" if tier == "disk" else "from host memory"

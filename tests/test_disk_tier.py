@@ -532,7 +532,8 @@ def test_the_plan_decides_to_hold_or_stream(tmp_path):
     caches = disk_generate.cache_bytes(trainer.model, 2, T)
     assert caches > 0
     roomy = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "test")})
-    assert roomy.mode == disk_generate.HOLD and "holds the disk tier's weights in host memory" in roomy.line
+    assert roomy.mode == disk_generate.HOLD
+    assert "holds the disk tier's weights in device memory (host RAM on the CPU backend)" in roomy.line
     tight = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (roomy.need - 1, "a test limit")})
     assert tight.mode == disk_generate.STREAM and tight.need == roomy.need
     assert "streams the disk tier's weights layer by layer" in tight.line and "a test limit" in tight.line
@@ -557,7 +558,7 @@ def disk_run(tmp_path_factory):
     result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin", "train.sample_every = 2",
                        "--gin", "train.sample_length = 12", "--workdir", str(workdir))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "sampling holds the disk tier's weights in host memory" in result.stderr
+    assert "sampling holds the disk tier's weights in device memory (host RAM on the CPU backend)" in result.stderr
     return workdir
 
 
