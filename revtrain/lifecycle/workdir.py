@@ -1,13 +1,13 @@
 """One writer per workdir: an advisory lock on ``DIR/.lock``; and the removal of a new workdir that got nothing.
 
-``revtrain train``, ``eval`` and ``check --workdir`` take the lock before they write (or read checkpoints
-a writer could be changing); a second command on the same workdir is refused at once with one line naming
-the holder. A disk-tier run whose ``ReversibleTrainer.offload_dir`` lies outside its workdir locks that
-directory the same way: two runs writing layer files there would overwrite each other's. The lock is
-``flock(2)`` on the open file: the kernel releases it when the holding process ends in any way (exit, crash,
-``kill -9``), so a lock left by a dead process never blocks the next run and nothing needs cleaning up. The
-file stays (empty or with the last holder's PID, host, command and start time); only a held lock counts. On NFS, Linux emulates ``flock`` with POSIX byte-range locks, which works
-across hosts with NFSv4 (or NFSv3 with lockd).
+``revtrain train``, ``eval`` and ``check --workdir`` take the lock before they write (or read checkpoints a
+writer could be changing); a second command on the same workdir is refused at once with one line naming the
+holder. A disk-tier run whose ``ReversibleTrainer.offload_dir`` lies outside its workdir locks that directory
+the same way: two runs writing layer files there would overwrite each other's. The lock is ``flock(2)`` on the
+open file: the kernel releases it when the holding process ends in any way (exit, crash, ``kill -9``), so a
+lock left by a dead process never blocks the next run and nothing needs cleaning up. The file stays (empty or
+with the last holder's PID, host, command and start time); only a held lock counts. On NFS, Linux emulates
+``flock`` with POSIX byte-range locks, which works across hosts with NFSv4 (or NFSv3 with lockd).
 
 Multi-host: process 0 takes the lock for all processes and tells them whether it got it, so that every
 process of a refused run stops with the same error (`acquire`).
