@@ -351,6 +351,13 @@ class DiskTier(Store):
         if self.directory is None:
             self.directory = os.path.join(os.path.abspath(workdir), "offload")
 
+    @property
+    def in_workdir(self) -> bool:
+        """Whether the layer files go to the run's own ``<workdir>/offload`` (or no directory is named yet):
+        the workdir's lock and checks cover it; an ``offload_dir`` elsewhere needs its own."""
+        return self.directory is None or (self.workdir is not None
+                                          and self.directory == os.path.join(self.workdir, "offload"))
+
     def _dir(self) -> str:
         if self.directory is None:
             raise ConfigError("ReversibleTrainer.offload = 'disk' needs ReversibleTrainer.offload_dir (the "
@@ -377,7 +384,7 @@ class DiskTier(Store):
         if self.directory is not None and os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ConfigError(f"ReversibleTrainer.offload_dir = {self.directory!r} is a file, not a directory (name a "
                               "directory, or leave offload_dir unset for <workdir>/offload)")
-        if self.directory is None or (self.workdir is not None and self.directory == os.path.join(self.workdir, "offload")):
+        if self.in_workdir:
             return
         parent = os.path.dirname(self.directory)
         if os.path.exists(parent) and not os.path.isdir(parent):

@@ -189,8 +189,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
             sample_lib.check_training_sample(run)
         if run.trainer.residency.disk is not None:  # an offload_dir whose parent is missing: before anything is made
             run.trainer.residency.disk.check_directory()
-        elif unused_offload(workdir):
-            metrics_lib.log(unused_offload(workdir))
+        elif note := unused_offload(workdir):  # (a run of another tier in a workdir a disk-tier run left files in)
+            metrics_lib.log(note)
         if run.task.data_prepared:  # (after the last configuration check)
             metrics_lib.log(run.task.data_status)
         created = _writable(workdir)
@@ -201,7 +201,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         guard.checkpoint_dir = os.path.join(workdir, "checkpoints")
         lost_peer.watch(guard.checkpoint_dir)
         try:
-            offload_lock = _lock_offload_dir(run, workdir)
+            offload_lock = _lock_offload_dir(run)
             if run.trainer.memory_budget is not None:  # each block's mode, before trainer.init
                 spec = run.task.input_spec(run.cfg.batch_size)
                 if spec is not None:  # (else the first step plans from its batch)
@@ -221,7 +221,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
                     held.release()
 
 
-def _lock_offload_dir(run: Run, workdir: str):
+def _lock_offload_dir(run: Run):
     """The lock of a disk-tier run's ``offload_dir`` outside its workdir (`workdir_lib.WorkdirLock`; the default,
     ``<workdir>/offload``, is the workdir's), or None.
 
@@ -229,8 +229,7 @@ def _lock_offload_dir(run: Run, workdir: str):
       workdir_lib.WorkdirBusy: another run writes its layer files there.
     """
     disk = run.trainer.residency.disk
-    if disk is None or disk.directory is None or \
-            os.path.abspath(disk.directory) == os.path.abspath(os.path.join(workdir, "offload")):
+    if disk is None or disk.in_workdir:
         return None
     os.makedirs(disk.directory, exist_ok=True)
     return workdir_lib.acquire(disk.directory, "train", name="ReversibleTrainer.offload_dir",
