@@ -676,9 +676,10 @@ def two_devices(byte_lm_data_dir, tmp_path_factory):
 @pytest.mark.parametrize("name", ["host_shard", "device_shard", "disk_shard"])
 def test_recipe_with_shard_state_on_two_devices(two_devices, name):
     """The recipe (tied embedding/head, clip 0.5, 2 microbatches; 10 steps, 2 devices) with ``shard_state``:
-    on the host and device tiers (ties with shard_state) and on the disk tier, the host tier's losses,
-    gradient norms, every parameter leaf and evaluation without shard_state, bit for bit; the table and
-    most of the state split."""
+    on the host and device tiers (ties with shard_state) and on the disk tier, the host tier's losses, every
+    parameter leaf and evaluation without shard_state, bit for bit, and the gradient norms of the same executor
+    without shard_state (the device tier's scanned one logs norms a few ulps from the per-layer one's on 2
+    devices, found since the host tier runs per layer); the table and most of the state split."""
     run = two_devices[name]
     assert two_devices["devices"] == 2 and run["shard_state"], run
     assert run["losses"] and run["norms"] and run["params"] and run["scores"], run
@@ -707,6 +708,7 @@ def _worker(out_path: str) -> None:
     runs = {"host": _recipe_train(True, None, batches, mesh=mesh),
             "host_shard": _recipe_train(True, None, batches, mesh=mesh, shard_state=True),
             "device_shard": _recipe_train(False, None, batches, mesh=mesh, shard_state=True)}
+    device = _recipe_train(False, None, batches, mesh=mesh)  # the device tier's scanned executor, replicated
     runs["disk_shard"] = _recipe_train("disk", tempfile.mkdtemp(), batches, mesh=mesh, shard_state=True)
     from revtrain.trainers import StandardTrainer
     std = _recipe_train(None, None, batches, trainer_cls=StandardTrainer, mesh=mesh)
@@ -716,7 +718,9 @@ def _worker(out_path: str) -> None:
                         "param_rel": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30)) for a, b in
                                          zip(jax.tree.leaves(std[2]), jax.tree.leaves(runs["disk_shard"][2])))}}
     for name, run in runs.items():
-        out[name] = {"losses": run[0] == ref[0], "norms": run[1] == ref[1], "params": _same(run[2], ref[2]),
+        # (gradient norms against the same executor's: the scanned one's last bits differ from the per-layer one's)
+        norms = device[1] if name == "device_shard" else ref[1]
+        out[name] = {"losses": run[0] == ref[0], "norms": run[1] == norms, "params": _same(run[2], ref[2]),
                      "scores": run[3] == ref[3], "shard_state": bool(run[4].shard_state),
                      "split": run[4].specs.summary()}
     with open(out_path, "w") as f:
