@@ -149,9 +149,11 @@ def per_layer_results(byte_lm_data_dir, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow  # in the per-layer executor's process
 def test_offloaded_run_of_two_blocks_on_four_devices(per_layer_results):
-    """The scanned executor with offload on a run of exactly two blocks, 4 devices: trains (finite loss)."""
+    """Offload under the default ``scan_layers`` on a model of exactly two identical blocks, 4 devices: the
+    streamed host tier runs them per layer (no stacked run, whose in-program moves once failed with "Memory
+    kind mismatch"; that executor no longer offloads) and trains (finite loss)."""
     run = per_layer_results["two_block_run"]
-    assert run["groups"] == [[0, 1], [1, 2], [3, 1]], run
+    assert run["groups"] == [[0, 1], [1, 1], [2, 1], [3, 1]], run
     assert 5.0 < run["loss"] < 6.5, run  # near ln(256) = 5.55 at the start
 
 
