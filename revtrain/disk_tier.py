@@ -648,7 +648,8 @@ _CACHE = os.path.join(os.path.expanduser("~"), ".cache", "revtrain", "disk_bandw
 def bandwidth(directory: str, cache: str | None = _CACHE, nbytes: int = BANDWIDTH_BYTES) -> dict:
     """The sequential bandwidth of the disk holding ``directory``: ``{"read": B/s, "write": B/s, "source"}``.
     Measured once (write ``nbytes`` with ``fdatasync``, drop it from the page cache, read it back) and cached
-    per file system (``st_dev``) in ``cache`` (None: always measure)."""
+    per file system (``st_dev``) in ``cache`` (None: always measure); not measured (None, None) where the file
+    system has less than twice ``nbytes`` free: the probe would crowd the disk it is asked about."""
     probe = os.path.abspath(directory)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -662,6 +663,8 @@ def bandwidth(directory: str, cache: str | None = _CACHE, nbytes: int = BANDWIDT
                 return dict(cached[key], source="cached")
         except (OSError, ValueError):
             cached = {}
+    if shutil.disk_usage(probe).free < 2 * nbytes:
+        return {"read": None, "write": None, "source": "not measured: too little free space"}
     path = os.path.join(probe, f".revtrain-bandwidth-{os.getpid()}")
     data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     try:

@@ -723,18 +723,30 @@ def _disk_directory(disk: dict | None) -> tuple[dict, str]:
     return spec, spec.get("directory") or os.path.join(os.getcwd(), "offload")
 
 
-def _disk_tier_and_io(model, setup: Setup, shapes: _Shapes, state: tuple, tiers: dict, disk: dict | None) -> dict:
-    """Adds the disk tier to ``tiers`` (two steps' layer files, the kept checkpoints beyond them, the deferred
-    update's buffer files) and returns the step's reads and writes (`_io`)."""
+def _disk_tier(setup: Setup, shapes: _Shapes, state: tuple, tiers: dict, disk: dict | None) -> tuple:
+    """Adds the disk tier to ``tiers``, from shapes alone (the plan's and the floor's alike): two steps' layer
+    files (whole layers), the kept checkpoints beyond them and the deferred update's buffer files (a layer's old
+    and new file at most, per microbatch). Returns ``(weights, optimizer state, per-layer bytes)`` of the
+    files."""
     from revtrain import disk_tier
-    spec, directory = _disk_directory(disk)
+    spec, _ = _disk_directory(disk)
     weights, opt, layer_bytes = state[0], state[1], state[2]
     if setup.shard_state:  # the files hold whole layers
         weights, opt = _nbytes(shapes.pshapes), _nbytes(shapes.oshapes)
     _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
     tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
-    if setup.deferred:  # the deferred update: per microbatch its buffers (a layer's old and new file at most)
+    if setup.deferred:
         tiers["disk"]["gradients"] = 2 * weights
+    return weights, opt, layer_bytes
+
+
+def _disk_tier_and_io(model, setup: Setup, shapes: _Shapes, state: tuple, tiers: dict, disk: dict | None) -> dict:
+    """Adds the disk tier to ``tiers`` (two steps' layer files, the kept checkpoints beyond them, the deferred
+    update's buffer files) and returns the step's reads and writes (`_io`)."""
+    from revtrain import disk_tier
+    _, directory = _disk_directory(disk)
+    weights, opt, layer_bytes = _disk_tier(setup, shapes, state, tiers, disk)
+    if setup.deferred:
         owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
         read, write = disk_tier.deferred_io(weights, opt, layer_bytes[-1], owned, setup.microbatches,
                                             _rounds(setup.optimizer, model) + 1)
@@ -795,7 +807,8 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
       vjp's residuals at many shapes: 0.70-0.80 of them at d_model 128-768);
     * **temporaries**: only `StandardTrainer`'s fixed share of the weights (`STANDARD_EXTRA_FRACTION`), no
       compiled program's;
-    * **runtime** on the host (`RUNTIME_BYTES`); what a save or an evaluation holds beyond a step: 0.
+    * **runtime** on the host (`RUNTIME_BYTES`); what a save or an evaluation holds beyond a step: 0;
+    * the **disk** tier whole, as `plan` counts it (its layer files and kept checkpoints are shapes alone).
 
     Every part left out is a size `plan` adds to these, and its compiled figure of `StandardTrainer`'s whole
     step holds the gradient tree (twice or more of it at every size measured), so each tier's total is at most
@@ -823,10 +836,8 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     else:
         step = _Step(_nbytes(shapes.pshapes), 0, int(STANDARD_EXTRA_FRACTION * state[0]), FLOOR_METHOD)
     tiers = _place(model, setup, step, state, n, one_tier)
-    if step.on_disk:  # two steps' layer files (whole layers), the deferred update's buffer files
-        whole_w, whole_o = (_nbytes(shapes.pshapes), _nbytes(shapes.oshapes)) if setup.shard_state else state[:2]
-        tiers["disk"] = {"weights": 2 * whole_w, "optimizer_state": 2 * whole_o,
-                         "gradients": 2 * whole_w if setup.deferred else 0}
+    if step.on_disk:  # the plan's disk tier whole: it needs shapes only
+        _disk_tier(setup, shapes, state, tiers, disk)
     elif step.offload and not one_tier:
         _pinned_tier(setup, tiers, state)
     return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
@@ -1011,9 +1022,14 @@ def _limits() -> dict:
     return limits
 
 
+def _short_tier(own: MemoryPlan) -> str:
+    """The first tier of ``own`` that does not fit (the one its refusal names)."""
+    return next(t for t in own.tiers if not own.fits_tier(t))
+
+
 def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     """The one-line refusal: what does not fit, by how much, its parts, and the settings that would fit."""
-    tier = next(t for t in own.tiers if not own.fits_tier(t))
+    tier = _short_tier(own)
     parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in own.tiers[tier].items() if v)
     if tier == "disk":
         return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}: two steps' layer "
@@ -1095,8 +1111,9 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
-    if not own.fits:
-        raise MemoryPlanError(refusal(own, choices(run, limits, programs, own, least=True)[1:]))
+    if not own.fits:  # (a disk that is too small names no other trainer choice: none is planned)
+        others = [] if _short_tier(own) == "disk" else choices(run, limits, programs, own, least=True)[1:]
+        raise MemoryPlanError(refusal(own, others))
     if not all(fits):
         bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)
         raise MemoryPlanError(f"the memory plan does not fit on process(es) {bad} (their line says by how much); "

@@ -416,6 +416,9 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     assert host["checkpoint"] == 0  # a checkpoint is hard links
     # On disk: two steps' files, and two kept checkpoints the tier has moved past.
     assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
+    # The floor (shapes alone, nothing compiled) holds the disk tier whole: a disk too small is refused from it.
+    low = memory_plan.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", disk=disk)
+    assert low.tiers["disk"] == plan.tiers["disk"]
     assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
     assert plan.io["write_bytes"] == weights + opt
     assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
@@ -441,14 +444,16 @@ def _on_small_tmpfs(tmp_path, *argvs):
 
 
 def test_disk_too_small_is_refused_at_start_up(tmp_path):
-    """A workdir on an 8 MiB file system, a model whose two steps' layer files need more: one line, exit 2, before
-    anything is written."""
+    """A workdir on an 8 MiB file system, a model whose two steps' layer files and kept checkpoint need more: one
+    line, exit 2, before anything is written, from shapes alone (the floor holds the disk tier whole: no program
+    is compiled, no other trainer choice planned)."""
     small, (result,) = _on_small_tmpfs(tmp_path, ["--gin", "STEPS = 2"])
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("revtrain: error: the memory plan does not fit: ReversibleTrainer + offload='disk' "
-                               "disk needs"), lines[0]
+                               "disk needs at least"), lines[0]
+    assert "checkpoint" in lines[0], lines[0]
     assert f"free on {small}" in lines[0]
 
 
