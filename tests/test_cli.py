@@ -1,4 +1,8 @@
-"""End-to-end tests of the `revtrain` command line on the real English-Wikipedia excerpt."""
+"""End-to-end tests of the `revtrain` command line on the real English-Wikipedia excerpt.
+
+The module's training run is a real ``revtrain`` process; the commands on its workdir (eval, sample) run in this
+process (`helpers.revtrain_here`: `cli.main`, as the console script calls it), which saves each an interpreter
+and JAX's start-up."""
 
 import json
 import shutil
@@ -6,7 +10,7 @@ import subprocess
 
 import pytest
 
-from helpers import CONFIG, REPO, records, revtrain
+from helpers import CONFIG, REPO, records, revtrain, revtrain_here
 
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "train.batch_size = 8", "--gin", "evaluate.max_batches = 4", "--gin", "train.log_every = 5",
@@ -48,50 +52,52 @@ def test_train_writes_every_output_and_loss_falls(trained):
     assert "step 40/40" in result.stderr and "bpb" in result.stderr and "ETA" in result.stderr
 
 
-def test_eval_scores_latest_checkpoint(trained):
+def test_eval_scores_latest_checkpoint(trained, capfd):
     workdir, _ = trained
-    result = revtrain("eval", "--workdir", str(workdir))
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir))
     assert result.returncode == 0, result.stderr
     last = records(workdir, "eval")[-1]
     assert last["step"] == 40 and set(last) >= {"loss", "bits_per_byte", "accuracy"}
     assert abs(last["bits_per_byte"] * 0.6931471805599453 - last["loss"]) < 1e-9
 
 
-def test_eval_name_keeps_the_runs_own_records(trained):
+def test_eval_name_keeps_the_runs_own_records(trained, capfd):
     """`eval --name other` with other data settings writes metrics/eval_other.jsonl (eval_other_test.jsonl with
     --split test) and leaves eval.jsonl as it was; a name with a path separator or one that would share a
     split's file is one line, exit 2."""
     workdir, _ = trained
     before = (workdir / "metrics" / "eval.jsonl").read_text()
-    result = revtrain("eval", "--workdir", str(workdir), "--name", "other", "--gin", "evaluate.max_batches = 1")
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir), "--name", "other",
+                           "--gin", "evaluate.max_batches = 1")
     assert result.returncode == 0, result.stderr
     assert (workdir / "metrics" / "eval.jsonl").read_text() == before
     record = json.loads((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 40 and 0 < record["bits_per_byte"] < 8.0
     assert "(validation, metrics/eval_other.jsonl)" in result.stderr
-    result = revtrain("eval", "--workdir", str(workdir), "--name", "other", "--split", "test",
-                      "--gin", "evaluate.max_batches = 1")
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir), "--name", "other", "--split", "test",
+                           "--gin", "evaluate.max_batches = 1")
     assert result.returncode == 0, result.stderr
     assert (workdir / "metrics" / "eval_other_test.jsonl").is_file()
     assert len((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()) == 1
-    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "a/b"), 2, "--name must be")
-    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--name", "x_test"), 2, "share a split")
+    for name, says in (("a/b", "--name must be"), ("x_test", "share a split")):
+        assert_one_line_error(revtrain_here(capfd, "eval", "--workdir", str(workdir), "--name", name), 2, says)
 
 
-def test_eval_and_sample_read_a_config_file_after_the_runs_own(trained, tmp_path):
+def test_eval_and_sample_read_a_config_file_after_the_runs_own(trained, capfd, tmp_path):
     """`eval` and `sample` take --config: a gin file of settings read after the run's config.gin (here the
     scored batches and the sampling length's default), with --gin bindings after it."""
     workdir, _ = trained
     extra = tmp_path / "score.gin"
     extra.write_text("evaluate.max_batches = 1\n")
-    result = revtrain("eval", "--workdir", str(workdir), "--config", str(extra), "--name", "cfg")
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir), "--config", str(extra), "--name", "cfg")
     assert result.returncode == 0, result.stderr
     assert json.loads((workdir / "metrics" / "eval_cfg.jsonl").read_text().splitlines()[-1])["step"] == 40
-    result = revtrain("sample", "--workdir", str(workdir), "--config", str(extra), "--prompt", "The ",
-                      "--length", "4", "--temperature", "0")
+    result = revtrain_here(capfd, "sample", "--workdir", str(workdir), "--config", str(extra), "--prompt", "The ",
+                           "--length", "4", "--temperature", "0")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The ")
-    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--config", str(tmp_path / "none.gin")), 2,
+    missing = str(tmp_path / "none.gin")
+    assert_one_line_error(revtrain_here(capfd, "eval", "--workdir", str(workdir), "--config", missing), 2,
                           "none.gin")
 
 
@@ -198,12 +204,12 @@ def test_every_error_class_has_one_of_the_two_exit_statuses():
     assert cli._classify(KeyError("k"))[0] == 1 and "--verbose" in cli._classify(KeyError("k"))[1]
 
 
-def test_readers_refuse_a_model_changed_on_top_of_the_run_in_one_line(trained):
+def test_readers_refuse_a_model_changed_on_top_of_the_run_in_one_line(trained, capfd):
     """A --gin that changes the model over the run's config.gin (here its width) is named as such by eval
     (exit 2), not reported as a damaged checkpoint."""
     workdir, _ = trained
     wider = ("--gin", "ReversibleTransformerLM.d_model = 48")
-    result = revtrain("eval", "--workdir", str(workdir), *wider)
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir), *wider)
     assert_one_line_error(result, 2, "was made by a different model")
     assert "damaged" not in result.stderr
 
@@ -217,9 +223,10 @@ def test_check_refuses_a_model_changed_on_top_of_the_run_in_one_line(trained):
     assert "damaged" not in result.stderr
 
 
-def test_eval_of_missing_step_exits_2(trained):
+def test_eval_of_missing_step_exits_2(trained, capfd):
     workdir, _ = trained
-    assert_one_line_error(revtrain("eval", "--workdir", str(workdir), "--step", "7"), 2, "no checkpoint for step 7")
+    result = revtrain_here(capfd, "eval", "--workdir", str(workdir), "--step", "7")
+    assert_one_line_error(result, 2, "no checkpoint for step 7")
 
 
 @pytest.mark.slow  # one more training process (after the module's run)
