@@ -13,7 +13,7 @@ from revtrain.layers.transformer import ReversibleCoupling
 from revtrain.models.base import Model
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
-from helpers import CONFIG, revtrain
+from helpers import CONFIG, revtrain, revtrain_here
 
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 3", "--gin", "ReversibleTransformerLM.d_model = 32",
         "--gin", "ReversibleTransformerLM.dropout_rate = 0.1", "--gin", "train.batch_size = 8",
@@ -94,7 +94,9 @@ def test_skip_nonfinite_steps_skips_and_logs_each(tmp_path):
      "init_value = 0.0, peak_value = 0.003, warmup_steps = %WARMUP = 50)"),
     ("file", ["--config", CONFIG, "--workdir", "{file}"], "cannot write"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capfd, setup, args, contains):
+    """Bad configurations of ``revtrain train`` (in this process: `cli.main`, as the console script calls it):
+    one line, exit 2, nothing written."""
     bad = tmp_path / "bad.gin"
     bad.write_text("train.steps = = 3\n")
     blocker = tmp_path / "a_file"
@@ -102,7 +104,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, setup, args, contains):
     args = [a.replace("{bad}", str(bad)).replace("{file}", str(blocker / "run")) for a in args]
     if "--workdir" not in args:
         args += ["--workdir", str(tmp_path / "w")]
-    result = revtrain("train", *args)
+    result = revtrain_here(capfd, "train", *args)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and lines[0].startswith("revtrain: error: ") and contains in lines[0], lines
