@@ -577,13 +577,13 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
     from revtrain.models.llama import iter_model_tensors
     shutil.rmtree(disk_run / "offload")  # no training runs; the checkpoint's hard links keep the bytes
     before = _files_state(disk_run / "checkpoints")
-    result = _revtrain("eval", "--workdir", str(disk_run), "--name", "again")
+    result = revtrain_here(capsys, "eval", "--workdir", str(disk_run), "--name", "again")
     assert result.returncode == 0, result.stderr[-2000:]
     own = json.loads((disk_run / "metrics" / "eval.jsonl").read_text().splitlines()[-1])
     again = json.loads((disk_run / "metrics" / "eval_again.jsonl").read_text().splitlines()[-1])
     assert again == own and own["step"] == 2
     out = tmp_path / "hf"
-    result = _revtrain("export", "--workdir", str(disk_run), "--to", str(out))
+    result = revtrain_here(capsys, "export", "--workdir", str(disk_run), "--to", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     # Today's export: every layer's weights read into memory as numpy, then written.
     cli._parse_gin([str(disk_run / "config.gin")], [], workdir=str(disk_run))
