@@ -35,6 +35,13 @@ def model():
     return ReversibleTransformerLM(T, num_layers=LAYERS, d_model=D, num_heads=2, dropout_rate=0.0)
 
 
+@pytest.fixture(scope="module")
+def shared():
+    """One optimizer and one `memory_plan._Programs` for the module's plans of `model`: each distinct program is
+    compiled once (as `memory_plan.choices` shares one cache between a run's choices)."""
+    return optax.adamw(1e-3), memory_plan._Programs()
+
+
 def _exact(model):
     """Bytes counted from the arrays themselves (not the shapes): params, AdamW state per layer."""
     params = [layer.init_params for layer in model.layers]
@@ -43,12 +50,12 @@ def _exact(model):
     return weights, opt, max(sum(x.nbytes for x in jax.tree.leaves(p)) for p in params)
 
 
-def test_reversible_parts_are_the_exact_byte_counts(model):
+def test_reversible_parts_are_the_exact_byte_counts(model, shared):
     weights, opt, largest = _exact(model)
-    tx = optax.adamw(1e-3)
+    tx, programs = shared  # (one compile cache for the module's plans)
     assert opt == 2 * weights + 4 * len(model.layers)  # two moments and one int32 count per layer
     plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 1, limits=NO_LIMIT,
-                            platform="cpu")
+                            platform="cpu", programs=programs)
     host = plan.tiers["host"]
     assert list(plan.tiers) == ["host"]  # the CPU: one tier
     assert host["weights"] == weights == 4 * plan.num_params
@@ -69,20 +76,21 @@ def test_reversible_parts_are_the_exact_byte_counts(model):
     assert record["plan_host_weights_bytes"] == weights and record["host_limit_bytes"] == 2**50
 
 
-def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
+def test_save_between_steps_and_evaluation_parts(model, shared, monkeypatch):
     """A state above limits.ASYNC_MAX_BYTES is saved between steps: the save's staging, the largest layer's
-    arrays and SAVE_STATE_FRACTION of the state count where they exceed the step's transient parts; an evaluation's where it exceeds
-    those and the save's."""
+    arrays and SAVE_STATE_FRACTION of the state count where they exceed the step's transient parts; an
+    evaluation's where it exceeds those and the save's."""
     weights, opt, largest = _exact(model)
-    tx = optax.adamw(1e-3)
+    tx, programs = shared  # (one compile cache for the module's plans)
     monkeypatch.setattr(limits, "ASYNC_MAX_BYTES", 0)
     setup = memory_plan.Setup("reversible", tx, B, label="r")
-    host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu").tiers["host"]
+    host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
+                            programs=programs).tiers["host"]
     step = host["gradients"] + host["activations"] + host["temporaries"]
     save = limits.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
     assert host["checkpoint"] == max(0, save - step) > 0
     evaluated = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
-                                 eval_spec=_spec(64)).tiers["host"]
+                                 eval_spec=_spec(64), programs=programs).tiers["host"]
     evaluation = memory_plan._evaluation_bytes(model, memory_plan._Programs(), _spec(64), 1, None)
     # At least one device's evaluation batch and a layer's input and output (two float32 streams each).
     assert evaluation >= 2 * 64 * T * 4 + 2 * (2 * 64 * T * D * 4)
@@ -91,57 +99,58 @@ def test_save_between_steps_and_evaluation_parts(model, monkeypatch):
                                                                           if k != "evaluation"}
 
 
-def test_standard_and_deferred_parts(model):
+def test_standard_and_deferred_parts(model, shared):
     weights, opt, largest = _exact(model)
-    tx = optax.adamw(1e-3)
+    tx, programs = shared  # (one compile cache for the module's plans)
     standard = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="s"), _spec(B), 1, limits=NO_LIMIT,
-                                platform="cpu").tiers["host"]
+                                platform="cpu", programs=programs).tiers["host"]
     assert standard["gradients"] == weights  # the whole tree
     assert standard["activations"] > 2 * (2 * B * T * D * 4) * LAYERS  # every block's residuals
     deferred = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, deferred=True, label="d"), _spec(B), 1,
-                                limits=NO_LIMIT, platform="cpu").tiers["host"]
+                                limits=NO_LIMIT, platform="cpu", programs=programs).tiers["host"]
     assert deferred["gradients"] == weights + largest  # the whole-model buffer beside one layer's
     # Two devices: each holds the state (replicated) and half the batch; shard_state halves the large leaves.
     two = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 2, limits=NO_LIMIT,
-                           platform="cpu").tiers["host"]
+                           platform="cpu", programs=programs).tiers["host"]
     assert two["weights"] == 2 * weights
     sharded = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, shard_state=True, label="r"), _spec(B), 2,
-                               limits=NO_LIMIT, platform="cpu").tiers["host"]
+                               limits=NO_LIMIT, platform="cpu", programs=programs).tiers["host"]
     expected = 2 * sum(x.nbytes // 2 if memory_plan_shard(x.shape) else x.nbytes
                        for layer in model.layers for x in jax.tree.leaves(layer.init_params))
     assert weights <= sharded["weights"] == expected < two["weights"]
 
 
-def test_the_host_tier_on_an_accelerator(model):
+def test_the_host_tier_on_an_accelerator(model, shared):
     """The host tier (``offload``) on an accelerator: three tiers. The state is pageable in host memory and
     XLA's pinned pool holds only the transfers in flight (a layer fetched, a layer written back), checked
     against the pool's size (64 GB by default); four layers on the device (the one computing, two fetched
     ahead, one written back) and one layer's gradient, or with the deferred update (microbatches) two
     buffers in flight."""
     weights, opt, largest = _exact(model)
-    tx = optax.adamw(1e-3)
+    tx, programs = shared  # (one compile cache for the module's plans)
     setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
-    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu")
+    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
     assert set(gpu.tiers) == {"device", "host", "pinned"} and gpu.limits["pinned"] == 64 * 2**30
     assert gpu.tiers["pinned"]["weights"] == 2 * largest and gpu.tiers["device"]["weights"] == 4 * largest
     assert gpu.tiers["host"]["weights"] == weights + 2 * largest
     assert gpu.tiers["device"]["gradients"] == largest
     other = {s.label: s for s in memory_plan.alternatives(setup, model, 1, True)}
-    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="gpu")
+    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="gpu",
+                                programs=programs)
     assert other["s + 2 microbatches"].offload and deferred.tiers["device"]["gradients"] == 2 * largest
 
 
-def test_refusal_names_the_settings_that_fit(model):
-    tx = optax.adamw(1e-3)
+def test_refusal_names_the_settings_that_fit(model, shared):
+    tx, programs = shared  # (one compile cache for the module's plans)
     own = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="StandardTrainer"), _spec(B), 1,
-                           limits=NO_LIMIT, platform="cpu")
+                           limits=NO_LIMIT, platform="cpu", programs=programs)
     reversible = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="ReversibleTrainer"), _spec(B), 1,
-                                  limits=NO_LIMIT, platform="cpu")
+                                  limits=NO_LIMIT, platform="cpu", programs=programs)
     limit = (reversible.total("host") + own.total("host")) // 2
     limits = {"host": (limit, "test limit")}
-    own = memory_plan.plan(model, own.setup, _spec(B), 1, limits=limits, platform="cpu")
-    others = [memory_plan.plan(model, s, _spec(B), 1, limits=limits, platform="cpu")
+    own = memory_plan.plan(model, own.setup, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
+    others = [memory_plan.plan(model, s, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
               for s in memory_plan.alternatives(own.setup, model, 1, True)]
     assert not own.fits
     line = memory_plan.refusal(own, others)
@@ -314,10 +323,10 @@ def compiles(monkeypatch):
     return lambda: len(calls)
 
 
-def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, compiles, tmp_path):
+def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared, compiles, tmp_path):
     """`floor`: the plan's weights, optimizer state and gradients (and the reversible trainer's activations) in
     the same tiers, nothing compiled; every tier's total at most the compiled plan's."""
-    tx = optax.adamw(1e-3)
+    tx, programs = shared  # (one compile cache for the module's plans)
     weights, opt, largest = _exact(model)
     gpu = {"host": (2**50, "t"), "device": (2**40, "t")}
     disk = {"directory": str(tmp_path / "offload")}
@@ -330,7 +339,6 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, compile
     floors = [memory_plan.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
               for s, n, p in cases]
     assert compiles() == 0
-    programs = memory_plan._Programs()
     for (setup, n, platform), low in zip(cases, floors):
         full = memory_plan.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
                                 programs=programs, platform=platform, disk=disk)
