@@ -30,16 +30,16 @@ def pytest_unconfigure(config):
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
 
-# make test's longest files, longest first (seconds of one pytest process, measured with --durations=120 on
-# 2026-12-05: 127 .. 16; the other files take 10 s or less). `make test` hands files to its two processes in
+# make test's longest files, longest first (seconds of one pytest process, measured with --durations=0 on
+# 2026-12-05: 118 .. 17; the other files take 11 s or less). `make test` hands files to its two processes in
 # collection order (``--dist loadfile --no-loadscope-reorder``): longest first, the short ones last fill the gap
 # between the two, where xdist's own order (most tests first) left a long file of few tests to the end while the
 # other process sat idle (about 50 s of 625 in a replay of the measured times).
-LONGEST_FIRST = ("test_disk_tier.py", "test_memory_plan.py", "test_combinations.py", "test_exactness.py",
-                 "test_faults.py", "test_modes.py", "test_cli.py", "test_budget.py", "test_sample.py",
-                 "test_reliability.py", "test_streaming.py", "test_optim.py", "test_recipe.py", "test_host_memory.py",
-                 "test_standalone.py", "test_layerwise.py", "test_parallel.py", "test_modern.py", "test_shard.py",
-                 "test_revnet.py", "test_logits.py")
+LONGEST_FIRST = ("test_disk_tier.py", "test_exactness.py", "test_combinations.py", "test_memory_plan.py",
+                 "test_faults.py", "test_modes.py", "test_streaming.py", "test_host_memory.py", "test_sample.py",
+                 "test_budget.py", "test_reliability.py", "test_standalone.py", "test_parallel.py", "test_modern.py",
+                 "test_optim.py", "test_cli.py", "test_shard.py", "test_revnet.py", "test_recipe.py",
+                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py")
 
 
 def pytest_collection_modifyitems(config, items):
