@@ -436,10 +436,12 @@ def workdir_config(workdir: str, error: type[Exception] = UsageError) -> str:
     """The path of the gin config ``revtrain train`` wrote in ``workdir`` (``workdir/config.gin``).
 
     Raises:
-      ``error`` (default `UsageError`; one line, exit status 2): no such file, so ``workdir`` is not a run's
-        directory. The line names ``workdir`` as given.
+      ``error`` (default `UsageError`; one line, exit status 2): ``workdir`` does not exist, or holds no such
+        file, so it is not a run's directory. The line names ``workdir`` as given.
     """
     config = os.path.join(workdir, "config.gin")
+    if not os.path.isdir(workdir):
+        raise error(f"no config.gin in {workdir}: {workdir} does not exist (--workdir names a run's directory)")
     if not os.path.isfile(config):
         raise error(f"no config.gin in {workdir}: is it a revtrain workdir?")
     return config

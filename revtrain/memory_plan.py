@@ -454,6 +454,8 @@ class MemoryPlan:
         if io["seconds"] is not None:
             text += (f" at {io['read_bandwidth'] / 1e9:.2f} / {io['write_bandwidth'] / 1e9:.2f} GB/s "
                      f"({io['bandwidth_source']}): at least {io['seconds']:.1f} s a step")
+        elif io["bandwidth_source"]:  # (why no time is given: the disk's bandwidth was not measured)
+            text += f" (bandwidth {io['bandwidth_source']})"
         return text
 
     def record(self) -> dict:

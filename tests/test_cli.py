@@ -156,7 +156,7 @@ def test_synopses_show_config_and_the_exit_tables_agree():
     (["train", "--config", CONFIG, "--gin", "train.model = @ComposedModel",
       "--gin", "ComposedModel.layers = [@CausalSelfAtention]", "--workdir", "w"],
      "No configurable matching reference '@CausalSelfAtention'. (did you mean 'CausalSelfAttention'?)"),
-    (["eval", "--workdir", "nowhere"], "no config.gin in nowhere"),
+    (["eval", "--workdir", "nowhere"], "no config.gin in nowhere: nowhere does not exist"),
     ([], "expected a command"),
 ])
 def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, contains):

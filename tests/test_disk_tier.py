@@ -430,6 +430,25 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     assert not short.fits and "keep_checkpoints" in memory_plan.refusal(short, [])
 
 
+def test_the_bandwidth_is_not_probed_on_a_nearly_full_disk(tmp_path, monkeypatch):
+    """With less than twice the probe's bytes free, nothing is written to measure the disk; the plan line says
+    the bandwidth was not measured, and gives no I/O time."""
+    import shutil
+
+    from revtrain import memory_plan
+    real = shutil.disk_usage
+    monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda p: real(p)._replace(free=disk_tier.BANDWIDTH_BYTES))
+    measured = disk_tier.bandwidth(str(tmp_path), cache=None)
+    assert measured == {"read": None, "write": None, "source": "not measured: too little free space"}
+    assert list(tmp_path.iterdir()) == []
+    spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
+    plan = memory_plan.plan(_model(), memory_plan.Setup("reversible", optax.adamw(1e-3), 4, disk=True, label="d"),
+                            spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu",
+                            disk={"directory": str(tmp_path / "offload")})
+    plan.io = memory_plan._io(plan.io["read_bytes"], plan.io["write_bytes"], measured)
+    assert "(bandwidth not measured: too little free space)" in plan.line() and " s a step" not in plan.line()
+
+
 def _on_small_tmpfs(tmp_path, *argvs):
     """Each ``revtrain train`` argv run with its workdir on an 8 MiB tmpfs (skips where none can be mounted)."""
     small = tmp_path / "small"
