@@ -1,6 +1,7 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [CONFIG=configs/enwik_modern.gin] [WORKDIR=runs/<the config's name>]
 #   make data [CONFIG=...]   (the data of CONFIG only)
+#   make smoke  (first: both trainers bit for bit, then train, eval and sample; under a minute)
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
@@ -18,7 +19,7 @@ CONFIG ?= configs/enwik_modern.gin
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 GIN ?=
 
-.PHONY: venv data train eval test test-all bench bench-gpu bench-depth bench-budget bench-long bench-recipe bench-scale clean sample bench-sample check-sample
+.PHONY: venv data train eval smoke test test-all bench bench-gpu bench-depth bench-budget bench-long bench-recipe bench-scale clean sample bench-sample check-sample
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,10 @@ train: data
 
 eval: venv
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
+
+# What a newcomer runs first, and what shows that a change did not break training (tests/test_smoke.py).
+smoke: data
+	$(PY) -m pytest -q tests/test_smoke.py
 
 # Two test processes (pytest-xdist; a file's tests stay in one process). make test leaves out the tests
 # marked slow (long multi-process scenarios); make test-all runs every test.
