@@ -37,7 +37,7 @@ class ByteLMTask(Task):
 
     Args:
       source: ``"gensim_enwiki"`` (the English-Wikipedia XML excerpt from the gensim 4.4.0 wheel, prepared
-        by ``scripts/prepare_data.py``), a path to ``enwik8`` / ``enwik8.zip`` / any file, or a directory
+        by ``revtrain prepare`` or on first use), a path to ``enwik8`` / ``enwik8.zip`` / any file, or a directory
         of text files.
       sequence_length: tokens (bytes) per example, T.
       data_dir: dataset cache (default ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``).
