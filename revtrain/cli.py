@@ -1,5 +1,5 @@
-"""The ``revtrain`` command line: ``train``, ``eval``, ``sample``, ``check``, ``export`` and ``plan`` (t5x / Trax
-style gin configuration).
+"""The ``revtrain`` command line: ``train``, ``eval``, ``sample``, ``check``, ``export``, ``plan``, ``prepare`` and
+``configs`` (t5x / Trax style gin configuration).
 
   revtrain train --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
                  --workdir DIR [--verbose] [--coordinator_address HOST:PORT --num_processes N --process_id I]
@@ -14,6 +14,13 @@ style gin configuration).
                   (a Llama run as a Hugging Face checkpoint directory: config.json + model.safetensors)
   revtrain plan  --config FILE [--config FILE ...] [--gin ...]   (the memory plan of each trainer choice, and
                  whether it fits here; trains nothing)
+  revtrain prepare --config FILE [--config FILE ...] [--gin ...] [--data_dir DIR]   (the config's data, fetched
+                   and prepared as `make data` does; one line)
+  revtrain configs   (the configs shipped with revtrain: name, model, parameters, what it is for)
+
+--config FILE is a path, or the name of a shipped config (enwik_modern.gin; `revtrain configs` lists them).
+train, eval, sample, check, export and plan prepare missing data themselves (the default corpus fetched with
+pip), saying so in one line.
 
 With --workdir, the run's DIR/config.gin comes first, then the --config files, then the --gin bindings.
 Later config files and bindings win. Usage and configuration errors exit with status 2 and one line on
@@ -43,12 +50,13 @@ def _parser() -> argparse.ArgumentParser:
                 epilog="commands:\n" + synopsis + "\n\nrevtrain COMMAND --help: the options of one command; "
                        "docs/cli.md: the reference.", formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    for name in ("train", "eval", "check", "sample", "export", "plan"):
+    for name in ("train", "eval", "check", "sample", "export", "plan", "prepare"):
         s = sub.add_parser(name)
-        if name != "plan":
+        if name not in ("plan", "prepare"):
             s.add_argument("--workdir", required=name != "check", help="run directory")
         s.add_argument("--config", action="append", default=[],
-                       help="gin file (repeatable; later files win)" if name in ("train", "check", "plan") else
+                       help="gin file or shipped config name (repeatable; later files win)"
+                       if name in ("train", "check", "plan", "prepare") else
                        "gin file read after the run's DIR/config.gin (repeatable; later files win)")
         s.add_argument("--gin", action="append", default=[], help="gin binding 'NAME = VALUE' (repeatable)")
         s.add_argument("--verbose", action="store_true", help="tracebacks and library logs")
@@ -57,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--process_id", type=int, help="multi-host: this process's index")
         s.add_argument("--heartbeat_timeout", type=int, default=None,
                        help="multi-host: seconds after which a silent process counts as lost (default 100)")
+        if name == "prepare":
+            s.add_argument("--data_dir", help="cache root to prepare into (default: the task's data_dir, else "
+                                              "$REVTRAIN_DATA_DIR or ~/.cache/revtrain/data)")
         if name == "eval":
             g = s.add_mutually_exclusive_group()
             g.add_argument("--step", type=int, help="score this checkpoint step")
@@ -75,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--to", required=True, help="the Hugging Face checkpoint directory to write")
             s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                            help="dtype of the written tensors (default float32)")
+    s = sub.add_parser("configs")
+    s.add_argument("--verbose", action="store_true", help="tracebacks and library logs")
+    s.set_defaults(config=[], gin=[], coordinator_address=None, num_processes=None, process_id=None,
+                   heartbeat_timeout=None)
     return p
 
 
@@ -100,7 +115,7 @@ def parse_args(argv: list[str]):
     """
     args, rest = _parser().parse_known_args(argv)
     if args.command is None:
-        raise UsageError("expected a command: train, eval, check, sample, export or plan")
+        raise UsageError("expected a command: train, eval, check, sample, export, plan, prepare or configs")
     for item in rest:
         m = re.fullmatch(r"--gin\.([\w.@/]+)=(.*)", item, re.S)
         if not m:
@@ -368,7 +383,22 @@ def _run(args) -> int:
     command = _COMMANDS.get(args.command)
     if command is None:
         raise UsageError(f"unknown command {args.command}")
-    return command(args)
+    from revtrain.data import corpus
+    with corpus.fetching(_prepare_command(args)):  # missing data of a known source: fetched, one line
+        return command(args)
+
+
+def _prepare_command(args) -> str:
+    """The ``revtrain prepare`` command that prepares the data of the run ``args`` names (its config files; a
+    workdir's ``config.gin`` first), for the line of a fetch that failed."""
+    import shlex
+
+    from revtrain.data import corpus
+    workdir = getattr(args, "workdir", None)
+    configs = ([os.path.join(workdir, "config.gin")] if workdir and args.command != "train" else []) + list(args.config)
+    if not configs or args.command in ("prepare", "configs"):
+        return corpus.PREPARE_COMMAND
+    return "revtrain prepare " + " ".join(f"--config {shlex.quote(c)}" for c in configs)
 
 
 def _train_command(args) -> int:
@@ -457,6 +487,23 @@ def _plan_command(args) -> int:
     return 0
 
 
+def _prepare_data_command(args) -> int:
+    from revtrain.data import prepare
+    if not args.config:
+        raise UsageError("prepare needs --config FILE (the experiment's gin file, or a shipped config's name)")
+    status = prepare.prepare_config(args.config, args.gin, args.data_dir)
+    if status:
+        print(status, file=sys.stderr, flush=True)
+    return 0
+
+
+def _configs_command(args) -> int:
+    from revtrain import catalog
+    for line in catalog.lines():
+        print(line)
+    return 0
+
+
 def _export_command(args) -> int:
     from revtrain import export
     config = run_config(args.workdir)
@@ -470,7 +517,8 @@ def _export_command(args) -> int:
 
 # Each command's runner (`_run`), in the order of the usage text.
 _COMMANDS = {"train": _train_command, "eval": _eval_command, "sample": _sample_command, "check": _check_command,
-             "plan": _plan_command, "export": _export_command}
+             "plan": _plan_command, "export": _export_command, "prepare": _prepare_data_command,
+             "configs": _configs_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,9 +1,10 @@
 """Gin files for revtrain: where ``include`` finds files, clear value errors, and what changed on resume.
 
 * Include search path (t5x style): a relative ``include 'base.gin'`` resolves next to the file that
-  includes it first, then in the current directory, then in the project's ``configs/`` directory; a
-  top-level ``--config FILE`` the same way, without the first step. A missing file is one `IncludeNotFound`
-  naming it and every directory searched.
+  includes it first, then in the current directory, then in its ``configs/``, then among the configs shipped
+  with revtrain (`shipped_config_dirs`: inside the installed package, or a checkout's ``configs/`` and
+  ``examples/``); a top-level ``--config FILE`` the same way, without the first step. A missing file is one
+  `IncludeNotFound` naming it and every directory searched. `shipped_configs` lists the shipped files.
 * `value_error_line`: a value gin cannot parse (``--gin.train.steps=abc``) named with its binding and a hint
   to quote strings, instead of Python's "malformed node or string" text.
 * `call_error_line`: an error raised inside a call gin makes for a binding (``@optax.warmup_cosine_decay_
@@ -34,7 +35,12 @@ from gin import config_parser
 
 from revtrain.errors import InputError, UsageError
 
-PROJECT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+# The configs an installed package holds (setup.py maps configs/ and examples/<name>/ there), and the
+# checkout's own directories they are built from (an editable install or PYTHONPATH reads these).
+PACKAGE_CONFIGS = os.path.join(_PACKAGE, "configs")
+PROJECT_CONFIGS = os.path.join(os.path.dirname(_PACKAGE), "configs")
+PROJECT_EXAMPLES = os.path.join(os.path.dirname(_PACKAGE), "examples")
 
 
 class IncludeNotFound(InputError, OSError):
@@ -97,17 +103,42 @@ def remembered_modules(workdir: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
 
+def shipped_config_dirs() -> list[str]:
+    """The directories of the configs shipped with revtrain: the installed package's ``revtrain/configs/``
+    (the checkout's ``configs/*.gin``, and each ``examples/<name>/`` as ``<name>/``), else, run from a
+    checkout, its ``configs/`` and ``examples/`` (the same files under the same names)."""
+    if os.path.isdir(PACKAGE_CONFIGS):
+        return [PACKAGE_CONFIGS]
+    return [d for d in (PROJECT_CONFIGS, PROJECT_EXAMPLES) if os.path.isdir(d)]
+
+
+def shipped_configs() -> dict[str, str]:
+    """``{name: path}`` of every shipped config, sorted by name: ``NAME.gin`` for the files of ``configs/``,
+    ``EXAMPLE/NAME.gin`` for an example's (``own_block/train.gin``); each name is what ``--config`` and
+    ``include`` take."""
+    found: dict[str, str] = {}
+    for d in shipped_config_dirs():
+        for root, dirs, files in os.walk(d):
+            dirs[:] = sorted(x for x in dirs if not x.startswith((".", "__")))
+            depth = os.path.relpath(root, d).count(os.sep) + (root != d)
+            if depth > 1:
+                continue
+            for f in files:
+                if f.endswith(".gin"):
+                    name = os.path.relpath(os.path.join(root, f), d).replace(os.sep, "/")
+                    found.setdefault(name, os.path.join(root, f))
+    return dict(sorted(found.items()))
+
+
 def search_dirs(including_file: str | None) -> list[str]:
     """Directories a relative gin path is looked up in, in order: the including file's directory (when
-    there is one), the current directory, and the project's ``configs/`` (beside the package, else in the
-    current directory; when it exists)."""
+    there is one), the current directory, its ``configs/`` (when it exists: a checkout), then the configs
+    shipped with revtrain (`shipped_config_dirs`)."""
     dirs = [os.path.dirname(os.path.abspath(including_file))] if including_file else []
     dirs.append(os.getcwd())
-    # The checkout's configs/: beside the package in an editable install, else the current directory's (a
-    # checkout with revtrain installed as a package, whose configs/ is not inside it).
-    for configs in (PROJECT_CONFIGS, os.path.join(os.getcwd(), "configs")):
-        if os.path.isdir(configs):
-            dirs.append(configs)
+    if os.path.isdir(os.path.join(os.getcwd(), "configs")):
+        dirs.append(os.path.join(os.getcwd(), "configs"))
+    dirs.extend(shipped_config_dirs())
     return list(dict.fromkeys(dirs))
 
 

@@ -3,8 +3,9 @@
   python scripts/prepare_data.py --config FILE [--config FILE ...] [--gin 'NAME = VALUE' ...] [--gin.NAME=VALUE ...]
   python scripts/prepare_data.py [--data_dir DIR] [--source gensim_enwiki|PATH] [--sequence_length N]
 
-With ``--config`` (what ``make data CONFIG=...`` runs), the data of that config's task: ``train.task`` built
-as ``revtrain train`` builds it (for ``configs/enwik_bpe.gin`` the corpus tokenized with its BPE, trained
+With ``--config`` (what ``make data CONFIG=...`` runs; the same as ``revtrain prepare --config FILE``:
+`revtrain.data.prepare.prepare_config`), the data of that config's task: ``train.task`` built as
+``revtrain train`` builds it (for ``configs/enwik_bpe.gin`` the corpus tokenized with its BPE, trained
 first when it is not cached). Without, the byte-level dataset of ``--source``. The default source
 (``gensim_enwiki``) first needs the gensim 4.4.0 wheel (which ships an English-Wikipedia dump excerpt):
 downloaded into <data_dir>/downloads/ with pip when missing. Prints one line on stderr, also on a pipe:
@@ -12,7 +13,6 @@ the data prepared (how much, how long) or found in the cache. Exits with status 
 on a data or configuration error.
 """
 
-import inspect
 import pathlib
 import sys
 
@@ -40,40 +40,6 @@ _CONFIG = flags.DEFINE_multi_string("config", [], "A run's gin file (repeatable;
 _GIN = flags.DEFINE_multi_string("gin", [], "A gin binding 'NAME = VALUE' (repeatable).")
 
 
-def _task_argument(task_class, name: str, default):
-    """The value the task class will get for ``name``: its gin binding, else its default."""
-    import gin
-    try:
-        return gin.query_parameter(f"{task_class.__name__}.{name}")
-    except ValueError:
-        pass
-    try:
-        value = inspect.signature(task_class.__init__).parameters[name].default
-    except (KeyError, TypeError, ValueError):
-        return default
-    return default if value is inspect.Parameter.empty else value
-
-
-def _prepare_config(configs: list[str], bindings: list[str]) -> None:
-    """Builds the task of a run's config (``revtrain.loop.build_task``), which prepares its data."""
-    from revtrain import cli, loop
-    cli._quiet_libraries(verbose=False)  # noqa: SLF001 (the CLI's own settings: TFDS and absl quiet)
-    cli._parse_gin(configs, bindings)  # noqa: SLF001 (include search path, one-line errors)
-    try:
-        cfg = loop.TrainConfig()
-    except (ValueError, TypeError) as e:
-        raise loop.ConfigError(str(e).strip().splitlines()[0]) from e
-    if isinstance(cfg.task, type) and _task_argument(cfg.task, "source", None) == byte_lm.GENSIM_SOURCE:
-        byte_lm.ensure_gensim_wheel(_DATA_DIR.value or _task_argument(cfg.task, "data_dir", None)
-                                    or byte_lm.default_data_dir())
-    if _DATA_DIR.value:
-        import gin
-        gin.bind_parameter(f"{cfg.task.__name__}.data_dir", _DATA_DIR.value)
-    task = loop.build_task(cfg)
-    if task.data_status:
-        print(task.data_status, file=sys.stderr, flush=True)
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}", exitcode=2)
@@ -81,8 +47,12 @@ def main(argv):
         logging.set_verbosity(logging.ERROR)  # TFDS's info/warnings are noise here.
     from revtrain import cli
     try:
-        if _CONFIG.value:
-            _prepare_config(_CONFIG.value, _GIN.value)
+        if _CONFIG.value:  # revtrain prepare --config FILE: the same package code
+            from revtrain.data import prepare
+            cli._quiet_libraries(verbose=False)  # noqa: SLF001 (the CLI's own settings: TFDS and absl quiet)
+            status = prepare.prepare_config(_CONFIG.value, _GIN.value, _DATA_DIR.value)
+            if status:
+                print(status, file=sys.stderr, flush=True)
             return
         data_dir = _DATA_DIR.value or byte_lm.default_data_dir()
         if _SOURCE.value == byte_lm.GENSIM_SOURCE:

@@ -109,7 +109,8 @@ def test_synopses_show_config_and_the_exit_tables_agree():
     parser = cli._parser()  # noqa: SLF001
     for text in (readme, reference, parser.format_help()):
         for command in ("revtrain eval", "revtrain sample", "revtrain check --workdir", "revtrain export"):
-            lines = [line for line in text.splitlines() if line.strip().startswith(command)]
+            lines = [line for line in text.splitlines()  # synopses (DIR), not examples (--workdir run)
+                     if line.strip().startswith(command) and "--workdir DIR" in line]
             assert lines and all("[--config FILE ...]" in line for line in lines), (command, lines)
     sub = parser._subparsers._group_actions[0].choices  # noqa: SLF001 (argparse keeps its subparsers there)
     for name in ("eval", "sample", "export", "check"):

@@ -201,7 +201,7 @@ def test_errors(tmp_path):
 
 
 def test_missing_gensim_wheel(tmp_path):
-    _assert_data_error(tmp_path, byte_lm.GENSIM_SOURCE, "prepare_data.py")
+    _assert_data_error(tmp_path, byte_lm.GENSIM_SOURCE, "run `revtrain prepare --config FILE`")
 
 
 def test_gensim_source():

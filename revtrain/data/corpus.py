@@ -3,8 +3,10 @@ task (`revtrain.data.token_lm`), so that a format is added once.
 
 Sources (`corpus_kind`):
   * ``'gensim_enwiki'``: an English-Wikipedia XML dump excerpt shipped in the gensim 4.4.0 wheel (6,089,746
-    bytes decompressed). `ensure_gensim_wheel` (or ``make data``) fetches the wheel into
-    ``<data_dir>/downloads/``; gensim is never installed.
+    bytes decompressed). `ensure_gensim_wheel` (``revtrain prepare``, ``make data``) fetches the wheel into
+    ``<data_dir>/downloads/`` with pip; gensim is never installed. Inside `fetching` (the ``revtrain``
+    commands), reading a missing wheel fetches it there first, saying so in one line (a failed fetch is one
+    `DataError` naming the run's ``revtrain prepare``); elsewhere it is one `DataError` naming that command.
   * a file: raw bytes (e.g. ``enwik8``), a ``.zip`` (the member ``enwik8``, or its only member) or a ``.bz2``
     (decompressed) (`open_file`).
   * a directory: its text files (``.txt``, ``.md``, ``.xml``, ``.text`` or no suffix; hidden files skipped),
@@ -98,26 +100,51 @@ def find_gensim_wheel(download_dir: pathlib.Path) -> pathlib.Path | None:
     return wheels[0] if wheels else None
 
 
+PREPARE_COMMAND = "revtrain prepare --config FILE"  # the command that prepares a run's data (FILE: its config)
+_FETCHING: list[str] = []  # inside `fetching`: the command to name when a fetch fails
+
+
+@contextlib.contextmanager
+def fetching(prepare_command: str = PREPARE_COMMAND):
+    """Within this context a missing gensim wheel is fetched when the corpus is read (`read_gensim`: pip,
+    then one line on stderr saying what was fetched), as ``revtrain train``, ``eval`` and ``sample`` do; a
+    failed fetch is one `DataError` naming ``prepare_command`` (the run's own ``revtrain prepare``)."""
+    _FETCHING.append(prepare_command)
+    try:
+        yield
+    finally:
+        _FETCHING.pop()
+
+
 def read_gensim(download_dir: str | os.PathLike) -> bytes:
-    """The bytes of the ``'gensim_enwiki'`` excerpt, from the wheel in ``download_dir``.
+    """The bytes of the ``'gensim_enwiki'`` excerpt, from the wheel in ``download_dir``; inside `fetching`, a
+    missing wheel is fetched there first (`ensure_gensim_wheel`).
 
     Raises:
-      DataError: no wheel, or a corrupt or incomplete one.
+      DataError: no wheel (outside `fetching`: the line names ``revtrain prepare``; inside: the fetch failed),
+        or a corrupt or incomplete one.
     """
     download_dir = pathlib.Path(download_dir)
     wheel = find_gensim_wheel(download_dir)
+    if wheel is None and _FETCHING:
+        import time
+        started = time.perf_counter()
+        wheel = _fetch_gensim_wheel(download_dir, _FETCHING[-1])
+        print(f"fetched the gensim {GENSIM_VERSION} wheel that holds the {GENSIM_SOURCE} corpus with pip "
+              f"({wheel.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - started:.1f} s) into {download_dir}",
+              file=sys.stderr, flush=True)
     if wheel is None:
         raise DataError(
             f"gensim {GENSIM_VERSION} wheel not found in {download_dir} (read only to prepare data that is not "
-            "prepared yet, e.g. another sequence length); run `python scripts/prepare_data.py` or `make data`"
+            f"prepared yet, e.g. another sequence length); run `{PREPARE_COMMAND}` (FILE: the run's config), "
+            "which fetches it with pip"
         )
     try:
         with zipfile.ZipFile(wheel) as zf:
             packed = zf.read(GENSIM_MEMBER)
     except (OSError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as e:
         raise DataError(
-            f"{wheel} is corrupt or incomplete ({e}); delete it and run "
-            "`python scripts/prepare_data.py`"
+            f"{wheel} is corrupt or incomplete ({e}); delete it and run `{PREPARE_COMMAND}`"
         ) from None
     try:
         data = bz2.decompress(packed)
@@ -126,7 +153,7 @@ def read_gensim(download_dir: str | os.PathLike) -> bytes:
     if len(data) != GENSIM_NUM_BYTES:
         raise DataError(
             f"{wheel} holds {len(data)} corpus bytes, expected {GENSIM_NUM_BYTES}; "
-            "delete it and run `python scripts/prepare_data.py`"
+            f"delete it and run `{PREPARE_COMMAND}`"
         )
     return data
 
@@ -138,22 +165,42 @@ def ensure_gensim_wheel(data_dir: str) -> pathlib.Path:
       DataError: pip failed (e.g. no network) or produced no wheel.
     """
     download_dir = pathlib.Path(data_dir).expanduser() / "downloads"
-    wheel = find_gensim_wheel(download_dir)
-    if wheel is not None:
-        return wheel
+    return find_gensim_wheel(download_dir) or _fetch_gensim_wheel(download_dir)
+
+
+def _fetch_gensim_wheel(download_dir: pathlib.Path, prepare_command: str | None = None) -> pathlib.Path:
+    """Downloads the gensim wheel into ``download_dir`` with ``pip download`` (pip's own index settings and
+    environment apply: ``PIP_INDEX_URL``, ``PIP_FIND_LINKS``, ...). pip writes into a fresh directory beside
+    it and the wheel is renamed into place, so a reader never sees half a file and processes fetching at
+    once each rename a whole one.
+
+    Raises:
+      DataError: pip failed (e.g. no network) or produced no wheel; the line names ``prepare_command``.
+    """
+    import shutil
+    import tempfile
     download_dir.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=".fetch-", dir=download_dir))
     # Pin one wheel (the data file is the same in all of them) so any host fetches the same file.
     pin = "--platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp --abi cp311"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           *pin.split(), f"gensim=={GENSIM_VERSION}", "-d", str(download_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           *pin.split(), f"gensim=={GENSIM_VERSION}", "-d", str(staging)]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        fetched = find_gensim_wheel(staging)
+        if proc.returncode == 0 and fetched is not None:
+            os.replace(fetched, download_dir / fetched.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     wheel = find_gensim_wheel(download_dir)
-    if proc.returncode != 0 or wheel is None:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        reason = lines[-1] if lines else f"exit status {proc.returncode}"
+    if wheel is None:
+        lines = [ln for ln in (proc.stderr or proc.stdout).strip().splitlines() if ln.strip()]
+        reason = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+        then = (f"run `{prepare_command}` where pip can reach a package index" if prepare_command else
+                "check network access")
         raise DataError(
             f"could not download gensim=={GENSIM_VERSION} with pip into {download_dir} "
-            f"({reason}); check network access or copy the wheel there by hand"
+            f"({reason}); {then}, or copy the wheel there by hand"
         )
     return wheel
 

@@ -292,6 +292,11 @@ class FashionMNISTTask(Task):
         self.data_dir = data_dir or default_data_dir()
         self.builder = load_fashion_mnist(self.source, self.data_dir)
 
+    @classmethod
+    def config_model_kwargs(cls) -> dict:
+        """``{'num_classes': 10}``: the classes are fixed."""
+        return {"num_classes": cls.num_classes}
+
     def model_kwargs(self) -> dict:
         return {"num_classes": self.num_classes}
 

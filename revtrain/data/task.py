@@ -47,6 +47,13 @@ class Task:
         del kept, checkpoint
         return {}
 
+    @classmethod
+    def config_model_kwargs(cls) -> dict | None:
+        """What `model_kwargs` of a task of this class will be, from the parsed gin config alone: no data is read
+        or prepared (``revtrain configs`` counts a config's parameters with it). None (the default): they
+        depend on the data."""
+        return None
+
     def model_kwargs(self) -> dict:
         """Keyword arguments of the model builder that the data decides (``sequence_length``, ``vocab_size``,
         ``num_classes``)."""

@@ -37,7 +37,7 @@ class ByteLMTask(Task):
 
     Args:
       source: ``"gensim_enwiki"`` (the English-Wikipedia XML excerpt from the gensim 4.4.0 wheel, prepared
-        by ``scripts/prepare_data.py``), a path to ``enwik8`` / ``enwik8.zip`` / any file, or a directory
+        by ``revtrain prepare`` or on first use), a path to ``enwik8`` / ``enwik8.zip`` / any file, or a directory
         of text files.
       sequence_length: tokens (bytes) per example, T.
       data_dir: dataset cache (default ``$REVTRAIN_DATA_DIR`` or ``~/.cache/revtrain/data``).
@@ -67,6 +67,12 @@ class ByteLMTask(Task):
         self.data_dir = data_dir or byte_lm.default_data_dir()
         self.builder = byte_lm.load_byte_lm(source, sequence_length, self.data_dir)
         self.data_status, self.data_prepared = self.builder.data_status, self.builder.data_prepared
+
+    @classmethod
+    def config_model_kwargs(cls) -> dict:
+        """``{'sequence_length': ByteLMTask.sequence_length}`` as bound (the vocabulary is the 256 byte values)."""
+        from revtrain.data.prepare import task_argument
+        return {"sequence_length": task_argument(cls, "sequence_length")}
 
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length}
@@ -212,6 +218,17 @@ class TokenLMTask(Task):
         self.bytes_per_token = train["bytes"] / max(train["tokens"], 1)
 
     # -- the task interface (see ByteLMTask) ----------------------------------------------------------
+    @classmethod
+    def config_model_kwargs(cls) -> dict | None:
+        """The bound sequence length and the vocabulary: ``vocab_size`` ids for the BPE revtrain trains (its
+        trainer stops at that size, the end-of-text id included), 257 for ``'bytes'``; None for a tokenizer
+        file, whose size only the file says."""
+        from revtrain.data.prepare import task_argument
+        tokenizer = task_argument(cls, "tokenizer")
+        vocab = {tokenizer_lib.BPE: task_argument(cls, "vocab_size"), tokenizer_lib.BYTES: 257}.get(tokenizer)
+        return None if vocab is None else {"sequence_length": task_argument(cls, "sequence_length"),
+                                           "vocab_size": vocab}
+
     def model_kwargs(self) -> dict:
         return {"sequence_length": self.sequence_length, "vocab_size": self.tokenizer.vocab_size}
 
