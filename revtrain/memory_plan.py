@@ -1082,6 +1082,13 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
                 "files and the kept checkpoints beyond them); free disk space, lower train.keep_checkpoints, set "
                 "train.checkpoint_every = 1 (the newest checkpoint then shares the live files) or put "
                 "ReversibleTrainer.offload_dir on a larger disk; train.memory_plan = False skips this check")
+    if tier == "pinned" and "pool" in own.tiers["pinned"]:  # the state in XLA's pinned pool (a GPU)
+        from revtrain import pinned
+        need = sum(v for k, v in own.tiers["pinned"].items() if k != "pool")
+        return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}); set "
+                f"{pinned.LIMIT_ENV}={pinned.limit_gb_for(need)} (revtrain train sizes the pool from the state "
+                "alone: kept inputs and deferred buffers come on top), or use ReversibleTrainer.offload = 'disk'; "
+                "train.memory_plan = False skips this check")
     fitting = [p for p in others if p.fits]
     # The least that fits: a choice that adds settings to one that fits already is left out.
     fitting = [p for p in fitting if not any(q is not p and set(q.setup.settings) < set(p.setup.settings)

@@ -476,3 +476,20 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     assert not low.fits and "runtime alone" in line
     assert line == memory_plan.refusal(low, others)
     assert line.split("); ", 1)[1] == memory_plan.refusal(own, others).split("); ", 1)[1]
+
+
+def test_a_state_over_the_pinned_pool_is_refused_naming_the_limit(model, shared, monkeypatch):
+    """On a GPU a pool preallocated below the plan's pinned need is refused in one line that names the limit
+    to set."""
+    tx, programs = shared
+    monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
+    monkeypatch.setenv(pinned.LIMIT_ENV, "0")
+    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    own = memory_plan.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
+                           platform="gpu", programs=programs)
+    assert not own.fits and own.tiers["pinned"]["pool"] == 0
+    line = memory_plan.refusal(own, [])
+    assert line.startswith("the memory plan does not fit: s pinned needs ")
+    assert "of 0 MiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=0, preallocated)" in line
+    assert "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=2 (revtrain train sizes the pool from the state alone" in line
+    assert "\n" not in line
