@@ -180,8 +180,8 @@ class Residency:
 class HostResidency(Residency):
     """The host tier (``offload = True``): the state in host memory, pageable where every device has that
     space (else pinned: a GPU's only host kind, `revtrain.pinned`), in a `revtrain.streaming.HostStore` that
-    the engine streams; kept activations in host memory. Its construction logs one line naming the memory the
-    state lives in (`memory_line`; on a GPU with the pinned pool's size).
+    the engine streams; kept activations in host memory. It logs one line naming the memory the state lives in
+    (`memory_line`; on a GPU with the pinned pool's size) when it first places or restores a state.
 
     Args:
       mesh, sharded: see `Residency`.
@@ -202,10 +202,29 @@ class HostResidency(Residency):
                                        pageable=not switched)
         self.store = HostStore(self._kind, DEVICE_MEMORY)
         self.memory_line = pinned.describe(self._kind, self._platform(), switched=switched)
-        metrics_lib.log(self.memory_line)
+        self._said = False
 
     def _platform(self) -> str:
         return next(iter(self.mesh.devices.flat)).platform
+
+    def _say(self) -> None:
+        # Once, when the state is first placed or restored (after the memory plan's check: a refusal stays the
+        # only line).
+        if not self._said:
+            self._said = True
+            metrics_lib.log(self.memory_line)
+
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        self._say()
+        return super().put_layer(index, params, opt_state, pspec, ospec)
+
+    def place_stacked(self, stack: "HostStack", specs) -> object:
+        self._say()
+        return super().place_stacked(stack, specs)
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        self._say()
+        return super().layer_template(index, shapes, opt_shapes, pspec, ospec)
 
     def refusal(self) -> str | None:
         if not host_memory_supported(self.mesh):

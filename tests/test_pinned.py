@@ -112,19 +112,25 @@ def test_the_switch_puts_the_host_tier_in_pinned_memory_and_says_so(capsys, monk
     its state in ``pinned_host`` as on a GPU, and says where in one line; a placed layer lands there."""
     mesh = make_mesh(jax.devices()[:1])
     monkeypatch.delenv(pinned.NO_PAGEABLE_ENV, raising=False)
-    assert HostResidency(mesh).memory_kind == PAGEABLE_MEMORY
+    layer = {"w": np.ones((4, 4), np.float32)}
+    plain = HostResidency(mesh)
+    assert plain.memory_kind == PAGEABLE_MEMORY and capsys.readouterr().err == ""  # (said when a state is placed)
+    plain.put_layer(0, layer, ())
     assert capsys.readouterr().err == "host tier: the state lives in unpinned_host memory (pageable)\n"
     host = HostResidency(mesh, pageable=False)
     line = ("host tier: the state lives in pinned_host memory (the pageable kind is switched off "
             "(REVTRAIN_NO_PAGEABLE_HOST=1 or pageable=False); on the cpu it is ordinary host memory)")
-    assert capsys.readouterr().err == line + "\n" and host.memory_line == line
+    assert host.memory_line == line
     assert host.memory_kind == HOST_MEMORY == host.store.memory_kind
     assert host.describe() == "host memory (pinned_host), replicated"
-    params, _ = host.put_layer(0, {"w": np.ones((4, 4), np.float32)}, ())
+    params, _ = host.put_layer(0, layer, ())
+    host.put_layer(1, layer, ())
+    assert capsys.readouterr().err == line + "\n"  # once
     assert params["w"].sharding.memory_kind == HOST_MEMORY
     monkeypatch.setenv(pinned.NO_PAGEABLE_ENV, "1")
-    assert HostResidency(mesh).memory_kind == HOST_MEMORY
-    assert capsys.readouterr().err == line + "\n"
+    switched = HostResidency(mesh)
+    switched.layer_template(0, {"w": jax.ShapeDtypeStruct((4, 4), np.float32)}, ())
+    assert switched.memory_kind == HOST_MEMORY and capsys.readouterr().err == line + "\n"
     # A GPU's line names the pool (its limit and how it is sized), from the same variables XLA reads.
     monkeypatch.setattr(pinned, "TRAIN_SETTING", None)
     gpu = pinned.describe(HOST_MEMORY, "gpu", environ={pinned.LIMIT_ENV: "18", pinned.PREALLOCATE_ENV: "true"})
