@@ -378,12 +378,12 @@ def _train_command(args) -> int:
                          "DIR/config.gin)")
     _parse_gin(args.config, args.gin)
     _check_macros_used(args.gin)
-    _size_pinned_pool()
+    _size_pinned_pool(args.workdir)
     loop.train(args.workdir)
     return 0
 
 
-def _pinned_need() -> int | None:
+def _pinned_need(workdir: str | None = None) -> int | None:
     """Bytes of pinned host memory the configured run's host tier needs, from shapes alone and before JAX's
     backend starts, or None when the run has no host tier (or its configuration does not build: the run's own
     build then says why). The state (each layer's weights and ``jax.eval_shape`` of its optimizer state, the
@@ -403,7 +403,7 @@ def _pinned_need() -> int | None:
         cfg = run_lib.TrainConfig()
         if "Reversible" not in getattr(cfg.trainer, "__name__", str(cfg.trainer)):
             return None
-        task = run_lib.build_task(cfg, None)
+        task = run_lib.build_task(cfg, workdir)  # (the run's own task: its kept tokenizer, if any)
         box = []
         jax.eval_shape(lambda: box.append(cfg.model(seed=cfg.seed, **run_lib._model_kwargs(cfg, task))
                                           .param_shapes()) or ())
@@ -416,7 +416,7 @@ def _pinned_need() -> int | None:
     return sum(layers) + max(layers)
 
 
-def _size_pinned_pool() -> None:
+def _size_pinned_pool(workdir: str | None = None) -> None:
     """On a backend that may be a GPU, before it starts: XLA's pinned host pool preallocated at the size the
     host tier's state needs (`revtrain.pinned.train_environment`; each variable only where the user has not
     set it), so the state is pinned memory allocated once instead of a pool grown to up to twice its size.
@@ -436,7 +436,7 @@ def _size_pinned_pool() -> None:
         return
     if lost_peer.backends_started() is not False:
         return
-    need = _pinned_need()
+    need = _pinned_need(workdir)
     if need is None:
         return
     _, refusal = pinned.train_environment(need)

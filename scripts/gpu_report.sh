@@ -24,7 +24,7 @@
 #     at batch 32 reversible exact per layer and + offload;
 #   speed_more  depth 4's other trainers (standard, remat, remat + offload, reversible fused in one program, per
 #     layer, + offload) and the memory-budget curve at depth 16 (GPU_BUDGETS, default 1, 2, 4 and 8 GiB;
-#     scripts/bench_budget.py);
+#     scripts/bench_budget.py, 150 s each; a DRY_RUN one budget at depth 2, 240 s);
 #   large  a Llama-2-7B shape (d 4096, 32 blocks, 32 / 32 heads, SwiGLU 11008, bytes; 6.48 B parameters, 72.4 GiB
 #     of AdamW float32 state in pinned host memory, the pool preallocated from shapes) on a device capped at
 #     24 GB, batch 32 x 1024, 3 steps, no checkpoint (scripts/bench_large.py, LARGE_LIMIT_S, default 450 s);
@@ -183,7 +183,8 @@ if [ "$DRY" = 1 ]; then
   OVERLAP=(--mib 16 --matmul 256 --loops 4 --repeats 2); POOL=(--gib 0.25 --chunk_mib 16)
   LARGE=(--d_model 64 --num_layers 2 --num_heads 4 --num_kv_heads 4 --d_ff 128 --batch 2 --seq 64 --steps 2)
   LARGE_NAME="tiny Llama (the 6.48 B point's script)"
-  SCALE_SIZE=tiny; DISK_SIZE=tiny; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4; BUDGETS="8MiB 64MiB"
+  SCALE_SIZE=tiny; DISK_SIZE=tiny; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4
+  BUDGETS="64MiB"; BUDGET_DEPTH=2; BUDGET_LIMIT_S=240
 else
   D=1024; T=1024; B=8; B_BIG=32; HEADS=8; DEEP=16; SHALLOW=4; STEPS=3
   TRANSFER=(--mib 1024 --repeats 5); QUICK_TRANSFER=(--mib 256 --repeats 3)
@@ -192,6 +193,7 @@ else
   SCALE_SIZE=${SCALE_SIZE:-1.44B}; DISK_SIZE=${DISK_SIZE:-1.44B}; LONG_T=65536; LONG_BLOCK=1024
   # d_model 2048: 50 M parameters a block, 0.6 GB of weights + Adam; 16 blocks ~ 9.7 GB, 3.2x a 3 GB cap.
   BIG_D=${BIG_D:-2048}; BIG_LAYERS=${BIG_LAYERS:-16}; BUDGETS=${GPU_BUDGETS:-1GiB 2GiB 4GiB 8GiB}
+  BUDGET_DEPTH=16; BUDGET_LIMIT_S=150
 fi
 COMMON=(--d_model "$D" --seq "$T" --heads "$HEADS" --compute_dtype bfloat16 --warmup 1 --steps "$STEPS")
 LARGE_CAP=${LARGE_CAP_GB:-24}000000000
@@ -229,10 +231,10 @@ for pair in "sm_standard:standard" "sm_remat:remat" "sm_remat_offload:remat + of
   IFS=: read -r id cfg <<< "$pair"
   point "$id" "$cfg, depth $SHALLOW" -- --point "$cfg" --depth "$SHALLOW" --batch "$B" "${COMMON[@]}"
 done
-for budget in $BUDGETS; do
-  SCRIPT=scripts/bench_budget.py point sm_budgets "budgeted fused $budget, depth $DEEP" -- --point "budgeted fused" \
-    --budget "$budget" --depth "$DEEP" --d_model "$D" --seq "$T" --batch "$B" --heads "$HEADS" \
-    --compute_dtype bfloat16 --rounds "$STEPS"
+for budget in $BUDGETS; do  # (the budget's planner compiles each block's modes: a longer limit)
+  POINT_LIMIT_S=$BUDGET_LIMIT_S SCRIPT=scripts/bench_budget.py point sm_budgets "budgeted fused $budget, depth $BUDGET_DEPTH" \
+    -- --point "budgeted fused" --budget "$budget" --depth "$BUDGET_DEPTH" --d_model "$D" --seq "$T" --batch "$B" \
+    --heads "$HEADS" --compute_dtype bfloat16 --rounds "$STEPS"
 done
 
 group large 480
