@@ -23,8 +23,9 @@
 #     then at batch 8 standard, reversible exact and fused, each per layer in device memory and + offload;
 #     at batch 32 reversible exact per layer and + offload;
 #   speed_more  depth 4's other trainers (standard, remat, remat + offload, reversible fused in one program, per
-#     layer, + offload) and the memory-budget curve at depth 16 (GPU_BUDGETS, default 1, 2, 4 and 8 GiB;
-#     scripts/bench_budget.py, 150 s each; a DRY_RUN one budget at depth 2, 240 s);
+#     layer, + offload);
+#   budget  the memory-budget curve at depth 16 (GPU_BUDGETS, default 1, 2, 4 and 8 GiB; scripts/bench_budget.py,
+#     150 s each: its planner compiles and times each block's modes; a DRY_RUN one budget at depth 2);
 #   large  a Llama-2-7B shape (d 4096, 32 blocks, 32 / 32 heads, SwiGLU 11008, bytes; 6.48 B parameters, 72.4 GiB
 #     of AdamW float32 state in pinned host memory, the pool preallocated from shapes) on a device capped at
 #     24 GB, batch 32 x 1024, 3 steps, no checkpoint (scripts/bench_large.py, LARGE_LIMIT_S, default 450 s);
@@ -54,7 +55,7 @@ OUT=${1:-gpu_report.json}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 POINT_LIMIT_S=${POINT_LIMIT_S:-100}
-ALL_GROUPS="first_contact speed speed_more large scale disk memory"
+ALL_GROUPS="first_contact speed speed_more budget large scale disk memory"
 POINTS=$(printf '%s' "${POINTS:-$ALL_GROUPS}" | tr ',' ' ')
 [ "$POINTS" = all ] && POINTS=$ALL_GROUPS
 TMP=$(mktemp -d)
@@ -118,7 +119,8 @@ selected_group() {  # the current group is named in POINTS, or one of its points
 declare -A GROUP_IDS=(
   [first_contact]="fc_memories fc_bandwidth fc_overlap fc_pool_grown fc_pool_prealloc fc_pair_memory fc_pair_offload"
   [speed]="sp_bandwidth sp_standard_b8 sp_exact_b8 sp_exact_offload_b8 sp_fused_b8 sp_fused_offload_b8 sp_exact_b32 sp_exact_offload_b32"
-  [speed_more]="sm_standard sm_remat sm_remat_offload sm_fused sm_fused_layer sm_fused_offload sm_budgets"
+  [speed_more]="sm_standard sm_remat sm_remat_offload sm_fused sm_fused_layer sm_fused_offload"
+  [budget]="bg_budgets"
   [large]="lg_7b" [scale]="sc_1.44b" [disk]="dk_1.44b" [memory]="mm_3x_standard mm_3x_offload mm_long_t")
 selected() {  # selected ID: POINTS names ID or its group
   local w
@@ -184,7 +186,7 @@ if [ "$DRY" = 1 ]; then
   LARGE=(--d_model 64 --num_layers 2 --num_heads 4 --num_kv_heads 4 --d_ff 128 --batch 2 --seq 64 --steps 2)
   LARGE_NAME="tiny Llama (the 6.48 B point's script)"
   SCALE_SIZE=tiny; DISK_SIZE=tiny; LONG_T=1024; LONG_BLOCK=128; BIG_D=64; BIG_LAYERS=4
-  BUDGETS="64MiB"; BUDGET_DEPTH=2; BUDGET_LIMIT_S=240
+  BUDGETS="64MiB"; BUDGET_DEPTH=2; BUDGET_LIMIT_S=470
 else
   D=1024; T=1024; B=8; B_BIG=32; HEADS=8; DEEP=16; SHALLOW=4; STEPS=3
   TRANSFER=(--mib 1024 --repeats 5); QUICK_TRANSFER=(--mib 256 --repeats 3)
@@ -231,8 +233,9 @@ for pair in "sm_standard:standard" "sm_remat:remat" "sm_remat_offload:remat + of
   IFS=: read -r id cfg <<< "$pair"
   point "$id" "$cfg, depth $SHALLOW" -- --point "$cfg" --depth "$SHALLOW" --batch "$B" "${COMMON[@]}"
 done
-for budget in $BUDGETS; do  # (the budget's planner compiles each block's modes: a longer limit)
-  POINT_LIMIT_S=$BUDGET_LIMIT_S SCRIPT=scripts/bench_budget.py point sm_budgets "budgeted fused $budget, depth $BUDGET_DEPTH" \
+group budget 480
+for budget in $BUDGETS; do  # (the budget's planner compiles and times each block's modes: a longer limit)
+  POINT_LIMIT_S=$BUDGET_LIMIT_S SCRIPT=scripts/bench_budget.py point bg_budgets "budgeted fused $budget, depth $BUDGET_DEPTH" \
     -- --point "budgeted fused" --budget "$budget" --depth "$BUDGET_DEPTH" --d_model "$D" --seq "$T" --batch "$B" \
     --heads "$HEADS" --compute_dtype bfloat16 --rounds "$STEPS"
 done
