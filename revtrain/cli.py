@@ -408,8 +408,70 @@ def _train_command(args) -> int:
                          "DIR/config.gin)")
     _parse_gin(args.config, args.gin)
     _check_macros_used(args.gin)
+    _size_pinned_pool(args.workdir)
     loop.train(args.workdir)
     return 0
+
+
+def _pinned_need(workdir: str | None = None) -> int | None:
+    """Bytes of pinned host memory the configured run's host tier needs, from shapes alone and before JAX's
+    backend starts, or None when the run has no host tier (or its configuration does not build: the run's own
+    build then says why). The state (each layer's weights and ``jax.eval_shape`` of its optimizer state, the
+    model built under ``jax.eval_shape``, which starts no backend) and one layer being written back, for one
+    device: the kept inputs and the deferred update's buffers need the trainer (and the device count needs the
+    backend), so the memory plan counts them after the start and refuses a pool they overflow."""
+    import gin
+    import jax
+    import numpy as np
+    try:
+        if gin.query_parameter("ReversibleTrainer.offload") is not True:
+            return None
+    except ValueError:  # not bound: no host tier
+        return None
+    from revtrain import run as run_lib
+    try:
+        cfg = run_lib.TrainConfig()
+        if "Reversible" not in getattr(cfg.trainer, "__name__", str(cfg.trainer)):
+            return None
+        task = run_lib.build_task(cfg, workdir)  # (the run's own task: its kept tokenizer, if any)
+        box = []
+        jax.eval_shape(lambda: box.append(cfg.model(seed=cfg.seed, **run_lib._model_kwargs(cfg, task))
+                                          .param_shapes()) or ())
+        tx, _ = run_lib.build_optimizer(cfg)
+    except Exception:  # noqa: BLE001 (the run's build reports a bad configuration in its own words)
+        return None
+    nbytes = lambda tree: sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                              for x in jax.tree.leaves(tree))
+    layers = [nbytes(p) + nbytes(jax.eval_shape(tx.init, p)) for p in box[0]]
+    return sum(layers) + max(layers)
+
+
+def _size_pinned_pool(workdir: str | None = None) -> None:
+    """On a backend that may be a GPU, before it starts: XLA's pinned host pool preallocated at the size the
+    host tier's state needs (`revtrain.pinned.train_environment`; each variable only where the user has not
+    set it), so the state is pinned memory allocated once instead of a pool grown to up to twice its size.
+    Nothing once the backends run (too late: XLA reads the variables when it makes the GPU client), on a CPU-
+    or TPU-only configuration, or without a host tier.
+
+    Raises:
+      ConfigError: the user's own ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` is below the state (one line).
+    """
+    import jax
+
+    from revtrain import pinned
+    from revtrain.errors import ConfigError
+    from revtrain.lifecycle import lost_peer
+    platforms = [p.strip() for p in (jax.config.jax_platforms or "").split(",") if p.strip()]
+    if platforms and not any(p in ("cuda", "gpu", "rocm") for p in platforms):
+        return
+    if lost_peer.backends_started() is not False:
+        return
+    need = _pinned_need(workdir)
+    if need is None:
+        return
+    _, refusal = pinned.train_environment(need)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def _eval_command(args) -> int:

@@ -132,15 +132,12 @@ def device_limit(device=None) -> tuple[int | None, str]:
     return None, f"{device.platform}: no bytes_limit in memory_stats()"
 
 
-# XLA's pinned host pool on a GPU (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, GB; its default).
+# XLA's pinned host pool on a GPU (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, GiB; its default when it grows).
 PINNED_DEFAULT_GB = 64
 
 
 def pinned_limit() -> tuple[int, str]:
-    """The size of XLA's pinned host pool on a GPU: ``(bytes, where from)``."""
-    raw = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
-    try:
-        gb = float(raw) if raw else PINNED_DEFAULT_GB
-    except ValueError:
-        gb = PINNED_DEFAULT_GB
-    return int(gb * 2**30), ("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" if raw else f"XLA's pinned host pool default, {gb:g} GB")
+    """The size of XLA's pinned host pool on a GPU: ``(bytes, where from)``, read as XLA reads it
+    (`revtrain.pinned.limit`: an integer GiB; 64 by default, 16 when preallocated without a limit)."""
+    from revtrain import pinned
+    return pinned.limit()

@@ -38,9 +38,14 @@ moved past (`disk_tier.disk_need`), and with the deferred update two gradients' 
 (memory: two layers' buffers in flight and a tied leaf's other use), against the free space of the offload
 directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
 (`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
-On a GPU, the host tier's state is pageable (`revtrain.streaming`) and XLA's pinned host pool
-(``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``, 64 GB by default) holds only the transfers in flight: a **pinned** tier
-checks it; the disk tier reads into pageable memory and does not use it.
+Where the backend has no pageable host memory (a GPU: only ``device`` and ``pinned_host``; or the CPU with the
+test switch, `revtrain.pinned`), the host tier's state lives in pinned memory, and a **pinned** tier counts it:
+the state, the kept inputs, the deferred update's buffers and the layer being written back, plus on a GPU what
+XLA's pinned pool costs beyond them (**pool**: the whole limit where preallocated, the doubling regions where
+grown, `pinned.pool_bytes`), against the pool's limit (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``; the host limit on
+the CPU, where pinned memory is ordinary RAM); the pool is host RAM too, so host counts it as well. Where the
+state is pageable on an accelerator, the pinned tier holds only the transfers in flight (a layer fetched, a
+layer written back, staged by the runtime). The disk tier reads into pageable memory and does not use it.
 
 Tiers: on an accelerator, **device** (per device; against ``memory_stats()["bytes_limit"]``) and **host**
 (this process; with offload the weights, optimizer state and saved inputs of every local device live
@@ -106,6 +111,10 @@ PARTS = ("weights", "optimizer_state", "gradients", "activations", "temporaries"
          "evaluation")
 
 
+# The table's columns: the parts, and what XLA's pinned pool costs beyond its arrays (pinned and host tiers).
+TABLE_PARTS = PARTS + ("pool",)
+
+
 class MemoryPlanError(ConfigError):
     """The plan does not fit the memory this process may use (one line, exit status 2)."""
 
@@ -142,6 +151,8 @@ class Setup:
       settings: the gin bindings that select it, beyond the run's own.
       budget_peak: reversible with ``memory_budget``: the budget plan's expected peak device bytes of a step
         (`revtrain.trainers.budget`; 0: none), a floor under the device parts of the step.
+      host_kind: with ``offload``, the memory kind of the host tier's state (``"pinned_host"`` or
+        ``"unpinned_host"``; ``""``: as the platform has it, `pinned.state_kind`: pinned on a GPU).
     """
 
     trainer: str
@@ -157,6 +168,7 @@ class Setup:
     label: str = ""
     settings: tuple = ()
     budget_peak: int = 0
+    host_kind: str = ""
 
 
 def setup_of(trainer, batch_size: int) -> Setup:
@@ -535,9 +547,40 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     io = None
     if step.on_disk:
         io = _disk_tier_and_io(model, setup, shapes, state, tiers, disk)
-    elif step.offload and not one_tier:
-        _pinned_tier(setup, tiers, state)
+    elif step.offload:
+        _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
     return _against_limits(setup, tiers, limits, one_tier, disk, step.method, shapes.pshapes, io=io)
+
+
+def _host_tier_pinned(setup: Setup, tiers: dict, state: tuple, step: "_Step", n: int, platform: str,
+                      one_tier: bool) -> None:
+    """The pinned host memory of the host tier (``offload``): the whole state where it lives there
+    (`_pinned_state_tier`), else on an accelerator only the transfers in flight (`_pinned_tier`)."""
+    from revtrain import pinned
+    if (setup.host_kind or pinned.state_kind(platform)) == pinned.PINNED:
+        _pinned_state_tier(tiers, state, step, n, platform, one_tier)
+    elif not one_tier:
+        _pinned_tier(setup, tiers, state)
+
+
+def _pinned_state_tier(tiers: dict, state: tuple, step: "_Step", n: int, platform: str, one_tier: bool) -> None:
+    """Adds the **pinned** tier of a state that lives in pinned host memory: every local device's share of the
+    weights and optimizer state, the kept inputs (`HostResidency.keep`), the deferred update's buffers and the
+    layer being written back beside its old copy (`streaming.HostStore.write`); on a GPU the pool beyond them
+    (`pinned.pool_bytes`: the limit where preallocated, the doubling regions where grown). The pool and the
+    layer written back are host RAM too (added to host; the rest is there already)."""
+    from revtrain import pinned
+    weights, opt, layer_bytes, layer_state = state
+    lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
+    part = {"weights": weights * n + lw, "optimizer_state": opt * n + lo,
+            "gradients": max(0, step.grads - lw) * n, "activations": step.saved_std * n}
+    need = sum(part.values())
+    part["pool"] = max(0, pinned.pool_bytes(need) - need) if platform == "gpu" else 0
+    tiers["pinned"] = part
+    if not one_tier:  # (on the CPU the layer being written back is among the device parts counted in host)
+        tiers["host"]["weights"] += lw
+        tiers["host"]["optimizer_state"] += lo
+    tiers["host"]["pool"] = part["pool"]
 
 
 def _pinned_tier(setup: Setup, tiers: dict, state: tuple) -> None:
@@ -771,7 +814,8 @@ def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bo
         spec, directory = _disk_directory(disk)
         limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
     if "pinned" in tiers and "pinned" not in limits:
-        limits["pinned"] = pinned_limit()
+        limits["pinned"] = ((limits["host"][0], "pinned host memory is host RAM on the CPU backend") if one_tier
+                            else pinned_limit())
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
     return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
                       num_params, io, floor=floor)
@@ -840,8 +884,8 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     tiers = _place(model, setup, step, state, n, one_tier)
     if step.on_disk:  # the plan's disk tier whole: it needs shapes only
         _disk_tier(setup, shapes, state, tiers, disk)
-    elif step.offload and not one_tier:
-        _pinned_tier(setup, tiers, state)
+    elif step.offload:
+        _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
     return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
 
 
@@ -1038,6 +1082,13 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
                 "files and the kept checkpoints beyond them); free disk space, lower train.keep_checkpoints, set "
                 "train.checkpoint_every = 1 (the newest checkpoint then shares the live files) or put "
                 "ReversibleTrainer.offload_dir on a larger disk; train.memory_plan = False skips this check")
+    if tier == "pinned" and "pool" in own.tiers["pinned"]:  # the state in XLA's pinned pool (a GPU)
+        from revtrain import pinned
+        need = sum(v for k, v in own.tiers["pinned"].items() if k != "pool")
+        return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}); set "
+                f"{pinned.LIMIT_ENV}={pinned.limit_gb_for(need)} (revtrain train sizes the pool from the state "
+                "alone: kept inputs and deferred buffers come on top), or use ReversibleTrainer.offload = 'disk'; "
+                "train.memory_plan = False skips this check")
     fitting = [p for p in others if p.fits]
     # The least that fits: a choice that adds settings to one that fits already is left out.
     fitting = [p for p in fitting if not any(q is not p and set(q.setup.settings) < set(p.setup.settings)
@@ -1061,13 +1112,13 @@ def table(plans: list[MemoryPlan]) -> str:
     tiers = list(dict.fromkeys(t for pl in plans for t in pl.tiers))
     head = ["choice"]
     for t in tiers:
-        head += [f"{t}:{p}" for p in PARTS if any(pl.tiers.get(t, {}).get(p) for pl in plans)] + [f"{t}:total"]
+        head += [f"{t}:{p}" for p in TABLE_PARTS if any(pl.tiers.get(t, {}).get(p) for pl in plans)] + [f"{t}:total"]
     head += ["fits"]
     rows = []
     for pl in plans:
         row = [pl.setup.label]
         for t in tiers:
-            row += [f"{pl.tiers.get(t, {}).get(p, 0) / 2**30:.3f}" for p in PARTS
+            row += [f"{pl.tiers.get(t, {}).get(p, 0) / 2**30:.3f}" for p in TABLE_PARTS
                     if any(q.tiers.get(t, {}).get(p) for q in plans)]
             row += [f"{pl.total(t) / 2**30:.3f}" if t in pl.tiers else "-"]
         row += ["yes" if pl.fits else "no"]

@@ -5,7 +5,8 @@ A trainer holds each layer's weights and optimizer state in one *tier* between t
 * `Residency` (``"device"``): device memory (the default; on a CPU that is host RAM);
 * `HostResidency` (``"host"``): host memory (``ReversibleTrainer.offload = True``; ZeRO-Offload, Ren et al.
   2021, keeps the same state in CPU memory), a `revtrain.streaming.HostStore`'s (memory kind
-  ``unpinned_host``, pageable, where the backend has it, else ``pinned_host``);
+  ``unpinned_host``, pageable, where the backend has it, else ``pinned_host``: a GPU's only host kind, in XLA's
+  pinned pool, `revtrain.pinned`);
 * `DiskResidency` (``"disk"``): files, one per layer (``ReversibleTrainer.offload = 'disk'``;
   `revtrain.disk_tier`, whose `DiskTier` is its ``store``).
 
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
+from revtrain import pinned
 from revtrain.disk_tier import DiskLayer, DiskTier, read_tree
 from revtrain.placement import (DEVICE_MEMORY, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, placer,
                                 replicated, shard_spec)
@@ -177,17 +179,52 @@ class Residency:
 
 class HostResidency(Residency):
     """The host tier (``offload = True``): the state in host memory, pageable where every device has that
-    space, in a `revtrain.streaming.HostStore` that the engine streams; kept activations in host memory."""
+    space (else pinned: a GPU's only host kind, `revtrain.pinned`), in a `revtrain.streaming.HostStore` that
+    the engine streams; kept activations in host memory. It logs one line naming the memory the state lives in
+    (`memory_line`; on a GPU with the pinned pool's size) when it first places or restores a state.
+
+    Args:
+      mesh, sharded: see `Residency`.
+      pageable: False makes the pageable kind unavailable (the test switch; None: `pinned.NO_PAGEABLE_ENV`).
+    """
 
     tier = "host"
     label = " + offload"
     releases = True
 
-    def __init__(self, mesh: Mesh, sharded: bool = False):
+    def __init__(self, mesh: Mesh, sharded: bool = False, pageable: bool | None = None):
         super().__init__(mesh, sharded)
-        # Pageable where every device has it: only the engine's copies touch it, never a program.
-        self._kind = PAGEABLE_MEMORY if host_memory_supported(mesh, PAGEABLE_MEMORY) else HOST_MEMORY
+        # Pageable where every device has it: only the engine's copies touch it, never a program. A GPU has
+        # none: the state is pinned there, in XLA's pinned pool (`revtrain.pinned`). ``pageable=False`` (or
+        # REVTRAIN_NO_PAGEABLE_HOST=1) makes the pageable kind unavailable, as on a GPU: the test switch.
+        switched = pageable is False or (pageable is None and pinned.pageable_switched_off())
+        self._kind = pinned.state_kind(self._platform(), host_memory_supported(mesh, PAGEABLE_MEMORY),
+                                       pageable=not switched)
         self.store = HostStore(self._kind, DEVICE_MEMORY)
+        self.memory_line = pinned.describe(self._kind, self._platform(), switched=switched)
+        self._said = False
+
+    def _platform(self) -> str:
+        return next(iter(self.mesh.devices.flat)).platform
+
+    def _say(self) -> None:
+        # Once, when the state is first placed or restored (after the memory plan's check: a refusal stays the
+        # only line).
+        if not self._said:
+            self._said = True
+            metrics_lib.log(self.memory_line)
+
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        self._say()
+        return super().put_layer(index, params, opt_state, pspec, ospec)
+
+    def place_stacked(self, stack: "HostStack", specs) -> object:
+        self._say()
+        return super().place_stacked(stack, specs)
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        self._say()
+        return super().layer_template(index, shapes, opt_shapes, pspec, ospec)
 
     def refusal(self) -> str | None:
         if not host_memory_supported(self.mesh):

@@ -4,12 +4,16 @@ Copies of one ``--mib`` MiB float32 array, each direction timed ``--repeats`` ti
 each kind, which may allocate or compile, is left out):
 
 * ``h2d_pinned``: a ``pinned_host`` array to device memory, ``d2h_pinned``: device memory to ``pinned_host``
-  (how the host tier moves a layer's state, ``jax.device_put`` between memory kinds);
+  (how the host tier moves a layer's state, ``jax.device_put`` between memory kinds), each alone;
+* ``both_pinned``: one of each at once (both issued, then both waited on): on a GPU the two directions have
+  copy engines of their own, so at once they should take about the longer one alone (``both_to_max`` near 1;
+  ``both_to_sum`` near 1 means they ran one after the other);
 * ``h2d_pageable``: a numpy array to device memory, ``d2h_pageable``: device memory to numpy
   (``jax.device_get``; the runtime stages pageable memory through pinned buffers of its own).
 
 The record gives bytes per second for each (``*_bytes_per_sec``) and the bytes copied. gpu_report.sh divides
-each offload step's bytes moved by them (``h2d_pinned`` and ``d2h_pinned``).
+each offload step's bytes moved in each direction by that direction's (``h2d_pinned``, ``d2h_pinned``) and
+takes the larger, the directions running at once.
 
   python scripts/bench_transfer.py [--mib 1024] [--repeats 5]
 """
@@ -51,6 +55,11 @@ def run(mib: int, repeats: int) -> dict:
         x_device = jax.device_put(host, on_device)
         seconds = {"h2d_pinned": timed(lambda: jax.device_put(x_pinned, on_device), repeats),
                    "d2h_pinned": timed(lambda: jax.device_put(x_device, pinned), repeats)}
+        both = timed(lambda: (jax.device_put(x_pinned, on_device), jax.device_put(x_device, pinned)), repeats)
+        rec["both_pinned_s"] = both
+        rec["both_pinned_bytes_per_sec"] = 2 * nbytes / both
+        rec["both_to_max"] = both / max(seconds.values())
+        rec["both_to_sum"] = both / sum(seconds.values())
     except Exception as e:  # noqa: BLE001 (a backend without a pinned_host memory: the pageable figures only)
         seconds, rec["pinned_error"] = {}, f"{type(e).__name__}: {e}".splitlines()[0][:200]
         x_device = jax.device_put(host, on_device)

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain import limits, memory, memory_plan
+from revtrain import limits, memory, memory_plan, pinned
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
 from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain, revtrain_here
@@ -120,25 +120,77 @@ def test_standard_and_deferred_parts(model, shared):
     assert weights <= sharded["weights"] == expected < two["weights"]
 
 
-def test_the_host_tier_on_an_accelerator(model, shared):
-    """The host tier (``offload``) on an accelerator: three tiers. The state is pageable in host memory and
-    XLA's pinned pool holds only the transfers in flight (a layer fetched, a layer written back), checked
-    against the pool's size (64 GB by default); four layers on the device (the one computing, two fetched
-    ahead, one written back) and one layer's gradient, or with the deferred update (microbatches) two
-    buffers in flight."""
+def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
+    """The host tier (``offload``) on an accelerator that has pageable host memory (``"tpu"`` stands for one
+    here): three tiers. The state is pageable and XLA's pinned pool holds only the transfers in flight (a layer
+    fetched, a layer written back), checked against the pool's size (64 GiB by default); four layers on the
+    device (the one computing, two fetched ahead, one written back) and one layer's gradient, or with the
+    deferred update (microbatches) two buffers in flight."""
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
     setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
-    gpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
-    assert set(gpu.tiers) == {"device", "host", "pinned"} and gpu.limits["pinned"] == 64 * 2**30
-    assert gpu.tiers["pinned"]["weights"] == 2 * largest and gpu.tiers["device"]["weights"] == 4 * largest
-    assert gpu.tiers["host"]["weights"] == weights + 2 * largest
-    assert gpu.tiers["device"]["gradients"] == largest
+    tpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="tpu", programs=programs)
+    assert set(tpu.tiers) == {"device", "host", "pinned"} and tpu.limits["pinned"] == 64 * 2**30
+    assert tpu.tiers["pinned"]["weights"] == 2 * largest and tpu.tiers["device"]["weights"] == 4 * largest
+    assert tpu.tiers["host"]["weights"] == weights + 2 * largest
+    assert tpu.tiers["device"]["gradients"] == largest
     other = {s.label: s for s in memory_plan.alternatives(setup, model, 1, True)}
-    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="gpu",
+    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="tpu",
                                 programs=programs)
     assert other["s + 2 microbatches"].offload and deferred.tiers["device"]["gradients"] == 2 * largest
+
+
+def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypatch):
+    """A GPU has no pageable host memory: the state, the kept inputs and the layer being written back live in
+    XLA's pinned pool, counted in the pinned tier with what the pool costs beyond them (the whole limit where
+    preallocated, the doubling regions where grown) against the pool's limit; host counts the pool too."""
+    weights, opt, largest = _exact(model)
+    tx, programs = shared
+    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    limits = {"host": (2**50, "t"), "device": (2**40, "t")}
+    monkeypatch.delenv(pinned.PREALLOCATE_ENV, raising=False)
+    monkeypatch.delenv(pinned.LIMIT_ENV, raising=False)
+    grown = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
+    part = grown.tiers["pinned"]
+    largest_opt = max(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tx.init(layer.init_params)))
+                      for layer in model.layers)
+    assert part["weights"] == weights + largest and part["optimizer_state"] == opt + largest_opt
+    need = sum(v for k, v in part.items() if k != "pool")
+    assert part["activations"] == B * T * 4  # the kept input of the embedding (int32 tokens)
+    assert need + part["pool"] == pinned.grown_pool_bytes(need) == 2 * 2**20  # one 2 MiB region holds it
+    assert grown.limits["pinned"] == 64 * 2**30 and grown.sources["pinned"].endswith("grown on demand")
+    assert grown.tiers["host"]["pool"] == part["pool"]
+    assert grown.tiers["host"]["weights"] == weights + largest  # (the layer written back beside its old copy)
+    monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
+    monkeypatch.setenv(pinned.LIMIT_ENV, "3")
+    pre = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
+    assert pre.total("pinned") == 3 * 2**30 == pre.limits["pinned"] and pre.fits
+    assert "pinned 3.00 GiB of 3.00 GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=3, preallocated)" in pre.line()
+    assert "host:pool" in memory_plan.table([pre])
+
+
+def test_the_pageable_switch_makes_the_plan_count_the_state_as_pinned(model, shared, monkeypatch):
+    """On the CPU with the pageable kind switched off (`pinned.NO_PAGEABLE_ENV`, or a host tier whose state is
+    pinned: ``Setup.host_kind``) the plan has a pinned tier holding the state (ordinary host memory there: no
+    pool, the host limit)."""
+    weights, opt, largest = _exact(model)
+    tx, programs = shared
+    plain = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="s"), _spec(B), 1,
+                             limits=NO_LIMIT, platform="cpu", programs=programs)
+    assert list(plain.tiers) == ["host"]
+    monkeypatch.setenv(pinned.NO_PAGEABLE_ENV, "1")
+    for setup in (memory_plan.Setup("reversible", tx, B, offload=True, label="s"),
+                  memory_plan.Setup("reversible", tx, B, offload=True, label="s", host_kind="pinned_host")):
+        plan = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu", programs=programs)
+        assert list(plan.tiers) == ["host", "pinned"] and plan.limits["pinned"] == NO_LIMIT["host"][0]
+        assert plan.tiers["pinned"]["weights"] == weights + largest and plan.tiers["pinned"]["pool"] == 0
+        assert plan.tiers["host"] == {**plain.tiers["host"], "pool": 0}  # the same RAM, counted once
+    monkeypatch.delenv(pinned.NO_PAGEABLE_ENV)
+    kept = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="s",
+                                                     host_kind="unpinned_host"), _spec(B), 1, limits=NO_LIMIT,
+                            platform="cpu", programs=programs)
+    assert list(kept.tiers) == ["host"]
 
 
 def test_refusal_names_the_settings_that_fit(model, shared):
@@ -356,7 +408,8 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared,
     assert standard["activations"] == 0  # (the residuals are the compiled step's)
     assert standard["temporaries"] == int(memory_plan.STANDARD_EXTRA_FRACTION * weights)
     assert floors[4].tiers["host"]["gradients"] == weights + largest  # the deferred buffer beside one layer's
-    assert floors[5].tiers["device"]["weights"] == 4 * largest and floors[5].tiers["pinned"]["weights"] == 2 * largest
+    assert floors[5].tiers["device"]["weights"] == 4 * largest  # a GPU: the state in the pinned pool
+    assert floors[5].tiers["pinned"]["weights"] == weights + largest
 
 
 TINY_RUN = [*SHORT, "--gin", "evaluate.batch_size = 2", "--gin", "LlamaModel.d_model = 128",
@@ -423,3 +476,20 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     assert not low.fits and "runtime alone" in line
     assert line == memory_plan.refusal(low, others)
     assert line.split("); ", 1)[1] == memory_plan.refusal(own, others).split("); ", 1)[1]
+
+
+def test_a_state_over_the_pinned_pool_is_refused_naming_the_limit(model, shared, monkeypatch):
+    """On a GPU a pool preallocated below the plan's pinned need is refused in one line that names the limit
+    to set."""
+    tx, programs = shared
+    monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
+    monkeypatch.setenv(pinned.LIMIT_ENV, "0")
+    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    own = memory_plan.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
+                           platform="gpu", programs=programs)
+    assert not own.fits and own.tiers["pinned"]["pool"] == 0
+    line = memory_plan.refusal(own, [])
+    assert line.startswith("the memory plan does not fit: s pinned needs ")
+    assert "of 0 MiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=0, preallocated)" in line
+    assert "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=2 (revtrain train sizes the pool from the state alone" in line
+    assert "\n" not in line

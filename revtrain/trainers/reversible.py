@@ -477,7 +477,8 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
                 "disk": residency.tier == "disk",
                 "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
-                "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
+                "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0,
+                "host_kind": residency.memory_kind if residency.tier == "host" else ""}
 
     def update_text(self) -> str:
         if not self.deferred:
