@@ -277,7 +277,6 @@ class DeferredUpdates:
             else:
                 def fn(params, opt, acc, tie_in, scale, globals_):
                     def body(_, j):
-                        j = kept_loop_index(j)  # run fusion by fusion, as the whole-model program (`kept_loop_index`)
                         slices = _slice((params, opt, acc), j)
                         return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_)
                     return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
