@@ -30,12 +30,35 @@ def test_every_link_and_cited_page_exists():
     assert not missing, missing
 
 
-def test_no_merge_conflict_markers():
-    """A merge's unresolved conflict (``<<<<<<<`` / ``=======`` / ``>>>>>>>`` lines) is in no tracked text file."""
+def _project_files() -> list[str]:
+    """The repository's files, relative to it: ``git ls-files`` in a git checkout; outside one (an unpacked
+    sdist, a copy of the tree) every file under the project's own folders and top-level files (no virtual
+    environment, build output, cache or hidden folder)."""
     import subprocess
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        listed = ""
+    if listed.strip() and (REPO / ".git").exists():
+        return listed.split()
+    names = [p.name for p in REPO.iterdir() if p.is_file()]
+    for folder in ("revtrain", "tests", "docs", "configs", "scripts", "examples", ".ci"):
+        names += [str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts]
+    return names
+
+
+def test_project_files_are_found():
+    """`_project_files` finds the sources, docs and this file, with or without a git checkout."""
+    names = set(_project_files())
+    assert {"README.md", "pyproject.toml", "tests/test_docs.py", "docs/recipe.md", "revtrain/cli.py"} <= names
+
+
+def test_no_merge_conflict_markers():
+    """A merge's unresolved conflict (``<<<<<<<`` / ``=======`` / ``>>>>>>>`` lines) is in no project text file
+    (the tracked files in a git checkout; the project's folders outside one)."""
     marked = []
-    for name in files:
+    for name in _project_files():
         path = REPO / name
         if path.suffix in (".md", ".py", ".gin", ".sh", ".toml", ".txt", "") and path.is_file():
             for k, line in enumerate(path.read_text(errors="ignore").splitlines(), 1):

@@ -186,7 +186,15 @@ def grad_norm(pieces: list) -> jax.Array:
     """The global gradient norm (float32 scalar) from per-layer `specs.leaf_squares` (any leading axes: a stacked
     run's ``[count, leaves]``), in layer order."""
     flat = [p.reshape(-1) for p in pieces]
-    return jnp.sqrt(jnp.sum(jnp.concatenate(flat))) if flat else jnp.float32(0.0)
+    if not flat:
+        return jnp.float32(0.0)
+    squares = jnp.concatenate(flat)
+    # Added one at a time, left to right (as optax.global_norm's sum over the leaves): XLA may rewrite the
+    # sum of a concatenation as a sum of each piece's sum, so the grouping of the pieces (one stacked run's
+    # [count, leaves] on the device tier, one per layer on a streamed tier) changed the last bit of the sum
+    # (JAX 0.12.0.1: the device and host tiers' first grad_norm of tests/test_disk_tier.py).
+    total = lax.fori_loop(0, squares.shape[0], lambda i, t: t + squares[i], jnp.zeros((), squares.dtype))
+    return jnp.sqrt(total)
 
 
 def batch_size_of(tree) -> int:

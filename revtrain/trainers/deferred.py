@@ -61,7 +61,7 @@ from revtrain.trainers.layerwise import all_finite, fence, fenced_update
 from revtrain.trainers.specs import leaf_squares
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.walk import walk
-from revtrain.trainers.stacking import Stacked
+from revtrain.trainers.stacking import Stacked, kept_loop_index
 from revtrain.trainers.stacking import slice_of as _slice
 
 _R, _D = P(), P(DATA_AXIS)
@@ -292,6 +292,7 @@ class DeferredUpdates:
                     # Each slice is read (and carried) after the previous slice's write: one copy of the stacks.
                     def body(carry, j):
                         stacks, (p, o, a) = carry
+                        j = kept_loop_index(j)  # run fusion by fusion, as the whole-model program (`kept_loop_index`)
                         new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok)[:3]
                         stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks, new)
                         return (stacks, _slice(stacks, jnp.minimum(j + 1, count - 1))), None

@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
@@ -225,3 +226,23 @@ class Stacked:
 def slice_of(stacks, j):
     """Inside a program: slice ``j`` (a traced index) of stacked trees (a leading layer axis)."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), stacks)
+
+
+def kept_loop_index(j):
+    """The loop index ``j`` (int32 scalar) of a ``lax.scan`` body, passed through a two-element sort: the
+    same value, through an operation that keeps XLA:CPU from compiling the whole loop as one kernel.
+
+    Why: XLA:CPU's small-while-loop pass (``SmallWhileLoopHoistingPass``, in the JAX 0.10 and 0.12 builds)
+    outlines a ``while`` loop its cost analysis judges small into a call compiled as one LLVM function,
+    whose fusions another emitter writes than the per-fusion kernels of every other program. XLA:CPU lets
+    LLVM contract a multiply and an add into a fused multiply-add, and where an add has two products,
+    ``a * b + c * d`` (optax's moment update ``(1 - b1) * g + b1 * mu``), the two emitters contract
+    different ones. On JAX 0.12.0.1 the pass took the deferred update of a stacked run of two d_model-32
+    blocks (on 0.10.2 only far smaller loops): Adam's first moment after a clip came out as
+    ``fma(mu, b1, (1 - b1) * g)`` there and ``fma(g, 1 - b1, b1 * mu)`` in StandardTrainer's whole-model
+    update, one ulp apart in some elements (docs/recipe.md, "JAX versions checked"). The pass leaves a loop
+    alone when it holds a sort (the one-function emitter has none), so a body that reads and writes its
+    stacks at this index runs fusion by fusion like the whole-model program. The cost: one sort of two
+    int32 per iteration.
+    """
+    return lax.sort(jnp.stack([j, j]))[0]
