@@ -10,7 +10,7 @@ or 16 when ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` is true), read once when the
 (openxla/xla ``GetGpuHostAllocator``). Grown on demand (the default), the pool adds regions of 2 MiB, 4 MiB,
 8 MiB, ... (a region doubles after each one that was large enough; a larger request doubles it until it
 fits: ``BFCAllocator::Extend``) and never returns one, so S bytes of state cost up to the next sum of doubling
-regions (`grown_pool_bytes`), nearly 2 S. Preallocated, the pool is the limit, allocated once at start.
+regions (`grown_pool_bytes`), nearly 2 S. Preallocated, the pool is the limit, allocated whole at its first use.
 
 What revtrain does (docs/gpu.md, "Pinned host memory"): ``revtrain train`` computes the state's bytes from
 shapes before the backend starts (`need_from_shapes`: the model built under ``jax.eval_shape``, which starts no
@@ -148,7 +148,7 @@ def grown_pool_bytes(allocations, limit_bytes: int = DEFAULT_LIMIT_GB * 2**30) -
 
 def pool_bytes(need: int, environ=None) -> int:
     """What XLA's pinned pool costs for ``need`` bytes of pinned arrays: the limit when preallocated (allocated
-    whole at start), else the grown pool (`grown_pool_bytes`, many small requests)."""
+    whole at its first use), else the grown pool (`grown_pool_bytes`, many small requests)."""
     limit_bytes, _ = limit(environ)
     if preallocated(environ):
         return limit_bytes
