@@ -515,14 +515,17 @@ class DiskTier(Store):
 
 
 def deferred_io(weights: int, opt: int, head_weights: int, owner_weights: int, microbatches: int,
-                passes: int) -> tuple[int, int]:
+                passes: int, held: int = 0) -> tuple[int, int]:
     """``(bytes read, bytes written)`` by one deferred-update step of the disk tier (`deferred_schedule`
     with no blocks inside the head's program): per microbatch every layer's weights twice but the head's
     once, the tied owners' once more, every buffer but in the first microbatch, every buffer written;
-    each pass reads weights, optimizer state and buffer; the new weights and optimizer state written once."""
+    each pass reads weights, optimizer state and buffer; the new weights and optimizer state written once.
+    ``held``: the bytes of the buffer the engine keeps on the device from the last backward to the first
+    statistics program right after it (the first layer's, at ``Store.depth`` 1 or more: `DeferredStream`),
+    neither written nor read back once (0 counts it as moved: an upper bound)."""
     per_microbatch = 2 * weights - head_weights + owner_weights
     read = microbatches * per_microbatch + (microbatches - 1) * weights + passes * (2 * weights + opt)
-    return read, microbatches * weights + weights + opt
+    return read - held, microbatches * weights + weights + opt - held
 
 
 class LayerWeights:

@@ -30,8 +30,9 @@ buffers one program before their put is due (`Store.threaded`), and the dispatch
 puts in the same order; the writer thread writes each updated layer's file.
 
 **Depth on the CPU.** On the CPU backend the device's memory is host memory: every layer in flight is host
-memory too. There the depth is 1 (put one program ahead, wait for the program before), which keeps the host
-floor at the layers the programs need (docs/streaming.md has the figures); `Store.depth` can be set.
+memory too, and a copy runs on the cores that compute. There the depth is 0: program k's layer is put right
+before it is dispatched, once program k - 1 has finished (docs/streaming.md has the host memory this saves);
+`Store.depth` can be set.
 
 **Host memory as the store.** `HostStore` keeps a layer's state as JAX arrays in a host memory kind:
 ``unpinned_host`` (ordinary pageable memory) where the backend has it, else ``pinned_host``. A step replaces
@@ -60,7 +61,7 @@ import numpy as np
 
 IN_FLIGHT = 2  # `Bounded` without a step's stream: programs dispatched ahead of the device at most
 DEPTH = 2  # programs ahead of its user a put is issued, and the program waited for (k - DEPTH), on an accelerator
-CPU_DEPTH = 1  # the same on the CPU backend, where every layer in flight is host memory
+CPU_DEPTH = 0  # the same on the CPU backend (a put right before its program): every layer in flight is RAM
 FETCH_HOOK = None  # test-only: FETCH_HOOK(group, part, bytes) for each put, on the reader thread (a slow link)
 
 
@@ -154,7 +155,7 @@ class Store:
     and ``write`` (and ``load`` when threaded); ``begin``, ``unchanged`` and ``end`` frame a step.
 
     ``depth``: how many programs ahead of its user a put is issued, and so which program the dispatching
-    thread waits for before it issues more (program k waits for k - depth): `DEPTH` on an accelerator,
+    thread waits for before it issues more (program k waits for k - depth, k - 1 at depth 0): `DEPTH` on an accelerator,
     `CPU_DEPTH` on the CPU backend (see the module note). ``recorder``: a `Recorder` or None.
     """
 
@@ -305,13 +306,10 @@ class HostStore(Store):
 
     prefix = "host"
 
-    def __init__(self, memory_kind: str | None, device_kind: str, alias: bool = False):
+    def __init__(self, memory_kind: str | None, device_kind: str):
         super().__init__()
         self.memory_kind = memory_kind  # where a gradient buffer is kept (`write_buffer`)
         self.device_kind = device_kind  # the memory kind a fetch moves a layer to (`placement.DEVICE_MEMORY`)
-        # ``alias``: keep each updated layer as its program left it (no copy back; its next put is then the
-        # identity), for a backend whose device memory is host memory.
-        self.alias = alias
 
     def holds(self, ref) -> bool:
         return isinstance(ref, HostLayer)
@@ -339,8 +337,6 @@ class HostStore(Store):
     def write(self, step: int, g: int, ref, update: list):
         trees = (update[0], update[1])
         update.clear()
-        if self.alias:
-            return HostLayer(*trees)
         # One put of the layer's weights and optimizer state to their host shardings (those of the state it
         # replaces), issued and not waited for.
         return HostLayer(*jax.device_put(trees, jax.tree.map(lambda x: x.sharding, (ref.params, ref.opt_state))))
@@ -349,7 +345,7 @@ class HostStore(Store):
         return HostLayer(shapes, ())  # (its params, shapes until `write_buffer` puts the values there)
 
     def write_buffer(self, ref, value) -> None:
-        ref.params = value if self.alias else jax.device_put(value, _kind(value, self.memory_kind))
+        ref.params = jax.device_put(value, _kind(value, self.memory_kind))
 
 
 class Bounded:
