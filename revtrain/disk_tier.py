@@ -3,12 +3,12 @@
 With ``ReversibleTrainer.offload = 'disk'`` (per-layer executor) nothing of the weights or optimizer state
 stays in memory between the programs that use it. Each layer's state is one file: its weight leaves, then its
 optimizer state's leaves, in ``jax.tree.flatten`` order, each raw (C order) at an offset aligned to 4 KiB
-(`Layout`). A step reads each layer ahead of the program that needs it, on a background thread, while the
-previous layer computes (the forward reads the weights, the backward weights and optimizer state), and
-writes each updated layer back on a second thread while the next one computes (`revtrain.streaming`'s
-engine, whose store `DiskTier` is). A bounded
-dispatch (at most `streaming.IN_FLIGHT` programs ahead of the device) and a bounded read-ahead (one layer's state)
-keep resident memory at the layers in flight: the one computing, the one being read, the one being written.
+(`Layout`). A step reads each layer's file ahead of the program that needs it, on a background thread,
+while the layers before compute (the forward reads the weights, the backward weights and optimizer state),
+the dispatching thread puts it on the device ``depth`` programs before its user, and a second thread writes
+each updated layer back while the next ones compute (`revtrain.streaming`'s engine, whose store `DiskTier`
+is). The engine's bound (program k waits for program k - depth) keeps resident memory at the layers in
+flight: those computing, those put and read ahead, the one being written.
 
 **Files, never rewritten.** Step ``s`` writes every layer to ``<offload_dir>/step_<s>/layer_<i>.bin``, new
 files; the previous step's directory is removed only once every file of the new one is written and
@@ -327,8 +327,8 @@ def link_or_copy(source: str, target: str) -> None:
 
 class DiskTier(Store):
     """The disk tier's store (`revtrain.streaming.Store`): the directory of a run's layer files, one
-    `DiskLayer` per layer, read and written by the engine's threads (``ahead = 0``: a read starts once the
-    program before has run, see `revtrain.streaming`).
+    `DiskLayer` per layer, read and written by the engine's threads: the reader reads a program's files one
+    program before their puts are due, and the dispatching thread issues the puts (`revtrain.streaming`).
 
     Args:
       directory: ``ReversibleTrainer.offload_dir``; None until `attach` names one (the run's
@@ -336,6 +336,7 @@ class DiskTier(Store):
     """
 
     prefix = "disk"
+    threaded = True  # files read on the reader thread and written on the writer thread
 
     def __init__(self, directory: str | None = None):
         super().__init__()
@@ -436,8 +437,20 @@ class DiskTier(Store):
     def nbytes(self, ref, part: str | None = None) -> int:
         return ref.layout.nbytes(part)
 
-    def read(self, ref, part: str, place):
-        return read_tree(ref.path, ref.layout, part, place, ref.sums)
+    def load(self, ref, part: str) -> list:
+        """``ref``'s ``part`` read from its file into numpy buffers, checksummed (on the reader thread)."""
+        return read_leaves(ref.path, ref.layout, part, None, ref.sums)
+
+    def read(self, items: list, place, loaded=None) -> list:
+        """The device trees of ``items`` (``(ref, part)``) from their loaded leaves (`load`; read here when
+        None), each leaf's put issued by ``place`` on the dispatching thread."""
+        if loaded is None:
+            loaded = [self.load(ref, part) for ref, part in items]
+        out = []
+        for (ref, part), leaves in zip(items, loaded, strict=True):
+            treedef = ref.layout.params_def if part == "params" else ref.layout.opt_def
+            out.append(jax.tree.unflatten(treedef, [place(x) for x in leaves]))
+        return out
 
     def layer_path(self, step: int, g: int) -> str:
         return os.path.join(self.step_dir(step), f"layer_{g:05d}.bin")
@@ -502,14 +515,17 @@ class DiskTier(Store):
 
 
 def deferred_io(weights: int, opt: int, head_weights: int, owner_weights: int, microbatches: int,
-                passes: int) -> tuple[int, int]:
+                passes: int, held: int = 0) -> tuple[int, int]:
     """``(bytes read, bytes written)`` by one deferred-update step of the disk tier (`deferred_schedule`
     with no blocks inside the head's program): per microbatch every layer's weights twice but the head's
     once, the tied owners' once more, every buffer but in the first microbatch, every buffer written;
-    each pass reads weights, optimizer state and buffer; the new weights and optimizer state written once."""
+    each pass reads weights, optimizer state and buffer; the new weights and optimizer state written once.
+    ``held``: the bytes of the buffer the engine keeps on the device from the last backward to the first
+    statistics program right after it (the first layer's, at ``Store.depth`` 1 or more: `DeferredStream`),
+    neither written nor read back once (0 counts it as moved: an upper bound)."""
     per_microbatch = 2 * weights - head_weights + owner_weights
     read = microbatches * per_microbatch + (microbatches - 1) * weights + passes * (2 * weights + opt)
-    return read, microbatches * weights + weights + opt
+    return read - held, microbatches * weights + weights + opt - held
 
 
 class LayerWeights:

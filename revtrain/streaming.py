@@ -2,38 +2,50 @@
 
 A tier that keeps weights and optimizer state off the device (``ReversibleTrainer.offload = True`` or
 ``'disk'``) keeps each layer in a *store* between uses: host memory (`HostStore`) or files
-(`revtrain.disk_tier.DiskTier`). One engine serves both (`StepStream`): it knows the step's access schedule
-(`train_schedule`: the forward's weights, then the head's and the backward's weights and optimizer state,
-newest first), fetches each layer to the device on a reader thread ahead of the program that needs it, and
-hands each updated layer to a writer thread that puts it back in the store while the next layer computes.
-The programs are the device tier's own: they never see where a layer lives, so every tier trains bit for
-bit like ``offload = False``.
+(`revtrain.disk_tier.DiskTier`). One engine serves both (`StepStream`): it knows the step's programs and what
+each needs (`train_programs`: the forward's weights, then the head's and the backward's weights and optimizer
+state, newest first, with a kept block input beside its backward's), puts each program's layers on the device
+ahead of it and puts each updated layer back right after its program. The programs are the device tier's own:
+they never see where a layer lives, so every tier trains bit for bit like ``offload = False``.
 
-**Overlap.** A fetch is submitted when a program is dispatched and starts once the program ``ahead`` before
-that one has run (`Store.ahead`): it may overlap the ``ahead`` programs before its user. With host memory
-(``ahead = 2``) a layer moves in while the layers before it compute, and each updated layer moves out while
-the next one computes: a step takes about the larger of its compute and its transfers, not their sum (the
-transfers run on the threads; XLA's runtime runs the copies on its own transfer streams). With ``ahead = 0`` (files) a read starts only
-once the program before has run, so it never shares memory with that program's temporaries: the disk tier's
-plan keeps its peak at three layers, and the read hides behind the previous layer's write, which bounds a
-disk-tier step anyway (docs/disk.md).
+**The schedule** (docs/streaming.md; the GPU runtime's rules, docs/DESIGN section 14). Every transfer is issued
+from the thread that dispatches the programs, in program order, and never waited on. For program k of a
+step, in this order:
 
-**Bounded.** At most `IN_FLIGHT` programs are dispatched ahead of the device (`Bounded`), at most
-`Store.read_ahead` layers' state is fetched ahead beyond the one being used (host 2, disk 1), and one layer is
-written at a time: the device holds the layer computing, those fetched ahead and the one being written back.
+1. wait for program k - depth to finish (`Store.depth`, 2 on an accelerator): the one host wait, which bounds
+   the layers in flight;
+2. issue the puts of every program up to k + depth: each program's whole state (weights, optimizer state, a
+   kept input, a gradient buffer) in one batched ``jax.device_put``;
+3. dispatch program k;
+4. issue the put of program k's updated layer back to the store (host memory: ``jax.device_put`` to its
+   host sharding; files: handed to the writer thread) and let go of the layer's old state.
+
+On a GPU a copy into a fresh device buffer waits for the programs queued before it is allocated, and
+overlaps only those queued after it: a put issued before program k is dispatched moves in while programs k
+and k + 1 compute. Host-to-device and device-to-host copies run on separate copy engines. So a step takes
+about the larger of its compute and its transfers, not their sum.
+
+**Files.** The disk tier keeps its reader thread for file I/O: it reads each program's layer files into host
+buffers one program before their put is due (`Store.threaded`), and the dispatching thread issues the device
+puts in the same order; the writer thread writes each updated layer's file.
+
+**Depth on the CPU.** On the CPU backend the device's memory is host memory: every layer in flight is host
+memory too, and a copy runs on the cores that compute. There the depth is 0: program k's layer is put right
+before it is dispatched, once program k - 1 has finished (docs/streaming.md has the host memory this saves);
+`Store.depth` can be set.
 
 **Host memory as the store.** `HostStore` keeps a layer's state as JAX arrays in a host memory kind:
-``unpinned_host`` (ordinary pageable memory) where the backend has it, so the state is not held in the
-runtime's pinned pool (on a GPU that pool grows by doubling regions and is capped, 64 GB by default), else
-``pinned_host``. The runtime stages a pageable copy through its own pinned buffers. A step replaces the
-state layer by layer: once a layer's new state is written its old one is let go (``release``), as donation
-consumes the device tier's, so host memory holds one state and the layers in flight, never two states.
+``unpinned_host`` (ordinary pageable memory) where the backend has it, else ``pinned_host``. A step replaces
+the state layer by layer: once a layer's new state is issued its old one is let go (``release``; the
+runtime keeps a buffer alive until the copies reading it are done), as donation consumes the device tier's,
+so host memory holds one state and the layers in flight, never two states.
 
 The same read-ahead / write-behind pattern moves optimizer state for ZeRO-Offload (Ren et al. 2021) and
-ZeRO-Infinity (Rajbhandari et al. 2021); here it follows a reversible step's schedule, one layer at a time.
+ZeRO-Infinity (Rajbhandari et al. 2021); here it follows a reversible step's programs, one layer at a time.
 
-Test-only: `FETCH_HOOK`, called on the reader thread after each fetch with ``(group, part, bytes)`` (a test
-makes the link slow on purpose); every stream records its fetches and dispatches in ``events``.
+Test-only: `FETCH_HOOK`, called with ``(group, part, bytes)`` for each put on the store's reader thread (a
+link made slow on purpose: the program that uses the put waits for it, as a device waits for a copy);
+`Recorder`, set as ``Store.recorder``, records each step's puts, dispatches and waits in order.
 """
 
 from __future__ import annotations
@@ -47,64 +59,117 @@ import jax
 import numpy as np
 
 
-IN_FLIGHT = 2  # programs dispatched ahead of the device at most (each holds its layer's state)
-FETCH_HOOK = None  # test-only: called as FETCH_HOOK(group, part, bytes) on the reader thread after each fetch
+IN_FLIGHT = 2  # `Bounded` without a step's stream: programs dispatched ahead of the device at most
+DEPTH = 2  # programs ahead of its user a put is issued, and the program waited for (k - DEPTH), on an accelerator
+CPU_DEPTH = 0  # the same on the CPU backend (a put right before its program): every layer in flight is RAM
+FETCH_HOOK = None  # test-only: FETCH_HOOK(group, part, bytes) for each put, on the reader thread (a slow link)
 
 
-def train_schedule(kinds: list) -> list:
-    """The accesses of one reversible step (`ReversibleTrainer.train_step` over a plan's ``kinds``): the
-    forward's weights, the head's (and those of the backprop blocks inside its program, ``"top"``) weights
-    and optimizer state, then the backward's, newest first."""
+def _split(kinds: list) -> tuple[int, int]:
+    """``(below, last)``: the groups with programs of their own below the head's, and the head's group."""
     last = len(kinds) - 1
     top = 0
     while top < last and kinds[last - 1 - top] == "top":
         top += 1
-    below = last - top
-    out = [(g, "params") for g in range(below)]
-    for g in range(below, last + 1):
-        out += [(g, "params"), (g, "opt")]
+    return last - top, last
+
+
+def train_programs(kinds: list) -> list:
+    """The programs of one reversible step (`ReversibleTrainer.train_step` over a plan's ``kinds``), each as
+    the list of accesses ``(group, part)`` it needs (``part``: ``"params"``, ``"opt"``, ``"kept"``, a kept block
+    input): the forward's weights, the head's (and those of the blocks inside its program, ``"top"``) weights
+    and optimizer state, then the backward's, newest first."""
+    below, last = _split(kinds)
+    out = [[(g, "params")] for g in range(below)]
+    out.append([(g, part) for g in range(below, last + 1) for part in ("params", "opt")])
     for g in range(below - 1, -1, -1):
-        out += [(g, "params"), (g, "opt")]
+        out.append([(g, "params"), (g, "opt")] + ([(g, "kept")] if kinds[g] == "std" else []))
     return out
 
 
-def deferred_schedule(kinds: list, microbatches: int, passes: int, owners=()) -> list:
-    """The accesses of one deferred-update step (`revtrain.trainers.deferred`) over a plan's ``kinds``: per
-    microbatch the forward's weights, the tied leaves' owners' weights (``owners``: their groups), the
-    weights and buffers of the head's program (the blocks inside it first), the backward's weights and
-    buffers newest first; then ``passes`` statistics and update passes, each layer's weights, optimizer
-    state and buffer in order."""
-    last = len(kinds) - 1
-    top = 0
-    while top < last and kinds[last - 1 - top] == "top":
-        top += 1
-    below = last - top
-    one = [(g, "params") for g in range(below)] + [(g, "params") for g in owners]
-    one += [(g, "params") for g in range(below, last)] + [(g, "grad") for g in range(below, last)]
-    one += [(last, "params"), (last, "grad")]
+def train_schedule(kinds: list) -> list:
+    """`train_programs`' weights and optimizer state accesses, in order, as one list."""
+    return [a for program in train_programs(kinds) for a in program if a[1] != "kept"]
+
+
+def deferred_programs(kinds: list, microbatches: int, passes: int, owners=()) -> list:
+    """The programs of one deferred-update step (`revtrain.trainers.deferred`) over a plan's ``kinds``, as
+    `train_programs`: per microbatch the forward's weights, the head's program (the tied leaves' owners'
+    weights, ``owners``: their groups; the weights and gradient buffers, ``"grad"``, of the blocks inside it
+    and the head's), the backward's weights and buffers newest first; then ``passes`` statistics and update
+    passes, each layer's weights, optimizer state and buffer."""
+    below, last = _split(kinds)
+    one = [[(g, "params")] for g in range(below)]
+    one.append([(g, "params") for g in owners] + [(g, "params") for g in range(below, last)]
+               + [(g, "grad") for g in range(below, last)] + [(last, "params"), (last, "grad")])
     for g in range(below - 1, -1, -1):
-        one += [(g, "params"), (g, "grad")]
-    passes_ = [(g, part) for g in range(last + 1) for part in ("params", "opt", "grad")]
+        one.append([(g, "params"), (g, "grad")] + ([(g, "kept")] if kinds[g] == "std" else []))
+    passes_ = [[(g, part) for part in ("params", "opt", "grad")] for g in range(last + 1)]
     return one * microbatches + passes_ * passes
+
+
+def deferred_schedule(kinds: list, microbatches: int, passes: int, owners=()) -> list:
+    """`deferred_programs`' accesses but the kept inputs, in order, as one list."""
+    return [a for program in deferred_programs(kinds, microbatches, passes, owners) for a in program
+            if a[1] != "kept"]
+
+
+def on_cpu() -> bool:
+    """Whether the default backend is the CPU (its device memory is host memory)."""
+    return jax.default_backend() == "cpu"
+
+
+class Recorder:
+    """What a store's streams did, in order (``Store.recorder``; None, the default, records nothing). Each event
+    is a tuple: ``("step", step)`` at a stream's start (None: an evaluation's); ``("put", k, g, part)``, the
+    put of group ``g``'s ``part`` for program ``k`` issued; ``("dispatch", k)``, program ``k`` dispatched (None:
+    a program that needs no layer, e.g. a global round's); ``("back", k, g, part)``, the put of program ``k``'s
+    update of group ``g`` back to the store issued (``part``: ``"state"`` or ``"grad"``); ``("wait", what, k)``:
+    the dispatching thread waited, for program ``k`` (``what = "program"``), for the reader's file of program
+    ``k``'s layer (``"file"``, the disk tier), or for the writer's previous file (``"write"``)."""
+
+    def __init__(self):
+        self.events: list = []
+
+    def __call__(self, *event) -> None:
+        self.events.append(event)
+
+    def steps(self) -> list:
+        """The events split at each ``("step", ...)``: one list per stream, its marker first."""
+        out = []
+        for e in self.events:
+            if e[0] == "step":
+                out.append([])
+            if out:
+                out[-1].append(e)
+        return out
 
 
 class Store:
     """Where a tier keeps its layers between uses, as the engine (`StepStream`) sees it: a *ref* per group
-    (a store's own object), fetched to the device by ``read`` and replaced by ``write``; one reader and one
-    writer thread.
+    (a store's own object), put on the device by ``read`` and replaced by ``write``.
 
-    Subclasses set ``ahead`` (programs before its user a fetch may overlap), ``read_ahead``, ``prefix`` (the name of its statistics) and
-    implement ``holds``, ``nbytes``, ``read`` and ``write``; ``begin``, ``unchanged`` and ``end`` frame a step.
+    Subclasses set ``threaded`` (True: ``load`` reads a layer into host buffers on the reader thread, and
+    ``write`` runs on the writer thread; False: ``read`` and ``write`` only issue copies and run on the
+    dispatching thread), ``prefix`` (the name of its statistics) and implement ``holds``, ``nbytes``, ``read``
+    and ``write`` (and ``load`` when threaded); ``begin``, ``unchanged`` and ``end`` frame a step.
+
+    ``depth``: how many programs ahead of its user a put is issued, and so which program the dispatching
+    thread waits for before it issues more (program k waits for k - depth, k - 1 at depth 0): `DEPTH` on an accelerator,
+    `CPU_DEPTH` on the CPU backend (see the module note). ``recorder``: a `Recorder` or None.
     """
 
-    ahead = 0
-    read_ahead = 1  # layers' state fetched ahead at most, beyond the one in use
+    threaded = False
     prefix = "store"
+    read_ahead = DEPTH  # programs' layers put ahead of the one in use on an accelerator (what the plans count)
 
     def __init__(self):
         self._readers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"revtrain-{self.prefix}-read")
         self._writers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"revtrain-{self.prefix}-write")
         self._bounded = None  # the trainer's dispatch limiter (`bounded`): tells a step's stream of each program
+        self.depth = CPU_DEPTH if on_cpu() else DEPTH
+        self.recorder = None
+
 
     def holds(self, ref) -> bool:
         """Whether ``ref`` is this store's (else a value held in memory, used as it is)."""
@@ -122,15 +187,22 @@ class Store:
         """Bytes of ``ref``'s ``part`` (``"params"``, ``"opt"``; None: both)."""
         raise NotImplementedError
 
-    def read(self, ref, part: str, place):
-        """``ref``'s ``part`` as device arrays (``place`` puts a numpy leaf on the device), complete when it
-        returns (called on the reader thread)."""
+    def load(self, ref, part: str):
+        """A threaded store's: ``ref``'s ``part`` read into host buffers (called on the reader thread); what
+        ``read`` is then given as ``loaded``."""
+        raise NotImplementedError
+
+    def read(self, items: list, place, loaded=None) -> list:
+        """The device arrays of ``items`` (a list of ``(ref, part)``), their copies issued and not waited for
+        (called on the dispatching thread); ``place`` puts a numpy leaf on the device; ``loaded``: a threaded
+        store's `load` results, one per item."""
         raise NotImplementedError
 
     def write(self, step: int, g: int, ref, update: list):
         """Group ``g``'s updated state, ``update = [params, opt_state]`` (device arrays; the store empties
         the list, so its references are the last and each array is released once written), stored for step
-        ``step``; returns its new ref (called on the writer thread)."""
+        ``step``; returns its new ref. A threaded store's runs on the writer thread; otherwise it is called on
+        the dispatching thread and only issues the copy."""
         raise NotImplementedError
 
     def begin(self, step: int, refs: list) -> None:
@@ -144,8 +216,8 @@ class Store:
         """The step that made ``step`` is complete (``refs``: the state it replaced)."""
 
     def bounded(self, limit) -> "Bounded":
-        """The trainer's dispatch limiter with at most `IN_FLIGHT` programs ahead of the device; it tells the
-        step's stream of each program dispatched (`StepStream.dispatched`)."""
+        """The trainer's dispatch limiter: it tells the step's stream of each program dispatched
+        (`StepStream.dispatched`), and without one keeps at most `IN_FLIGHT` programs ahead of the device."""
         self._bounded = Bounded(limit)
         return self._bounded
 
@@ -154,28 +226,28 @@ class Store:
             self._bounded.listener = stream.dispatched
         return stream
 
-    def stream(self, refs: list, step: int, schedule: list, place, release=None) -> "StepStream":
-        """A training step's `StepStream` over ``refs`` (one per group) for the step that makes ``step``;
-        ``release(g)``: called once group ``g``'s new state is written, to drop the caller's references to its
-        old state (the host store: a state is replaced layer by layer instead of held twice to the end)."""
+    def stream(self, refs: list, step: int, programs: list, place, release=None) -> "StepStream":
+        """A training step's `StepStream` over ``refs`` (one per group) for the step that makes ``step``
+        (``programs``: `train_programs`); ``release(g)``: called once group ``g``'s new state is issued (host
+        memory) or written (files), to drop the caller's references to its old state (a state is replaced
+        layer by layer instead of held twice to the end)."""
         self.begin(step, refs)
-        return self.listen(StepStream(self, refs, step, schedule, place, release=release))
+        return self.listen(StepStream(self, refs, step, programs, place, release=release))
 
     def reader(self, refs: list, place) -> "StepStream":
-        """A read-only `StepStream` that fetches every layer's weights in order (evaluation): at most one
-        layer's weights ahead. It never writes, so ``refs`` may be a checkpoint's."""
-        schedule = [(g, "params") for g in range(len(refs))]
-        budget = max((self.nbytes(r, "params") for r in refs if self.holds(r)), default=0)
-        return StepStream(self, refs, None, schedule, place, budget=budget)
+        """A read-only `StepStream` that puts every layer's weights on the device in order (evaluation), each
+        ``depth`` programs ahead. It never writes, so ``refs`` may be a checkpoint's."""
+        programs = [[(g, "params")] for g in range(len(refs))]
+        return self.listen(StepStream(self, refs, None, programs, place))
 
     def deferred_stream(self, refs: list, step: int, place, kinds: list, microbatches: int, passes: int,
                         owners: list, grad_shapes: list, release=None) -> "DeferredStream":
-        """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step``: its accesses
-        from the plan's ``kinds`` (`deferred_schedule`), each group's gradient buffer shaped like its weights
+        """A `DeferredStream` over ``refs`` for the deferred-update step that makes ``step``: its programs
+        from the plan's ``kinds`` (`deferred_programs`), each group's gradient buffer shaped like its weights
         (``grad_shapes``: one tree of ``jax.ShapeDtypeStruct`` per group); ``release`` as in `stream`."""
         self.begin(step, refs)
-        schedule = deferred_schedule(kinds, microbatches, passes, owners)
-        return self.listen(DeferredStream(self, refs, step, schedule, place, grad_shapes, release=release))
+        programs = deferred_programs(kinds, microbatches, passes, owners)
+        return self.listen(DeferredStream(self, refs, step, programs, place, grad_shapes, release=release))
 
     # -- the deferred update's gradient buffers (`DeferredStream`) --
     def begin_buffers(self, step: int) -> None:
@@ -187,7 +259,8 @@ class Store:
         raise NotImplementedError
 
     def write_buffer(self, ref, value) -> None:
-        """Stores ``value`` (device arrays) as the buffer ``ref`` (called on the writer thread)."""
+        """Stores ``value`` (device arrays) as the buffer ``ref`` (threaded: on the writer thread; else on the
+        dispatching thread, issuing the copy only)."""
         raise NotImplementedError
 
     def drop_buffer(self, ref) -> None:
@@ -220,24 +293,23 @@ def _nbytes(tree) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def _kind(tree, kind: str):
+    """The shardings of ``tree``'s leaves in memory kind ``kind``."""
+    return jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree)
+
+
 class HostStore(Store):
     """The host tier's store (``offload = True``): each group's state as JAX arrays in host memory
-    (`HostLayer`), fetched with one ``jax.device_put`` per tree and put back the same way. A fetch may overlap
-    the two programs before its user (``ahead = 2``) and up to two layers are fetched ahead (``read_ahead =
-    2``), so the reader never waits for the dispatch of the program between (docs/streaming.md has the
-    measurement behind both)."""
+    (`HostLayer`). A program's layers come to the device in one ``jax.device_put`` of their trees, and an
+    updated layer goes back in one ``jax.device_put`` to its host shardings, both issued on the dispatching
+    thread and never waited for (see the module note)."""
 
-    ahead = 2
-    read_ahead = 2
     prefix = "host"
 
     def __init__(self, memory_kind: str | None, device_kind: str):
         super().__init__()
         self.memory_kind = memory_kind  # where a gradient buffer is kept (`write_buffer`)
         self.device_kind = device_kind  # the memory kind a fetch moves a layer to (`placement.DEVICE_MEMORY`)
-
-    def _on_device(self, tree):
-        return jax.tree.map(lambda x: x.sharding.with_memory_kind(self.device_kind), tree)
 
     def holds(self, ref) -> bool:
         return isinstance(ref, HostLayer)
@@ -253,48 +325,49 @@ class HostStore(Store):
             return _nbytes(ref.params) + _nbytes(ref.opt_state)
         return _nbytes(ref.part(part))
 
-    def read(self, ref, part: str, place):
-        tree = ref.part(part)
-        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(tree)):
-            return jax.block_until_ready(jax.device_put(tree, self._on_device(tree)))
+    def read(self, items: list, place, loaded=None) -> list:
+        trees = [ref.part(part) for ref, part in items]
+        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(trees)):
+            return jax.device_put(trees, _kind(trees, self.device_kind))  # one batched put, never waited for
         # (numpy leaves: a checkpoint of another tier restored for reading, e.g. an evaluation's)
-        return jax.block_until_ready(jax.tree.map(
-            lambda x: jax.device_put(x, self._on_device(x)) if isinstance(x, jax.Array) else place(x), tree))
+        return jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding.with_memory_kind(self.device_kind)) if isinstance(x, jax.Array)
+            else place(x), trees)
 
     def write(self, step: int, g: int, ref, update: list):
-        params, opt_state = update
+        trees = (update[0], update[1])
         update.clear()
-        params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, ref.params))
-        opt_state = jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, ref.opt_state))
-        return HostLayer(*jax.block_until_ready((params, opt_state)))
+        # One put of the layer's weights and optimizer state to their host shardings (those of the state it
+        # replaces), issued and not waited for.
+        return HostLayer(*jax.device_put(trees, jax.tree.map(lambda x: x.sharding, (ref.params, ref.opt_state))))
 
     def buffer_ref(self, step: int, g: int, version: int, shapes):
         return HostLayer(shapes, ())  # (its params, shapes until `write_buffer` puts the values there)
 
     def write_buffer(self, ref, value) -> None:
-        kind = self.memory_kind
-        ref.params = jax.block_until_ready(
-            jax.device_put(value, jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), value)))
+        ref.params = jax.device_put(value, _kind(value, self.memory_kind))
 
 
 class Bounded:
-    """Wraps the trainer's ``DispatchLimiter``: keeps one small output of each of the last `IN_FLIGHT` programs
-    and waits for the oldest before a newer one is dispatched further, so the host never runs more than that
-    many layers ahead of the device (each dispatched program holds its layer's state). Only the smallest
-    output leaf is kept (a program's outputs are ready together): keeping the updated weights would hold
-    them after the writer has written and released them."""
+    """Wraps the trainer's ``DispatchLimiter``: tells the step's stream (``listener``) of each program
+    dispatched, with one small output of it (the stream waits on programs itself, `StepStream`). Without a
+    listener it keeps one such output of each of the last `IN_FLIGHT` programs and waits for the oldest
+    before a newer one is dispatched further. Only the smallest output leaf is kept (a program's outputs are
+    ready together): keeping the updated weights would hold them after they were written back."""
 
     def __init__(self, inner):
         self.inner, self._recent = inner, deque()
-        self.listener = None  # called with each program's kept output (a training step's stream)
+        self.listener = None  # called with each program's kept output (a step's stream)
 
     def __call__(self, outputs):
         outputs = self.inner(outputs)
         leaves = [x for x in jax.tree.leaves(outputs) if isinstance(x, jax.Array)]
-        if leaves:
-            self._recent.append(min(leaves, key=lambda x: x.size))
-            if self.listener is not None:
-                self.listener(self._recent[-1])
+        token = min(leaves, key=lambda x: x.size) if leaves else None
+        if self.listener is not None:
+            self.listener(token)
+            return outputs
+        if token is not None:
+            self._recent.append(token)
         if len(self._recent) > IN_FLIGHT:
             wait(self._recent.popleft())
         return outputs
@@ -315,8 +388,8 @@ def wait(tree) -> None:
 
 
 class View:
-    """A list-like view of a `StepStream`: ``params`` or ``opt_state`` (``view[g]`` reads, ``view[g] = v``
-    stores an update)."""
+    """A list-like view of a `StepStream`: ``params``, ``opt_state`` or ``grad`` (``view[g]`` reads,
+    ``view[g] = v`` stores an update); ``view.stream`` is the stream (the walk keeps block inputs there)."""
 
     def __init__(self, stream: "StepStream", part: str):
         self.stream, self.part = stream, part
@@ -338,130 +411,263 @@ class View:
 
 
 class StepStream:
-    """One step's fetches and write-backs of a store's layers (or an evaluation's fetches).
+    """One step's puts and write-backs of a store's layers (or an evaluation's puts), in the schedule of the
+    module note.
 
-    ``schedule``: the expected accesses, ``(group, "params" | "opt")`` in order. Fetches run ahead on the
-    store's reader thread (at most ``budget`` bytes, default one layer's state, fetched but not yet used); an
-    access that is not the next expected one is fetched on demand (the result is the same, only slower). A
-    training step's fetches are submitted as each program is dispatched (`dispatched`) and start once the
-    program ``store.ahead`` before it has run (see the module note). ``put`` of a group's params and
-    optimizer state hands both to the writer thread, waiting first for the previous layer's write, so at
-    most one layer is being written while the next computes. `finish` waits for every write and returns
-    the new ref of each group.
+    ``programs``: the step's programs in order, each the list of accesses ``(group, part)`` it needs
+    (`train_programs`; ``part``: ``"params"``, ``"opt"``, ``"kept"``). A program begins at the first access of
+    one of its own (`get`): the stream then waits for the program ``depth`` before it, and issues the puts
+    of every program up to ``depth`` after it (a program whose value is not there yet, a kept input or a
+    gradient buffer not stored yet, and those after it, wait for the next program's beginning). An access
+    that is in no program later than the current one is put on demand (the result is the same, only
+    slower). ``put`` of a group's params and optimizer state issues the layer's write-back (host memory: at
+    once; files: on the writer thread, after the previous layer's file). `finish` waits for every file
+    written and returns the new ref of each group.
     """
 
-    def __init__(self, store: Store, refs: list, step: int | None, schedule: list, place, budget: int | None = None,
-                 release=None):
+    def __init__(self, store: Store, refs: list, step: int | None, programs: list, place, release=None):
         self.store, self.refs, self.step, self.place = store, list(refs), step, place
-        self.release = release  # called with a group once its new state is written (its old one can go)
-        self.schedule, self._next, self._submitted = list(schedule), 0, 0
-        self._pending: dict = {}  # (g, part) -> Future of the tree
+        self.release = release  # called with a group once its new state is issued (its old one can go)
+        self.programs = [list(p) for p in programs]
+        self.schedule = [a for p in self.programs for a in p if a[1] != "kept"]
+        self.depth, self.recorder = store.depth, store.recorder
+        self._k = -1  # the program begun last
+        self._issued = self._loading = 0  # programs whose puts are issued / whose files are being read
+        self._owed: list = []  # (k, g, part) whose source was not there when program k's puts were issued
+        self._puts: dict = {}  # (k, g, part) -> its device tree
+        self._links: dict = {}  # (k, g, part) -> Future of the test's slow link (`FETCH_HOOK`)
+        self._loads: dict = {}  # (k, g, part) -> Future of its host buffers (a threaded store)
+        self._used: set = set()  # (k, g, part) taken by `get`
+        self._tokens: dict = {}  # k -> a small output of program k (what the bound waits on)
+        self._waited = -1  # programs waited for, up to this one
         self._updates: dict = {}  # g -> {part: value}
-        self._writes: deque = deque()
-        self._new: dict = {}  # g -> Future of its new ref
-        if budget is None:  # bytes fetched ahead at most (beyond the first fetch): `Store.read_ahead` layers' state
-            budget = store.read_ahead * max((store.nbytes(r) for r in refs if store.holds(r)), default=0)
-        self.budget = budget
+        self._kept: dict = {}  # g -> a block input kept for the backward (`keep`)
+        self._writes: deque = deque()  # a threaded store's writes in progress
+        self._new: dict = {}  # g -> its new ref (a threaded store: a Future of it)
         self.read_bytes = self.write_bytes = 0
         self.read_seconds = self.write_seconds = 0.0
-        # ("fetch", g, part, start, end, index of the program it waited for or None), ("dispatch", k, time)
-        self.events: list = []
+        self._thread_seconds = 0.0  # the reader thread's busy time (files read, the test's slow link)
         self.params, self.opt_state = View(self, "params"), View(self, "opt")
-        self._dispatched = 0
-        self._gates: deque = deque(maxlen=store.ahead + 1)  # the last programs dispatched
-        self._gate = None  # fetches submitted now start after this program ran (None: at once)
-        self._refill()
+        self._record("step", step)
 
     @property
     def tier(self) -> Store:
         return self.store
 
+    def _record(self, *event) -> None:
+        if self.recorder is not None:
+            self.recorder(*event)
+
+    # -- programs --
     def dispatched(self, token) -> None:
-        """A program was dispatched (``token``: one of its outputs): fetches ahead are submitted, each to
-        start once the program ``store.ahead`` before it has run."""
-        self.events.append(("dispatch", self._dispatched, time.perf_counter()))
-        self._dispatched += 1
-        self._gates.append(token)
-        self._gate = self._gates[0] if len(self._gates) == self._gates.maxlen else None
-        self._refill()
+        """A program was dispatched (``token``: a small output of it): the program begun last, the first
+        time; another (one that needs no layer) after that."""
+        k = self._k
+        if k >= 0 and k not in self._tokens and k > self._waited:
+            self._tokens[k] = token
+            self._record("dispatch", k)
+        else:
+            self._record("dispatch", None)
 
-    def _read(self, g: int, part: str, gate=None, after=None):
-        if gate is not None:
-            wait(gate)
+    def _begin(self, k: int) -> None:
+        """Program ``k`` begins: wait for program ``k - depth`` (``k - 1`` at depth 0), then issue the puts up
+        to ``k + depth``."""
+        self._k = k
+        for j in range(self._waited + 1, k - max(self.depth, 1) + 1):
+            token = self._tokens.pop(j, None)
+            if token is not None:
+                self._record("wait", "program", j)
+                wait(token)
+            self._waited = j
+        last = len(self.programs) - 1
+        if self._owed:  # (those whose source is there now first, in order)
+            owed, self._owed = self._owed, []
+            for key in owed:
+                if key[0] >= k and key not in self._used:
+                    self._issue(key[0], [key[1:]])
+        if self.store.threaded:  # files read one program ahead of their puts
+            while self._loading <= min(k + self.depth + 1, last):
+                self._load(self._loading)
+                self._loading += 1
+        while self._issued <= min(k + self.depth, last):
+            self._issue(self._issued)
+            self._issued += 1
+
+    def _find(self, g: int, part: str) -> int | None:
+        for k in range(max(self._k, 0), len(self.programs)):
+            if (g, part) in self.programs[k] and (k, g, part) not in self._used:
+                return k
+        return None
+
+    # -- what a program needs: its sources, their reads and puts --
+    def _earlier(self, k: int, g: int, part: str) -> bool:
+        """Whether a program before ``k`` needs ``(g, part)`` and has not taken it yet."""
+        return any((g, part) in self.programs[j] and (j, g, part) not in self._used
+                   for j in range(max(self._k, 0), k))
+
+    def _source(self, k: int, g: int, part: str):
+        """Where program ``k``'s ``(g, part)`` comes from: None (not there yet: wait), ``("none",)`` (nothing
+        to put: `_direct` gives it), ``("store", ref, part, after)`` (a store read; ``after``: a Future the
+        file's read waits for) or ``("device", tree)`` (a tree put as it is, a kept input)."""
+        if part == "kept":
+            if g not in self._kept or self._earlier(k, g, part):
+                return None
+            x = self._kept[g]
+            kind = getattr(self.store, "device_kind", None)
+            if kind is None or all(getattr(v.sharding, "memory_kind", kind) == kind for v in jax.tree.leaves(x)):
+                return ("none",)
+            return ("device", x)
         ref = self.refs[g]
+        if part in self._updates.get(g, {}) or ref is None or not self.store.holds(ref):
+            return ("none",)
+        return ("store", ref, part, None)
+
+    def _load(self, k: int) -> None:
+        """Submits the file reads of program ``k`` whose sources are there to the reader thread."""
+        for g, part in self.programs[k]:
+            s = None if (k, g, part) in self._used else self._source(k, g, part)
+            if s is not None and s[0] == "store" and (k, g, part) not in self._loads:
+                self._loads[(k, g, part)] = self.store.submit_read(self._read_file, g, part, s[1], s[2], s[3])
+
+    def _read_file(self, g: int, part: str, ref, which: str, after):
+        if after is not None:  # (a gradient buffer: its file written first)
+            after.result()
         start = time.perf_counter()
-        tree = self.store.read(ref, part, self.place)
-        nbytes = self.store.nbytes(ref, part)
+        out = self.store.load(ref, which)
         if FETCH_HOOK is not None:
-            FETCH_HOOK(g, part, nbytes)
-        end = time.perf_counter()
-        self.events.append(("fetch", g, part, start, end, after))
-        self.read_seconds += end - start
-        self.read_bytes += nbytes
-        return tree
+            FETCH_HOOK(g, part, self.store.nbytes(ref, which))
+        self._thread_seconds += time.perf_counter() - start
+        return out
 
-    def _not_yet(self, g: int) -> bool:
-        """Whether fetching ahead must stop before group ``g`` (a subclass's: a value not written yet)."""
-        return False
+    def _link(self, g: int, part: str, nbytes: int) -> None:
+        start = time.perf_counter()
+        FETCH_HOOK(g, part, nbytes)
+        self._thread_seconds += time.perf_counter() - start
 
-    def _submit(self, g: int, part: str):
-        """Submits the fetch of group ``g``'s ``part`` to the store's reader: its Future."""
-        after = None if self._gate is None else self._dispatched - 1 - self.store.ahead  # (the gate's index)
-        return self.store.submit_read(self._read, g, part, self._gate, after)
-
-    def _refill(self) -> None:
-        store = self.store
-        ahead = sum(store.nbytes(self.refs[g], p) for g, p in self._pending)
-        k = max(self._next, self._submitted)  # the schedule's first entry not submitted yet
-        while k < len(self.schedule):
-            g, part = self.schedule[k]
-            if self._not_yet(g):
-                break
-            ref = self.refs[g]
-            if not store.holds(ref) or g in self._updates:  # (a value held in memory: nothing to fetch)
-                k += 1
+    def _issue(self, k: int, accesses: list | None = None) -> None:
+        """Issues the puts of program ``k`` (or of its ``accesses``): its store reads in one `Store.read`, a kept
+        input's put. An access whose source is not there yet (a kept input or a gradient buffer not stored
+        yet) is owed: issued at a later program's beginning, or taken on demand."""
+        sources = []
+        for g, part in self.programs[k] if accesses is None else accesses:
+            if (k, g, part) in self._used:
                 continue
-            if (g, part) in self._pending:  # an earlier access of the same part, not used yet: in order
-                break
-            size = store.nbytes(ref, part)
-            if self._pending and ahead + size > self.budget:
-                break
-            self._pending[(g, part)] = self._submit(g, part)
-            ahead += size
-            k += 1
-        self._submitted = k
+            s = self._source(k, g, part)
+            if s is None:
+                self._owed.append((k, g, part))
+            else:
+                sources.append((g, part, s))
+        store = self.store
+        reads = [(g, part, s) for g, part, s in sources if s[0] == "store"]
+        if reads:
+            loaded = None
+            if store.threaded:
+                loaded = []
+                for g, part, s in reads:
+                    future = self._loads.pop((k, g, part), None)
+                    if future is None:
+                        future = store.submit_read(self._read_file, g, part, s[1], s[2], s[3])
+                    if not future.done():
+                        self._record("wait", "file", k)
+                    loaded.append(future.result())
+            start = time.perf_counter()
+            trees = store.read([(s[1], s[2]) for _, _, s in reads], self.place, loaded)
+            del loaded
+            self.read_seconds += time.perf_counter() - start
+            for (g, part, s), tree in zip(reads, trees, strict=True):
+                nbytes = store.nbytes(s[1], s[2])
+                self._puts[(k, g, part)] = tree
+                self.read_bytes += nbytes
+                self._record("put", k, g, part)
+                if FETCH_HOOK is not None and not store.threaded:  # (a threaded store calls it after its read)
+                    self._links[(k, g, part)] = store.submit_read(self._link, g, part, nbytes)
+        for g, part, s in sources:
+            if s[0] == "device":
+                self._puts[(k, g, part)] = jax.device_put(s[1], _kind(s[1], store.device_kind))
+                self._record("put", k, g, part)
+
+    def _direct(self, g: int, part: str):
+        """``(g, part)`` when nothing was put for it: an update stored this step, a kept input, a value held in
+        memory, or a store read on demand."""
+        if part == "kept":
+            return self._kept.get(g)
+        if part in self._updates.get(g, {}):
+            return self._updates[g][part]
+        ref = self.refs[g]
+        if ref is None or not self.store.holds(ref):
+            return ref
+        loaded = [self.store.load(ref, part)] if self.store.threaded else None
+        self.read_bytes += self.store.nbytes(ref, part)
+        return self.store.read([(ref, part)], self.place, loaded)[0]
 
     def get(self, g: int, part: str):
         """Group ``g``'s ``part`` as device arrays (an update stored this step, if any)."""
         if part in self._updates.get(g, {}):
             return self._updates[g][part]
-        ref = self.refs[g]
-        if not self.store.holds(ref):  # a state held in memory (e.g. a weights-only restore)
-            return ref
-        try:
-            k = self.schedule.index((g, part), self._next)
-            self._next = k + 1
-        except ValueError:
-            pass
-        future = self._pending.pop((g, part), None)
-        tree = future.result() if future is not None else self._read(g, part)
-        if self.step is None:  # (evaluation: fetch on at once; a training step fetches on at its next program)
-            self._refill()
+        k = self._find(g, part)
+        if k is None:  # (not in a program to come: on demand)
+            return self._direct(g, part)
+        if k > self._k:
+            self._begin(k)
+        key = (k, g, part)
+        if key in self._owed:  # (its source was not there when its program's puts were issued)
+            self._owed.remove(key)
+            self._issue(k, [(g, part)])
+            if key in self._owed:
+                self._owed.remove(key)
+        self._used.add(key)
+        tree = self._puts.pop(key, None)
+        if tree is None:
+            tree = self._direct(g, part)
+        link = self._links.pop(key, None)
+        if link is not None:  # the test's slow link: the program would wait for its copy
+            link.result()
+        if part == "kept":
+            self._kept.pop(g, None)
         return tree
 
+    def keep(self, g: int, x) -> None:
+        """Keeps ``x`` (where the tier keeps a block input: `Residency.keep`) for group ``g``'s backward, whose
+        program's puts bring it back to the device ahead (`bring`)."""
+        self._kept[g] = x
+
+    def bring(self, g: int):
+        """Group ``g``'s kept input, on the device when the tier moves it (its put issued ahead)."""
+        return self.get(g, "kept")
+
+    # -- write-backs --
     def put(self, g: int, part: str, value) -> None:
-        """Stores group ``g``'s updated ``part``; once both parts are in, the layer is written back."""
+        """Stores group ``g``'s updated ``part``; once both parts are in, the layer goes back to the store."""
         self._updates.setdefault(g, {})[part] = value
         if len(self._updates[g]) < 2 or self.step is None:
             return
-        while self._writes:  # one layer written at a time: wait for the previous one
-            self._done(self._writes.popleft())
         update, self._updates[g] = self._updates[g], {}
+        del value
+        if not self.store.threaded:  # one put back to host memory, issued and not waited for
+            start = time.perf_counter()
+            new = self._new[g] = self.store.write(self.step, g, self.refs[g], [update.pop("params"), update.pop("opt")])
+            self.write_seconds += time.perf_counter() - start
+            self.write_bytes += self.store.nbytes(new)
+            self._record("back", self._k, g, "state")
+            if self.release is not None:  # its old state is let go at once (the runtime holds it for the copies)
+                self.refs[g] = None
+                self.release(g)
+            return
+        self._one_write()
         # The box is the only reference the stream keeps: the writer empties it, so nothing (the executor's
         # work item neither) holds the update or the old state once written.
         box = [self.refs[g], update.pop("params"), update.pop("opt")]
         self._new[g] = self.store.submit_write(self._write, g, box)
-        self._writes.append((g, None, self._new[g]))
+        self._writes.append(self._new[g])
+        self._record("back", self._k, g, "state")
+
+    def _one_write(self) -> None:
+        """A threaded store writes one file at a time: waits for the previous one."""
+        while self._writes:
+            future = self._writes.popleft()
+            if not future.done():
+                self._record("wait", "write", self._k)
+            future.result()
 
     def _write(self, g, box):
         ref = box.pop(0)  # (``box`` is now ``[params, opt_state]``, the store's to empty)
@@ -474,28 +680,31 @@ class StepStream:
             self.release(g)
         return new
 
-    def _done(self, entry) -> None:
-        entry[2].result()
-
     def _drain(self) -> None:
         try:
-            while self._writes:
-                self._done(self._writes.popleft())
+            self._one_write()
         finally:
-            for future in self._pending.values():
+            for future in self._loads.values():
                 future.cancel()
-            self._pending.clear()
+            for future in self._links.values():
+                future.result()
+            self._loads.clear(), self._links.clear(), self._puts.clear(), self._tokens.clear(), self._kept.clear()
 
     def finish(self) -> list:
-        """Waits for every write; returns the new ref of each group (a group not updated keeps its state,
-        `Store.unchanged`) and ends the step in the store (`Store.end`).
+        """Waits for every file written; returns the new ref of each group (a group not updated keeps its
+        state, `Store.unchanged`) and ends the step in the store (`Store.end`).
 
         Raises:
           OSError: a write failed (the store's error, e.g. `revtrain.disk_tier.DiskTierError`).
         """
         self._drain()
-        new = [self._new[g].result() if g in self._new else self.store.unchanged(self.step, g, ref)
-               for g, ref in enumerate(self.refs)]
+        new = []
+        for g, ref in enumerate(self.refs):
+            if g not in self._new:
+                new.append(self.store.unchanged(self.step, g, ref))
+            else:
+                new.append(self._new[g].result() if isinstance(self._new[g], concurrent.futures.Future)
+                           else self._new[g])
         self.store.end(self.step, self.refs)
         # The replaced state is released now: the stream and its views refer to each other (a cycle that
         # only the garbage collector would break, holding a whole state's copy until it ran).
@@ -503,94 +712,111 @@ class StepStream:
         return new
 
     def stats(self) -> dict:
-        """Bytes and seconds of this step's fetches and writes (background threads' busy time)."""
+        """Bytes of this step's puts and write-backs; seconds: issuing them on the dispatching thread plus the
+        threads' busy time (files read and written)."""
         p = self.store.prefix
         return {f"{p}_read_bytes": self.read_bytes, f"{p}_write_bytes": self.write_bytes,
-                f"{p}_read_seconds": self.read_seconds, f"{p}_write_seconds": self.write_seconds}
+                f"{p}_read_seconds": self.read_seconds + self._thread_seconds,
+                f"{p}_write_seconds": self.write_seconds}
 
 
 class DeferredStream(StepStream):
-    """One deferred-update step's reads and writes of a store's layers (`revtrain.trainers.deferred`):
+    """One deferred-update step's puts and write-backs of a store's layers (`revtrain.trainers.deferred`):
     `StepStream` with a third part per group, ``"grad"``, the layer's whole-step gradient buffer.
 
     The buffer lives in the store as the weights and optimizer state do (host memory, or files on the disk
     tier: `Store.buffer_ref`): each store (``put(g, "grad", value)``, after each microbatch's backward of the
-    layer) is written by the store's writer thread as a new version, and the version it replaces is dropped;
-    each use (the next microbatch's backward, the statistics and update passes) is read ahead by the reader
-    thread as the weights are. The first microbatch's buffer is zeros made at its use (nothing read). The
-    device holds the layers in flight, each now with its gradient beside its weights (and optimizer state in
-    the passes); the store two versions of one buffer at most besides the others. The buffers never outlive
-    their step: the update pass consumes them before the step ends (`Store.end_buffers`), so a checkpoint
-    never holds a pending gradient.
+    layer) goes back as a new version (a put to host memory, or the writer thread's file), and the version it
+    replaces is dropped; each use (the next microbatch's backward, the statistics and update passes) is put
+    ahead as the weights are. The first microbatch's buffer is zeros made at its use (nothing read). The
+    buffers never outlive their step: the update pass consumes them before the step ends
+    (`Store.end_buffers`), so a checkpoint never holds a pending gradient.
 
-    ``schedule``: the expected accesses ``(group, "params" | "opt" | "grad")`` in order
-    (`deferred_schedule`). A buffer's next read is never submitted before its previous store: read-ahead
-    stops at the schedule entry of a buffer that was read and not stored yet.
+    ``programs``: `deferred_programs`. A buffer's next put is never issued before its previous store: the
+    puts stop at the program whose buffer was read and not stored yet.
     """
 
-    def __init__(self, store: Store, refs: list, step: int, schedule: list, place, grad_shapes: list,
+    def __init__(self, store: Store, refs: list, step: int, programs: list, place, grad_shapes: list,
                  release=None):
         n = len(refs)
         self.count, self.grad_shapes = n, list(grad_shapes)
         self._awaiting: set = set()  # groups whose buffer was read and not stored yet
         self._versions: dict = {}  # group -> buffer versions written
-        self._grad_writes: dict = {}  # group -> Future of its newest buffer's write
-        # A buffer is entry ``n + g`` of the stream's refs (read as its "params").
-        entries = [(g + n, "params") if part == "grad" else (g, part) for g, part in schedule]
-        super().__init__(store, list(refs) + [None] * n, step, entries, place, release=release)
+        self._grad_refs: list = [None] * n  # each group's newest buffer
+        self._grad_writes: dict = {}  # group -> Future of its newest buffer's file (a threaded store)
+        self._grad_held: dict = {}  # group -> its newest buffer kept on the device (its next use is near)
+        super().__init__(store, refs, step, programs, place, release=release)
         store.begin_buffers(step)
         self.grads = View(self, "grad")
 
-    def _not_yet(self, g: int) -> bool:
-        n = self.count
-        return g >= n and g - n in self._awaiting  # a buffer whose newest value is not stored yet
+    def _source(self, k: int, g: int, part: str):
+        if part != "grad":
+            return super()._source(k, g, part)
+        if g in self._awaiting or self._earlier(k, g, part):
+            return None
+        ref = self._grad_refs[g]
+        if ref is None or g in self._grad_held:
+            return ("none",)
+        return ("store", ref, "params", self._grad_writes.get(g))
 
-    def _submit(self, g: int, part: str):
-        n = self.count
-        written = self._grad_writes.get(g - n) if g >= n else None
-        after = None if self._gate is None else self._dispatched - 1 - self.store.ahead
-        return self.store.submit_read(self._read_after, g, part, self._gate, after, written)
-
-    def _read_after(self, g: int, part: str, gate, after, written):
-        if written is not None:  # (the reader waits for the writer's copy)
-            written.result()
-        return self._read(g, part, gate, after)
+    def _direct(self, g: int, part: str):
+        if part != "grad":
+            return super()._direct(g, part)
+        if g in self._grad_held:  # (held to its last use: the update pass, which consumes it)
+            return self._grad_held[g] if self._find(g, "grad") is not None else self._grad_held.pop(g)
+        ref = self._grad_refs[g]
+        if ref is None:  # the first microbatch's: zeros
+            return jax.tree.map(lambda x: self.place(np.zeros(x.shape, x.dtype)), self.grad_shapes[g])
+        written = self._grad_writes.get(g)
+        if written is not None:
+            written.result()  # read on demand: its file must be complete
+        loaded = [self.store.load(ref, "params")] if self.store.threaded else None
+        self.read_bytes += self.store.nbytes(ref, "params")
+        return self.store.read([(ref, "params")], self.place, loaded)[0]
 
     def get(self, g: int, part: str):
         """Group ``g``'s ``part`` as device arrays; ``"grad"``: its buffer (zeros before the first store)."""
-        if part != "grad":
-            return super().get(g, part)
-        n = self.count
-        self._awaiting.add(g)
-        if self.refs[g + n] is not None:
-            future = self._grad_writes.get(g)
-            if future is not None and (g + n, "params") not in self._pending:
-                future.result()  # read on demand: its write must be complete
-            return super().get(g + n, "params")
-        try:
-            self._next = self.schedule.index((g + n, "params"), self._next) + 1
-        except ValueError:
-            pass
-        return jax.tree.map(lambda x: self.place(np.zeros(x.shape, x.dtype)), self.grad_shapes[g])
+        tree = super().get(g, part)
+        if part == "grad" and not any(p == "opt" for _, p in self.programs[self._k]):
+            self._awaiting.add(g)  # (an accumulating program's: it stores the buffer; a pass's does not)
+        return tree
 
     def put(self, g: int, part: str, value) -> None:
-        """Stores group ``g``'s ``part``; ``"grad"``: written as a new version at once (after the previous
-        write), the version it replaces dropped."""
+        """Stores group ``g``'s ``part``; ``"grad"``: a new version at once (a threaded store's after the
+        previous file), the version it replaces dropped."""
         if part != "grad":
             return super().put(g, part, value)
-        n = self.count
         self._awaiting.discard(g)
-        while self._writes:  # one write at a time
-            self._done(self._writes.popleft())
-        old = self.refs[g + n]
+        old = self._grad_refs[g]
+        if self._next_use(g) <= self._k + self.depth:
+            # Its next program's puts are due already (the statistics pass right after the last backward of
+            # the first layers): it stays on the device for it, no round trip to the store.
+            self._grad_held[g] = value
+            self._grad_refs[g] = None
+            if old is not None:
+                self.store.drop_buffer(old)
+            return
         version = self._versions[g] = self._versions.get(g, 0) + 1
-        ref = self.refs[g + n] = self.store.buffer_ref(self.step, g, version, self.grad_shapes[g])
-        future = self.store.submit_write(self._write_grad, ref, [value])
+        ref = self._grad_refs[g] = self.store.buffer_ref(self.step, g, version, self.grad_shapes[g])
+        if self.store.threaded:
+            self._one_write()
+            future = self.store.submit_write(self._write_grad, ref, [value])
+            self._writes.append(future)
+            self._grad_writes[g] = future
+        else:
+            start = time.perf_counter()
+            self.store.write_buffer(ref, value)
+            self.write_seconds += time.perf_counter() - start
+            self.write_bytes += self.store.nbytes(ref, "params")
         del value
-        self._writes.append((g + n, None, future))
-        self._grad_writes[g] = future
+        self._record("back", self._k, g, "grad")
         if old is not None:  # read already (it was this store's input)
             self.store.drop_buffer(old)
+
+    def _next_use(self, g: int) -> int:
+        """The next program that reads group ``g``'s buffer (past the end: none)."""
+        k = self._find(g, "grad")
+        return len(self.programs) if k is None else k
 
     def _write_grad(self, ref, box):
         start = time.perf_counter()
@@ -604,5 +830,5 @@ class DeferredStream(StepStream):
             self._drain()
         finally:
             self.store.end_buffers(self.step)
-        self.refs = self.refs[:self.count]
+        self._grad_refs, self._grad_held = [], {}
         return super().finish()

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain import metrics as metrics_lib
 from revtrain.placement import placer, replicated
 from revtrain.residency import HostStack, for_offload
-from revtrain.streaming import train_schedule
+from revtrain.streaming import train_programs
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, check_batch, check_finite, check_flags,
                                       grad_norm, is_elementwise, step_key)
 from revtrain.trainers.deferred import DeferredUpdates
@@ -246,11 +246,11 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     def _streamed(self, grouped: Stacked, plan, ts: TrainState, deferred: tuple | None = None):
         """The step's ``(params, opt_state)`` lists: the groups' own, or with a streamed tier the views of a
-        `streaming.StepStream` that fetches each layer ahead and writes each update back. The host store lets
-        go of each layer's old state (``ts`` is consumed, as donation consumes the device tier's) once its new
-        one is written: the state is replaced layer by layer, never held twice. ``deferred = (passes, the tied
-        leaves' owners' groups)``: a deferred-update step's `streaming.DeferredStream`, whose gradient buffers
-        are the third view returned."""
+        `streaming.StepStream` that puts each layer on the device ahead of its program and each update back.
+        The stream lets go of each layer's old state (``ts`` is consumed, as donation consumes the device
+        tier's) once its new one is issued: the state is replaced layer by layer, never held twice.
+        ``deferred = (passes, the tied leaves' owners' groups)``: a deferred-update step's
+        `streaming.DeferredStream`, whose gradient buffers are the third view returned."""
         if not self.residency.streamed:
             return list(grouped.params), list(grouped.opt_state)
         store = self.residency.store
@@ -263,7 +263,7 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         refs, place = store.refs(grouped.params, grouped.opt_state), placer(self.mesh, self.shard_state)
         release = release if self.residency.releases else None
         if deferred is None:
-            self._stream = store.stream(refs, ts.step + 1, train_schedule(plan.kinds), place, release=release)
+            self._stream = store.stream(refs, ts.step + 1, train_programs(plan.kinds), place, release=release)
             return self._stream.params, self._stream.opt_state
         passes, owners = deferred
         shapes = self.model.param_shapes()
@@ -422,10 +422,10 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         finite, sq = [None] * (last + 1), [None] * (last + 1)
         out = {}
 
-        # With a streamed tier each access of ``params[g]`` / ``opt_state[g]`` takes the layer the engine
-        # fetched ahead, and each store hands the update to its writer; the dispatch limiter keeps at most
-        # `streaming.IN_FLIGHT` programs ahead of the device. Otherwise the loop never waits: the step's one
-        # host sync is the final check of non-finite values.
+        # With a streamed tier each access of ``params[g]`` / ``opt_state[g]`` takes the layer the engine put
+        # on the device ahead, and each store issues the update's put back; the engine waits for the program
+        # `Store.depth` before each one (the dispatch limiter tells it of each program). Otherwise the loop
+        # never waits: the step's one host sync is the final check of non-finite values.
         def head(x):
             # Loss, vjp and update in one call (through the backprop blocks under the head).
             if top:

@@ -32,13 +32,17 @@ def walk(plan: "Plan", residency, params: list, slot: list, states, new_states: 
     """One forward and backward pass over ``plan`` (the fused step and the deferred one alike).
 
     Forward: each group below the head's program runs its forward program (keeping its input when its
-    mode does: `modes.BackwardMode.keeps_input`, in host memory with offload). ``head(x)`` runs the
+    mode does: `modes.BackwardMode.keeps_input`, in host memory with offload; with a streamed tier in its
+    step's stream, which brings it back ahead of the backward). ``head(x)`` runs the
     head's program (with the backprop blocks) and returns the cotangent of its input. Backward, newest
     first: each group's backward program takes ``(params, slot, state, start, dy, ctx, index)``, ``slot``
     being the optimizer state (fused update) or the gradient buffer (deferred), ``start`` the output a
     rebuild starts from or the kept input; ``store(g, results)`` takes the program's results after the
     activations (updated params and state, finite flags and squares; or the buffer)."""
     blocks, kept = plan.blocks, {}
+    # A streamed tier's step (`streaming.StepStream`, behind the views): a kept input waits in the stream,
+    # whose puts bring it back to the device ahead of its backward, as they do the layer's state.
+    stream = getattr(params, "stream", None)
     below = len(blocks) - 1 - plan.top
     for g in range(below):
         block = blocks[g]
@@ -46,7 +50,10 @@ def walk(plan: "Plan", residency, params: list, slot: list, states, new_states: 
             x, new_states[g], kept[g] = block.forward(params[g], states[g], x, ctx, block.index)
             continue
         if block.mode.keeps_input:
-            kept[g] = residency.keep(x)
+            if stream is None:
+                kept[g] = residency.keep(x)
+            else:
+                stream.keep(g, residency.keep(x))
         x, new_states[g] = block.forward(params[g], states[g], x, ctx, block.index)
     dy = head(x)
     y = x
@@ -55,7 +62,7 @@ def walk(plan: "Plan", residency, params: list, slot: list, states, new_states: 
         if block.kind is StepKind.RUN and block.mode.keeps_input:  # (its first input comes back as y)
             dy, y, *rest = block.backward(params[g], slot[g], states[g], kept.pop(g), dy, ctx, block.index)
         elif block.mode.keeps_input:  # recomputed from its kept input; the walk goes on from that input
-            xs = residency.bring(kept.pop(g))
+            xs = residency.bring(kept.pop(g) if stream is None else stream.bring(g))
             out = block.backward(params[g], slot[g], states[g], xs, dy, ctx, block.index)
             dy, rest, y = out[0], out[1:], xs
         else:
