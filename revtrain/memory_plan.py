@@ -77,7 +77,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from revtrain import limits
+from revtrain import limits, optstate
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.trainers.common import TrainerBase
@@ -111,12 +111,9 @@ class MemoryPlanError(ConfigError):
 
 
 def _nbytes(tree) -> int:
-    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        dtype = np.dtype(x.dtype)
-        total += int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize
-    return total
+    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf; a typed PRNG
+    key: its key data's, `revtrain.optstate.nbytes`)."""
+    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))
 
 
 # -- the trainer choices -------------------------------------------------------------------------------------

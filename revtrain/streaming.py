@@ -39,12 +39,13 @@ makes the link slow on purpose); every stream records its fetches and dispatches
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import time
 from collections import deque
 
 import jax
 import numpy as np
+
+from revtrain import optstate
 
 
 IN_FLIGHT = 2  # programs dispatched ahead of the device at most (each holds its layer's state)
@@ -217,7 +218,7 @@ class HostLayer:
 
 
 def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))  # (typed PRNG keys too)
 
 
 class HostStore(Store):

@@ -1,0 +1,191 @@
+"""optax's whole catalogue (revtrain/registry.py's `OPTAX_CATALOGUE`, found by introspection) through both
+trainers and every tier (issue 60): each optimizer and wrapper with its default hyperparameters (a learning rate
+where one is required; wrappers around AdamW; a transformation without a learning rate scaled by -1e-3), 3 steps
+of StandardTrainer and of ReversibleTrainer in device memory, in host memory (``offload=True``) and on disk
+(``offload='disk'``): the losses and every parameter leaf bit for bit, or ReversibleTrainer's one-line refusal
+(an `InputError`: `CoupledUpdateError` and the like). A handful of representative optimizers run in make test,
+the whole catalogue in make test-all (``slow``)."""
+
+import functools
+import inspect
+import warnings
+
+import gin
+import jax
+import numpy as np
+import optax
+import pytest
+
+from revtrain import registry
+from revtrain.errors import InputError
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.reversible import ReversibleTrainer
+from revtrain.trainers.standard import StandardTrainer
+
+T, STEPS, LR = 128, 3, 1e-3
+
+# Values for required arguments other than the learning rate and an inner optimizer (the catalogue's
+# wrappers' counts); any other required argument means the name is not an optimizer with defaults.
+REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
+
+# Representative optimizers run in make test: the default, a typed PRNG key in the state, the parameters'
+# own arrays in the state, a global predicate over AdamW, and a matrix optimizer.
+REPRESENTATIVE = ("optax.adamw", "optax.noisy_sgd", "optax.contrib.prodigy", "optax.apply_if_finite",
+                  "optax.contrib.muon")
+
+
+def _inner():
+    return optax.adamw(LR)
+
+
+def build(qualified: str):
+    """The optimizer ``qualified`` names (its gin configurable called with its defaults), or None when the name
+    is not an optimizer that default hyperparameters make (a loss, a schedule, a transformation with a required
+    setting). Returns ``(optimizer, kind)``, kind ``"optimizer"``, ``"wrapper"`` or ``"transformation"``."""
+    fn = gin.get_configurable(qualified)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kwargs, kind, has_lr = {}, "optimizer", False
+    for p in params:
+        has_lr |= p.name == "learning_rate"
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.name == "learning_rate":
+            kwargs[p.name] = LR
+        elif "GradientTransformation" in str(p.annotation):
+            kwargs[p.name], kind = _inner(), "wrapper"
+        elif p.name in REQUIRED:
+            kwargs[p.name] = REQUIRED[p.name]
+        else:
+            return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tx = fn(**kwargs)
+    except Exception:  # noqa: BLE001  (not constructible from defaults: not a catalogue case)
+        return None
+    if not isinstance(tx, optax.GradientTransformation):
+        return None
+    if kind == "optimizer" and not has_lr:
+        kind = "transformation"
+        tx = optax.chain(tx, optax.scale(-LR))  # a direction alone: scaled as a learning rate would
+    return tx, kind
+
+
+@functools.cache
+def catalogue() -> dict:
+    """Every catalogue name `build` makes an optimizer of: ``{qualified name: kind}``."""
+    out = {}
+    for qualified in registry.OPTAX_CATALOGUE:
+        made = build(qualified)
+        if made is not None:
+            out[qualified] = made[1]
+    return out
+
+
+def _bits(tree):
+    """Every leaf's bytes (NaN payloads and signed zeros included: bit for bit)."""
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _run(qualified, batches, trainer_cls, **kwargs):
+    """A step of ``trainer_cls`` with the optimizer ``qualified`` names per batch (the tiny model of
+    tests/test_optim.py): ``(each loss's bytes, each layer's parameter bytes)``."""
+    tx, _ = build(qualified)
+    mesh = make_mesh(jax.devices()[:1])
+    model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
+    with jax.default_matmul_precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_cls(model, tx, mesh, seed=0, **kwargs)
+        ts, losses = trainer.init(), []
+        for batch in batches:
+            ts, m = trainer.train_step(ts, global_batch(batch, mesh))
+            losses.append(np.asarray(m["loss"]).tobytes())
+        params = [_bits(trainer.layer_params(ts, i)) for i in range(len(model.layers))]
+    return losses, params
+
+
+def check(qualified, batches, tmp_path) -> str:
+    """Runs ``qualified`` through both trainers on every tier; asserts each reversible run equals
+    StandardTrainer bit for bit, or that ReversibleTrainer refuses it in one line. Returns ``"exact"`` or
+    ``"refused: <line>"``."""
+    want = _run(qualified, batches, StandardTrainer)
+    tiers = {"device": {}, "host": {"offload": True},
+             "disk": {"offload": "disk", "offload_dir": str(tmp_path / "tier")}}
+    for tier, kwargs in tiers.items():
+        try:
+            got = _run(qualified, batches, ReversibleTrainer, **kwargs)
+        except InputError as e:
+            # (gin adds "  In call to configurable ..." lines to an error raised inside a configurable's call; the
+            # CLI prints the first line)
+            lines = [x for x in str(e).splitlines() if not x.startswith("  In call to configurable")]
+            assert len(lines) == 1 and lines[0], f"{qualified} ({tier}): not a one-line refusal: {str(e)!r}"
+            return f"refused: {lines[0]}"
+        assert got[0] == want[0], f"{qualified} ({tier}): losses differ from StandardTrainer's"
+        for i, (a, b) in enumerate(zip(got[1], want[1])):
+            assert a == b, f"{qualified} ({tier}): layer {i}'s parameters differ from StandardTrainer's"
+    return "exact"
+
+
+def test_catalogue_is_optax_itself():
+    """The registered catalogue is optax's public names (introspected, not a list): the optimizers the issue
+    names are there, each wrapper builds around AdamW, and the representative ones are in it."""
+    names = catalogue()
+    for q in ("optax.adamw", "optax.noisy_sgd", "optax.radam", "optax.adan", "optax.lars", "optax.novograd",
+              "optax.sign_sgd", "optax.contrib.muon", "optax.contrib.prodigy", "optax.contrib.schedule_free_adamw"):
+        assert names.get(q) == "optimizer", q
+    for q in ("optax.apply_if_finite", "optax.MultiSteps", "optax.contrib.mechanize"):
+        assert names.get(q) == "wrapper", q
+    assert set(REPRESENTATIVE) <= set(names)
+    assert "optax.chain" in registry.OPTAX_CATALOGUE and "optax.ScaleByAdamState" not in registry.OPTAX_CATALOGUE
+
+
+@pytest.mark.parametrize("qualified", REPRESENTATIVE)
+def test_representative_optimizers(qualified, text_batches, tmp_path):
+    check(qualified, text_batches(8, STEPS), tmp_path)
+
+
+def _whole():
+    try:
+        return [q for q in catalogue() if q not in REPRESENTATIVE]
+    except Exception:  # noqa: BLE001  (collection must not fail; the catalogue test above reports it)
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qualified", _whole())
+def test_whole_catalogue(qualified, text_batches, tmp_path):
+    check(qualified, text_batches(8, STEPS), tmp_path)
+
+
+def test_resume_with_another_optimizer(tmp_path, byte_lm_data_dir, capfd):
+    """A finished AdamW run resumed with NAdamW (the same state's structure) continues, and the changed-config
+    line says that it matters: NAdamW trains on with its own weight decay (its default 0.0001, not AdamW's 0.01); resumed with
+    SGD (another state) it is refused in one line naming both optimizers; an unknown optax name is one line
+    saying so."""
+    from helpers import revtrain_here
+    from test_optim import TINY
+    workdir = tmp_path / "run"
+    assert revtrain_here(capfd, "train", *TINY, "--gin", "STEPS = 2", "--workdir", workdir).returncode == 0
+    got = revtrain_here(capfd, "train", *TINY, "--gin", "STEPS = 3", "--workdir", workdir,
+                        "--gin", "train.optimizer = @optax.nadamw")
+    assert got.returncode == 0, got.stderr
+    line = next(x for x in got.stderr.splitlines() if "changed since the saved config.gin" in x)
+    assert "train.optimizer @optax.adamw -> @optax.nadamw" in line
+    assert line.endswith("-- it matters: the optimizer changed (@optax.adamw -> @optax.nadamw) and trains on with "
+                         "its own values of @optax.adamw's settings: nesterov False -> True, weight_decay 0.01 -> "
+                         "0.0001"), line
+    got = revtrain_here(capfd, "train", *TINY, "--gin", "STEPS = 4", "--workdir", workdir,
+                        "--gin", "train.optimizer = @optax.sgd")
+    assert got.returncode == 2
+    assert ("was made with a different optimizer (@optax.nadamw; this run's is @optax.sgd); resume with the same "
+            "config or start a new --workdir") in got.stderr, got.stderr
+    got = revtrain_here(capfd, "train", *TINY, "--workdir", tmp_path / "other",
+                        "--gin", "train.optimizer = @optax.contrib.prodigi()")
+    assert got.returncode == 2
+    assert got.stderr.strip().splitlines()[-1].endswith(
+        "'optax.contrib.prodigi' is not an optax name (of optax " + optax.__version__
+        + ") (did you mean 'optax.contrib.prodigy'?)"), got.stderr
