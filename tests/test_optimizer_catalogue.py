@@ -189,3 +189,16 @@ def test_resume_with_another_optimizer(tmp_path, byte_lm_data_dir, capfd):
     assert got.stderr.strip().splitlines()[-1].endswith(
         "'optax.contrib.prodigi' is not an optax name (of optax " + optax.__version__
         + ") (did you mean 'optax.contrib.prodigy'?)"), got.stderr
+
+
+def test_plan_names_the_optimizer(capsys):
+    """``revtrain plan`` names the run's optimizer in its first line, and an Adafactor run is offered no
+    "+ Adafactor" row (the choice it already is)."""
+    from helpers import revtrain_here
+    from test_optim import TINY
+    result = revtrain_here(capsys, "plan", *TINY, "--gin", "train.optimizer = @optax.adafactor")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip().splitlines()
+    assert out[0].startswith("memory plan (ReversibleTrainer, optimizer @optax.adafactor, "), out[0]
+    rows = [line.split("  ")[0] for line in out[2:]]
+    assert "ReversibleTrainer + offload" in rows and not any("Adafactor" in r for r in rows), rows
