@@ -491,6 +491,7 @@ class _Training:
     def periodic(self, step: int, final: bool) -> None:
         """The checkpoint, evaluation and sample due at ``step`` (a failed evaluation or sample saves the step
         first, `_keeping_the_step`); sampling time is left out of the logged rates."""
+        from revtrain.schedule_free import evaluation_state
         run, cfg, ts = self.run, self.run.cfg, self.ts
         checkpointer, data, meta, kept = self.checkpointer, self.data, self.meta, self.kept
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
@@ -503,7 +504,8 @@ class _Training:
         if cfg.sample_every and (step % cfg.sample_every == 0 or final):
             t_sample = time.time()
             self.saved = _keeping_the_step(checkpointer, ts, data, meta, self.saved, "sample", kept,
-                                           lambda: self.sample_lib.training_sample(run, ts, self.writer))
+                                           lambda: self.sample_lib.training_sample(
+                                               run, evaluation_state(run.trainer, ts), self.writer))
             self.t_last += time.time() - t_sample  # sampling time is not training time
 
     def save_last(self) -> None:
@@ -697,8 +699,11 @@ def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) 
 
 
 def _evaluate_or_oom(run: Run, ts: TrainState, what: str) -> dict:
+    """`evaluate` of ``ts`` (a schedule-free optimizer's: on its evaluation weights, `revtrain.schedule_free`),
+    an out-of-memory error as one line naming ``what``."""
+    from revtrain.schedule_free import evaluation_state
     with oom.in_one_line(lambda: what, _oom_knobs(run, evaluation=True)):
-        return evaluate(run, ts)
+        return evaluate(run, evaluation_state(run.trainer, ts))
 
 
 def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False,

@@ -202,3 +202,34 @@ def test_plan_names_the_optimizer(capsys):
     assert out[0].startswith("memory plan (ReversibleTrainer, optimizer @optax.adafactor, "), out[0]
     rows = [line.split("  ")[0] for line in out[2:]]
     assert "ReversibleTrainer + offload" in rows and not any("Adafactor" in r for r in rows), rows
+
+
+@pytest.mark.parametrize("trainer_cls", [StandardTrainer, ReversibleTrainer])
+def test_schedule_free_evaluates_on_its_evaluation_weights(trainer_cls, text_batches):
+    """A schedule-free run is evaluated (and sampled) on ``optax.contrib.schedule_free_eval_params``:
+    `revtrain.schedule_free.evaluation_state` gives (y - (1 - b1) z) / b1 of every layer, from the whole-model
+    state (StandardTrainer) or each layer's (ReversibleTrainer), and the evaluation differs from the training
+    iterate's; an AdamW state is evaluated as it is."""
+    from revtrain.schedule_free import evaluation_state
+    mesh = make_mesh(jax.devices()[:1])
+    model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
+    batches = text_batches(8, 2)
+    trainer = trainer_cls(model, optax.contrib.schedule_free_adamw(1e-2), mesh, seed=0)
+    ts = trainer.init()
+    for batch in batches:
+        ts, _ = trainer.train_step(ts, global_batch(batch, mesh))
+    ev = evaluation_state(trainer, ts)
+    assert ev is not ts and ev.step == ts.step
+    per = ts.per_layer()
+    whole = trainer_cls is StandardTrainer  # (one ScheduleFreeState for the list of layers, else one a layer)
+    for i, (p, e) in enumerate(zip(per.params, ev.params)):
+        s = per.opt_state[0] if whole else per.opt_state[i]
+        z, b1 = (s.z[i] if whole else s.z), float(np.asarray(s.b1))
+        for y, zz, got in zip(jax.tree.leaves(p), jax.tree.leaves(z), jax.tree.leaves(e)):
+            y, zz = np.asarray(y), np.asarray(zz)
+            np.testing.assert_allclose(np.asarray(got), (y - (1.0 - b1) * zz) / b1, rtol=1e-5, atol=1e-7)
+    batch = global_batch(batches[0], mesh)
+    assert float(trainer.eval_step(ev, batch)["loss_sum"]) != float(trainer.eval_step(ts, batch)["loss_sum"])
+    plain = StandardTrainer(model, optax.adamw(1e-3), mesh, seed=0)
+    state = plain.init()
+    assert evaluation_state(plain, state) is state
