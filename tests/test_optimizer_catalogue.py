@@ -233,3 +233,48 @@ def test_schedule_free_evaluates_on_its_evaluation_weights(trainer_cls, text_bat
     plain = StandardTrainer(model, optax.adamw(1e-3), mesh, seed=0)
     state = plain.init()
     assert evaluation_state(plain, state) is state
+
+
+@pytest.mark.parametrize("trainer_cls, offload", [(StandardTrainer, None), (ReversibleTrainer, "disk")])
+def test_a_key_in_the_state_is_checkpointed_and_resumed(trainer_cls, offload, text_batches, tmp_path):
+    """``optax.noisy_sgd`` keeps a typed PRNG key in its state: the trainers hold its key data, an Orbax
+    checkpoint (and the disk tier's files) keep it, and a resumed step draws the same noise: 2 steps, a
+    save, a restore into a new trainer, a third step: the third step's loss and every parameter as an
+    uninterrupted run's, bit for bit."""
+    from revtrain import checkpoint as ckpt_lib
+    mesh = make_mesh(jax.devices()[:1])
+    batches = text_batches(8, 3)
+
+    def make(name):
+        kwargs = {} if offload is None else {"offload": offload, "offload_dir": str(tmp_path / name)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (optax warns that noisy_sgd's default key will be required)
+            return trainer_cls(ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0),
+                               optax.noisy_sgd(1e-2), mesh, seed=0, **kwargs)
+
+    def steps(trainer, ts, part):
+        losses = []
+        for batch in part:
+            ts, m = trainer.train_step(ts, global_batch(batch, mesh))
+            losses.append(float(m["loss"]))
+        return ts, losses
+
+    whole = make("whole")
+    ts, want = steps(whole, whole.init(), batches)
+    want_params = [_bits(whole.layer_params(ts, i)) for i in range(len(whole.model.layers))]
+    first = make("first")
+    ts, _ = steps(first, first.init(), batches[:2])
+    if offload == "disk":  # (each layer's file holds its state: the key's data is a uint32 leaf of shape (2,))
+        leaves = [(s, d) for ref in ts.per_layer().params for s, d in zip(ref.layout.shapes, ref.layout.dtypes)]
+    else:
+        leaves = [(np.shape(x), np.asarray(x).dtype) for x in jax.tree.leaves(ts.per_layer().opt_state)]
+    assert ((2,), np.dtype(np.uint32)) in leaves, leaves  # (the key's data: threefry's 2 words)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    again = make("again")
+    restored = checkpointer.restore(again.abstract_state())
+    checkpointer.close()
+    ts, got = steps(again, restored, batches[2:])
+    assert got == want[2:]
+    assert [_bits(again.layer_params(ts, i)) for i in range(len(whole.model.layers))] == want_params
