@@ -143,6 +143,45 @@ def test_catalogue_is_optax_itself():
     assert "optax.chain" in registry.OPTAX_CATALOGUE and "optax.ScaleByAdamState" not in registry.OPTAX_CATALOGUE
 
 
+def test_gin_builds_what_optax_builds():
+    """Bindings written as optax's Python: ``MultiSteps`` gives its gradient transformation (a MultiStepsState
+    around AdamW's), ``named_chain`` and ``chain`` take their transformations as one list, a contrib optimizer
+    and a wrapper by their own names; an unknown optax name is one line saying so, with a close optax name
+    only; a class of settings (``MuonDimensionNumbers``) is nameable."""
+    from revtrain.errors import UsageError
+    params = {"w": np.ones((4, 4), np.float32)}
+    try:
+        registry.parse_gin([], [
+            "optax.MultiSteps.opt = @optax.adamw()", "optax.MultiSteps.every_k_schedule = 2",
+            "optax.adamw.learning_rate = 0.1", "optax.contrib.muon.learning_rate = 0.1",
+            "optax.named_chain.transforms = [('clip', @optax.clip_by_global_norm()), ('muon', @optax.contrib.muon())]",
+            "optax.clip_by_global_norm.max_norm = 1.0", "optax.apply_if_finite.inner = @optax.sgd()",
+            "optax.apply_if_finite.max_consecutive_errors = 3", "optax.sgd.learning_rate = 0.1",
+            "optax.chain.transforms = [@optax.apply_if_finite(), @optax.noisy_sgd()]", "optax.noisy_sgd.learning_rate = 0.1",
+            "optax.contrib.MuonDimensionNumbers.reduction_axis = 1"])
+        multi = gin.get_configurable("optax.MultiSteps")()
+        assert isinstance(multi, optax.GradientTransformation)
+        assert type(multi.init(params)).__name__ == "MultiStepsState"
+        named = gin.get_configurable("optax.named_chain")().init(params)
+        assert list(named) == ["clip", "muon"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            chained = gin.get_configurable("optax.chain")().init(params)
+        assert type(chained[0]).__name__ == "ApplyIfFiniteState" and type(chained[1][0]).__name__ == "AddNoiseState"
+        assert gin.get_configurable("optax.contrib.MuonDimensionNumbers")().reduction_axis == 1
+    finally:
+        gin.clear_config()
+    for binding, line in [
+            ("train.optimizer = @optax.contrib.prodigi()", "'optax.contrib.prodigi' is not an optax name (of optax "
+             f"{optax.__version__}) (did you mean 'optax.contrib.prodigy'?)"),
+            ("train.optimizer = @optax.contrib.nothing_like_it", f"'optax.contrib.nothing_like_it' is not an optax name "
+             f"(of optax {optax.__version__})")]:
+        with pytest.raises(UsageError) as e:
+            registry.parse_gin([], [binding])
+        assert str(e.value) == f"bad gin configuration: {line}"
+    gin.clear_config()
+
+
 @pytest.mark.parametrize("qualified", REPRESENTATIVE)
 def test_representative_optimizers(qualified, text_batches, tmp_path):
     check(qualified, text_batches(8, STEPS), tmp_path)
