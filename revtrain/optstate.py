@@ -10,10 +10,11 @@ Two things in an optax state do not survive revtrain's boundaries as they are:
   (``jax.random.wrap_key_data`` with the key's own implementation) inside ``update``, so the optimizer
   itself sees the keys optax made and draws the same numbers.
 * **The parameters' own arrays** (``prodigy``, ``dog``, ``cocob``, ``madgrad``, ``mechanize`` keep the
-  initial parameters in the state: ``init`` returns the very arrays it was given). A step that donates
-  the parameters and the state would donate those buffers twice (XLA: "Attempt to donate the same buffer
-  twice"). `keep_states`' ``init`` copies exactly those leaves (an identical object, or the same traced
-  value under ``jit``), so every other optimizer keeps its state as it was and its donation as before.
+  initial parameters in the state: ``init`` returns the very arrays it was given; ``cocob`` also puts one
+  array in two of its fields). A step that donates the parameters and the state would donate those buffers
+  twice (XLA: "Attempt to donate the same buffer twice"). `keep_states`' ``init`` copies exactly those
+  leaves (an identical object, or the same traced value under ``jit``), so every other optimizer keeps its
+  state as it was and its donation as before.
 
 Integer counters and empty states (``EmptyState()``, ``()``) pass through unchanged.
 """
@@ -59,12 +60,20 @@ def nbytes(x) -> int:
 
 
 def _copy_aliases(state, params):
-    """``state`` with each leaf that is one of ``params``' leaves (the same object: the same array, or the
-    same tracer under ``jit``) replaced by a copy, so a program can donate both trees."""
-    held = {id(x) for x in jax.tree.leaves(params)}
-    if not any(id(x) in held for x in jax.tree.leaves(state)):
-        return state
-    return jax.tree.map(lambda x: jnp.copy(x) if id(x) in held else x, state)
+    """``state`` with each leaf that is one of ``params``' leaves, or a leaf met earlier in ``state`` itself
+    (the same object: the same array, or the same tracer under ``jit``; ``cocob`` puts one array in two
+    fields), replaced by a copy, so a program can donate both trees, every buffer once."""
+    seen = {id(x) for x in jax.tree.leaves(params)}
+    leaves, treedef = jax.tree.flatten(state)
+    out, copied = [], False
+    for x in leaves:
+        if id(x) in seen and hasattr(x, "dtype"):
+            out.append(jnp.copy(x))
+            copied = True
+        else:
+            out.append(x)
+            seen.add(id(x))
+    return jax.tree.unflatten(treedef, out) if copied else state
 
 
 def keep_states(tx: optax.GradientTransformation) -> optax.GradientTransformation:

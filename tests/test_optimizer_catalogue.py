@@ -34,6 +34,21 @@ REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
 REPRESENTATIVE = ("optax.adamw", "optax.noisy_sgd", "optax.contrib.prodigy", "optax.apply_if_finite",
                   "optax.contrib.muon")
 
+# ReversibleTrainer's documented refusals (docs/recipe.md, "Refused, and not yet exact"): name -> reason. A
+# refusal of any other name fails its case.
+REFUSED: dict = {}
+
+# TO BE REMOVED AT MERGE: the cases that fail on branch i60a (issue 60a: names and states), whose fixes are issue
+# 60's exactness part (revtrain/trainers/layerwise.py, deferred.py: another branch). Name -> what happens, as
+# the whole-catalogue run on i60a found it. Each is xfail(strict=True): a fixed one fails as XPASS, so this
+# list cannot outlive its fixes.
+KNOWN_FAILURES: dict = {}
+
+
+def _cases(names):
+    return [pytest.param(q, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[q]))
+            if q in KNOWN_FAILURES else q for q in names]
+
 
 def _inner():
     return optax.adamw(LR)
@@ -110,8 +125,8 @@ def _run(qualified, batches, trainer_cls, **kwargs):
 
 def check(qualified, batches, tmp_path) -> str:
     """Runs ``qualified`` through both trainers on every tier; asserts each reversible run equals
-    StandardTrainer bit for bit, or that ReversibleTrainer refuses it in one line. Returns ``"exact"`` or
-    ``"refused: <line>"``."""
+    StandardTrainer bit for bit, or that ReversibleTrainer refuses it in one line and it is one of `REFUSED`.
+    Returns ``"exact"`` or ``"refused: <line>"``."""
     want = _run(qualified, batches, StandardTrainer)
     tiers = {"device": {}, "host": {"offload": True},
              "disk": {"offload": "disk", "offload_dir": str(tmp_path / "tier")}}
@@ -123,6 +138,7 @@ def check(qualified, batches, tmp_path) -> str:
             # CLI prints the first line)
             lines = [x for x in str(e).splitlines() if not x.startswith("  In call to configurable")]
             assert len(lines) == 1 and lines[0], f"{qualified} ({tier}): not a one-line refusal: {str(e)!r}"
+            assert qualified in REFUSED, f"{qualified} ({tier}) is refused, and not in REFUSED: {lines[0]}"
             return f"refused: {lines[0]}"
         assert got[0] == want[0], f"{qualified} ({tier}): losses differ from StandardTrainer's"
         for i, (a, b) in enumerate(zip(got[1], want[1])):
@@ -182,7 +198,7 @@ def test_gin_builds_what_optax_builds():
     gin.clear_config()
 
 
-@pytest.mark.parametrize("qualified", REPRESENTATIVE)
+@pytest.mark.parametrize("qualified", _cases(REPRESENTATIVE))
 def test_representative_optimizers(qualified, text_batches, tmp_path):
     check(qualified, text_batches(8, STEPS), tmp_path)
 
@@ -195,7 +211,7 @@ def _whole():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("qualified", _whole())
+@pytest.mark.parametrize("qualified", _cases(_whole()))
 def test_whole_catalogue(qualified, text_batches, tmp_path):
     check(qualified, text_batches(8, STEPS), tmp_path)
 
