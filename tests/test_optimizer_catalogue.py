@@ -68,6 +68,8 @@ KNOWN_FAILURES: dict = {
     "optax.contrib.dowg": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
     "optax.contrib.momo": ("both trainers crash: its update needs the keyword argument value (the loss), which "
                            "no trainer passes: to be refused in one line"),
+    "optax.contrib.momo_adam": ("both trainers crash: its update needs the keyword argument value (the loss), "
+                                "which no trainer passes: to be refused in one line"),
 }
 
 
