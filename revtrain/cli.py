@@ -544,7 +544,7 @@ def _plan_command(args) -> int:
     if budget is not None:
         print(budget.line())
     plans = memory_plan.choices(run, with_standard=True)
-    print(plans[0].line())
+    print(plans[0].line(optimizer=memory_plan.optimizer_text(run.cfg)))
     print(memory_plan.table(plans))
     return 0
 

@@ -79,14 +79,61 @@ def _writable(workdir: str) -> bool:
     return created
 
 
-def _check_resumable(saved: dict, current: dict, step: int, workdir: str) -> None:
+def _check_resumable(saved: dict, current: dict, step: int, workdir: str, optimizers: tuple | None = None) -> None:
+    """Refuses (`ConfigError`, one line) a checkpoint whose `run_signature` differs from the run's; a different
+    optimizer state names both optimizers when ``optimizers`` (``(saved, current)``, gin text such as
+    ``@optax.adamw``) tells them."""
     for key in current:
         if saved.get(key) != current[key]:
             what = {"layers": "model (layers or parameter shapes)", "optimizer_state": "optimizer",
                     "data": "data source or sequence length", "batch_size": "train.batch_size",
                     "seed": "train.seed", "trainer": "trainer"}.get(key, key)
+            if key == "optimizer_state" and optimizers and optimizers[0] != optimizers[1]:
+                what = f"optimizer ({optimizers[0]}; this run's is {optimizers[1]})"
+            elif key == "optimizer_state" and optimizers:
+                what = f"optimizer state ({optimizers[1]} with other settings)"
             raise ConfigError(f"the checkpoint at step {step} in {workdir} was made with a different {what}; "
                               "resume with the same config or start a new --workdir")
+
+
+def _saved_and_current(workdir: str, run: Run, name: str) -> tuple[str, str] | None:
+    """``(saved value, this run's value)`` of the operative gin binding ``name`` (e.g. ``train.optimizer``) as
+    gin text, from the workdir's ``config.gin`` and the run's config; None when either cannot be read."""
+    try:
+        with open(os.path.join(workdir, "config.gin")) as f:
+            saved = ginconfig.operative_values(f.read())
+        current = ginconfig.operative_values(_run_config(run)[0])
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return saved.get(name, "(unset)"), current.get(name, "(unset)")
+
+
+def _optimizer_defaults_note(before: dict, after: dict) -> str | None:
+    """When ``train.optimizer`` changed between two operative configs (`ginconfig.operative_values`): the
+    settings the new optimizer has under the old one's parameter names with other values (AdamW's
+    ``weight_decay`` 0.01 against NAdamW's default 0.0001): a resumed run continues with those, which the
+    list of changed values shows only as unrelated lines. None when the optimizer did not change or no
+    shared setting differs."""
+    old, new = before.get("train.optimizer"), after.get("train.optimizer")
+    if not old or not new or old == new or not old.startswith("@") or not new.startswith("@"):
+        return None
+
+    def settings(ref: str, values: dict) -> dict:
+        parts = ref[1:].removesuffix("()").split(".")
+        for k in range(len(parts)):  # the selector as the operative config writes it (its shortest form)
+            prefix = ".".join(parts[k:]) + "."
+            found = {key[len(prefix):]: v for key, v in values.items() if key.startswith(prefix)
+                     and "." not in key[len(prefix):]}
+            if found:
+                return found
+        return {}
+
+    was, now = settings(old, before), settings(new, after)
+    differ = [f"{p} {was[p]} -> {now[p]}" for p in sorted(was) if p in now and was[p] != now[p]]
+    if not differ:
+        return None
+    return (f"the optimizer changed ({old} -> {new}) and trains on with its own values of {old}'s settings: "
+            + ", ".join(differ))
 
 
 def _sync_metrics(metrics: dict) -> dict:
@@ -156,12 +203,15 @@ def _config_changes(workdir: str, run: Run) -> str | None:
     try:
         with open(os.path.join(workdir, "config.gin")) as f:
             saved = f.read()
-        changes = ginconfig.config_differences(saved, _run_config(run)[0])
+        current = _run_config(run)[0]
+        changes = ginconfig.config_differences(saved, current)
+        note = _optimizer_defaults_note(ginconfig.operative_values(saved), ginconfig.operative_values(current))
     except (OSError, SyntaxError, ValueError):
         return None
     if not changes:
         return None
-    return f"changed since the saved config.gin ({len(changes)}): " + "; ".join(changes)
+    return (f"changed since the saved config.gin ({len(changes)}): " + "; ".join(changes)
+            + (f" -- it matters: {note}" if note else ""))
 
 
 def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
@@ -323,7 +373,8 @@ class _Training:
                      "processes": self.pc}
 
         def accept(step, saved):
-            _check_resumable(saved.get("signature", {}), signature, step, self.workdir)
+            _check_resumable(saved.get("signature", {}), signature, step, self.workdir,
+                             _saved_and_current(self.workdir, run, "train.optimizer"))
             self.saved_on.update(devices=saved.get("devices"), processes=saved.get("processes"))
 
         resumed = None
@@ -440,6 +491,7 @@ class _Training:
     def periodic(self, step: int, final: bool) -> None:
         """The checkpoint, evaluation and sample due at ``step`` (a failed evaluation or sample saves the step
         first, `_keeping_the_step`); sampling time is left out of the logged rates."""
+        from revtrain.schedule_free import evaluation_state
         run, cfg, ts = self.run, self.run.cfg, self.ts
         checkpointer, data, meta, kept = self.checkpointer, self.data, self.meta, self.kept
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and not final:
@@ -452,7 +504,8 @@ class _Training:
         if cfg.sample_every and (step % cfg.sample_every == 0 or final):
             t_sample = time.time()
             self.saved = _keeping_the_step(checkpointer, ts, data, meta, self.saved, "sample", kept,
-                                           lambda: self.sample_lib.training_sample(run, ts, self.writer))
+                                           lambda: self.sample_lib.training_sample(
+                                               run, evaluation_state(run.trainer, ts), self.writer))
             self.t_last += time.time() - t_sample  # sampling time is not training time
 
     def save_last(self) -> None:
@@ -646,8 +699,11 @@ def _eval_and_write(run: Run, ts: TrainState, writer: metrics_lib.MetricWriter) 
 
 
 def _evaluate_or_oom(run: Run, ts: TrainState, what: str) -> dict:
+    """`evaluate` of ``ts`` (a schedule-free optimizer's: on its evaluation weights, `revtrain.schedule_free`),
+    an out-of-memory error as one line naming ``what``."""
+    from revtrain.schedule_free import evaluation_state
     with oom.in_one_line(lambda: what, _oom_knobs(run, evaluation=True)):
-        return evaluate(run, ts)
+        return evaluate(run, evaluation_state(run.trainer, ts))
 
 
 def eval_checkpoints(workdir: str, step: int | None = None, all_steps: bool = False,

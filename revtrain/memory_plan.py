@@ -82,7 +82,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from revtrain import limits
+from revtrain import limits, optstate
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.trainers.common import TrainerBase
@@ -120,12 +120,9 @@ class MemoryPlanError(ConfigError):
 
 
 def _nbytes(tree) -> int:
-    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        dtype = np.dtype(x.dtype)
-        total += int(np.prod(np.shape(x), dtype=np.int64)) * dtype.itemsize
-    return total
+    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf; a typed PRNG
+    key: its key data's, `revtrain.optstate.nbytes`)."""
+    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))
 
 
 # -- the trainer choices -------------------------------------------------------------------------------------
@@ -178,6 +175,35 @@ def setup_of(trainer, batch_size: int) -> Setup:
                  **trainer.memory_setup())
 
 
+def _factored(tx) -> bool:
+    """Whether ``tx``'s state holds a factored second moment (``optax.FactoredState``: Adafactor, alone or in a
+    chain or wrapper), read from its abstract state on a small matrix."""
+    try:
+        state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)})
+    except Exception:  # noqa: BLE001  (an optimizer that cannot init on a lone matrix: not known to be Adafactor)
+        return False
+    found = []
+    jax.tree.leaves(state, is_leaf=lambda n: found.append(isinstance(n, optax.FactoredState)) or False)
+    return any(found)
+
+
+def optimizer_text(cfg) -> str:
+    """How the run names its optimizer, as gin text (``@optax.adamw``, ``@optax.contrib.muon()``), from
+    ``train.optimizer`` (``cfg``: the run's `revtrain.run.TrainConfig`); "a ready optimizer" when gin cannot
+    say it (one built in Python)."""
+    import gin
+
+    from revtrain import ginconfig
+    configurable = ginconfig._configurable(cfg.optimizer)  # noqa: SLF001  (a factory: its configurable)
+    if configurable is not None:
+        return f"@{configurable.selector}"
+    try:
+        ref = gin.query_parameter("train.optimizer")
+        return f"@{ref.selector}()" if getattr(ref, "evaluate", False) else f"@{ref.selector}"
+    except (ValueError, AttributeError):
+        return "a ready optimizer"
+
+
 def _separable(tx, model) -> bool:
     """Whether ``tx`` keeps the reversible trainer's fused per-layer update (no cross-layer equation)."""
     from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
@@ -221,10 +247,11 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
     if not base_rev.disk and not base_rev.shard_state:  # the disk tier
         out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
                                        settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",)))
-    ada = optax.adafactor(1e-3)
-    out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
-                                   deferred=head.deferred or head.shard_state,
-                                   settings=head.settings + ("train.optimizer = @optax.adafactor",)))
+    if not _factored(setup.optimizer):  # (an Adafactor run is offered no "+ Adafactor")
+        ada = optax.adafactor(1e-3)
+        out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
+                                       deferred=head.deferred or head.shard_state,
+                                       settings=head.settings + ("train.optimizer = @optax.adafactor",)))
     local = setup.batch_size // max(num_devices, 1)
     if local % (2 * setup.microbatches) == 0:
         m = 2 * setup.microbatches
@@ -450,12 +477,14 @@ class MemoryPlan:
         of = f" of {gib(limit)} ({self.sources[tier]})" if limit is not None else f" (limit unknown: {self.sources[tier]})"
         return f"{tier} {gib(self.total(tier))}{of}: {parts}"
 
-    def line(self) -> str:
-        """One log line: the choice, each tier's total, limit and parts, and whether it fits."""
+    def line(self, optimizer: str | None = None) -> str:
+        """One log line: the choice (with ``optimizer``, how the run names its optimizer: `optimizer_text`),
+        each tier's total, limit and parts, and whether it fits."""
         verdict = "fits" if self.fits else "does NOT fit"
         if self.floor:
             verdict += f" ({FLOOR_METHOD})"
-        return (f"memory plan ({self.setup.label}, {self.num_params:,} params, batch {self.setup.batch_size}): "
+        named = f", optimizer {optimizer}" if optimizer else ""
+        return (f"memory plan ({self.setup.label}{named}, {self.num_params:,} params, batch {self.setup.batch_size}): "
                 + "; ".join(self._tier_text(t) for t in self.tiers) + self._io_text() + f"; {verdict}")
 
     def _io_text(self) -> str:

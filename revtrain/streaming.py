@@ -51,12 +51,13 @@ link made slow on purpose: the program that uses the put waits for it, as a devi
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import time
 from collections import deque
 
 import jax
 import numpy as np
+
+from revtrain import optstate
 
 
 IN_FLIGHT = 2  # `Bounded` without a step's stream: programs dispatched ahead of the device at most
@@ -290,7 +291,7 @@ class HostLayer:
 
 
 def _nbytes(tree) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))  # (typed PRNG keys too)
 
 
 def _kind(tree, kind: str):

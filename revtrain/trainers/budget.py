@@ -71,6 +71,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from revtrain import optstate
 from revtrain.placement import DATA_AXIS
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.modes import BACKPROP, BUDGET_MODES, CHECKPOINT, REMAT, count_in_head
@@ -212,7 +213,7 @@ class BudgetPlan:
 
 
 def _nbytes(tree) -> int:
-    return sum(int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))  # (typed PRNG keys too)
 
 
 def _device_bytes(tree) -> int:

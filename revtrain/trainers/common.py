@@ -19,6 +19,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from revtrain import optstate
 from revtrain.errors import InputError, RunFailure
 from revtrain.placement import DATA_AXIS, DispatchLimiter, batch_divisibility_error, put_replicated
 from revtrain.placement import gather_params, per_device, reduce_grads  # noqa: F401  (common.per_device, ...)
@@ -407,7 +408,9 @@ class TrainerBase:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise TrainerError(f"train.microbatches must be a positive integer, got {microbatches!r}")
         self.model = model
-        self.tx = optimizer
+        # optax's state as revtrain can keep it: typed PRNG keys as key data, no leaf that is a parameter's own
+        # array (revtrain/optstate.py); ``optimizer``'s programs are otherwise unchanged
+        self.tx = optstate.keep_states(optimizer)
         self.mesh = mesh
         self.seed = seed
         self.microbatches = microbatches
