@@ -41,8 +41,13 @@ be refused. So the traced update is first flattened (`flatten`): every call-like
 is found among the params by type, ``ClosedJaxpr`` or ``Jaxpr``, not by a parameter name, which differs
 between JAX versions; a custom derivative's rule does not matter since the update is never
 differentiated); each ``cond`` is split into independent parts (`_cond_parts`: groups of outputs that
-share no operand in any branch), one ``cond`` per part on the same branch index, so a ``cond`` on the
-step count over the whole tree becomes one per leaf, each labelled by its own operands. A ``while`` or
+share no operand other than a scalar in any branch), one ``cond`` per part on the same branch index, so a
+``cond`` on the step count over the whole tree becomes one per leaf, each labelled by its own operands
+(each part gets the shared scalars it reads: Adam's step count inside ``apply_if_finite`` or
+``MultiSteps``). A ``cond`` whose leaves meet only through reductions inside a branch (a clip by the
+global norm inside ``MultiSteps``) cannot be split so: it is evaluated as a selection (`_select_cond`:
+both branches' equations, then one ``select_n`` per output on the index), and its reductions become
+global rounds like those outside a branch. A ``while`` or
 ``scan`` is labelled as one equation by all of its operands: one layer's (muon's Newton-Schulz iterations
 of one leaf) is that layer's; one that reads small values of several layers is global; one that carries
 large tensors of several layers is refused. The flattened program runs exactly the equations the original
@@ -134,7 +139,8 @@ def _bind(eqn, invals, scalars: list | None = None):
     """One equation, as ``jax.core.eval_jaxpr`` runs it, except that a call-like equation (a nested
     ``jit``, a closed call, a custom derivative's primal, a remat: `_CALLS`) is evaluated equation by
     equation, as XLA inlines it anyway, and that a ``cond`` whose branches compute independent parts is
-    split into one ``cond`` per part (`_split_cond`).
+    split into one ``cond`` per part (`_split_cond`), or, when its parts meet only through reductions,
+    evaluated as a selection between its branches' equations (`_select_cond`).
 
     With ``scalars`` (a list), the equation is also *fenced* (see `fence`): the floating scalars it
     broadcasts over a larger result are appended to the list and each branch of a ``cond`` fences its own
@@ -145,6 +151,8 @@ def _bind(eqn, invals, scalars: list | None = None):
     params = eqn.params
     if eqn.primitive.name == "cond":
         parts = _cond_parts(eqn)
+        if parts is None:  # its leaves meet only through reductions: the branches' equations, selected
+            return _select_cond(eqn, invals, scalars)
         if len(parts) > 1:
             return _split_cond(eqn, invals, parts, scalars)
     if scalars is not None:
@@ -162,49 +170,115 @@ def _bind(eqn, invals, scalars: list | None = None):
     return out
 
 
-def _dependencies(jaxpr) -> list[int]:
+def _dependencies(jaxpr, through_reductions: bool = True) -> list[int]:
     """For each output of ``jaxpr``: the inputs it depends on, as a bit mask over ``jaxpr.invars`` (an
-    equation's outputs depend on all of its operands; call-like ones are inlined first by `flatten`)."""
+    equation's outputs depend on all of its operands; call-like ones are inlined first by `flatten`).
+    ``through_reductions=False``: a value smaller than an operand of its equation (a reduction: a sum of
+    squares, an "all finite") depends on nothing, so the masks follow only full-size data."""
     deps = {v: 1 << k for k, v in enumerate(jaxpr.invars)}
     for eqn in jaxpr.eqns:
         mask = 0
         for v in eqn.invars:
             if isinstance(v, jcore.Var):
                 mask |= deps.get(v, 0)
+        if not through_reductions and any(_size(o) < max((_size(v) for v in eqn.invars), default=0)
+                                          for o in eqn.outvars):
+            mask = 0
         for o in eqn.outvars:
             deps[o] = mask
     return [deps.get(v, 0) if isinstance(v, jcore.Var) else 0 for v in jaxpr.outvars]
 
 
-def _cond_parts(eqn) -> list[tuple[list[int], list[int]]]:
+# issue 60 (60b): a ``cond`` over the whole tree is split, or selected, like the program outside a branch.
+# ``apply_if_finite(adam)`` and ``MultiSteps(adamw)`` run Adam inside a ``cond`` whose every leaf reads the
+# step count (the bias correction): joined through that shared scalar, the whole tree was one part, one
+# equation over every layer's tensors, refused. Now a scalar operand joins no parts (each part that reads
+# it gets it), so each leaf is its own ``cond``, labelled by its layer. A ``cond`` whose leaves still meet,
+# but only through reductions (``MultiSteps(chain(clip_by_global_norm, adam))``: the norm inside the
+# branch), has no per-leaf split: it is evaluated as a selection (`_select_cond`), so that the labelling
+# sees its reductions as the global rounds they are.
+def _cond_parts(eqn) -> list[tuple[list[int], list[int]]] | None:
     """A ``cond`` split into independent parts: ``[(operand positions, output positions)]``, the operands
     counted after the branch index. Two outputs are in one part when, in some branch, they depend on a
-    common operand; an output that depends on no operand is a part of its own. One part (the whole
-    ``cond``) when a branch has effects."""
+    common operand that is not a scalar (a scalar, e.g. a step count, is given to every part that reads
+    it); an output that depends on no such operand is a part of its own. One part (the whole ``cond``)
+    when a branch has effects. None when a part's outputs meet only through reductions (they fall apart
+    when dependencies stop at reductions, `_dependencies`): the ``cond`` is to be selected
+    (`_select_cond`), not split."""
     branches = [flatten(b) for b in eqn.params["branches"]]
     n_ops, n_outs = len(eqn.invars) - 1, len(eqn.outvars)
     if any(b.jaxpr.effects for b in branches) or n_outs <= 1:
         return [(list(range(n_ops)), list(range(n_outs)))]
-    parent = list(range(n_ops + n_outs))  # union-find: operands 0..n_ops-1, then outputs
+    joins = [k for k, v in enumerate(eqn.invars[1:]) if _size(v) > 1]  # the operands that join outputs
 
-    def root(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def groups(through_reductions: bool) -> tuple[list[int], list[int]]:
+        """(each output's group root, each output's operand mask over every branch)."""
+        parent = list(range(n_ops + n_outs))  # union-find: operands 0..n_ops-1, then outputs
 
-    for b in branches:
-        for j, mask in enumerate(_dependencies(b.jaxpr)):
-            for k in range(n_ops):
-                if mask >> k & 1:
-                    parent[root(n_ops + j)] = root(k)
+        def root(x):
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        masks = [0] * n_outs
+        for b in branches:
+            for j, mask in enumerate(_dependencies(b.jaxpr, through_reductions)):
+                masks[j] |= mask
+                for k in joins:
+                    if mask >> k & 1:
+                        parent[root(n_ops + j)] = root(k)
+        return [root(n_ops + j) for j in range(n_outs)], masks
+
+    roots, masks = groups(True)
+    data_roots, _ = groups(False)
     parts: dict[int, tuple[list, list]] = {}
     for j in range(n_outs):
-        parts.setdefault(root(n_ops + j), ([], []))[1].append(j)
-    for k in range(n_ops):
-        if root(k) in parts:  # an operand no output reads is dropped
-            parts[root(k)][0].append(k)
+        parts.setdefault(roots[j], ([], []))[1].append(j)
+    for op_pos, out_pos in parts.values():
+        if len({data_roots[j] for j in out_pos}) > 1 and all(
+                _selectable(b) for b in branches) and _selectable_outputs(eqn):
+            return None
+        mask = 0
+        for j in out_pos:
+            mask |= masks[j]
+        op_pos.extend(k for k in range(n_ops) if mask >> k & 1)  # an operand no output reads is dropped
     return list(parts.values())
+
+
+def _selectable(closed) -> bool:
+    """A ``cond`` branch (a ``ClosedJaxpr``) that `_select_cond` may run unconditionally: no effects."""
+    return not closed.jaxpr.effects
+
+
+def _selectable_outputs(eqn) -> bool:
+    """Every output of ``eqn`` is a plain numeric array (``select_n`` takes no token or typed PRNG key)."""
+    return all(hasattr(getattr(o, "aval", None), "shape") and hasattr(o.aval, "dtype")
+               and not jax.dtypes.issubdtype(o.aval.dtype, jax.dtypes.extended) for o in eqn.outvars)
+
+
+def _select_cond(eqn, invals, scalars: list | None) -> list:
+    """``eqn`` (a ``cond``) evaluated as ``select_n(index, *the branches' results)``, output by output:
+    every branch runs (`evaluate`, so its nested calls are flattened, and each branch's broadcast scalars
+    are fenced against its own results, as inside the ``cond``) and the index picks each output, so the
+    result is the taken branch's, equation for equation; the labelling sees the branches' reductions as
+    global values, their element-wise work in its layers.
+
+    The index passes through ``lax.optimization_barrier`` first: XLA would otherwise fuse its computation
+    (a reduction over the whole tree in ``apply_if_finite``) into the select of every leaf (a program of N
+    leaves growing as N**2, as `guarded_update` notes). The untaken branch's values are computed and
+    discarded (non-finite values there never reach a result); the cost is both branches' arithmetic."""
+    index, ops = lax.optimization_barrier(invals[0]), invals[1:]
+    results = []
+    for b in eqn.params["branches"]:
+        own = [] if scalars is not None else None
+        out = evaluate(b.jaxpr, b.consts, ops, own)
+        results.append(fence(own, out) if own else out)
+    if len(results) == 1:
+        return results[0]
+    with eqn.ctx.manager:
+        return [lax.select_n(index, *(jnp.asarray(c, o.aval.dtype) for c in cases))
+                for o, cases in zip(eqn.outvars, zip(*results))]
 
 
 def _split_cond(eqn, invals, parts, scalars: list | None):
