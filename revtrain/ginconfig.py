@@ -271,7 +271,7 @@ def call_error_line(e: Exception) -> str:
                 pass
         bindings.append(f"{selector.rsplit('.', 1)[-1]} = {value}")
     where = f"{name}: {', '.join(bindings)}" if bindings else name
-    hint = next((h for pattern, h in _CALL_HINTS if pattern in first), "")
+    hint = next((h for pattern, h in _CALL_HINTS if pattern in first), "").replace("{name}", name)
     return f"{first} (in {where}){hint}"
 
 
@@ -279,6 +279,10 @@ def call_error_line(e: Exception) -> str:
 _CALL_HINTS = [
     ("requires positive decay_steps", "; the schedule's decay_steps must exceed its warmup_steps: raise STEPS "
                                       "or lower WARMUP (STEPS must exceed WARMUP; WARMUP = 0 is no warmup)"),
+    ("required positional argument: 'learning_rate'",
+     "; written with parentheses ({name}()) it is a ready optimizer: bind its own learning rate "
+     "({name}.learning_rate = 1e-3) and train.learning_rate = None, or write it without parentheses to take "
+     "train.learning_rate"),
 ]
 
 

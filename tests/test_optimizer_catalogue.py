@@ -359,3 +359,16 @@ def test_a_key_in_the_state_is_checkpointed_and_resumed(trainer_cls, offload, te
     ts, got = steps(again, restored, batches[2:])
     assert got == want[2:]
     assert [_bits(again.layer_params(ts, i)) for i in range(len(whole.model.layers))] == want_params
+
+
+def test_a_ready_optimizer_without_its_learning_rate_says_how_to_bind_it():
+    """``@optax.contrib.muon()`` (parentheses: a ready optimizer) with no learning rate of its own: the error line
+    names both ways to give it one."""
+    from revtrain import ginconfig
+    try:
+        gin.get_configurable("optax.contrib.muon")()
+    except TypeError as e:
+        line = ginconfig.call_error_line(e)
+    assert "missing 1 required positional argument: 'learning_rate'" in line
+    assert "muon.learning_rate = 1e-3) and train.learning_rate = None" in line
+    assert "without parentheses" in line and "\n" not in line
