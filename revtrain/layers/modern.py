@@ -160,7 +160,12 @@ def rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Arr
     half = d // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, d/2]
-    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    # The tables behind a barrier: computed by a fusion of their own in every program. Inside a stacked run's
+    # `lax.scan` XLA hoists them out of the loop into fusions of their own, while a program of one block or the
+    # whole model fuses them into the rotation, and XLA:CPU (JAX 0.12.1) gave the two rotations an ulp apart in
+    # some elements: the two trainers then differed from the first step (docs/recipe.md, "JAX versions checked").
+    cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
