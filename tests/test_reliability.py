@@ -122,7 +122,8 @@ def test_includes_resolve_next_to_the_including_file(tmp_path, monkeypatch, capf
         gin.clear_config()
     code, lines = run(capfd, "train", "--config", tmp_path / "bad.gin", "--workdir", "w")
     assert (code, lines) == (2, [f"revtrain: error: config file not found: nothere.gin (included by "
-                                 f"{tmp_path / 'bad.gin'}; searched {tmp_path}, {elsewhere}, {REPO / 'configs'})"])
+                                 f"{tmp_path / 'bad.gin'}; searched {tmp_path}, {elsewhere}, {REPO / 'configs'}, "
+                                 f"{REPO / 'examples'})"])
     assert not (elsewhere / "w").exists()
 
 

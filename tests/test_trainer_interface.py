@@ -47,7 +47,7 @@ def test_standard_trainer_answers_with_the_defaults(model):
     assert _setup(trainer) == {"trainer": "standard", "batch_size": 4, "microbatches": 1, "offload": False,
                                "disk": False, "shard_state": False, "deferred": False, "remat": True,
                                "rebuild": "exact", "label": "StandardTrainer (scan + remat)", "settings": (),
-                               "budget_peak": 0}
+                               "budget_peak": 0, "host_kind": ""}
 
 
 def test_reversible_trainer_describes_its_features(model, tmp_path):
@@ -58,7 +58,8 @@ def test_reversible_trainer_describes_its_features(model, tmp_path):
     assert fused.memory_knobs() == ["ReversibleTrainer.offload = True"] and fused.memory_knobs(True) == []
     assert _setup(fused) == {"trainer": "reversible", "batch_size": 4, "microbatches": 2, "offload": False,
                              "disk": False, "shard_state": False, "deferred": True, "remat": False,
-                             "rebuild": "fused", "label": "ReversibleTrainer", "settings": (), "budget_peak": 0}
+                             "rebuild": "fused", "label": "ReversibleTrainer", "settings": (), "budget_peak": 0,
+                             "host_kind": ""}
     disk = ReversibleTrainer(model, optax.adamw(1e-3), mesh, offload="disk", scan_layers=False,
                              offload_dir=str(tmp_path / "offload"))
     assert disk.update_text() == "fused per layer"
@@ -69,6 +70,7 @@ def test_reversible_trainer_describes_its_features(model, tmp_path):
         host = ReversibleTrainer(model, optax.adamw(1e-3), mesh, offload=True, scan_layers=scan)
         assert (_setup(host)["offload"], _setup(host)["disk"]) == (True, False)
         assert _setup(host)["label"] == "ReversibleTrainer + offload"
+        assert _setup(host)["host_kind"] == "unpinned_host"  # the CPU backend's pageable kind
 
 
 def test_models_name_their_memory_knobs(model):
