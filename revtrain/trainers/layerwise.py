@@ -301,13 +301,17 @@ def _part_jaxpr(closed, op_pos: list[int], out_pos: list[int], fenced: bool):
     """The program of a ``cond`` branch that computes only outputs ``out_pos`` from operands ``op_pos``
     (the equations those outputs need, `evaluate`'s ``outputs``); ``fenced``: against its own results."""
     avals = closed.in_avals
+    # The flattened branch, as `_cond_parts` read its dependencies: in the original a nested call (optax's
+    # ``tree_bias_correction``, one ``jit`` equation over the whole tree from JAX 0.11 on) would be needed whole
+    # for one output and read operands this part does not have.
+    flat = flatten(closed)
 
     def run(*args):
         full = [None] * len(avals)
         for k, a in zip(op_pos, args):
             full[k] = a
         scalars = [] if fenced else None
-        out = evaluate(closed.jaxpr, closed.consts, full, scalars, outputs=out_pos)
+        out = evaluate(flat.jaxpr, flat.consts, full, scalars, outputs=out_pos)
         return fence(scalars, out) if fenced else out
 
     return jax.make_jaxpr(run)(*(avals[k] for k in op_pos))
