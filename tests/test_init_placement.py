@@ -9,6 +9,7 @@ maximum above the bytes alive before must stay within one layer's bytes plus a s
 """
 
 import functools
+import gc
 
 import gin
 import jax
@@ -34,22 +35,30 @@ class DeviceBytes:
 
     def __init__(self):
         self.device = jax.local_devices()[0]
-        self.active, self.peak, self.samples = False, 0, 0
+        self.active, self.peak, self.samples, self.held, self.before = False, 0, 0, [], set()
 
     def now(self) -> int:
-        return sum(_bytes_on(x, self.device) for x in jax.live_arrays() if not x.is_deleted())
+        """Device bytes of the arrays alive now that were not alive at ``__enter__``."""
+        return sum(_bytes_on(x, self.device) for x in jax.live_arrays()
+                   if id(x) not in self.before and not x.is_deleted())
 
     def sample(self):
         if self.active:
             self.samples += 1
-            self.peak = max(self.peak, self.now() - self.base)
+            self.peak = max(self.peak, self.now())
 
     def __enter__(self):
-        self.base, self.peak, self.samples, self.active = self.now(), 0, 0, True
+        # The arrays alive before (an earlier test's, in this process) are held until __exit__, so none is freed
+        # while the meter runs (which would lower a base subtracted from every sample) and no new array takes
+        # the id of one of them.
+        gc.collect()
+        self.held = list(jax.live_arrays())
+        self.before = {id(x) for x in self.held}
+        self.peak, self.samples, self.active = 0, 0, True
         return self
 
     def __exit__(self, *exc):
-        self.active = False
+        self.active, self.held, self.before = False, [], set()
 
 
 @pytest.fixture
