@@ -119,10 +119,7 @@ class MemoryPlanError(ConfigError):
     """The plan does not fit the memory this process may use (one line, exit status 2)."""
 
 
-def _nbytes(tree) -> int:
-    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (0 for a float0 leaf; a typed PRNG
-    key: its key data's, `revtrain.optstate.nbytes`)."""
-    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))
+_nbytes = optstate.tree_nbytes  # bytes of a tree (typed PRNG keys too)
 
 
 # -- the trainer choices -------------------------------------------------------------------------------------

@@ -59,6 +59,12 @@ def nbytes(x) -> int:
     return size * int(x.dtype.itemsize)
 
 
+def tree_nbytes(tree) -> int:
+    """Bytes of every leaf of a tree of arrays or ``jax.ShapeDtypeStruct`` (`nbytes` of each: typed PRNG keys
+    by their key data, 0 for a ``float0`` leaf)."""
+    return sum(nbytes(x) for x in jax.tree.leaves(tree))
+
+
 def _copy_aliases(state, params):
     """``state`` with each leaf that is one of ``params``' leaves, or a leaf met earlier in ``state`` itself
     (the same object: the same array, or the same tracer under ``jit``; ``cocob`` puts one array in two

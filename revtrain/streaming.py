@@ -290,8 +290,7 @@ class HostLayer:
         return self.params if part == "params" else self.opt_state
 
 
-def _nbytes(tree) -> int:
-    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))  # (typed PRNG keys too)
+_nbytes = optstate.tree_nbytes  # bytes of a tree (typed PRNG keys too)
 
 
 def _kind(tree, kind: str):

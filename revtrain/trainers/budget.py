@@ -212,8 +212,7 @@ class BudgetPlan:
                 **{f"budget_{name}": count for name, count in c.items()}}
 
 
-def _nbytes(tree) -> int:
-    return sum(optstate.nbytes(x) for x in jax.tree.leaves(tree))  # (typed PRNG keys too)
+_nbytes = optstate.tree_nbytes  # bytes of a tree (typed PRNG keys too)
 
 
 def _device_bytes(tree) -> int:
