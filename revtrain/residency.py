@@ -39,7 +39,7 @@ from revtrain import pinned
 from revtrain.disk_tier import DiskLayer, DiskTier, read_tree
 from revtrain.placement import (DEVICE_MEMORY, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, placer,
                                 replicated, shard_spec)
-from revtrain.streaming import HostStore
+from revtrain.tiers.host_store import HostStore
 
 TIERS = ("device", "host", "disk")
 

@@ -1,8 +1,8 @@
 """The streaming engine: a step's layers moved between their store and the device ahead of the programs.
 
 A tier that keeps weights and optimizer state off the device (``ReversibleTrainer.offload = True`` or
-``'disk'``) keeps each layer in a *store* between uses: host memory (`HostStore`) or files
-(`revtrain.disk_tier.DiskTier`). One engine serves both (`StepStream`): it knows the step's programs and what
+``'disk'``) keeps each layer in a *store* between uses: host memory (`revtrain.tiers.host_store`) or files
+(`revtrain.tiers.disk_store`). One engine serves both (`StepStream`): it knows the step's programs and what
 each needs (`train_programs`: the forward's weights, then the head's and the backward's weights and optimizer
 state, newest first, with a kept block input beside its backward's), puts each program's layers on the device
 ahead of it and puts each updated layer back right after its program. The programs are the device tier's own:
@@ -56,8 +56,6 @@ from collections import deque
 
 import jax
 import numpy as np
-
-from revtrain import optstate
 
 
 IN_FLIGHT = 2  # `Bounded` without a step's stream: programs dispatched ahead of the device at most
@@ -277,75 +275,9 @@ class Store:
         return self._writers.submit(fn, *args)
 
 
-class HostLayer:
-    """One group's weights and optimizer state in host memory (`HostStore`'s ref): trees of JAX arrays in a
-    host memory kind, with the shardings they had when placed (``shard_state`` splits survive a fetch)."""
-
-    __slots__ = ("params", "opt_state")
-
-    def __init__(self, params, opt_state):
-        self.params, self.opt_state = params, opt_state
-
-    def part(self, part: str):
-        return self.params if part == "params" else self.opt_state
-
-
-_nbytes = optstate.tree_nbytes  # bytes of a tree (typed PRNG keys too)
-
-
 def _kind(tree, kind: str):
     """The shardings of ``tree``'s leaves in memory kind ``kind``."""
     return jax.tree.map(lambda x: x.sharding.with_memory_kind(kind), tree)
-
-
-class HostStore(Store):
-    """The host tier's store (``offload = True``): each group's state as JAX arrays in host memory
-    (`HostLayer`). A program's layers come to the device in one ``jax.device_put`` of their trees, and an
-    updated layer goes back in one ``jax.device_put`` to its host shardings, both issued on the dispatching
-    thread and never waited for (see the module note)."""
-
-    prefix = "host"
-
-    def __init__(self, memory_kind: str | None, device_kind: str):
-        super().__init__()
-        self.memory_kind = memory_kind  # where a gradient buffer is kept (`write_buffer`)
-        self.device_kind = device_kind  # the memory kind a fetch moves a layer to (`placement.DEVICE_MEMORY`)
-
-    def holds(self, ref) -> bool:
-        return isinstance(ref, HostLayer)
-
-    def refs(self, params: list, opt_state: list) -> list:
-        return [HostLayer(p, o) for p, o in zip(params, opt_state, strict=True)]
-
-    def state(self, refs: list) -> tuple[list, list]:
-        return [r.params for r in refs], [r.opt_state for r in refs]
-
-    def nbytes(self, ref, part: str | None = None) -> int:
-        if part is None:
-            return _nbytes(ref.params) + _nbytes(ref.opt_state)
-        return _nbytes(ref.part(part))
-
-    def read(self, items: list, place, loaded=None) -> list:
-        trees = [ref.part(part) for ref, part in items]
-        if all(isinstance(x, jax.Array) for x in jax.tree.leaves(trees)):
-            return jax.device_put(trees, _kind(trees, self.device_kind))  # one batched put, never waited for
-        # (numpy leaves: a checkpoint of another tier restored for reading, e.g. an evaluation's)
-        return jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind(self.device_kind)) if isinstance(x, jax.Array)
-            else place(x), trees)
-
-    def write(self, step: int, g: int, ref, update: list):
-        trees = (update[0], update[1])
-        update.clear()
-        # One put of the layer's weights and optimizer state to their host shardings (those of the state it
-        # replaces), issued and not waited for.
-        return HostLayer(*jax.device_put(trees, jax.tree.map(lambda x: x.sharding, (ref.params, ref.opt_state))))
-
-    def buffer_ref(self, step: int, g: int, version: int, shapes):
-        return HostLayer(shapes, ())  # (its params, shapes until `write_buffer` puts the values there)
-
-    def write_buffer(self, ref, value) -> None:
-        ref.params = jax.device_put(value, _kind(value, self.memory_kind))
 
 
 class Bounded:
@@ -832,3 +764,12 @@ class DeferredStream(StepStream):
             self.store.end_buffers(self.step)
         self._grad_refs, self._grad_held = [], {}
         return super().finish()
+
+
+def __getattr__(name: str):
+    """The host store's old names (`HostStore`, `HostLayer`), now in `revtrain.tiers.host_store` beside the disk
+    store: resolved on first use for the callers not yet moved to the tier object (the planners)."""
+    if name in ("HostStore", "HostLayer"):
+        from revtrain.tiers import host_store
+        return getattr(host_store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
