@@ -18,7 +18,8 @@ on a file system every process sees. A checkpoint written by N processes can be 
 number of processes when every process saved the same iterator position (revtrain's pipelines: each
 process is at the same global batch).
 
-A disk-tier state (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) is saved as the item
+The state's tier says how a checkpoint holds it (`revtrain.tiers.base.Tier.checkpoint_form`): Orbax's arrays,
+or, for a disk-tier state (``ReversibleTrainer.offload = 'disk'``, `revtrain.tiers.disk_links`), the item
 ``disk_state`` instead of ``state``: a hard link to each layer's file (complete and never written again),
 the layouts and the small layer state (`DiskStateHandler`): no bytes copied and nothing of the state in
 memory. It restores as layer files (a disk-tier trainer's template), into memory for the other tiers, as
@@ -50,10 +51,11 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from revtrain import disk_tier
 from revtrain import metrics as metrics_lib
+from revtrain import tiers
 from revtrain.allocator import release_free_memory
 from revtrain.errors import InputError, RunFailure
+from revtrain.tiers import disk_format, disk_links
 from revtrain.limits import ASYNC_MAX_BYTES, STAGING_BYTES
 from revtrain.trainers.common import TrainState
 
@@ -180,13 +182,13 @@ class DataRestore(grain.checkpoint.CheckpointRestore):
 
 
 class DiskStateHandler(ocp.CheckpointHandler):
-    """The ``disk_state`` item: a disk-tier state as hard links to its layer files (`disk_tier.save_links`)."""
+    """The ``disk_state`` item: a disk-tier state as hard links to its layer files (`disk_links.save_links`)."""
 
     def save(self, directory, args=None):
-        disk_tier.save_links(str(directory), args.refs, args.layer_state, args.step)
+        disk_links.save_links(str(directory), args.refs, args.layer_state, args.step)
 
     def restore(self, directory, args=None):
-        item = disk_tier.load_links(str(directory))
+        item = disk_links.load_links(str(directory))
         if item["note"]:
             metrics_lib.log(item["note"])
         return item
@@ -204,7 +206,7 @@ class DiskStateHandler(ocp.CheckpointHandler):
 @ocp.args.register_with_handler(DiskStateHandler, for_save=True)
 @dataclasses.dataclass
 class DiskStateSave(ocp.args.CheckpointArgs):
-    """Saves a disk-tier state: its layers' `disk_tier.DiskLayer` refs, the layer states and the step."""
+    """Saves a disk-tier state: its layers' `disk_format.DiskLayer` refs, the layer states and the step."""
 
     refs: list
     layer_state: list
@@ -262,7 +264,7 @@ def state_bytes(ts: TrainState) -> int:
 
 
 def _shapes_of(layout) -> object:
-    """The params tree of a `disk_tier.Layout` as ``jax.ShapeDtypeStruct`` leaves."""
+    """The params tree of a `disk_format.Layout` as ``jax.ShapeDtypeStruct`` leaves."""
     leaves = [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.region("params")]
     return jax.tree.unflatten(layout.params_def, leaves)
 
@@ -298,10 +300,14 @@ class Checkpointer:
         next step, it needs no copy (docs/memory.md).
       async_max_bytes: see ``async_save`` (default `limits.ASYNC_MAX_BYTES`).
       read_only: open for evaluation only (never deletes or creates anything).
+      tier: the tier of the states saved and restored (`revtrain.tiers.base.Tier`: its ``checkpoint_form``
+        says how a checkpoint holds them); None: each state's own (`form`).
     """
 
     def __init__(self, workdir: str, *, keep: int | None = 3, keep_period: int | None = None,
-                 async_save: bool = True, async_max_bytes: int | None = None, read_only: bool = False):
+                 async_save: bool = True, async_max_bytes: int | None = None, read_only: bool = False,
+                 tier: tiers.Tier | None = None):
+        self.tier = tier
         self.async_max_bytes = ASYNC_MAX_BYTES if async_max_bytes is None else async_max_bytes
         self.directory = os.path.join(os.path.abspath(workdir), "checkpoints")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_period,
@@ -329,6 +335,15 @@ class Checkpointer:
         reason = cause if isinstance(cause, str) else write_failure_reason(cause)
         self.failed = CheckpointWriteError(step, reason)
         return self.failed
+
+    def form(self, ts: TrainState) -> str:
+        """How a checkpoint holds ``ts`` (a state or a restore template): its tier's ``checkpoint_form``
+        (``"orbax"`` or ``"links"``), this checkpointer's tier's when it has one, else that of the registered tier
+        whose own refs ``ts`` holds (`revtrain.tiers.holder_of`; a state of arrays: ``"orbax"``)."""
+        if self.tier is not None:
+            return self.tier.checkpoint_form
+        holder = tiers.holder_of(ts)
+        return holder.checkpoint_form if holder is not None else "orbax"
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
@@ -359,8 +374,8 @@ class Checkpointer:
           CheckpointWriteError: this save, or the previous asynchronous one, could not be written.
         """
         self.wait()
-        on_disk = disk_tier.on_disk(ts)
-        if on_disk:  # hard links to the layer files: written at once (the tier removes them after the next step)
+        links = self.form(ts) == "links"
+        if links:  # hard links to the layer files: written at once (the tier removes them after the next step)
             state = {"disk_state": DiskStateSave(list(ts.params), list(ts.layer_state), ts.step)}
         else:
             state = {"state": ocp.args.StandardSave(_tree(ts))}
@@ -373,7 +388,7 @@ class Checkpointer:
             raise self._write_failed(ts.step, e) from e
         if started:
             self._in_flight = ts.step
-            if on_disk:
+            if links:
                 self.wait()
             elif state_bytes(ts) > self.async_max_bytes:
                 self.wait()  # synchronous: the next step may donate every buffer (see the class note)
@@ -389,7 +404,7 @@ class Checkpointer:
         ``optimizer_state=False`` reads the weights and layer state alone (the optimizer state's leaves are
         Orbax placeholders in the result, never read: ``revtrain check`` needs a third of the memory).
         ``files=True`` with ``optimizer_state=False`` and a disk-tier checkpoint restored into a disk-tier
-        template: each layer's weights as its checkpoint file (`disk_tier.DiskLayer`, opened read-only by
+        template: each layer's weights as its checkpoint file (`disk_format.DiskLayer`, opened read-only by
         whoever reads it: the checkpoint's inodes are never written), nothing of them read here; the offload
         directory is not touched. Otherwise ignored.
 
@@ -399,7 +414,7 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self._manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
-        disk_template = disk_tier.on_disk(template)
+        disk_template = self.form(template) == "links"
         if os.path.isdir(os.path.join(self.directory, str(step), "disk_state")):
             return self._restore_disk(template, step, data_iterator, optimizer_state, files)
         if disk_template and optimizer_state:
@@ -424,7 +439,7 @@ class Checkpointer:
 
     def _restore_disk(self, template: TrainState, step: int, data_iterator, optimizer_state: bool,
                       files: bool = False) -> TrainState:
-        """`restore` of a ``disk_state`` item: layer files (`disk_tier.DiskLayer`) for a disk-tier template
+        """`restore` of a ``disk_state`` item: layer files (`disk_format.DiskLayer`) for a disk-tier template
         (``optimizer_state=False``: the weights' files with ``files``, else the weights as numpy arrays; the
         optimizer state not read), else read layer by layer into the template's placements."""
         args = {"disk_state": DiskStateRestore(), "meta": ocp.args.JsonRestore()}
@@ -439,21 +454,22 @@ class Checkpointer:
             params, opt_state, layer_state = [], [], []
             for g in range(n):
                 p_t, o_t = template.held()[0][g], template.held()[1][g]
-                layout = p_t.layout if isinstance(p_t, disk_tier.DiskLayer) else disk_tier.Layout.of(p_t, o_t if o_t is not None else ())
-                if isinstance(p_t, disk_tier.DiskLayer) or o_t is not None:
-                    disk_tier.check_layout(entries[g], layout, g)
+                on_file = isinstance(p_t, disk_format.DiskLayer)
+                layout = p_t.layout if on_file else disk_format.Layout.of(p_t, o_t if o_t is not None else ())
+                if on_file or o_t is not None:
+                    disk_links.check_layout(entries[g], layout, g)
                 path = os.path.join(saved["directory"], entries[g]["file"])
-                sums = entries[g].get(disk_tier.CHECKSUM)  # (carried on, so later reads are checked too)
-                ref = disk_tier.DiskLayer(layout, path, None if sums is None else tuple(int(x, 16) for x in sums))
-                if isinstance(p_t, disk_tier.DiskLayer) and (optimizer_state or files):
+                sums = entries[g].get(disk_format.CHECKSUM)  # (carried on, so later reads are checked too)
+                ref = disk_format.DiskLayer(layout, path, None if sums is None else tuple(int(x, 16) for x in sums))
+                if on_file and (optimizer_state or files):
                     params.append(ref)
                     opt_state.append(ref if optimizer_state else None)
                 elif not optimizer_state:
-                    params.append(disk_tier.read_tree(path, layout, "params", sums=ref.sums))
+                    params.append(disk_format.read_tree(path, layout, "params", sums=ref.sums))
                     opt_state.append(None)
                 else:
-                    params.append(_placed(disk_tier.read_tree(path, layout, "params", sums=ref.sums), p_t))
-                    opt_state.append(_placed(disk_tier.read_tree(path, layout, "opt", sums=ref.sums), o_t))
+                    params.append(_placed(disk_format.read_tree(path, layout, "params", sums=ref.sums), p_t))
+                    opt_state.append(_placed(disk_format.read_tree(path, layout, "opt", sums=ref.sums), o_t))
                 s_t = template.layer_state[g]
                 leaves = [saved["layer_state"][f"l{g}_{k}"] for k in range(len(jax.tree.leaves(s_t)))]
                 layer_state.append(_placed(jax.tree.unflatten(jax.tree.structure(s_t), leaves), s_t))

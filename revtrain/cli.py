@@ -423,10 +423,11 @@ def _pinned_need(workdir: str | None = None) -> int | None:
     import gin
     import jax
     import numpy as np
+    from revtrain import tiers
     try:
-        if gin.query_parameter("ReversibleTrainer.offload") is not True:
+        if not tiers.lookup(gin.query_parameter("ReversibleTrainer.offload")).host_pool:
             return None
-    except ValueError:  # not bound: no host tier
+    except ValueError:  # not bound (the device tier), or no such tier (the trainer's build says so)
         return None
     from revtrain import run as run_lib
     try:

@@ -1,8 +1,8 @@
 """Sampling from an offloaded state: hold the weights in device memory when they fit beside the run, else stream.
 
 Generation (`revtrain.generate`) runs every layer for every new token. An offloaded state keeps each layer's
-weights outside device memory: in a file (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) or in
-host memory (``offload = True``, `revtrain.streaming.HostStore`). So a sample can either
+weights outside device memory: in a file (``ReversibleTrainer.offload = 'disk'``, `revtrain.tiers.disk`) or in
+host memory (``offload = True``, `revtrain.tiers.host_store.HostStore`). So a sample can either
 
 * **hold** the weights: bring every layer's weights once into device memory (host RAM on the CPU backend),
   4 bytes a float32 parameter, and run the fused program (`generate._fused_program`), as a state in device
@@ -30,9 +30,10 @@ import dataclasses
 import jax
 import numpy as np
 
-from revtrain import disk_tier
 from revtrain.limits import device_limit, gib, host_limit
 from revtrain.placement import DEVICE_MEMORY
+from revtrain.tiers import disk_format
+from revtrain.tiers.disk_store import DiskStore
 
 HOLD, STREAM = "hold", "stream"
 MODES = (HOLD, STREAM)
@@ -58,9 +59,9 @@ class Choice:
 
 
 def _outside(ref) -> int:
-    """Bytes of one layer's weights held outside device memory: a `disk_tier.DiskLayer`'s in its file, else the
+    """Bytes of one layer's weights held outside device memory: a `disk_format.DiskLayer`'s in its file, else the
     leaves in host memory (a host store's arrays, numpy arrays of a restored checkpoint)."""
-    if isinstance(ref, disk_tier.DiskLayer):
+    if isinstance(ref, disk_format.DiskLayer):
         return ref.layout.nbytes("params")
     return sum(int(x.nbytes) for x in jax.tree.leaves(ref)
                if not isinstance(x, jax.Array) or x.sharding.memory_kind != DEVICE_MEMORY)
@@ -94,7 +95,7 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
     """Whether a sample of ``batch_size`` rows holds or streams the weights of ``refs`` (see the module note).
 
     Args:
-      refs: the state's ``params``, one `disk_tier.DiskLayer` or tree per layer.
+      refs: the state's ``params``, one `disk_format.DiskLayer` or tree per layer.
       model: the run's model (its layers' caches).
       batch_size: rows sampled (padded to the devices).
       context: the model's sequence length (cache positions).
@@ -164,29 +165,29 @@ def tied_fetch(model, fetch):
 
 
 class LayerCycle:
-    """Layer ``i``'s weights placed (``place``: e.g. `disk_tier.placer`), for layers visited in a cycle
+    """Layer ``i``'s weights placed (``place``: e.g. `placement.placer`), for layers visited in a cycle
     ``0 .. L-1, 0 ..`` (every token of a layer-by-layer generation): each `get` hands over layer ``i`` and
     starts reading layer ``(i + 1) % L`` on the tier's reader thread, so one layer is read while the one
-    before it computes. A layer held in memory (not a `disk_tier.DiskLayer`) is returned as it is. Files are
+    before it computes. A layer held in memory (not a `disk_format.DiskLayer`) is returned as it is. Files are
     only read.
 
     Attributes:
       read_bytes: bytes read from the files so far.
 
     Raises (from `get`):
-      disk_tier.DiskTierError: a file is missing, short or unreadable.
+      disk_format.DiskTierError: a file is missing, short or unreadable.
     """
 
-    def __init__(self, tier: disk_tier.DiskTier, refs: list, place):
+    def __init__(self, tier: DiskStore, refs: list, place):
         self.tier, self.refs, self.place = tier, list(refs), place
         self._ahead = None  # (layer, Future of its placed weights)
         self.read_bytes = 0
 
     def _read(self, i: int):
         ref = self.refs[i]
-        if not isinstance(ref, disk_tier.DiskLayer):
+        if not isinstance(ref, disk_format.DiskLayer):
             return ref
-        tree = disk_tier.read_tree(ref.path, ref.layout, "params", self.place)
+        tree = disk_format.read_tree(ref.path, ref.layout, "params", self.place)
         self.read_bytes += ref.layout.nbytes("params")
         return tree
 

@@ -199,7 +199,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
                                                  accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
-    from revtrain.disk_tier import LayerWeights
+    from revtrain.tiers.disk_format import LayerWeights
     # Each layer's weights as numpy when its tensors are reached (read from its file for the disk tier), dropped
     # once converted: the export holds one shard's tensors and one layer, not the model beside them.
     write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, LayerWeights(ts.params)), dtype,

@@ -443,11 +443,11 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
     if trainer.residency.offloaded:  # hold the weights (below) when they fit, else stream them layer by layer
         from revtrain import disk_generate, streaming
         choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights,
-                                      tier=trainer.residency.tier)
+                                      tier=trainer.residency.name)
         metrics_lib.log(choice.line)
         layerwise = choice.mode == disk_generate.STREAM
-        if layerwise and trainer.residency.tier == "disk":  # each layer read from its file, the next read ahead
-            stream = disk_generate.LayerCycle(trainer.residency.disk, ts.params, placer(mesh))
+        stream = trainer.residency.sample_layers(ts.params, placer(mesh)) if layerwise else None
+        if stream is not None:  # the tier's own reader (the disk tier: each layer read from its file, the next ahead)
             fetch = disk_generate.tied_fetch(trainer.model, stream.get)
             limit = streaming.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
         elif layerwise and trainer.residency.memory_kind != HOST_MEMORY:

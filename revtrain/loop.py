@@ -18,11 +18,10 @@ import jax
 import numpy as np
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import ginconfig
+from revtrain import ginconfig, tiers
 from revtrain.lifecycle import interrupts, lost_peer, oom
 from revtrain import metrics as metrics_lib
 from revtrain.lifecycle import workdir as workdir_lib
-from revtrain.disk_tier import STEP_PREFIX, DiskTierError
 from revtrain.errors import ConfigError, RunFailure  # noqa: F401  (also revtrain.loop.ConfigError)
 from revtrain.memory import MemoryMeter, device_state_bytes, host_resident, host_state_bytes
 from revtrain.placement import global_batch
@@ -46,17 +45,10 @@ class WriteFailed(RunFailure, RuntimeError):
 
 
 def unused_offload(workdir: str) -> str | None:
-    """One line when ``<workdir>/offload`` holds a disk-tier state that this run, of another tier, will not
-    use (left by an earlier run with ``offload = 'disk'``): its steps and size, and that removing it loses
-    nothing (a disk-tier checkpoint holds hard links of its own); else None."""
-    folder = os.path.join(workdir, "offload")
-    steps = sorted(n for n in os.listdir(folder) if n.startswith(STEP_PREFIX)) if os.path.isdir(folder) else []
-    if not steps:
-        return None
-    size = sum(e.stat().st_size for n in steps for e in os.scandir(os.path.join(folder, n)) if e.is_file())
-    return (f"{folder} holds {len(steps)} step(s) of an earlier disk-tier state ({size / 2**20:,.0f} MiB) that this "
-            "run does not use: the checkpoints keep links of their own, so removing it frees the space and loses "
-            "nothing")
+    """One line when ``<workdir>/offload`` holds a disk-tier state that a run of another tier will not use,
+    else None: the disk tier's own note (`revtrain.tiers.disk.DiskTier.leftovers`; a run asks every tier but its
+    own, `revtrain.tiers.leftovers`)."""
+    return tiers.DiskTier.leftovers(workdir)
 
 
 def _writable(workdir: str) -> bool:
@@ -237,9 +229,8 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         if run.cfg.sample_every:
             from revtrain import generate as sample_lib
             sample_lib.check_training_sample(run)
-        if run.trainer.residency.disk is not None:  # an offload_dir whose parent is missing: before anything is made
-            run.trainer.residency.disk.check_directory()
-        elif note := unused_offload(workdir):  # (a run of another tier in a workdir a disk-tier run left files in)
+        run.trainer.residency.check_run()  # (e.g. an offload_dir whose parent is missing): before anything is made
+        for note in tiers.leftovers(workdir, run.trainer.residency):  # (files of another tier an earlier run left)
             metrics_lib.log(note)
         if run.task.data_prepared:  # (after the last configuration check)
             metrics_lib.log(run.task.data_status)
@@ -278,11 +269,11 @@ def _lock_offload_dir(run: Run):
     Raises:
       workdir_lib.WorkdirBusy: another run writes its layer files there.
     """
-    disk = run.trainer.residency.disk
-    if disk is None or disk.in_workdir:
+    directory = run.trainer.residency.own_directory()
+    if directory is None:
         return None
-    os.makedirs(disk.directory, exist_ok=True)
-    return workdir_lib.acquire(disk.directory, "train", name="ReversibleTrainer.offload_dir",
+    os.makedirs(directory, exist_ok=True)
+    return workdir_lib.acquire(directory, "train", name="ReversibleTrainer.offload_dir",
                                instead="set another ReversibleTrainer.offload_dir")
 
 
@@ -315,7 +306,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
                               "skips up to N such steps") from None
     except oom.OutOfMemory as e:
         raise oom.OutOfMemory(f"{e}; {t.kept()}") from e.__cause__
-    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError, DiskTierError) as e:
+    except (ckpt_lib.CheckpointWriteError, metrics_lib.MetricsWriteError, tiers.StoreError) as e:
         if t.writer is not None:
             t.writer.abandon()  # the disk is full (or gone): drop buffered TensorBoard events
         raise WriteFailed(f"{e}; training stopped, {t.kept()}; free space (or fix the file system) "
@@ -343,7 +334,7 @@ class _Training:
         self.pc, pi = jax.process_count(), jax.process_index()
         self.data = run.task.train_iterator(cfg.batch_size // self.pc, cfg.seed, pi, self.pc)
         self.checkpointer = ckpt_lib.Checkpointer(workdir, keep=cfg.keep_checkpoints,
-                                                  keep_period=cfg.keep_checkpoint_period)
+                                                  keep_period=cfg.keep_checkpoint_period, tier=run.trainer.residency)
         self.writer: metrics_lib.MetricWriter | None = None
         self.meta: dict = {}  # what each checkpoint records beside the state (the run's signature, sizes)
         self.ts: TrainState | None = None

@@ -3,7 +3,7 @@ XLA's pinned host pool on a GPU costs.
 
 A GPU device has two memory spaces, ``device`` and ``pinned_host`` (XLA's GPU client allocates no other host
 kind; JAX's ``tests/memories_test.py`` skips its ``unpinned_host`` cases on GPU). There the host tier
-(``ReversibleTrainer.offload = True``, `revtrain.residency.HostResidency`) keeps its state in ``pinned_host``
+(``ReversibleTrainer.offload = True``, `revtrain.tiers.host.HostTier`) keeps its state in ``pinned_host``
 arrays, which XLA allocates from one pool of its own: a BFC allocator ("xla_gpu_host_bfc", tsl's
 ``BFCAllocator`` over ``cudaHostAlloc``) of ``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`` GiB (an integer; default 64,
 or 16 when ``XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE`` is true), read once when the GPU client is made

@@ -231,8 +231,8 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: 
     if (cfg.batch_size // mesh.size) % m:
         raise ConfigError(microbatch_error(cfg.batch_size, mesh.size, m))
     trainer = cfg.trainer(model, tx, mesh, seed=cfg.seed, microbatches=m)
-    if trainer.residency.disk is not None and workdir:  # the disk tier's files: <workdir>/offload by default
-        trainer.residency.disk.attach(workdir)
+    if workdir:  # (the disk tier's files: <workdir>/offload by default)
+        trainer.residency.attach(workdir)
     try:
         ecfg = EvalConfig()  # built here so that config.gin records the evaluate.* bindings too
     except (ValueError, TypeError) as e:

@@ -1,1 +1,34 @@
-"""The tiers: where a layer's weights and optimizer state live between uses (device, host memory, files)."""
+"""The tiers: where a layer's weights and optimizer state live between uses, one object end to end.
+
+A *tier* is one class behind one declared interface (`Tier`, revtrain/tiers/base.py): its name, placement
+(where a layer's state goes and how it comes to the device), its store and the streaming engine's hooks, its
+plan terms (layers in flight, I/O per step, capacity, refusal), its checkpoint form (Orbax's arrays, or hard
+links to files) and its sampling form. The trainer builds its tier once from the gin value
+(``ReversibleTrainer.offload``, `from_gin`) and everything else asks the object.
+
+The package, one job per module:
+
+* ``base``: the `Tier` interface and the placement every array tier shares (`HostStack` too);
+* ``device``, ``host``, ``disk``: the three tiers (`DeviceTier`, `HostTier`, `DiskTier`);
+* ``host_store``, ``disk_store``: their stores, the streaming engine's peers (`HostStore`, `DiskStore`;
+  the engine itself, the scheduling of puts, dispatches and waits, is `revtrain.streaming`);
+* ``disk_format``: the disk tier's file format and checksums; ``disk_links``: its checkpoint form (hard
+  links); ``disk_probes``: its plan terms (space needed and free, bandwidth, a deferred step's I/O);
+* ``registry``: `register`, `from_gin`, `lookup`, `names`.
+
+A new tier is one module with one `Tier` subclass and one line, ``revtrain.tiers.register("name", Class)``;
+``ReversibleTrainer.offload = 'name'`` then selects it (tests/test_tiers_plugin.py adds one that way).
+"""
+
+from revtrain.tiers.base import HostStack, StoreError, Tier
+from revtrain.tiers.device import DeviceTier
+from revtrain.tiers.disk import DiskTier
+from revtrain.tiers.host import HostTier
+from revtrain.tiers.registry import from_gin, holder_of, leftovers, lookup, names, register
+
+register("device", DeviceTier)
+register("host", HostTier)
+register("disk", DiskTier)
+
+__all__ = ["DeviceTier", "DiskTier", "HostStack", "HostTier", "StoreError", "Tier", "from_gin", "holder_of",
+           "leftovers", "lookup", "names", "register"]

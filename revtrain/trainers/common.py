@@ -390,7 +390,7 @@ class TrainerBase:
         for a trainer that rebuilds nothing.
       disk_stats: the last step's I/O of a streamed tier (``host_read_bytes``, ``disk_read_bytes``, ...;
         `revtrain.streaming.StepStream.stats`) for the step's ``train.jsonl`` record; ``{}`` without one.
-      residency: where weights and optimizer state live between uses (a tier of `revtrain.residency`), set
+      residency: where weights and optimizer state live between uses (a tier object, `revtrain.tiers`), set
         by each trainer.
       specs: how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`), set by
         each trainer.
@@ -479,15 +479,18 @@ class TrainerBase:
         groups = tuple((i, 1) for i in range(len(self.model.layers)))
         return Stacked(groups, ts.params, ts.opt_state, ts.layer_state)
 
+    # The two booleans the planners (revtrain/memory_plan.py, revtrain/trainers/budget.py) still read, made by
+    # the tier object (`revtrain.tiers.base.Tier.setup_terms`); the planners ask the tier itself next, and then
+    # these go.
     @property
     def offload(self) -> bool:
-        """Whether weights and optimizer state live in host memory between uses (`residency`)."""
-        return self.residency.tier == "host"
+        """Read-only, from the tier (`residency`): whether the state and kept inputs live in host memory."""
+        return self.residency.setup_terms()["offload"]
 
     @property
     def on_disk(self) -> bool:
-        """Whether weights and optimizer state live in layer files (`residency`)."""
-        return self.residency.tier == "disk"
+        """Read-only, from the tier (`residency`): whether the state lives in layer files."""
+        return self.residency.setup_terms()["disk"]
 
     # -- evaluation ------------------------------------------------------------------------------
     @staticmethod

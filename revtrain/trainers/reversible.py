@@ -14,7 +14,7 @@ drift at every block boundary. At most one layer's gradients exist at a time.
 
 The trainer is four modules, each one job: this one holds the configuration, the state and the step; the
 per-layer programs are `revtrain.trainers.programs` (what each compiled call computes); the order of calls
-is `revtrain.trainers.walk`; where the state lives is the tier (`revtrain.residency`: device, or host memory
+is `revtrain.trainers.walk`; where the state lives is the tier (`revtrain.tiers`: device, or host memory
 and layer files streamed by `revtrain.streaming`, bit for bit the device tier's numbers) and how it is
 split over the devices `revtrain.trainers.specs` (``shard_state``, ZeRO-3). The deferred update
 (microbatches, a whole-model optimizer such as ``optax.clip_by_global_norm``, tied parameters) is
@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
 from revtrain.placement import placer, replicated
-from revtrain.residency import HostStack, for_offload
+from revtrain.tiers import HostStack, from_gin
 from revtrain.streaming import train_programs
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, check_batch, check_finite, check_flags,
                                       grad_norm, is_elementwise, step_key)
@@ -60,10 +60,10 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     Args:
       model, optimizer, mesh, seed: see ``TrainerBase``.
-      offload: where weights and optimizer state live between uses (`revtrain.residency`): False, device
-        memory; True, host memory (with the saved standard-layer inputs); ``'disk'``, one file per layer in
-        ``offload_dir`` (`revtrain.disk_tier`). Either is read ahead of each program and written back after
-        each update by the streaming engine (`revtrain.streaming`), one layer at a time: the per-layer
+      offload: where weights and optimizer state live between uses (the tier, `revtrain.tiers.from_gin`):
+        False, device memory; True, host memory (with the saved standard-layer inputs); ``'disk'``, one file
+        per layer in ``offload_dir`` (`revtrain.tiers.disk`); or a registered tier's name. A streamed tier is
+        read ahead of each program and written back after each update by the streaming engine (`revtrain.streaming`), one layer at a time: the per-layer
         executor, whatever ``scan_layers`` says.
       offload_dir: the disk tier's directory (default: ``<workdir>/offload``, set by the train command).
       scan_layers: with the state in device memory, run each run of consecutive identical reversible layers
@@ -146,7 +146,7 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         self.scan_layers = scan_layers
         self._stream, self.disk_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
         try:
-            self.residency = for_offload(mesh, offload, shard_state, offload_dir)
+            self.residency = from_gin(offload, mesh, shard_state, offload_dir)
         except ValueError as e:
             raise TrainerError(str(e)) from None
         why = self.residency.refusal()
@@ -273,7 +273,8 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     def _stored(self, params, opt_state):
         """The step's updated ``(params, opt_state)`` lists: as they are, or with a streamed tier the new refs
-        of each group once every write is done (the disk tier's `disk_tier.DiskLayer`, the host tier's trees)."""
+        of each group once every write is done (the disk tier's `revtrain.tiers.disk_format.DiskLayer`, the host
+        tier's trees)."""
         if not self.residency.streamed:
             return params, opt_state
         stream, self._stream = self._stream, None
@@ -470,15 +471,11 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
 
     # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
     def memory_setup(self) -> dict:
-        residency = self.residency
-        label = ("ReversibleTrainer" + (residency.label if residency.tier == "host" else "")
-                 + (" + shard_state" if self.shard_state else "") + (residency.label if residency.tier == "disk" else ""))
-        return {"trainer": "reversible", "label": label, "offload": residency.tier == "host",
-                "disk": residency.tier == "disk",
+        label = self.residency.trainer_label("ReversibleTrainer", " + shard_state" if self.shard_state else "")
+        return {"trainer": "reversible", "label": label, **self.residency.setup_terms(),
                 "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
-                "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0,
-                "host_kind": residency.memory_kind if residency.tier == "host" else ""}
+                "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
 
     def update_text(self) -> str:
         if not self.deferred:

@@ -15,7 +15,7 @@ from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, Tr
                                       check_batch, check_finite, check_flags, example_keys, per_device, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import all_finite, guarded_update
-from revtrain.residency import Residency
+from revtrain.tiers import DeviceTier
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import find_runs, groups_of
 
@@ -73,7 +73,7 @@ class StandardTrainer(TrainerBase):
         if remat_offload and not host_memory_supported(mesh):
             raise TrainerError("StandardTrainer.remat_offload needs a backend with a pinned_host memory space")
         super().__init__(model, optimizer, mesh, seed, microbatches)
-        self.residency = Residency(mesh)  # (device memory, replicated)
+        self.residency = DeviceTier(mesh)  # (device memory, replicated)
         self.specs = StateSpecs(model, optimizer, mesh.size, sharded=False)
         self.scan_layers, self.remat_layers, self.remat_offload = scan_layers, remat_layers, remat_offload
         runs = find_runs(model.layers, eligible=lambda layer: True) if scan_layers else []

@@ -1,0 +1,294 @@
+"""The tier's declared interface (`Tier`), and the placement every tier shares.
+
+A *tier* says where a layer's weights and optimizer state live between the programs that use them, and
+answers every question the rest of revtrain asks about that place. The questions come in five groups:
+
+* **Name and words**: `Tier.name` (``"device"``, ``"host"``, ``"disk"``, or a registered tier's), the value of
+  ``ReversibleTrainer.offload`` that selects it (`Tier.gin_value`), `Tier.describe`, `Tier.trainer_label`.
+* **Placement**: where a new layer goes (`Tier.put_layer`, `Tier.end_init`, `Tier.place_stacked`), its
+  shape-only restore template (`Tier.layer_template`), how a layer's weights come to the device whole
+  (`Tier.fetch`) and where a kept activation waits for the backward (`Tier.keep`, `Tier.bring`).
+* **Its store and the engine's hooks**: `Tier.store` (a `revtrain.streaming.Store`, None for a tier the
+  streaming engine does not move), `Tier.streamed`, `Tier.releases` (a step lets go of each layer's old state
+  as it writes the new one), `Tier.branch_update` (the per-layer update's form), and the run's hooks
+  (`Tier.attach`, `Tier.check_run`, `Tier.own_directory`).
+* **Plan terms**, methods the planners call: the device copies of a layer the engine holds at once
+  (`Tier.layers_in_flight`), the bytes one step moves between the store and the device (`Tier.io_per_step`),
+  the space the store may use and needs (`Tier.capacity`, `Tier.space_need`), its bandwidth
+  (`Tier.bandwidth`), and why the tier cannot run here (`Tier.refusal`); `Tier.setup_terms` gives today's
+  memory plan its words until it takes the tier object.
+* **Checkpoint and sampling forms**: how a checkpoint holds the state (`Tier.checkpoint_form`: ``"orbax"``
+  for arrays, ``"links"`` for the disk tier's hard links), whether a state is this tier's
+  (`Tier.holds_state`), and how generation reads the layers one at a time (`Tier.sample_layers`).
+
+`Tier` implements placement for a state held as JAX arrays (the device tier's, shared by the host tier); a
+tier overrides what differs. A new tier is one module with one subclass and one `revtrain.tiers.register`
+line (tests/test_tiers_plugin.py adds one without touching any other file).
+
+A state is placed *one layer at a time*: the initial values of a lazy model (`revtrain.layers.Layer.lazy`)
+are made per layer, put where they live, and dropped, so a whole model never exists twice in host memory
+(docs/memory.md). A run of stacked identical layers (the device tier's scanned executor) is filled into one
+host buffer per leaf (`HostStack`) and placed leaf by leaf, each buffer released as soon as it is placed.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from revtrain.errors import RunFailure
+from revtrain.placement import DEVICE_MEMORY, replicated, shard_spec
+
+
+class StoreError(RunFailure, OSError):
+    """A tier's store cannot read or write a layer (one line: what and the OS's reason); a run stops with its
+    checkpoints kept, as for a failed checkpoint write."""
+
+
+class Tier(abc.ABC):
+    """Where weights and optimizer state live between uses, and everything that follows from it (see the
+    module note). Subclasses set `name`, `gin_value` and implement `describe_place`; the rest has defaults:
+    a state of JAX arrays, not streamed, checkpointed by Orbax.
+
+    Args:
+      mesh: the data mesh.
+      sharded: split each large leaf over the ``"data"`` axis (``shard_state``) instead of replicating it.
+    """
+
+    name: str = ""  # the tier's name (the registry's key)
+    gin_value: object = None  # the ``ReversibleTrainer.offload`` value that selects it
+    label = ""  # what a trainer's label adds for this tier
+    releases = False  # a step lets go of each layer's old state once its new one is written
+    branch_update = False  # the per-layer update's form (`layerwise.guarded_update`): the conditional
+    checkpoint_form = "orbax"  # how a checkpoint holds the state: "orbax" (arrays) or "links" (the files)
+    uses_directory = False  # whether ``ReversibleTrainer.offload_dir`` names this tier's directory
+    host_pool = False  # whether the state lives in host memory a GPU's runtime pins (`revtrain.pinned`'s pool)
+
+    def __init__(self, mesh: Mesh, sharded: bool = False):
+        self.mesh, self.sharded = mesh, sharded
+        self.store = None  # the streaming engine's store (`revtrain.streaming.Store`) of a streamed tier
+        self._kind = None
+
+    # -- name and words --------------------------------------------------------------------------
+    @property
+    def tier(self) -> str:
+        """The tier's `name` (the older spelling)."""
+        return self.name
+
+    @abc.abstractmethod
+    def describe_place(self) -> str:
+        """Where the state lives, in a few words (``"device memory"``)."""
+
+    def describe(self) -> str:
+        """A few words for logs and the memory plan, e.g. ``"host memory (unpinned_host), replicated"``."""
+        return f"{self.describe_place()}, {'split over the devices' if self.sharded else 'replicated'}"
+
+    def trainer_label(self, name: str, sharding: str = "") -> str:
+        """A trainer's label with this tier's words: ``name`` then ``sharding`` (e.g. ``" + shard_state"``)
+        then `label` (a tier that changes the step's placement puts its words before the sharding's)."""
+        return name + sharding + self.label
+
+    @property
+    def memory_kind(self) -> str | None:
+        """The JAX memory kind of the state (None: the device's default)."""
+        return self._kind
+
+    @property
+    def streamed(self) -> bool:
+        """True when the streaming engine moves the state (`revtrain.streaming`): the tier has a store."""
+        return self.store is not None
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the state lives outside device memory (the engine moves it in and out)."""
+        return self.streamed
+
+    @property
+    def disk(self):
+        """The disk tier's store (`revtrain.tiers.disk_store.DiskStore`; None for the other tiers): what the
+        planners read today (they ask the plan terms once converted)."""
+        return None
+
+    # -- a layer's state ---------------------------------------------------------------------------
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        """Layer ``index``'s initial ``params`` and ``opt_state`` (numpy trees) placed where they live, with
+        specs ``pspec`` / ``ospec`` (trees of ``PartitionSpec``, default `specs`): ``(params, opt_state)`` as
+        a state holds them."""
+        opt_state = self.place_tree(opt_state, ospec)
+        return self.place_tree(params, pspec), opt_state
+
+    def end_init(self) -> None:
+        """Every layer is placed (`put_layer`)."""
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        """Layer ``index``'s ``(params, opt_state)`` restore template from their shapes (`abstract`)."""
+        return self.abstract(shapes, pspec), self.abstract(opt_shapes, ospec)
+
+    def fetch(self, tree):
+        """One layer's params (as a state holds them) on the device, whole: gathered from the devices' pieces
+        when sharded."""
+        if not self.sharded:
+            return tree
+        return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
+
+    def keep(self, x):
+        """An activation kept for the backward (a standard layer's input), where it waits."""
+        return x
+
+    def bring(self, x):
+        """A kept activation back on the device (`keep`'s inverse)."""
+        return x
+
+    def specs(self, shapes, leading: int = 0):
+        """A tree of ``PartitionSpec`` matching ``shapes`` (a tree of arrays or ``ShapeDtypeStruct``):
+        `placement.shard_spec` of each leaf when sharded (``leading`` stacked axes never split), else ``P()``."""
+        if not self.sharded:
+            return jax.tree.map(lambda x: P(), shapes)
+        n = self.mesh.size
+        return jax.tree.map(lambda x: shard_spec(np.shape(x), n, leading=leading), shapes)
+
+    def sharding(self, spec: P = P()) -> NamedSharding:
+        """The sharding of a leaf with ``spec`` in this tier's memory kind."""
+        return NamedSharding(self.mesh, spec, memory_kind=self.memory_kind)
+
+    def place(self, value: np.ndarray, spec: P = P()) -> jax.Array:
+        """One host numpy leaf (the same value on every process) placed with ``spec``: each process builds
+        only its own devices' pieces."""
+        value = np.asarray(value)
+        sharding = self.sharding(spec)
+        if sharding.is_fully_replicated:
+            # Then copied into a buffer the runtime owns: XLA:CPU may alias the numpy memory, and such a buffer
+            # cannot be donated, so the first step would allocate a second copy of it (measured on a Llama:
+            # 1.2 GB more at 0.3 B parameters during step 1). The copy costs one leaf, once.
+            return jax.device_put(jax.device_put(value, sharding), sharding, may_alias=False)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    def place_tree(self, tree, specs=None):
+        """`place` of every leaf of ``tree`` (``specs``: a matching tree of ``PartitionSpec``, default from
+        `specs`)."""
+        specs = self.specs(tree) if specs is None else specs
+        return jax.tree.map(self.place, tree, specs)
+
+    def abstract(self, shapes, specs=None):
+        """``shapes`` as ``jax.ShapeDtypeStruct`` leaves with this tier's shardings: a restore template that
+        allocates nothing."""
+        specs = self.specs(shapes) if specs is None else specs
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self.sharding(s)),
+                            shapes, specs)
+
+    def place_stacked(self, stack: "HostStack", specs) -> object:
+        """Places a `HostStack` one leaf at a time, releasing each host buffer once it is placed, so at most
+        the stack's numpy copy and one placed leaf exist beside what is already placed. ``specs``: a tree of
+        ``PartitionSpec`` matching the stacked tree, or None (`specs`)."""
+        tree = stack.tree()
+        specs = self.specs(tree, leading=1) if specs is None else specs
+        flat_specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+        if len(flat_specs) == 1 and len(stack.buffers) != 1:  # a prefix for the whole tree
+            flat_specs = flat_specs * len(stack.buffers)
+        placed = []
+        for k in range(len(stack.buffers)):
+            placed.append(self.place(stack.buffers[k], flat_specs[k]))
+            stack.buffers[k] = None  # released: the placed leaf is the only copy
+        return jax.tree.unflatten(stack.treedef, placed)
+
+    # -- the run's hooks -------------------------------------------------------------------------------
+    def attach(self, workdir: str) -> None:
+        """The run's workdir is ``workdir`` (the disk tier names its default directory there)."""
+
+    def check_run(self) -> None:
+        """Checks the tier's configuration before the run makes anything (raises
+        `revtrain.errors.ConfigError` with one line); nothing to check by default."""
+
+    def own_directory(self) -> str | None:
+        """A directory outside the run's workdir that this tier writes into (the run locks it), or None."""
+        return None
+
+    @classmethod
+    def leftovers(cls, workdir: str) -> str | None:
+        """One line when ``workdir`` holds this tier's files left by an earlier run that a run of another tier
+        will not use, else None."""
+        return None
+
+    # -- plan terms ------------------------------------------------------------------------------------
+    def refusal(self) -> str | None:
+        """Why this tier cannot run here, in one line, or None."""
+        return None
+
+    def layers_in_flight(self) -> int:
+        """How many copies of a layer's weights and optimizer state the engine holds on the device at once
+        for a streamed tier (the one computing, those put ahead, the one being written back); 0 when the
+        whole state lives on the device (it is counted whole instead)."""
+        return 0
+
+    def io_per_step(self, weights: int, opt: int, head_weights: int) -> tuple[int, int]:
+        """``(bytes read, bytes written)`` between the store and the device in one fused-update step of a
+        state of ``weights`` and ``opt`` bytes (``head_weights``: the head layer's, read once): every layer's
+        weights in the forward but the head's, every layer's weights and optimizer state in the backward,
+        each layer's new state written once. (0, 0) when the state stays on the device."""
+        if not self.streamed:
+            return 0, 0
+        return 2 * weights + opt - head_weights, weights + opt
+
+    def capacity(self, held=()) -> tuple[int, str] | None:
+        """``(bytes, description)`` the tier's own store may occupy beyond host and device memory (the disk
+        tier's free space; ``held``: directories the run holds there already), or None: no store of its own."""
+        return None
+
+    def space_need(self, state_bytes: int, keep: int | None, every: int) -> tuple[int, int]:
+        """``(live bytes, checkpoint bytes)`` the tier's own store needs for a state of ``state_bytes`` with
+        ``keep`` checkpoints written every ``every`` steps: (0, 0) for a tier without one."""
+        return 0, 0
+
+    def bandwidth(self) -> dict | None:
+        """The store's sequential bandwidth (``{"read": B/s, "write": B/s, "source"}``), or None where it is
+        not a planned term (memory tiers: the device's copies)."""
+        return None
+
+    def setup_terms(self) -> dict:
+        """The memory plan's words for this tier: `revtrain.memory_plan.Setup`'s ``offload`` (the state and
+        kept inputs in host memory), ``disk`` (the state in layer files) and ``host_kind``. (The planners take
+        the tier object itself next; until then this is where the two booleans are made.)"""
+        return {"offload": False, "disk": False, "host_kind": ""}
+
+    # -- checkpoint and sampling forms -------------------------------------------------------------------
+    @classmethod
+    def holds_state(cls, ts) -> bool:
+        """Whether the `TrainState` ``ts`` (or a restore template) holds its layers in this tier's own refs
+        (a state of arrays is any array tier's: False)."""
+        return False
+
+    def sample_layers(self, refs: list, place):
+        """A reader of a state's layers for layer-by-layer generation (``get(i)``, ``close()``,
+        ``read_bytes``), or None when the layers are fetched as the trainer fetches them (`fetch`)."""
+        return None
+
+
+class HostStack:
+    """Host buffers for ``count`` layers' trees of one structure, stacked on a new leading axis and filled one
+    layer at a time (`put`), so the layers' own copies can be dropped as they come (see `Tier.place_stacked`)."""
+
+    def __init__(self, count: int):
+        self.count, self.buffers, self.treedef = count, None, None
+
+    def put(self, j: int, tree) -> None:
+        """Copies layer ``j``'s tree (numpy or jax leaves) into slice ``j``.
+
+        Raises:
+          ValueError: the tree's structure differs from the first layer's.
+        """
+        leaves, treedef = jax.tree.flatten(tree)
+        if self.buffers is None:
+            self.treedef = treedef
+            self.buffers = [np.empty((self.count, *np.shape(x)), np.asarray(x).dtype) for x in leaves]
+        elif treedef != self.treedef:
+            raise ValueError(f"layer {j}'s tree differs from the first layer's: {treedef} vs {self.treedef}")
+        for k, x in enumerate(leaves):
+            self.buffers[k][j] = np.asarray(x)
+
+    def tree(self):
+        """The stacked tree (numpy leaves; None where a leaf was placed already)."""
+        return jax.tree.unflatten(self.treedef, self.buffers)

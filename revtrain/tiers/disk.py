@@ -1,0 +1,138 @@
+"""The disk tier (``ReversibleTrainer.offload = 'disk'``): one file per layer, streamed to the device.
+
+Nothing of the weights or optimizer state stays in memory between the programs that use it: each layer is one
+file (`revtrain.tiers.disk_format`) in the store's directory (`revtrain.tiers.disk_store.DiskStore`, which the
+streaming engine reads ahead and writes behind), a checkpoint holds hard links to a step's files
+(`revtrain.tiers.disk_links`), and the plan asks the disk's space and bandwidth (`revtrain.tiers.disk_probes`).
+A state's params and optimizer state are the same `DiskLayer` per layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from revtrain.placement import placer
+from revtrain.tiers import disk_probes
+from revtrain.tiers.base import Tier
+from revtrain.tiers.disk_format import DiskLayer, read_tree
+from revtrain.tiers.disk_store import STEP_PREFIX, DiskStore
+
+
+class DiskTier(Tier):
+    """The disk tier: one file per layer, its `DiskStore` the store the engine streams.
+
+    Args:
+      mesh, sharded: see `revtrain.tiers.base.Tier`.
+      store: the `DiskStore` (its directory: ``ReversibleTrainer.offload_dir``; default: one named later by
+        `attach`).
+    """
+
+    name = "disk"
+    gin_value = "disk"
+    label = " + offload='disk'"
+    checkpoint_form = "links"
+    uses_directory = True
+    # The conditional update: the disk tier's peak is the layers in flight plus one program's temporaries,
+    # and the select form's update holds a copy of the weights' size (on a d 3200 Llama block 1.21 GiB of
+    # temporaries against 0.83); elsewhere the select form (a conditional makes an accelerator wait).
+    branch_update = True
+
+    def __init__(self, mesh: Mesh, sharded: bool = False, store: DiskStore | None = None,
+                 directory: str | None = None):
+        super().__init__(mesh, sharded)
+        self.store = store if store is not None else DiskStore(directory)
+
+    @property
+    def disk(self) -> DiskStore:
+        return self.store
+
+    def describe_place(self) -> str:
+        return f"layer files in {self.store.directory or 'the offload directory'}"
+
+    def refusal(self) -> str | None:
+        if jax.process_count() > 1:
+            return "ReversibleTrainer.offload = 'disk' runs in one process only (yet)"
+        return None
+
+    # -- placement --
+    def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
+        """Writes layer ``index``'s initial state as step 0's file (synchronously): its `DiskLayer`, twice."""
+        params, opt_state = jax.tree.map(np.asarray, (params, opt_state))
+        layout = self.store.layout(("layer", index), params, opt_state)
+        ref = self.store.write_initial(0, index, layout, params, opt_state)
+        return ref, ref
+
+    def end_init(self) -> None:
+        self.store.seal(0)
+
+    def layer_template(self, index: int, shapes, opt_shapes, pspec=None, ospec=None) -> tuple:
+        """A `DiskLayer` with no file: what `revtrain.checkpoint` restores a disk state into."""
+        ref = DiskLayer(self.store.layout(("layer", index), shapes, opt_shapes))
+        return ref, ref
+
+    def fetch(self, tree):
+        if isinstance(tree, DiskLayer):  # the weights read from the layer's file
+            return read_tree(tree.path, tree.layout, "params", placer(self.mesh))
+        return super().fetch(tree)
+
+    # -- the run's hooks --
+    def attach(self, workdir: str) -> None:
+        self.store.attach(workdir)
+
+    def check_run(self) -> None:
+        """Refuses an ``offload_dir`` that is a file or whose parent is missing (`DiskStore.check_directory`)."""
+        self.store.check_directory()
+
+    def own_directory(self) -> str | None:
+        return None if self.store.in_workdir else self.store.directory
+
+    @classmethod
+    def leftovers(cls, workdir: str) -> str | None:
+        """One line when ``<workdir>/offload`` holds a disk-tier state that a run of another tier will not use
+        (left by an earlier run with ``offload = 'disk'``): its steps and size, and that removing it loses
+        nothing (a disk-tier checkpoint holds hard links of its own)."""
+        folder = os.path.join(workdir, "offload")
+        steps = sorted(n for n in os.listdir(folder) if n.startswith(STEP_PREFIX)) if os.path.isdir(folder) else []
+        if not steps:
+            return None
+        size = sum(e.stat().st_size for n in steps for e in os.scandir(os.path.join(folder, n)) if e.is_file())
+        return (f"{folder} holds {len(steps)} step(s) of an earlier disk-tier state ({size / 2**20:,.0f} MiB) that "
+                "this run does not use: the checkpoints keep links of their own, so removing it frees the space and "
+                "loses nothing")
+
+    # -- plan terms --
+    def layers_in_flight(self) -> int:
+        """The layer computing and the one read ahead (on the device; the one being written is a host copy)."""
+        return 2
+
+    def capacity(self, held=()) -> tuple[int, str]:
+        return disk_probes.disk_free(self._directory(), held)
+
+    def space_need(self, state_bytes: int, keep: int | None, every: int) -> tuple[int, int]:
+        return disk_probes.disk_need(state_bytes, keep, every)
+
+    def bandwidth(self) -> dict:
+        return disk_probes.bandwidth(self._directory())
+
+    def _directory(self) -> str:
+        return self.store.directory or os.path.join(os.getcwd(), "offload")
+
+    def setup_terms(self) -> dict:
+        return {"offload": False, "disk": True, "host_kind": ""}
+
+    # -- checkpoint and sampling forms --
+    @classmethod
+    def holds_state(cls, ts) -> bool:
+        """Whether ``ts``'s first layer's params is a `DiskLayer` (its layers are files)."""
+        params = ts.held()[0]
+        return bool(params) and isinstance(params[0], DiskLayer)
+
+    def sample_layers(self, refs: list, place):
+        """Each layer read from its file as generation reaches it, the next read ahead
+        (`revtrain.disk_generate.LayerCycle`)."""
+        from revtrain.disk_generate import LayerCycle
+        return LayerCycle(self.store, refs, place)

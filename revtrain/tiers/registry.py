@@ -1,0 +1,85 @@
+"""The tier registry: a tier's name to its class, and the tier object built from the gin ``offload`` value.
+
+`register` adds a tier (one line beside its class); `from_gin` builds the tier of
+``ReversibleTrainer.offload``: ``False`` the device tier, ``True`` the host tier, ``'disk'`` the disk tier, or
+any registered tier's name. Nothing outside this package reads the ``offload`` value: the trainer holds the
+object, and everything else asks it (`revtrain.tiers.base.Tier`).
+"""
+
+from __future__ import annotations
+
+from revtrain import metrics as metrics_lib
+from revtrain.tiers.base import Tier
+
+_TIERS: dict[str, type] = {}  # name -> class, in registration order
+
+
+def register(name: str, cls: type) -> type:
+    """Registers the tier class ``cls`` under ``name`` (``ReversibleTrainer.offload = '<name>'`` selects it);
+    returns ``cls``, so it can decorate the class.
+
+    Raises:
+      TypeError: ``cls`` is not a `Tier` subclass.
+      ValueError: ``name`` is taken by another class.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Tier)):
+        raise TypeError(f"a tier is a subclass of revtrain.tiers.Tier, got {cls!r}")
+    if _TIERS.get(name, cls) is not cls:
+        raise ValueError(f"the tier name {name!r} is taken by {_TIERS[name].__name__}")
+    _TIERS[name] = cls
+    return cls
+
+
+def names() -> tuple[str, ...]:
+    """The registered tiers' names, in registration order (the built-in three first)."""
+    return tuple(_TIERS)
+
+
+def lookup(value) -> type:
+    """The tier class of a ``ReversibleTrainer.offload`` value (a class's `Tier.gin_value` or a name).
+
+    Raises:
+      ValueError: no tier has that value (one line listing the accepted values).
+    """
+    for cls in _TIERS.values():
+        if value is cls.gin_value or (isinstance(value, str) and value == cls.gin_value):
+            return cls
+    if isinstance(value, str) and value in _TIERS:
+        return _TIERS[value]
+    builtin = [repr(c.gin_value) for c in _TIERS.values() if c.gin_value is not None][:3]
+    others = [n for n, c in _TIERS.items() if repr(c.gin_value) not in builtin]
+    more = f" (or a registered tier: {', '.join(map(repr, others))})" if others else ""
+    raise ValueError(f"ReversibleTrainer.offload must be {', '.join(builtin[:-1])} or {builtin[-1]}, got {value!r}"
+                     + more)
+
+
+def from_gin(value, mesh, sharded: bool = False, directory: str | None = None) -> Tier:
+    """The tier object of ``ReversibleTrainer.offload = value`` on ``mesh`` (``sharded``: ``shard_state``),
+    its files in ``directory`` (``ReversibleTrainer.offload_dir``) for a tier that keeps files (None: named
+    later by the train command, `Tier.attach`; given to another tier, a note says it is not used).
+
+    Raises:
+      ValueError: ``value`` selects no registered tier.
+    """
+    cls = lookup(value)
+    if not cls.uses_directory:
+        if directory is not None:
+            metrics_lib.log(f"ReversibleTrainer.offload_dir = {directory!r} is not used: it is the directory of "
+                            "offload = 'disk'")
+        return cls(mesh, sharded)
+    return cls(mesh, sharded, directory=directory)
+
+
+def holder_of(ts) -> type | None:
+    """The registered tier class whose own refs the `TrainState` ``ts`` holds (`Tier.holds_state`), or None
+    for a state of arrays (any array tier's): how a checkpoint written without its trainer finds its form."""
+    for cls in _TIERS.values():
+        if cls.holds_state(ts):
+            return cls
+    return None
+
+
+def leftovers(workdir: str, tier: Tier) -> list[str]:
+    """The notes of every registered tier but ``tier``'s own on files an earlier run left in ``workdir``
+    (`Tier.leftovers`)."""
+    return [note for cls in _TIERS.values() if not isinstance(tier, cls) and (note := cls.leftovers(workdir))]
