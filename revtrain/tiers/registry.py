@@ -41,8 +41,9 @@ def lookup(value) -> type:
     Raises:
       ValueError: no tier has that value (one line listing the accepted values).
     """
-    for cls in _TIERS.values():
-        if value is cls.gin_value or (isinstance(value, str) and value == cls.gin_value):
+    for cls in _TIERS.values():  # (a gin value of None: selected by its name alone)
+        gin = cls.gin_value
+        if gin is not None and (value is gin or (isinstance(value, str) and value == gin)):
             return cls
     if isinstance(value, str) and value in _TIERS:
         return _TIERS[value]

@@ -1,0 +1,65 @@
+"""revtrain/tiers/disk.py: the disk tier's answers (placement in files, run hooks, plan terms, checkpoint and
+sampling forms). In process, about a second."""
+
+import os
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from revtrain.errors import ConfigError
+from revtrain.placement import make_mesh, placer
+from revtrain.tiers import DiskTier
+from revtrain.tiers.disk_format import DiskLayer
+from revtrain.tiers.disk_probes import disk_need
+
+
+@pytest.fixture()
+def tier(tmp_path):
+    return DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "tier"))
+
+
+def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
+    """`put_layer` writes step 0's file, the same `DiskLayer` for both parts; its template has no file; `fetch`
+    and the sampling reader (`sample_layers`) read the weights onto the device; a state of such layers is the
+    disk tier's (its checkpoint form: links)."""
+    params = {"w": np.arange(6, dtype=np.float32)}
+    p, o = tier.put_layer(0, params, {"m": np.zeros(6, np.float32)})
+    tier.end_init()
+    assert p is o and isinstance(p, DiskLayer) and os.path.exists(p.path)
+    tp, to = tier.layer_template(0, {"w": jax.ShapeDtypeStruct((6,), np.float32)},
+                                 {"m": jax.ShapeDtypeStruct((6,), np.float32)})
+    assert tp is to and tp.path is None and tp.layout == p.layout
+    assert np.array_equal(np.asarray(tier.fetch(p)["w"]), params["w"])
+    reader = tier.sample_layers([p, p], placer(tier.mesh))
+    try:
+        assert np.array_equal(np.asarray(reader.get(0)["w"]), params["w"]) and reader.read_bytes == 24
+    finally:
+        reader.close()
+    state = types.SimpleNamespace(held=lambda: ([p], [o]))
+    assert DiskTier.holds_state(state) and tier.checkpoint_form == "links"
+    assert not DiskTier.holds_state(types.SimpleNamespace(held=lambda: ([params], [None])))
+
+
+def test_the_disk_tiers_words_hooks_and_plan_terms(tier, tmp_path):
+    assert (tier.name, tier.gin_value, tier.branch_update, tier.uses_directory) == ("disk", "disk", True, True)
+    assert tier.describe() == f"layer files in {tmp_path / 'tier'}, replicated" and tier.disk is tier.store
+    label = tier.trainer_label("ReversibleTrainer", " + shard_state")
+    assert label == "ReversibleTrainer + shard_state + offload='disk'"
+    assert tier.setup_terms() == {"offload": False, "disk": True, "host_kind": ""}
+    assert tier.layers_in_flight() == 2 and tier.io_per_step(100, 200, 10) == (390, 300)
+    assert tier.space_need(100, 3, 1) == disk_need(100, 3, 1)
+    assert tier.capacity()[0] > 0 and tier.own_directory() == str(tmp_path / "tier")
+    tier.attach(str(tmp_path / "run"))  # (an offload_dir given: kept)
+    assert tier.store.directory == str(tmp_path / "tier")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        DiskTier(tier.mesh, directory=str(tmp_path / "file")).check_run()
+
+
+def test_leftover_files_of_an_earlier_disk_run_are_named(tmp_path):
+    assert DiskTier.leftovers(str(tmp_path)) is None
+    (tmp_path / "offload" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "offload" / "step_00000002" / "layer_00000.bin").write_bytes(b"x" * (1 << 20))
+    assert "holds 1 step(s) of an earlier disk-tier state (1 MiB)" in DiskTier.leftovers(str(tmp_path))
