@@ -3,11 +3,10 @@
 `revtrain.tiers`.
 """
 
-from revtrain.tiers import DeviceTier as Residency
-from revtrain.tiers import DiskTier as DiskResidency
-from revtrain.tiers import HostStack
-from revtrain.tiers import HostTier as HostResidency
-from revtrain.tiers import from_gin
+from revtrain.tiers import HostStack, from_gin
+from revtrain.tiers.device import DeviceTier as Residency
+from revtrain.tiers.disk import DiskTier as DiskResidency
+from revtrain.tiers.host import HostTier as HostResidency
 
 TIERS = ("device", "host", "disk")
 

@@ -14,21 +14,26 @@ The package, one job per module:
   the engine itself, the scheduling of puts, dispatches and waits, is `revtrain.streaming`);
 * ``disk_format``: the disk tier's file format and checksums; ``disk_links``: its checkpoint form (hard
   links); ``disk_probes``: its plan terms (space needed and free, bandwidth, a deferred step's I/O);
-* ``registry``: `register`, `from_gin`, `lookup`, `names`.
+* ``registry``: `register`, `from_gin`, `lookup`, `names` (the built-in three registered on first use).
 
 A new tier is one module with one `Tier` subclass and one line, ``revtrain.tiers.register("name", Class)``;
 ``ReversibleTrainer.offload = 'name'`` then selects it (tests/test_tiers_plugin.py adds one that way).
 """
 
 from revtrain.tiers.base import HostStack, StoreError, Tier
-from revtrain.tiers.device import DeviceTier
-from revtrain.tiers.disk import DiskTier
-from revtrain.tiers.host import HostTier
-from revtrain.tiers.registry import from_gin, holder_of, leftovers, lookup, names, register
+from revtrain.tiers.registry import BUILTIN, from_gin, holder_of, leftovers, lookup, names, register
 
-register("device", DeviceTier)
-register("host", HostTier)
-register("disk", DiskTier)
+_CLASSES = {attr: module for _, module, attr in BUILTIN}
+
+
+def __getattr__(name: str):
+    """The built-in tier classes (`DeviceTier`, `HostTier`, `DiskTier`), imported when first named (the package
+    itself imports only the interface and the registry)."""
+    if name in _CLASSES:
+        import importlib
+        return getattr(importlib.import_module(_CLASSES[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DeviceTier", "DiskTier", "HostStack", "HostTier", "StoreError", "Tier", "from_gin", "holder_of",
            "leftovers", "lookup", "names", "register"]

@@ -8,10 +8,24 @@ object, and everything else asks it (`revtrain.tiers.base.Tier`).
 
 from __future__ import annotations
 
+import importlib
+
 from revtrain import metrics as metrics_lib
 from revtrain.tiers.base import Tier
 
+# The built-in tiers, imported on the registry's first use (so importing the package, as every trainer does,
+# does not import the disk tier's modules; the package's import depth stays that of its interface).
+BUILTIN = (("device", "revtrain.tiers.device", "DeviceTier"), ("host", "revtrain.tiers.host", "HostTier"),
+           ("disk", "revtrain.tiers.disk", "DiskTier"))
 _TIERS: dict[str, type] = {}  # name -> class, in registration order
+
+
+def _tiers() -> dict[str, type]:
+    """The registered tiers, the built-in three first (imported and registered on the first call)."""
+    if not _TIERS:
+        for name, module, attr in BUILTIN:
+            _TIERS[name] = getattr(importlib.import_module(module), attr)
+    return _TIERS
 
 
 def register(name: str, cls: type) -> type:
@@ -24,15 +38,16 @@ def register(name: str, cls: type) -> type:
     """
     if not (isinstance(cls, type) and issubclass(cls, Tier)):
         raise TypeError(f"a tier is a subclass of revtrain.tiers.Tier, got {cls!r}")
-    if _TIERS.get(name, cls) is not cls:
-        raise ValueError(f"the tier name {name!r} is taken by {_TIERS[name].__name__}")
-    _TIERS[name] = cls
+    tiers = _tiers()
+    if tiers.get(name, cls) is not cls:
+        raise ValueError(f"the tier name {name!r} is taken by {tiers[name].__name__}")
+    tiers[name] = cls
     return cls
 
 
 def names() -> tuple[str, ...]:
     """The registered tiers' names, in registration order (the built-in three first)."""
-    return tuple(_TIERS)
+    return tuple(_tiers())
 
 
 def lookup(value) -> type:
@@ -41,14 +56,15 @@ def lookup(value) -> type:
     Raises:
       ValueError: no tier has that value (one line listing the accepted values).
     """
-    for cls in _TIERS.values():  # (a gin value of None: selected by its name alone)
+    tiers = _tiers()
+    for cls in tiers.values():  # (a gin value of None: selected by its name alone)
         gin = cls.gin_value
         if gin is not None and (value is gin or (isinstance(value, str) and value == gin)):
             return cls
-    if isinstance(value, str) and value in _TIERS:
-        return _TIERS[value]
-    builtin = [repr(c.gin_value) for c in _TIERS.values() if c.gin_value is not None][:3]
-    others = [n for n, c in _TIERS.items() if repr(c.gin_value) not in builtin]
+    if isinstance(value, str) and value in tiers:
+        return tiers[value]
+    builtin = [repr(c.gin_value) for c in tiers.values() if c.gin_value is not None][:3]
+    others = [n for n, c in tiers.items() if repr(c.gin_value) not in builtin]
     more = f" (or a registered tier: {', '.join(map(repr, others))})" if others else ""
     raise ValueError(f"ReversibleTrainer.offload must be {', '.join(builtin[:-1])} or {builtin[-1]}, got {value!r}"
                      + more)
@@ -74,7 +90,7 @@ def from_gin(value, mesh, sharded: bool = False, directory: str | None = None) -
 def holder_of(ts) -> type | None:
     """The registered tier class whose own refs the `TrainState` ``ts`` holds (`Tier.holds_state`), or None
     for a state of arrays (any array tier's): how a checkpoint written without its trainer finds its form."""
-    for cls in _TIERS.values():
+    for cls in _tiers().values():
         if cls.holds_state(ts):
             return cls
     return None
@@ -83,4 +99,4 @@ def holder_of(ts) -> type | None:
 def leftovers(workdir: str, tier: Tier) -> list[str]:
     """The notes of every registered tier but ``tier``'s own on files an earlier run left in ``workdir``
     (`Tier.leftovers`)."""
-    return [note for cls in _TIERS.values() if not isinstance(tier, cls) and (note := cls.leftovers(workdir))]
+    return [note for cls in _tiers().values() if not isinstance(tier, cls) and (note := cls.leftovers(workdir))]

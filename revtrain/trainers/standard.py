@@ -15,7 +15,7 @@ from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, Tr
                                       check_batch, check_finite, check_flags, example_keys, per_device, step_key,
                                       take_microbatch)
 from revtrain.trainers.layerwise import all_finite, guarded_update
-from revtrain.tiers import DeviceTier
+from revtrain.tiers.device import DeviceTier
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import find_runs, groups_of
 
