@@ -13,8 +13,8 @@ import sys
 
 def main(argv: list[str]) -> int:
     n, rest = int(argv[1]), argv[argv.index("--") + 1:]
-    from revtrain import disk_tier
-    original, calls = disk_tier.write_layer, [0]
+    from revtrain.tiers import disk_format  # (every layer file is written by its write_layer)
+    original, calls = disk_format.write_layer, [0]
 
     def patched(path, layout, leaves):
         calls[0] += 1
@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(path, layout, leaves)
 
-    disk_tier.write_layer = patched
+    disk_format.write_layer = patched
     from revtrain import cli
     return cli.main(rest)
 

@@ -51,8 +51,8 @@ import jax
 
 from revtrain.errors import ConfigError
 from revtrain.streaming import Store
-from revtrain.tiers.disk_format import (DiskLayer, DiskTierError, Layout, _fsync_dir, _remove, link_or_copy,
-                                        read_leaves, write_layer)
+from revtrain.tiers import disk_format
+from revtrain.tiers.disk_format import DiskLayer, DiskTierError, Layout, _fsync_dir, _remove, link_or_copy
 
 STEP_PREFIX = "step_"
 
@@ -148,7 +148,7 @@ class DiskStore(Store):
         folder = self.step_dir(step)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"layer_{index:05d}.bin")
-        sums = write_layer(path, layout, jax.tree.leaves(params) + jax.tree.leaves(opt_state))
+        sums = disk_format.write_layer(path, layout, jax.tree.leaves(params) + jax.tree.leaves(opt_state))
         return DiskLayer(layout, path, sums)
 
     def seal(self, step: int) -> None:
@@ -171,7 +171,7 @@ class DiskStore(Store):
 
     def load(self, ref, part: str) -> list:
         """``ref``'s ``part`` read from its file into numpy buffers, checksummed (on the reader thread)."""
-        return read_leaves(ref.path, ref.layout, part, None, ref.sums)
+        return disk_format.read_leaves(ref.path, ref.layout, part, None, ref.sums)
 
     def read(self, items: list, place, loaded=None) -> list:
         """The device trees of ``items`` (``(ref, part)``) from their loaded leaves (`load`; read here when
@@ -194,7 +194,7 @@ class DiskStore(Store):
         path = self.layer_path(step, g)
         leaves = jax.tree.leaves(update[0]) + jax.tree.leaves(update[1])
         update.clear()
-        return DiskLayer(ref.layout, path, write_layer(path, ref.layout, leaves))
+        return DiskLayer(ref.layout, path, disk_format.write_layer(path, ref.layout, leaves))
 
     def begin(self, step: int, refs: list) -> None:
         self.prepare(keep=refs)
@@ -229,7 +229,7 @@ class DiskStore(Store):
     def write_buffer(self, ref: DiskLayer, value) -> None:
         leaves = jax.tree.leaves(value)
         del value
-        ref.sums = write_layer(ref.path, ref.layout, leaves)
+        ref.sums = disk_format.write_layer(ref.path, ref.layout, leaves)
 
     def drop_buffer(self, ref: DiskLayer) -> None:
         _remove(ref.path)
