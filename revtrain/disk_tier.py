@@ -7,7 +7,6 @@ imports `revtrain.tiers`.
 
 import shutil  # noqa: F401  (tests patch ``disk_tier.shutil.disk_usage``)
 
-from revtrain.tiers.disk import DiskTier as _DiskTierObject
 from revtrain.tiers.disk_format import (ALIGN, CHECKSUM, DamagedFile, DiskLayer, DiskTierError,  # noqa: F401
                                         LayerWeights, Layout, link_or_copy, read_leaves, read_tree, verify_file,
                                         write_layer)
@@ -16,7 +15,3 @@ from revtrain.tiers.disk_probes import BANDWIDTH_BYTES, bandwidth, deferred_io, 
 from revtrain.tiers.disk_store import STEP_PREFIX  # noqa: F401
 from revtrain.tiers.disk_store import DiskStore as DiskTier  # noqa: F401
 
-
-def on_disk(ts) -> bool:
-    """Whether a `TrainState` keeps its layers in files (`revtrain.tiers.disk.DiskTier.holds_state`)."""
-    return _DiskTierObject.holds_state(ts)
