@@ -14,4 +14,3 @@ from revtrain.tiers.disk_links import INDEX, _saved_layout, check_layout, load_l
 from revtrain.tiers.disk_probes import BANDWIDTH_BYTES, bandwidth, deferred_io, disk_free, disk_need  # noqa: F401
 from revtrain.tiers.disk_store import STEP_PREFIX  # noqa: F401
 from revtrain.tiers.disk_store import DiskStore as DiskTier  # noqa: F401
-
