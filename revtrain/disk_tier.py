@@ -29,7 +29,7 @@ a note.
 
 Disk space (`disk_need`): two steps' files during a step (the step being written beside the one it reads),
 plus each kept checkpoint whose step the tier has moved past (a checkpoint of the live step shares its
-files). Checked by the memory plan at start-up (`revtrain.memory_plan`).
+files). Checked by the memory plan at start-up (`revtrain.planning`).
 
 I/O: plain files with large sequential ``readinto`` / ``pwrite`` per leaf (the largest leaves are tens to
 hundreds of MB), ``fdatasync`` after each layer's write and ``posix_fadvise(DONTNEED)`` after each read and
