@@ -39,9 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import run as run_lib
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
-from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
+from revtrain.trainers.common import batch_size_of, example_keys, per_device, step_key
 from revtrain.trainers.modes import REBUILDS, count_in_head, default_modes, mode_named
-from revtrain.trainers.programs import LayerPrograms
+from revtrain.trainers.programs import LayerPrograms, compile_on
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -83,15 +83,12 @@ class _Checker:
         self.layers = model.layers
         self.skey = step_key(seed, 0)
         self.progress = progress or (lambda text: None)
-        self._programs: dict = {}
+        self._compile = compile_on(mesh)  # (the program interface's compile function, `LayerPrograms.compile`)
 
     def _sharded(self, key, fn, in_specs, out_specs):
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                compiler_options=XLA_OPTIONS)
-        return program
+        """``fn`` compiled over the mesh (``jit(shard_map(fn))``, once per ``key``), as the trainer's programs
+        are (`revtrain.trainers.programs.compile_on`)."""
+        return self._compile(key[0], key[1:], lambda _, *args: fn(*args), in_specs, out_specs, key=key)
 
     def _keys(self, i, x):
         return example_keys(self.skey, i, batch_size_of(x))

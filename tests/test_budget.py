@@ -44,8 +44,9 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=64, num_heads=4, dropout_rate=0.1)
     probe = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False)
     budget_lib.choose(probe, _spec(batch), 2**40)
-    table = probe._budget_candidates.popitem()[1].table
-    probe._budget_candidates.clear()
+    table = budget_lib.candidates(probe, _spec(batch)).table
+    readings = probe.programs.readings  # (the next plans start from fresh candidates; the compiled programs stay)
+    readings.pop(next(k for k in readings if k[0] == "budget"))
     least, most, remat = min(v[0] for v in table.values()), table[(6, 0, 0)][0], table[(0, 0, 6)][0]
     plans = []
     # (and a budget past every estimate: the all-backprop plan's estimate may lie above its compiled peak)
@@ -68,7 +69,7 @@ def test_the_time_objective_chooses_the_fewest_measured_seconds(text_batches, ca
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
     plan = trainer.plan_budget(spec)
-    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    table = budget_lib.candidates(trainer, spec).table
     assert plan.objective == "time" and all(v[2] > 0 for v in table.values())
     assert plan.seconds == min(v[2] for v in table.values())
     assert "s a step (its programs timed here)" in capsys.readouterr().err
@@ -83,12 +84,12 @@ def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys)
     model = ReversibleTransformerLM(SEQ, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.0)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, memory_budget="1GiB")
     plan = trainer.plan_budget(spec)
-    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    c = budget_lib.candidates(trainer, spec)  # (the planner's, kept with the trainer's programs)
+    table = c.table
     # (other head programs are extrapolated, then checked compiled: compared among the measured ones)
-    c = trainer._budget_candidates[next(iter(trainer._budget_candidates))]
     assert plan.objective == "time" and 0 < plan.seconds <= min(v[2] for p, v in table.items() if p[:2] in c.heads)
     assert all(v[2] > 0 for v in table.values())
-    an = trainer._budget_candidates[next(iter(trainer._budget_candidates))].an
+    an = c.an
     assert an.cache[("bwd_run", "remat_backward_run", model.layers[1], 2)].seconds > 0  # the remat scan was timed
     assert an.cache[("bwd_run", "reverse_run", model.layers[1], 2)].seconds > 0
     assert an.cache[("bwd_run", "reverse_run", model.layers[1], 3)].seconds == 0  # (compiled for its bytes only)

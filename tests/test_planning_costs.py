@@ -56,7 +56,8 @@ def test_a_plan_compiles_the_programs_the_step_runs_and_the_step_compiles_them_n
     assert trainer.groups == ((0, 1), (1, 2), (3, 1))
     temps = []
     planned = lowered.during(lambda: temps.extend(costs.step_temporaries(trainer, _spec())))
-    assert planned == 5 and len(temps) == 5 and all(t > 0 for t in temps), temps
+    assert planned == 5 and len(temps) == 5 and sum(t > 0 for t in temps) >= 4, temps  # (an embedding's forward
+    # can need none)
     assert lowered.during(lambda: _first_step(trainer)) == unplanned - 5
     assert lowered.during(lambda: costs.step_temporaries(trainer, _spec())) == 0  # (kept with the programs)
     assert trainer.programs.readings and "_budget_candidates" not in vars(trainer)

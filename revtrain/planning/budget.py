@@ -242,7 +242,6 @@ class Candidates:
             while (self.max_top < n and layers[n - 1 - self.max_top].reversible
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
-        self.heads = self._heads()
         self.measured: set = set()  # plans whose table entry is from their compiled programs (`measure`)
         held = self.an.state
         self.base = tree_nbytes(self.an.batch) + tree_nbytes(held.layer_state) + SLACK_BYTES
@@ -254,9 +253,20 @@ class Candidates:
             self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
         if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
             self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
-        self.table = {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
-                      for h in range(self.max_top - k + 1)
-                      for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
+        self.heads = {}
+        self.an.prepare(self._set_heads, self._evaluate_all)  # (every program the table reads, compiled at once)
+        self._set_heads()
+        self.table = self._evaluate_all()
+
+    def _set_heads(self) -> None:
+        self.heads = self._heads()
+
+    def _evaluate_all(self) -> dict:
+        """Every plan ``(k, h, r)``'s estimate (`evaluate`)."""
+        n = self.n
+        return {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
+                for h in range(self.max_top - k + 1)
+                for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
 
     def _heads(self) -> dict:
         """The head's measured programs, ``{(k, h): Cost}`` (see `_head_cost`)."""
@@ -289,6 +299,7 @@ class Candidates:
         if plan in self.measured:
             return False
         self.measured.add(plan)
+        self.an.prepare(lambda: self.evaluate(*plan, measured=True))  # (its programs compiled at once)
         self.table[plan] = self.evaluate(*plan, measured=True)
         return True
 

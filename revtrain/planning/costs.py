@@ -12,8 +12,10 @@ program of its own.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
 import time
 import types
 import warnings
@@ -116,9 +118,20 @@ def program_state(trainer, held):
 def compile_program(program, args):
     """``program`` (a jitted function) lowered on ``args`` (abstract) and compiled: JAX keeps the executable, so
     the run's own call of ``program`` on arrays of these shapes and shardings compiles nothing again."""
+    return _compiled_quietly(lower_program(program, args))
+
+
+def lower_program(program, args):
+    """``program`` lowered on ``args`` (abstract): traced and turned into XLA's module, not compiled yet."""
     with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
         warnings.simplefilter("ignore")
-        return program.lower(*args).compile()
+        return program.lower(*args)
+
+
+def _compiled_quietly(lowered):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lowered.compile()
 
 
 class StepCosts:
@@ -140,6 +153,8 @@ class StepCosts:
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
         self.cache: dict = {}
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
+        self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
+        self._asked = None  # while `prepare` collects: the programs asked for, lowered
         self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
         self.offload = t.offload  # kept inputs in host memory (the host tier)
         self.on_disk, self.streamed = t.on_disk, t.residency.streamed
@@ -163,12 +178,18 @@ class StepCosts:
         """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
         (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
         timed = self.timed and timeable
+        if self._asked is not None:  # (`prepare` collects: nothing is read yet)
+            if key not in self.cache and key not in self._ready and key not in self._asked:
+                self._asked[key] = lower_program(program, args)
+            return Cost(0, 0.0)
         if key in self.cache:
             if timed and not self.cache[key].seconds:  # compiled untimed (the refusal's check), timed when asked
                 compiled, args, blocks = self.compiled.pop(key, None) or (compile_program(program, args), args, blocks)
                 self.cache[key].seconds = time_call(compiled, args) / blocks
         else:
-            compiled = compile_program(program, args)
+            compiled = self._ready.pop(key, None)
+            if compiled is None:
+                compiled = compile_program(program, args)
             seconds = time_call(compiled, args) / blocks if timed else 0.0
             if not timed and timeable:
                 self.compiled[key] = (compiled, args, blocks)
@@ -186,6 +207,30 @@ class StepCosts:
                 extra += moved + (1 + self.trainer.residency.store.depth) * self.in_flight
             self.cache[key] = Cost(extra, flops, seconds, int(mem.temp_size_in_bytes))
         return self.cache[key]
+
+    def prepare(self, *calls) -> None:
+        """Compiles every program the ``calls`` (functions of no argument that read costs here: `forward`,
+        `head`, a plan's walk) will read, all at once on every core (XLA compiles without holding the
+        interpreter), so that the calls themselves then only read compiled programs. The calls run twice: once
+        to collect their programs (each lowered, nothing read, the costs they see are zeros), and once more by
+        the caller. Results are those of reading one program at a time."""
+        blocks = set(self.blocks)
+        self._asked = {}
+        try:
+            for call in calls:
+                call()
+        finally:
+            asked, self._asked = self._asked, None
+            for key in set(self.blocks) - blocks:  # (the zeros seen while collecting)
+                del self.blocks[key]
+        if not asked:
+            return
+        workers = min(len(asked), os.cpu_count() or 1)
+        with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="revtrain-plan-compile") as pool:
+            warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
+            for key, compiled in zip(asked, pool.map(lambda lowered: lowered.compile(), asked.values())):
+                self._ready[key] = compiled
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
     RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length

@@ -16,10 +16,13 @@ from shapes alone, after the model is built and before the trainer places its st
   each layer's input under ``scan_layers`` + ``remat_layers``; the reversible trainer keeps the saved inputs
   of its standard layers plus the current activation and its cotangent (the batch too, for both);
 * **temporaries**: the largest ``temp_size_in_bytes`` of ``jit(...).lower(shapes).compile()
-  .memory_analysis()`` over one forward, one backward (rebuild or recompute, vjp and optax update) and the
-  head's program of each distinct layer, on one device's (micro)batch: the trainer's own code (its backward
-  modes' ``forward`` and ``grads``, ``LayerPrograms.head_grads``, `guarded_update`). Identical layers
-  share one entry.
+  .memory_analysis()`` over the programs of a step, compiled through the trainer's program interface
+  (`revtrain.trainers.programs.LayerPrograms`, `revtrain.planning.costs`): for the run's own trainer the
+  programs its step calls (its layout's groups, a scanned run's scans at their length, the head's program
+  with its blocks), on the global (micro)batch, so that its first step finds them compiled; for another
+  choice one forward, one backward (rebuild or recompute, vjp and optax update) and the head's program of
+  each distinct layer on one device's (micro)batch (`LayerPrograms.on_mesh`). Identical layers share one
+  entry.
   ``StandardTrainer`` runs one program for the whole step; compiling it for a 32-block model costs minutes on
   two CPU cores, so its temporaries are an analytic bound: the residuals and gradients counted above plus
   the largest one-layer backward program's own temporaries (`MemoryPlan.method` says so);

@@ -403,9 +403,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         plan = self._plans.get(key)
         if plan is None:
             layers, acc, blocks = self.model.layers, self.deferred, []
-            top = 0  # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
-            while top < len(groups) - 1 and self.block_modes[groups[-2 - top][0]].kind is StepKind.TOP:
-                top += 1
+            # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
+            top = count_in_head([self.block_modes[start] for start, _ in groups[:-1]])
             below = len(groups) - 1 - top  # the groups with programs of their own
             for start, count in groups[:below]:
                 layer, mode = layers[start], self.block_modes[start]
