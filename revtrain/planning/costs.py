@@ -84,8 +84,9 @@ def stacked(tree, n: int):
     reverse program of offloaded weights mix a device stack with its host slices.)"""
     def one(x):
         sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
+        if isinstance(sharding, NamedSharding):  # (a replicated leaf stays ``P()``: the sharding the run's stack has)
+            spec = P(None, *sharding.spec) if any(a is not None for a in sharding.spec) else P()
+            sharding = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
         else:
             sharding = None
         return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
@@ -150,7 +151,8 @@ class StepCosts:
         self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
         self.state = t.abstract_state()  # the state as it is held (the disk tier's: layer files)
         self.abstract = program_state(t, self.state)  # ... as the programs take it
-        self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
+        # The step's key as the step passes it: an uncommitted array (`common.step_key`), no sharding of its own.
+        self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
         self.cache: dict = {}
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
