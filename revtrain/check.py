@@ -39,8 +39,9 @@ from jax.sharding import PartitionSpec as P
 
 from revtrain import run as run_lib
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
-from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, step_key
-from revtrain.trainers.modes import REBUILDS, REMAT, count_in_head, mode_named
+from revtrain.trainers.common import batch_size_of, example_keys, per_device, step_key
+from revtrain.trainers.modes import REBUILDS, count_in_head, default_modes, mode_named
+from revtrain.trainers.programs import LayerPrograms, compile_on
 from revtrain.trainers.reversible import ReversibleTrainer
 
 # Relative tolerances (rebuild error, gradient difference) by compute dtype, each against backprop in the
@@ -82,15 +83,12 @@ class _Checker:
         self.layers = model.layers
         self.skey = step_key(seed, 0)
         self.progress = progress or (lambda text: None)
-        self._programs: dict = {}
+        self._compile = compile_on(mesh)  # (the program interface's compile function, `LayerPrograms.compile`)
 
     def _sharded(self, key, fn, in_specs, out_specs):
-        program = self._programs.get(key)
-        if program is None:
-            program = self._programs[key] = jax.jit(
-                jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                compiler_options=XLA_OPTIONS)
-        return program
+        """``fn`` compiled over the mesh (``jit(shard_map(fn))``, once per ``key``), as the trainer's programs
+        are (`revtrain.trainers.programs.compile_on`)."""
+        return self._compile(key[0], key[1:], lambda _, *args: fn(*args), in_specs, out_specs, key=key)
 
     def _keys(self, i, x):
         return example_keys(self.skey, i, batch_size_of(x))
@@ -129,7 +127,7 @@ class _Checker:
         ``"remat"``, ``"rebuild"``) with ``"rebuild"`` meaning ``rebuild``; by default a reversible block is
         rebuilt and a standard layer recomputed (the trainer's default)."""
         if modes is None:
-            return [REBUILDS[rebuild] if layer.reversible else REMAT for layer in self.layers[:-1]]
+            return default_modes(self.layers[:-1], REBUILDS[rebuild])
         names = [m if isinstance(m, str) else m.plan_name for m in modes]
         return [mode_named(m, rebuild) for m in names]
 
@@ -155,7 +153,7 @@ class _Checker:
         head_layer = layers[-1]
         if top:
             tops, top_modes = tuple(layers[below:n - 1]), tuple(modes[below:n - 1])
-            head = self._sharded(("top_head", tops, top_modes, head_layer), lambda tp, ts, p, s, x, b, i: ReversibleTrainer.top_head_grads(
+            head = self._sharded(("top_head", tops, top_modes, head_layer), lambda tp, ts, p, s, x, b, i: LayerPrograms.top_head_grads(
                 tops, head_layer, tp, ts, p, s, x, b, [self._keys(i + k, x) for k in range(len(tops))],
                 self._keys(i + len(tops), x), top_modes=top_modes)[1:4], (_R, _R, _R, _R, _D, _D, _R), (_R, _R, _D))
             top_grads, grads, dy = head(tuple(params[below:n - 1]), tuple(states[below:n - 1]), params[-1],
@@ -165,7 +163,7 @@ class _Checker:
                 yield below + k, None, None, top_grads[k]
             del top_grads
         else:
-            head = self._sharded(("head", head_layer), lambda p, s, x, b, i: ReversibleTrainer.head_grads(
+            head = self._sharded(("head", head_layer), lambda p, s, x, b, i: LayerPrograms.head_grads(
                 head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
             grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
             yield n - 1, None, None, grads

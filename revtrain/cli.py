@@ -539,14 +539,18 @@ def _plan_command(args) -> int:
         raise UsageError("plan needs --config FILE (the experiment's gin file)")
     _parse_gin(args.config, args.gin)
     _check_macros_used(args.gin)
-    from revtrain import memory_plan
+    _size_pinned_pool()  # XLA's pinned pool sized as `train` sizes it, before the backend starts (the plan's limit)
+    from revtrain import planning
     run = run_lib.build()
-    budget = memory_plan.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
+    budget = planning.plan_budget(run)  # a memory budget's plan, as `train` makes it (its refusal too)
     if budget is not None:
         print(budget.line())
-    plans = memory_plan.choices(run, with_standard=True)
-    print(plans[0].line(optimizer=memory_plan.optimizer_text(run.cfg)))
-    print(memory_plan.table(plans))
+    plans = planning.choices(run, with_standard=True)
+    print(plans[0].line(optimizer=planning.optimizer_text(run.cfg)))
+    memory_line = getattr(run.trainer.residency, "memory_line", None)  # the host tier: where its state lives
+    if memory_line:  # (the line `train` logs, with the pinned pool's variables it set)
+        print(memory_line)
+    print(planning.table(plans))
     return 0
 
 

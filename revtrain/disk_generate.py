@@ -14,7 +14,7 @@ host memory (``offload = True``, `revtrain.tiers.host_store.HostStore`). So a sa
   model's weights.
 
 `choose` decides, from the memory plan's figures: hold when the weights, the caches and one layer's margin fit
-beside what the run holds (its planned peak while training, `revtrain.memory_plan.MemoryPlan`, else what the
+beside what the run holds (its planned peak while training, `revtrain.planning.MemoryPlan`, else what the
 process holds now) within the limit the plan uses (`limits.host_limit` on the CPU backend, the device's
 ``bytes_limit`` on an accelerator); else stream. Its one line says which and why. Both run the same layers'
 ``decode`` on the same inputs: greedy samples are equal either way (tests/test_disk_tier.py).
@@ -99,7 +99,7 @@ def choose(refs: list, model, batch_size: int, context: int, plan=None, limits: 
       model: the run's model (its layers' caches).
       batch_size: rows sampled (padded to the devices).
       context: the model's sequence length (cache positions).
-      plan: the training run's `memory_plan.MemoryPlan` (None: ``revtrain sample``, or a run without a plan:
+      plan: the training run's `planning.MemoryPlan` (None: ``revtrain sample``, or a run without a plan:
         what the process holds now is the base).
       limits: ``{tier: (bytes or None, source)}`` instead of `revtrain.limits.host_limit` / `device_limit`.
       mode: `HOLD` or `STREAM` to force one (the line says so); None: decide.

@@ -412,7 +412,7 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
         the same units.
       context: the model's sequence length (its learned positions).
       opts: sampling settings (checked here).
-      plan: the training run's `revtrain.memory_plan.MemoryPlan` (an offloaded state: the weights are held only
+      plan: the training run's `revtrain.planning.MemoryPlan` (an offloaded state: the weights are held only
         when they fit beside it; `revtrain.disk_generate.choose`).
       weights: an offloaded state: ``"hold"`` or ``"stream"`` its weights whatever the plan says (None: the
         plan decides; one line says which and why).

@@ -243,13 +243,10 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         lost_peer.watch(guard.checkpoint_dir)
         try:
             offload_lock = _lock_offload_dir(run)
-            if run.trainer.memory_budget is not None:  # each block's mode, before trainer.init
-                spec = run.task.input_spec(run.cfg.batch_size)
-                if spec is not None:  # (else the first step plans from its batch)
-                    run.trainer.plan_budget(spec)
+            from revtrain import planning
+            planning.plan_budget(run, quiet=False)  # each block's mode (a memory budget's), before trainer.init
             if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
-                from revtrain import memory_plan
-                run.plan = memory_plan.check_everywhere(run)  # (its line follows the run's first line)
+                run.plan = planning.check_everywhere(run)  # (its line follows the run's first line)
             return _train(run, workdir, guard)
         except BaseException:
             if created and primary and (lock is None or lock.held):

@@ -66,7 +66,7 @@ class TrainConfig:
         TensorBoard (0: off; language models whose layers decode; see ``revtrain.sample``).
       sample_prompt: the prompt of those samples (text, encoded as UTF-8).
       sample_length: bytes (tokens, for a `TokenLMTask`) generated per sample.
-      memory_plan: estimate each memory tier's peak before the state is placed (`revtrain.memory_plan`), log
+      memory_plan: estimate each memory tier's peak before the state is placed (`revtrain.planning`), log
         it, put it in the first ``train.jsonl`` record, and refuse (exit status 2) a run that does not fit;
         False skips it.
     """
@@ -179,7 +179,7 @@ class Run:
     trainer: TrainerBase
     schedule: Callable | None
     mesh: Any
-    plan: Any = None  # the `memory_plan.MemoryPlan` made by `train` (None: not planned)
+    plan: Any = None  # the `planning.MemoryPlan` made by `train` (None: not planned)
 
 
 def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: bool = True) -> Run:

@@ -14,7 +14,8 @@ from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh, put_replicated
 from revtrain.trainers import ReversibleTrainer
-from revtrain.trainers import budget as budget_lib
+from revtrain.planning import budget as budget_lib
+from revtrain.trainers.reversible import parse_budget
 from revtrain.trainers.common import TrainerError
 
 from helpers import train_params, train_steps
@@ -42,14 +43,15 @@ def test_budget_plans_trade_flops_for_memory(text_batches):
     batch = text_batches(BATCH, 1)[0]
     model = ReversibleTransformerLM(SEQ, num_layers=6, d_model=64, num_heads=4, dropout_rate=0.1)
     probe = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False)
-    budget_lib.plan_budget(probe, _spec(batch), 2**40)
-    table = probe._budget_candidates.popitem()[1].table
-    probe._budget_candidates.clear()
+    budget_lib.choose(probe, _spec(batch), 2**40)
+    table = budget_lib.candidates(probe, _spec(batch)).table
+    readings = probe.programs.readings  # (the next plans start from fresh candidates; the compiled programs stay)
+    readings.pop(next(k for k in readings if k[0] == "budget"))
     least, most, remat = min(v[0] for v in table.values()), table[(6, 0, 0)][0], table[(0, 0, 6)][0]
     plans = []
     # (and a budget past every estimate: the all-backprop plan's estimate may lie above its compiled peak)
     for budget in sorted([*np.linspace(least, most, 4).astype(int), (least + remat) // 2, 2**40]):
-        plan = budget_lib.plan_budget(probe, _spec(batch), int(budget))
+        plan = budget_lib.choose(probe, _spec(batch), int(budget))
         assert plan.peak <= budget
         c = plan.counts()
         assert c["backprop"] + c["checkpoint"] == 0 or c["rebuild"] == 0, c
@@ -67,7 +69,7 @@ def test_the_time_objective_chooses_the_fewest_measured_seconds(text_batches, ca
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
     plan = trainer.plan_budget(spec)
-    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    table = budget_lib.candidates(trainer, spec).table
     assert plan.objective == "time" and all(v[2] > 0 for v in table.values())
     assert plan.seconds == min(v[2] for v in table.values())
     assert "s a step (its programs timed here)" in capsys.readouterr().err
@@ -82,12 +84,12 @@ def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys)
     model = ReversibleTransformerLM(SEQ, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.0)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, memory_budget="1GiB")
     plan = trainer.plan_budget(spec)
-    table = trainer._budget_candidates[next(iter(trainer._budget_candidates))].table
+    c = budget_lib.candidates(trainer, spec)  # (the planner's, kept with the trainer's programs)
+    table = c.table
     # (other head programs are extrapolated, then checked compiled: compared among the measured ones)
-    c = trainer._budget_candidates[next(iter(trainer._budget_candidates))]
     assert plan.objective == "time" and 0 < plan.seconds <= min(v[2] for p, v in table.items() if p[:2] in c.heads)
     assert all(v[2] > 0 for v in table.values())
-    an = trainer._budget_candidates[next(iter(trainer._budget_candidates))].an
+    an = c.an
     assert an.cache[("bwd_run", "remat_backward_run", model.layers[1], 2)].seconds > 0  # the remat scan was timed
     assert an.cache[("bwd_run", "reverse_run", model.layers[1], 2)].seconds > 0
     assert an.cache[("bwd_run", "reverse_run", model.layers[1], 3)].seconds == 0  # (compiled for its bytes only)
@@ -161,13 +163,13 @@ def test_budget_below_the_least_is_refused_naming_it(text_batches):
 @pytest.mark.parametrize("value, nbytes", [("2GiB", 2 * 2**30), ("500MB", 500 * 10**6), (" 1.5 gib", 3 * 2**29),
                                            (123456, 123456), ("1e9", 10**9)])
 def test_parse_budget(value, nbytes):
-    assert budget_lib.parse_budget(value) == nbytes
+    assert parse_budget(value) == nbytes
 
 
 @pytest.mark.parametrize("value", ["-1", "lots", 0, True])
 def test_parse_budget_refuses(value):
     with pytest.raises(TrainerError, match="memory_budget must be"):
-        budget_lib.parse_budget(value)
+        parse_budget(value)
 
 
 def test_check_is_exact_on_a_run_mixing_all_four_modes(text_batches):
@@ -228,17 +230,17 @@ def test_a_mixed_plan_under_the_deferred_update_is_bitwise_the_rebuild(microbatc
 def test_the_budget_plan_is_part_of_the_memory_plan():
     """A budgeted trainer's memory plan carries the budget plan's expected peak (a floor under the step's
     device parts: on the CPU the host tier holds them) and its alternatives do not."""
-    from revtrain import memory_plan
+    from revtrain import planning
     model = ReversibleTransformerLM(64, num_layers=3, d_model=32, num_heads=4)
     spec = {"inputs": jax.ShapeDtypeStruct((8, 64), np.int32), "targets": jax.ShapeDtypeStruct((8, 64), np.int32)}
     trainer = ReversibleTrainer(model, optax.adam(1e-3), _mesh(), seed=0, scan_layers=False, memory_budget="1GiB")
     plan = trainer.plan_budget(spec)
-    setup = memory_plan.setup_of(trainer, 8)
+    setup = planning.setup_of(trainer, 8)
     assert setup.budget_peak == plan.peak > 0
-    host = memory_plan.plan(model, setup, spec, 1, limits={"host": (2**40, "test")}, platform="cpu").tiers["host"]
+    host = planning.plan(model, setup, spec, 1, limits={"host": (2**40, "test")}, platform="cpu").tiers["host"]
     step = sum(host[k] for k in ("weights", "optimizer_state", "gradients", "activations", "temporaries"))
     assert step >= plan.peak
-    assert all(a.budget_peak == 0 for a in memory_plan.alternatives(setup, model, 1, False))
+    assert all(a.budget_peak == 0 for a in planning.alternatives(setup, model, 1, False))
 
 
 @pytest.mark.slow  # make test-all: `revtrain check` of a budgeted run (the walk itself: test_check_is_exact_...)

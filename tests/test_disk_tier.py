@@ -400,12 +400,12 @@ def test_state_larger_than_its_memory_cgroup(tmp_path):
 
 
 def test_plan_parts_of_the_disk_tier(tmp_path):
-    from revtrain import memory_plan
+    from revtrain import planning
     model, tx = _model(), optax.adamw(1e-3)
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
     limits = {"host": (2**50, "test")}
     disk = {"directory": str(tmp_path / "offload"), "keep": 2, "every": 5}
-    plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    plan = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
                             limits=limits, platform="cpu", disk=disk)
     layers = [disk_tier.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
     weights = sum(lay.nbytes("params") for lay in layers)
@@ -418,17 +418,17 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     # On disk: two steps' files, and two kept checkpoints the tier has moved past.
     assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
     # The floor (shapes alone, nothing compiled) holds the disk tier whole: a disk too small is refused from it.
-    low = memory_plan.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", disk=disk)
+    low = planning.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", disk=disk)
     assert low.tiers["disk"] == plan.tiers["disk"]
     assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
     assert plan.io["write_bytes"] == weights + opt
     assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
-    every_step = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    every_step = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
                                   limits=limits, platform="cpu", disk=dict(disk, every=1))
     assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
-    short = memory_plan.plan(model, memory_plan.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    short = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
                              limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
-    assert not short.fits and "keep_checkpoints" in memory_plan.refusal(short, [])
+    assert not short.fits and "keep_checkpoints" in planning.refusal(short, [])
 
 
 def test_the_bandwidth_is_not_probed_on_a_nearly_full_disk(tmp_path, monkeypatch):
@@ -436,17 +436,17 @@ def test_the_bandwidth_is_not_probed_on_a_nearly_full_disk(tmp_path, monkeypatch
     the bandwidth was not measured, and gives no I/O time."""
     import shutil
 
-    from revtrain import memory_plan
+    from revtrain import planning
     real = shutil.disk_usage
     monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda p: real(p)._replace(free=disk_tier.BANDWIDTH_BYTES))
     measured = disk_tier.bandwidth(str(tmp_path), cache=None)
     assert measured == {"read": None, "write": None, "source": "not measured: too little free space"}
     assert list(tmp_path.iterdir()) == []
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
-    plan = memory_plan.plan(_model(), memory_plan.Setup("reversible", optax.adamw(1e-3), 4, disk=True, label="d"),
+    plan = planning.plan(_model(), planning.Setup("reversible", optax.adamw(1e-3), 4, disk=True, label="d"),
                             spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu",
                             disk={"directory": str(tmp_path / "offload")})
-    plan.io = memory_plan._io(plan.io["read_bytes"], plan.io["write_bytes"], measured)
+    plan.io = planning.memory._io(plan.io["read_bytes"], plan.io["write_bytes"], measured)
     assert "(bandwidth not measured: too little free space)" in plan.line() and " s a step" not in plan.line()
 
 

@@ -23,6 +23,7 @@ from revtrain.memory import MemoryMeter
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DEVICE_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
 from revtrain.trainers import LayerwiseUpdate, ReversibleTrainer, StandardTrainer
+from revtrain.trainers.programs import LayerPrograms
 
 from helpers import worst_leaf
 
@@ -44,8 +45,8 @@ class _RebuildProbe:
 
     def __init__(self, trainer):
         self.forward, self.rebuilt = [], []
-        self._fn = trainer._fn
-        trainer._fn = self
+        self._fn = trainer.programs.per_layer
+        trainer.programs.per_layer = self
 
     def __call__(self, kind, layer):
         fn = self._fn(kind, layer)
@@ -168,7 +169,7 @@ def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12, scan_
     rematerialised blocks and the 6 rebuilt ones). (A budget's plan for identical blocks seldom mixes them all;
     the plan is set here so that all four meet in one step. The modes are written out here; the slow tier also
     has the planner derive them, which compiles its candidate programs: about 20 s on 2 cores.)"""
-    from revtrain.trainers import budget as budget_lib
+    from revtrain.planning import budget as budget_lib
     from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REMAT
 
     from helpers import train_params
@@ -299,11 +300,11 @@ def test_offload_keeps_at_most_three_layers_on_device(text_batches):
                                     scan_layers=False)
         ts = trainer.init()
         layers = [sum(x.nbytes for x in jax.tree.leaves((p, o))) for p, o in zip(ts.params, ts.opt_state)]
-        fn, calls = trainer._fn, []
+        fn, calls = trainer.programs.per_layer, []
 
         def tracked_fn(kind, layer, fn=fn, offload=offload, calls=calls):
             compiled = fn(kind, layer)
-            weights = ReversibleTrainer._PER_LAYER[kind][4]  # the positions of weights (+ optimizer state)
+            weights = LayerPrograms._PER_LAYER[kind][4]  # the positions of weights (+ optimizer state)
 
             def call(*args):
                 kinds = {x.sharding.memory_kind for i in weights for x in jax.tree.leaves(args[i])}
@@ -312,7 +313,7 @@ def test_offload_keeps_at_most_three_layers_on_device(text_batches):
                 return compiled(*args)
             return call
 
-        trainer._fn = tracked_fn
+        trainer.programs.per_layer = tracked_fn
         ts, _ = trainer.train_step(ts, batches[0])
         trainer.meter = MemoryMeter()
         trainer.meter.start()

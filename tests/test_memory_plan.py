@@ -1,4 +1,4 @@
-"""The memory plan (revtrain/memory_plan.py): exact parts from shapes, the limits it reads (revtrain/limits.py),
+"""The memory plan (revtrain/planning/): exact parts from shapes, the limits it reads (revtrain/limits.py),
 the refusal inside a memory cgroup, `revtrain plan`, and the host memory fields of train.jsonl."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain import limits, memory, memory_plan, pinned
+from revtrain import limits, memory, pinned, planning
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 
 from helpers import REPO, in_cgroup, make_memory_cgroup, revtrain, revtrain_here
@@ -37,9 +37,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def shared():
-    """One optimizer and one `memory_plan._Programs` for the module's plans of `model`: each distinct program is
-    compiled once (as `memory_plan.choices` shares one cache between a run's choices)."""
-    return optax.adamw(1e-3), memory_plan._Programs()
+    """One optimizer and one `planning.PlanPrograms` for the module's plans of `model`: each distinct program is
+    compiled once (as `planning.choices` shares one cache between a run's choices)."""
+    return optax.adamw(1e-3), planning.PlanPrograms()
 
 
 def _exact(model):
@@ -54,7 +54,7 @@ def test_reversible_parts_are_the_exact_byte_counts(model, shared):
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
     assert opt == 2 * weights + 4 * len(model.layers)  # two moments and one int32 count per layer
-    plan = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 1, limits=NO_LIMIT,
+    plan = planning.plan(model, planning.Setup("reversible", tx, B, label="r"), _spec(B), 1, limits=NO_LIMIT,
                             platform="cpu", programs=programs)
     host = plan.tiers["host"]
     assert list(plan.tiers) == ["host"]  # the CPU: one tier
@@ -67,7 +67,7 @@ def test_reversible_parts_are_the_exact_byte_counts(model, shared):
     # of it (it cannot donate what the write reads), and the write stages all of it (below STAGING_BYTES).
     assert host["checkpoint"] == 2 * (weights + opt)
     assert host["evaluation"] == 0  # no evaluation batch given
-    assert host["runtime"] == memory_plan.RUNTIME_BYTES
+    assert host["runtime"] == planning.RUNTIME_BYTES
     assert host["temporaries"] > 0
     assert plan.total("host") == sum(host.values())
     assert plan.fits
@@ -83,15 +83,15 @@ def test_save_between_steps_and_evaluation_parts(model, shared, monkeypatch):
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
     monkeypatch.setattr(limits, "ASYNC_MAX_BYTES", 0)
-    setup = memory_plan.Setup("reversible", tx, B, label="r")
-    host = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
+    setup = planning.Setup("reversible", tx, B, label="r")
+    host = planning.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
                             programs=programs).tiers["host"]
     step = host["gradients"] + host["activations"] + host["temporaries"]
-    save = limits.STAGING_BYTES + (3 * largest + 4) + int(memory_plan.SAVE_STATE_FRACTION * (weights + opt))
+    save = limits.STAGING_BYTES + (3 * largest + 4) + int(planning.SAVE_STATE_FRACTION * (weights + opt))
     assert host["checkpoint"] == max(0, save - step) > 0
-    evaluated = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
+    evaluated = planning.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
                                  eval_spec=_spec(64), programs=programs).tiers["host"]
-    evaluation = memory_plan._evaluation_bytes(model, memory_plan._Programs(), _spec(64), 1, None)
+    evaluation = planning.memory._evaluation_bytes(model, planning.PlanPrograms(), _spec(64), 1, None)
     # At least one device's evaluation batch and a layer's input and output (two float32 streams each).
     assert evaluation >= 2 * 64 * T * 4 + 2 * (2 * 64 * T * D * 4)
     assert evaluated["evaluation"] == max(0, evaluation - step - host["checkpoint"])
@@ -102,18 +102,18 @@ def test_save_between_steps_and_evaluation_parts(model, shared, monkeypatch):
 def test_standard_and_deferred_parts(model, shared):
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
-    standard = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="s"), _spec(B), 1, limits=NO_LIMIT,
+    standard = planning.plan(model, planning.Setup("standard", tx, B, label="s"), _spec(B), 1, limits=NO_LIMIT,
                                 platform="cpu", programs=programs).tiers["host"]
     assert standard["gradients"] == weights  # the whole tree
     assert standard["activations"] > 2 * (2 * B * T * D * 4) * LAYERS  # every block's residuals
-    deferred = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, deferred=True, label="d"), _spec(B), 1,
+    deferred = planning.plan(model, planning.Setup("reversible", tx, B, deferred=True, label="d"), _spec(B), 1,
                                 limits=NO_LIMIT, platform="cpu", programs=programs).tiers["host"]
     assert deferred["gradients"] == weights + largest  # the whole-model buffer beside one layer's
     # Two devices: each holds the state (replicated) and half the batch; shard_state halves the large leaves.
-    two = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="r"), _spec(B), 2, limits=NO_LIMIT,
+    two = planning.plan(model, planning.Setup("reversible", tx, B, label="r"), _spec(B), 2, limits=NO_LIMIT,
                            platform="cpu", programs=programs).tiers["host"]
     assert two["weights"] == 2 * weights
-    sharded = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, shard_state=True, label="r"), _spec(B), 2,
+    sharded = planning.plan(model, planning.Setup("reversible", tx, B, shard_state=True, label="r"), _spec(B), 2,
                                limits=NO_LIMIT, platform="cpu", programs=programs).tiers["host"]
     expected = 2 * sum(x.nbytes // 2 if memory_plan_shard(x.shape) else x.nbytes
                        for layer in model.layers for x in jax.tree.leaves(layer.init_params))
@@ -128,15 +128,15 @@ def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
     deferred update (microbatches) two buffers in flight."""
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
-    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
-    tpu = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="tpu", programs=programs)
+    tpu = planning.plan(model, setup, _spec(B), 1, limits=limits, platform="tpu", programs=programs)
     assert set(tpu.tiers) == {"device", "host", "pinned"} and tpu.limits["pinned"] == 64 * 2**30
     assert tpu.tiers["pinned"]["weights"] == 2 * largest and tpu.tiers["device"]["weights"] == 4 * largest
     assert tpu.tiers["host"]["weights"] == weights + 2 * largest
     assert tpu.tiers["device"]["gradients"] == largest
-    other = {s.label: s for s in memory_plan.alternatives(setup, model, 1, True)}
-    deferred = memory_plan.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="tpu",
+    other = {s.label: s for s in planning.alternatives(setup, model, 1, True)}
+    deferred = planning.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="tpu",
                                 programs=programs)
     assert other["s + 2 microbatches"].offload and deferred.tiers["device"]["gradients"] == 2 * largest
 
@@ -147,11 +147,11 @@ def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypa
     preallocated, the doubling regions where grown) against the pool's limit; host counts the pool too."""
     weights, opt, largest = _exact(model)
     tx, programs = shared
-    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
+    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
     monkeypatch.delenv(pinned.PREALLOCATE_ENV, raising=False)
     monkeypatch.delenv(pinned.LIMIT_ENV, raising=False)
-    grown = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
+    grown = planning.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
     part = grown.tiers["pinned"]
     largest_opt = max(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tx.init(layer.init_params)))
                       for layer in model.layers)
@@ -164,10 +164,10 @@ def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypa
     assert grown.tiers["host"]["weights"] == weights + largest  # (the layer written back beside its old copy)
     monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
     monkeypatch.setenv(pinned.LIMIT_ENV, "3")
-    pre = memory_plan.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
+    pre = planning.plan(model, setup, _spec(B), 1, limits=limits, platform="gpu", programs=programs)
     assert pre.total("pinned") == 3 * 2**30 == pre.limits["pinned"] and pre.fits
     assert "pinned 3.00 GiB of 3.00 GiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=3, preallocated)" in pre.line()
-    assert "host:pool" in memory_plan.table([pre])
+    assert "host:pool" in planning.table([pre])
 
 
 def test_the_pageable_switch_makes_the_plan_count_the_state_as_pinned(model, shared, monkeypatch):
@@ -176,18 +176,18 @@ def test_the_pageable_switch_makes_the_plan_count_the_state_as_pinned(model, sha
     pool, the host limit)."""
     weights, opt, largest = _exact(model)
     tx, programs = shared
-    plain = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="s"), _spec(B), 1,
+    plain = planning.plan(model, planning.Setup("reversible", tx, B, offload=True, label="s"), _spec(B), 1,
                              limits=NO_LIMIT, platform="cpu", programs=programs)
     assert list(plain.tiers) == ["host"]
     monkeypatch.setenv(pinned.NO_PAGEABLE_ENV, "1")
-    for setup in (memory_plan.Setup("reversible", tx, B, offload=True, label="s"),
-                  memory_plan.Setup("reversible", tx, B, offload=True, label="s", host_kind="pinned_host")):
-        plan = memory_plan.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu", programs=programs)
+    for setup in (planning.Setup("reversible", tx, B, offload=True, label="s"),
+                  planning.Setup("reversible", tx, B, offload=True, label="s", host_kind="pinned_host")):
+        plan = planning.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu", programs=programs)
         assert list(plan.tiers) == ["host", "pinned"] and plan.limits["pinned"] == NO_LIMIT["host"][0]
         assert plan.tiers["pinned"]["weights"] == weights + largest and plan.tiers["pinned"]["pool"] == 0
         assert plan.tiers["host"] == {**plain.tiers["host"], "pool": 0}  # the same RAM, counted once
     monkeypatch.delenv(pinned.NO_PAGEABLE_ENV)
-    kept = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, offload=True, label="s",
+    kept = planning.plan(model, planning.Setup("reversible", tx, B, offload=True, label="s",
                                                      host_kind="unpinned_host"), _spec(B), 1, limits=NO_LIMIT,
                             platform="cpu", programs=programs)
     assert list(kept.tiers) == ["host"]
@@ -195,17 +195,17 @@ def test_the_pageable_switch_makes_the_plan_count_the_state_as_pinned(model, sha
 
 def test_refusal_names_the_settings_that_fit(model, shared):
     tx, programs = shared  # (one compile cache for the module's plans)
-    own = memory_plan.plan(model, memory_plan.Setup("standard", tx, B, label="StandardTrainer"), _spec(B), 1,
+    own = planning.plan(model, planning.Setup("standard", tx, B, label="StandardTrainer"), _spec(B), 1,
                            limits=NO_LIMIT, platform="cpu", programs=programs)
-    reversible = memory_plan.plan(model, memory_plan.Setup("reversible", tx, B, label="ReversibleTrainer"), _spec(B), 1,
+    reversible = planning.plan(model, planning.Setup("reversible", tx, B, label="ReversibleTrainer"), _spec(B), 1,
                                   limits=NO_LIMIT, platform="cpu", programs=programs)
     limit = (reversible.total("host") + own.total("host")) // 2
     limits = {"host": (limit, "test limit")}
-    own = memory_plan.plan(model, own.setup, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
-    others = [memory_plan.plan(model, s, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
-              for s in memory_plan.alternatives(own.setup, model, 1, True)]
+    own = planning.plan(model, own.setup, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
+    others = [planning.plan(model, s, _spec(B), 1, limits=limits, platform="cpu", programs=programs)
+              for s in planning.alternatives(own.setup, model, 1, True)]
     assert not own.fits
-    line = memory_plan.refusal(own, others)
+    line = planning.refusal(own, others)
     assert "\n" not in line
     assert "StandardTrainer host needs" in line and "test limit" in line
     assert "train.trainer = @ReversibleTrainer (" in line
@@ -296,7 +296,7 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path, capsys):
     assert "host RSS " in result.stderr
     records = [json.loads(line) for line in open(workdir / "metrics" / "train.jsonl")]
     first = records[0]
-    assert first["plan_fits"] is True and first["plan_host_bytes"] > memory_plan.RUNTIME_BYTES
+    assert first["plan_fits"] is True and first["plan_host_bytes"] > planning.RUNTIME_BYTES
     assert first["host_limit_bytes"] > first["plan_host_bytes"]
     assert all(0 < r["host_resident_bytes"] <= r["host_peak_bytes"] for r in records)
     assert "plan_host_bytes" not in records[1]  # only the first record
@@ -382,17 +382,17 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared,
     weights, opt, largest = _exact(model)
     gpu = {"host": (2**50, "t"), "device": (2**40, "t")}
     disk = {"directory": str(tmp_path / "offload")}
-    cases = [(memory_plan.Setup("standard", tx, B), 1, "cpu"), (memory_plan.Setup("standard", tx, B, 2), 1, "cpu"),
-             (memory_plan.Setup("standard", tx, B), 1, "gpu"), (memory_plan.Setup("reversible", tx, B), 1, "cpu"),
-             (memory_plan.Setup("reversible", tx, B, deferred=True), 1, "cpu"),
-             (memory_plan.Setup("reversible", tx, B, offload=True), 1, "gpu"),
-             (memory_plan.Setup("reversible", tx, B, offload=True, shard_state=True, deferred=True), 2, "cpu"),
-             (memory_plan.Setup("reversible", tx, B, disk=True, deferred=True), 1, "gpu")]
-    floors = [memory_plan.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
+    cases = [(planning.Setup("standard", tx, B), 1, "cpu"), (planning.Setup("standard", tx, B, 2), 1, "cpu"),
+             (planning.Setup("standard", tx, B), 1, "gpu"), (planning.Setup("reversible", tx, B), 1, "cpu"),
+             (planning.Setup("reversible", tx, B, deferred=True), 1, "cpu"),
+             (planning.Setup("reversible", tx, B, offload=True), 1, "gpu"),
+             (planning.Setup("reversible", tx, B, offload=True, shard_state=True, deferred=True), 2, "cpu"),
+             (planning.Setup("reversible", tx, B, disk=True, deferred=True), 1, "gpu")]
+    floors = [planning.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
               for s, n, p in cases]
     assert compiles() == 0
     for (setup, n, platform), low in zip(cases, floors):
-        full = memory_plan.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
+        full = planning.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
                                 programs=programs, platform=platform, disk=disk)
         assert low.floor and not full.floor and list(low.tiers) == list(full.tiers), setup
         for tier, parts in low.tiers.items():
@@ -406,7 +406,7 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared,
     assert standard["weights"] == weights and standard["optimizer_state"] == opt
     assert standard["gradients"] == weights == floors[1].tiers["host"]["gradients"]  # the tree once
     assert standard["activations"] == 0  # (the residuals are the compiled step's)
-    assert standard["temporaries"] == int(memory_plan.STANDARD_EXTRA_FRACTION * weights)
+    assert standard["temporaries"] == int(planning.STANDARD_EXTRA_FRACTION * weights)
     assert floors[4].tiers["host"]["gradients"] == weights + largest  # the deferred buffer beside one layer's
     assert floors[5].tiers["device"]["weights"] == 4 * largest  # a GPU: the state in the pinned pool
     assert floors[5].tiers["pinned"]["weights"] == weights + largest
@@ -432,50 +432,50 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
         run = loop.build()
     finally:
         gin.clear_config()
-    spec, programs = run.task.input_spec(2), memory_plan._Programs()
-    setups = memory_plan.alternatives(memory_plan.setup_of(run.trainer, 2), run.model, 1, True)
+    spec, programs = run.task.input_spec(2), planning.PlanPrograms()
+    setups = planning.alternatives(planning.setup_of(run.trainer, 2), run.model, 1, True)
     half = next(s for s in setups if s.trainer == "standard")  # StandardTrainer at batch 1: a floor below the run's
 
     def refused(limits):
-        with pytest.raises(memory_plan.MemoryPlanError) as e:
-            memory_plan.check_everywhere(run, limits=limits)
+        with pytest.raises(planning.MemoryPlanError) as e:
+            planning.check_everywhere(run, limits=limits)
         return str(e.value)
 
     def compiled(limits):  # what the plan said before the floor: every choice compiled
-        own = memory_plan.plan_run(run, limits, programs)
-        others = [memory_plan.plan(run.model, s, spec, 1, limits=limits, programs=programs, global_devices=1,
-                                   eval_spec=memory_plan._eval_spec(run), disk=memory_plan._disk_spec(run))
+        own = planning.plan_run(run, limits, programs)
+        others = [planning.plan(run.model, s, spec, 1, limits=limits, programs=programs, global_devices=1,
+                                   eval_spec=planning.runs._eval_spec(run), disk=planning.runs._disk_spec(run))
                   for s in setups]
         return own, others
 
     # Below StandardTrainer's floor (at batch 1 too), above the reversible trainer's: no step is compiled.
-    limit = memory_plan.floor(run.model, half, spec, 1, limits=NO_LIMIT).total("host") - 1
+    limit = planning.floor(run.model, half, spec, 1, limits=NO_LIMIT).total("host") - 1
     limits = {"host": (limit, "test limit")}
     own, others = compiled(limits)
     assert not own.fits and any(p.fits for p in others)
-    expected = memory_plan.refusal(own, others)
+    expected = planning.refusal(own, others)
     assert "these settings would fit: " in expected
     with monkeypatch.context() as patch:
-        patch.setattr(memory_plan._Programs, "whole_step", lambda *a: pytest.fail("a whole step was compiled"))
+        patch.setattr(planning.PlanPrograms, "whole_step", lambda *a: pytest.fail("a whole step was compiled"))
         line = refused(limits)
-    low = memory_plan.floor_run(run, limits)
-    assert line == memory_plan.refusal(low, others)
+    low = planning.floor_run(run, limits)
+    assert line == planning.refusal(low, others)
     assert line.split("); ", 1)[1] == expected.split("); ", 1)[1]  # the same settings would fit
     assert line.startswith("the memory plan does not fit: StandardTrainer host needs at least ")
     for part in ("weights", "optimizer_state", "gradients", "runtime"):  # the compiled plan's parts
         assert low.tiers["host"][part] == own.tiers["host"][part]
-        assert f"{part.replace('_', ' ')} {memory_plan.gib(own.tiers['host'][part])}" in line
+        assert f"{part.replace('_', ' ')} {planning.gib(own.tiers['host'][part])}" in line
 
     # Below every choice's floor (the runtime alone): nothing is compiled at all.
-    limits = {"host": (memory_plan.RUNTIME_BYTES, "test limit")}
+    limits = {"host": (planning.RUNTIME_BYTES, "test limit")}
     before = compiles()
     line = refused(limits)
     assert compiles() == before
     own, others = compiled(limits)  # (compiled above)
-    low = memory_plan.floor_run(run, limits)
+    low = planning.floor_run(run, limits)
     assert not low.fits and "runtime alone" in line
-    assert line == memory_plan.refusal(low, others)
-    assert line.split("); ", 1)[1] == memory_plan.refusal(own, others).split("); ", 1)[1]
+    assert line == planning.refusal(low, others)
+    assert line.split("); ", 1)[1] == planning.refusal(own, others).split("); ", 1)[1]
 
 
 def test_a_state_over_the_pinned_pool_is_refused_naming_the_limit(model, shared, monkeypatch):
@@ -484,11 +484,11 @@ def test_a_state_over_the_pinned_pool_is_refused_naming_the_limit(model, shared,
     tx, programs = shared
     monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
     monkeypatch.setenv(pinned.LIMIT_ENV, "0")
-    setup = memory_plan.Setup("reversible", tx, B, offload=True, label="s")
-    own = memory_plan.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
+    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
+    own = planning.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
                            platform="gpu", programs=programs)
     assert not own.fits and own.tiers["pinned"]["pool"] == 0
-    line = memory_plan.refusal(own, [])
+    line = planning.refusal(own, [])
     assert line.startswith("the memory plan does not fit: s pinned needs ")
     assert "of 0 MiB (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=0, preallocated)" in line
     assert "set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=2 (revtrain train sizes the pool from the state alone" in line

@@ -15,8 +15,10 @@ from revtrain import check
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
-from revtrain.trainers import budget as budget_lib
+from revtrain.planning import budget as budget_lib
+from revtrain.planning.costs import StepCosts
 from revtrain.trainers import modes
+from revtrain.trainers.programs import LayerPrograms
 
 from helpers import train_model, train_params, worst_leaf
 
@@ -35,7 +37,7 @@ def test_each_mode_declares_its_plan_name_programs_and_kind():
             assert m.program_kinds == (None, None, None) and not m.keeps_input and not m.rebuilds, m
         else:
             forward, backward, _ = m.program_kinds
-            assert forward in ReversibleTrainer._PER_LAYER and backward in ReversibleTrainer._PER_LAYER, m
+            assert forward in LayerPrograms._PER_LAYER and backward in LayerPrograms._PER_LAYER, m
     assert [m.kind for m in ALL] == [modes.StepKind.TOP] * 2 + [modes.StepKind.STD] + [modes.StepKind.REV] * 3
     assert [m.exact for m in ALL] == [True, True, True, True, True, False]  # fenced: its forward rounds apart
 
@@ -160,12 +162,12 @@ def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, 
 
 def test_the_planner_measures_a_top_mode_by_its_own_forward():
     """The budget planner's head program with ``k`` blocks inside is compiled in the mode asked for
-    (`budget._Analysis.head`, ``top``): two blocks asked in checkpoint mode are the very program of two
+    (`costs.StepCosts.head`, ``top``): two blocks asked in checkpoint mode are the very program of two
     checkpoint blocks (same bytes and FLOPs), and hold less than two backprop blocks."""
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0, scan_layers=False)
     spec = {k: jax.ShapeDtypeStruct((BATCH, SEQ), np.int32) for k in ("inputs", "targets")}
-    an = budget_lib._Analysis(trainer, spec)
+    an = StepCosts(trainer, spec)
     assert an.head(2, top=modes.CHECKPOINT) == an.head(0, 2)
     assert an.head(2, top=modes.BACKPROP) == an.head(2)
     assert an.head(2, top=modes.CHECKPOINT).extra < an.head(2).extra  # (one block's residuals at a time)
@@ -173,12 +175,12 @@ def test_the_planner_measures_a_top_mode_by_its_own_forward():
 
 @pytest.mark.slow  # make test keeps the mode's training test below
 def test_backprop_bf16_holds_less_than_backprop_in_the_head_program():
-    """`modes.Bf16Backprop`'s memory term, from the class alone: the planner's head program (`budget._Analysis.head`)
+    """`modes.Bf16Backprop`'s memory term, from the class alone: the planner's head program (`costs.StepCosts.head`)
     with one and with two blocks in that mode holds fewer bytes than with backprop's, and each block it adds
     adds fewer (d_model 64, a batch of 8: where activations weigh)."""
     model = ReversibleTransformerLM(SEQ, num_layers=2, d_model=64, num_heads=2, dropout_rate=0.1)
     trainer = ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0, scan_layers=False)
-    an = budget_lib._Analysis(trainer, {k: jax.ShapeDtypeStruct((8, SEQ), np.int32) for k in ("inputs", "targets")})
+    an = StepCosts(trainer, {k: jax.ShapeDtypeStruct((8, SEQ), np.int32) for k in ("inputs", "targets")})
     full = [an.head(k).extra for k in (1, 2)]
     low = [an.head(k, top=modes.BACKPROP_BF16).extra for k in (1, 2)]
     assert low[0] < full[0] and low[1] < full[1], (low, full)

@@ -22,6 +22,7 @@ import pytest
 from revtrain import streaming
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import DEVICE_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
+from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.reversible import ReversibleTrainer
 
 from helpers import run_worker
@@ -89,18 +90,18 @@ def test_the_host_store_is_pageable_and_programs_see_the_device(tmp_path):
     trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), mesh, seed=0, offload=True, scan_layers=False)
     ts = trainer.init()
     assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {PAGEABLE_MEMORY}
-    fn, kinds = trainer._fn, set()
+    fn, kinds = trainer.programs.per_layer, set()
 
     def tracked(kind, layer):
         compiled = fn(kind, layer)
-        weights = ReversibleTrainer._PER_LAYER[kind][4]
+        weights = LayerPrograms._PER_LAYER[kind][4]
 
         def call(*args):
             kinds.update(x.sharding.memory_kind for i in weights for x in jax.tree.leaves(args[i]))
             return compiled(*args)
         return call
 
-    trainer._fn = tracked
+    trainer.programs.per_layer = tracked
     for x in _batches(2):
         ts, _ = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
     assert kinds == {DEVICE_MEMORY}

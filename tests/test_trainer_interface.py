@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain import loop, memory_plan
+from revtrain import loop, planning
 from revtrain.layers.transformer import ByteEmbedding, CausalSelfAttention, FeedForward, LanguageModelHead
 from revtrain.models.compose import Coupling, Head, Standard, compose
 from revtrain.models.revnet import RevNet
@@ -30,8 +30,8 @@ def model():
 
 
 def _setup(trainer) -> dict:
-    """`memory_plan.setup_of`'s fields but the optimizer."""
-    setup = memory_plan.setup_of(trainer, 4)
+    """`planning.setup_of`'s fields but the optimizer."""
+    setup = planning.setup_of(trainer, 4)
     return {k: v for k, v in vars(setup).items() if k != "optimizer"}
 
 

@@ -384,7 +384,7 @@ class TrainerBase:
       name: the trainer's name in checkpoints' signatures and log lines (``"standard"``, ``"reversible"``).
       memory_budget: the device bytes a step may peak at (int), or None: no budget (every block's backward
         mode is fixed by the configuration, nothing is planned).
-      budget_plan: the `revtrain.trainers.budget.BudgetPlan` made by `plan_budget` (None until then, or
+      budget_plan: the `revtrain.planning.budget.BudgetPlan` made by `plan_budget` (None until then, or
         without a budget): its ``peak`` and ``budget`` bound what a background checkpoint save may add.
       rebuild: the rebuild mode of the reversible blocks (a name of `revtrain.trainers.modes.REBUILDS`), or None
         for a trainer that rebuilds nothing.
@@ -423,12 +423,12 @@ class TrainerBase:
     def plan_budget(self, batch_spec: dict):
         """Plans each block's backward mode within `memory_budget` for batches shaped like ``batch_spec``
         (``{key: jax.ShapeDtypeStruct}``, the global batch) and returns the plan; called only when
-        `memory_budget` is not None (`revtrain.loop.train` before the state is placed, `revtrain.memory_plan`,
+        `memory_budget` is not None (`revtrain.loop.train` before the state is placed, `revtrain.planning`,
         ``revtrain check``). A trainer without a budget has nothing to plan: None."""
         return None
 
     def memory_setup(self) -> dict:
-        """How the memory plan describes this trainer: keyword arguments of `revtrain.memory_plan.Setup` beyond
+        """How the memory plan describes this trainer: keyword arguments of `revtrain.planning.Setup` beyond
         the optimizer, batch and microbatches (``trainer``, ``label``, and those of its features: ``offload``,
         ``disk``, ``shard_state``, ``deferred``, ``remat``, ``rebuild``, ``budget_peak``); each trainer says its
         own (a plain dict, so the trainers need not import the plan)."""

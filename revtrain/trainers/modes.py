@@ -119,7 +119,7 @@ class BackwardMode:
         ``dx`` None for integer inputs."""
         raise NotImplementedError
 
-    # The budget planner's memory terms (`revtrain.trainers.budget._simulate`): how the live device bytes of
+    # The budget planner's memory terms (`revtrain.planning.budget._simulate`): how the live device bytes of
     # a step change around one block run below the head, given its input's and output's bytes.
     def forward_bytes(self, x_bytes: int, y_bytes: int, offload: bool) -> int:
         """The change of the live device bytes across the block's forward call: its output comes, its
@@ -250,8 +250,21 @@ class Checkpoint(Backprop):
 # The trainer's rebuild flavours (``ReversibleTrainer.rebuild``), the default first.
 REBUILDS = {m.name: m for m in (ExactRebuild(), FusedRebuild(), FencedRebuild())}
 BACKPROP, CHECKPOINT, REMAT = Backprop(), Checkpoint(), Remat()
-# What a memory budget chooses between (`revtrain.trainers.budget`; a plan's counts), cheapest in FLOPs first.
+# What a memory budget chooses between (`revtrain.planning.budget`; a plan's counts), cheapest in FLOPs first.
 BUDGET_MODES = (BACKPROP.plan_name, CHECKPOINT.plan_name, REMAT.plan_name, Rebuild.plan_name)
+
+
+def default_mode(layer, rebuild_mode: BackwardMode) -> BackwardMode:
+    """A layer's backward mode when nothing chose another (no ``fuse_top``, no memory budget): a reversible
+    block is rebuilt (``rebuild_mode``: the trainer's flavour, a `REBUILDS` value), any other layer
+    rematerialised from its kept input (`REMAT`: its input cannot be rebuilt). The one statement of that rule
+    (the trainer, both planners and ``revtrain check`` ask it)."""
+    return rebuild_mode if layer.reversible else REMAT
+
+
+def default_modes(layers, rebuild_mode: BackwardMode) -> list:
+    """`default_mode` of each of ``layers`` (every layer but the head, bottom first)."""
+    return [default_mode(layer, rebuild_mode) for layer in layers]
 
 
 def count_in_head(modes) -> int:

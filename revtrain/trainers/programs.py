@@ -10,13 +10,19 @@ backward are one ``lax.scan`` each, whose body is the per-layer function. With `
 local pieces of its layer's weights and optimizer state: the weights are gathered whole at entry, the
 gradients reduce-scattered back to pieces and the update runs on the pieces (`revtrain.trainers.specs`).
 
-`LayerPrograms` is a mixin of `revtrain.trainers.reversible.ReversibleTrainer`; it reads only the host's
-``model``, ``tx``, ``specs`` (`StateSpecs`), ``rebuild_mode``, ``residency`` (its ``branch_update``) and the
-compiled-program cache (``_compiled``). The gradient halves (`head_grads`, `top_head_grads`, `reverse_grads`,
-`recompute_grads`) are static: ``revtrain check`` calls them on their own.
+`LayerPrograms` is an object the trainer owns (``ReversibleTrainer.programs``), made from what it declares:
+the optimizer, the layers' split (`StateSpecs`), the rebuild flavour, the update's form and a compile function
+(the trainer's: ``jit(shard_map(...))`` over its mesh, each call through its dispatch limiter). Its public
+methods give the programs a step runs (`per_layer`, `top_head`, `run`): the trainer's step, the memory plan and
+the budget planner (`revtrain.planning`) take them from here, so a program compiled for a plan is the one the
+run calls. `on_mesh` makes one for a trainer choice that has no trainer (the memory plan's alternatives). The
+gradient halves (`head_grads`, `top_head_grads`, `reverse_grads`, `recompute_grads`) are static: ``revtrain
+check`` calls them on their own.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS
-from revtrain.trainers.common import batch_size_of, example_keys, per_device, reduce_grads
+from revtrain.trainers.common import XLA_OPTIONS, batch_size_of, example_keys, per_device, reduce_grads
 from revtrain.trainers.layerwise import guarded_update
 from revtrain.trainers.modes import BACKPROP, REBUILDS, REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.stacking import slice_of as _slice
@@ -34,7 +40,31 @@ _SD = P(None, DATA_AXIS)  # a stack of activations (a leading layer axis)
 
 
 class LayerPrograms:
-    """The per-layer and scanned programs of the reversible trainer (see the module note)."""
+    """The per-layer and scanned programs of the reversible trainer (see the module note).
+
+    Args:
+      tx: the optax ``GradientTransformation`` of each layer's update.
+      specs: the layers' split over ``"data"`` (`revtrain.trainers.specs.StateSpecs`).
+      rebuild_mode: the rebuilt blocks' mode (a `modes.REBUILDS` value).
+      compile: ``compile(kind, layer, fn, in_specs, out_specs, donate=(), key=None, donate_if_used=())`` ->
+        the jitted ``shard_map`` of ``partial(fn, layer)``, cached under ``key`` (default ``(kind, layer)``):
+        `TrainerBase._compiled`, or `compile_on` a mesh.
+      branch_update: the per-layer update's form (`layerwise.guarded_update`'s ``branch``: the disk tier's).
+    """
+
+    def __init__(self, tx, specs, rebuild_mode, compile, branch_update: bool = False):
+        self.tx, self.specs, self.rebuild_mode = tx, specs, rebuild_mode
+        self.compile, self.branch_update = compile, branch_update
+        # What the planners read of these programs compiled on a batch shape (`revtrain.planning.costs`), kept
+        # with them: a later plan of the same trainer compiles nothing again.
+        self.readings: dict = {}
+
+    @classmethod
+    def on_mesh(cls, model, tx, mesh, rebuild: str = "exact", branch_update: bool = False) -> "LayerPrograms":
+        """The programs of a trainer choice without a trainer: ``model``'s layers unsplit on ``mesh`` (the memory
+        plan's alternatives, on one device), compiled by `compile_on` (no dispatch limiter)."""
+        from revtrain.trainers.specs import StateSpecs
+        return cls(tx, StateSpecs(model, tx, mesh.size, False), REBUILDS[rebuild], compile_on(mesh), branch_update)
 
     # -- the per-layer fused functions (run inside shard_map over "data") ---------------------------
     # With shard_state each takes the local pieces of its layer's weights and optimizer state: the weights
@@ -50,7 +80,7 @@ class LayerPrograms:
         keys = example_keys(skey, index, batch_size_of(x))
         return REMAT.forward(layer, self.specs.whole(layer, params), state, x, keys)
 
-    def _fenced(self, layer) -> bool:
+    def fenced(self, layer) -> bool:
         """Whether ``layer``'s forward is `ReversibleLayer.apply_fenced` (the fused rebuild's forward): its
         programs output the residuals too, and the trainer drops them (`_dropping`)."""
         return self.rebuild_mode.outputs_residuals(layer)
@@ -115,7 +145,7 @@ class LayerPrograms:
         grads)``; ``dx`` is None for integer inputs (token ids have no cotangent)."""
         return REMAT.grads(layer, params, state, x, dy, keys, specs)[1:]
 
-    def _block_grads(self, mode, layer, params, state, start, dy, keys):
+    def block_grads(self, mode, layer, params, state, start, dy, keys):
         return mode.grads(layer, self.specs.whole(layer, params), state, start, dy, keys, self.specs.grads(layer))
 
     def _head(self, layer, params, opt_state, state, x, batch, skey, index):
@@ -202,15 +232,15 @@ class LayerPrograms:
 
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
-        x, dx, grads = self._block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.residency.branch_update,
+        x, dx, grads = self.block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.branch_update,
                                                      across=self.specs.across)
         return x, dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
-        _, dx, grads = self._block_grads(REMAT, layer, params, state, x, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.residency.branch_update,
+        _, dx, grads = self.block_grads(REMAT, layer, params, state, x, dy, keys)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.branch_update,
                                                      across=self.specs.across)
         return dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
@@ -219,7 +249,7 @@ class LayerPrograms:
         """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``."""
         count = jax.tree.leaves(params)[0].shape[0]
         steps = jnp.arange(count, dtype=jnp.int32)
-        if self._fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
+        if self.fenced(layer):  # the residuals of the last layer are carried out (see `_fenced`)
             return self._fenced_run(layer, params, states, x, skey, start, steps)
 
         def body(x, slices):
@@ -318,24 +348,24 @@ class LayerPrograms:
             specs[i] = spec
         return tuple(specs)
 
-    def _fn(self, kind, layer):
+    def per_layer(self, kind, layer):
         """The compiled per-layer program ``kind`` (a name of ``_PER_LAYER``) of ``layer``."""
         name, in_specs, out_specs, donate, inputs, outputs = self._PER_LAYER[kind]
         fn = getattr(self, name)
         state_specs = self.specs.layer(layer)
         in_specs = self._with_specs(in_specs, inputs, state_specs)
         out_specs = self._with_specs(out_specs, outputs, state_specs)
-        if kind == "forward_rev" and self._fenced(layer):
-            return self._dropping(self._per_layer_compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate))
-        return self._per_layer_compiled(kind, layer, fn, in_specs, out_specs, donate)
+        if kind == "forward_rev" and self.fenced(layer):
+            return self._dropping(self.compiled(kind, layer, fn, in_specs, out_specs + (_D,), donate))
+        return self.compiled(kind, layer, fn, in_specs, out_specs, donate)
 
-    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate):
+    def compiled(self, kind, layer, fn, in_specs, out_specs, donate):
         """``fn`` compiled. Activations (split over "data") are donated only where a result reuses them: a
         recomputed layer of token ids has no input cotangent for its output cotangent to become
         (`common._UsedDonation`)."""
         donate, maybe = (tuple(i for i in donate if in_specs[i] != _D or kind not in self._MAYBE_DONATED),
                          tuple(i for i in donate if in_specs[i] == _D and kind in self._MAYBE_DONATED))
-        return self._compiled(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
+        return self.compile(kind, layer, fn, in_specs, out_specs, donate=donate, donate_if_used=maybe)
 
     _MAYBE_DONATED = ("recompute", "recompute_acc")  # programs of a layer whose input may be token ids
 
@@ -344,7 +374,7 @@ class LayerPrograms:
         top_specs = tuple(self.specs.group(t, c) for t, c in zip(tops, counts or (1,) * len(tops)))
         return (tuple(p for p, _ in top_specs), tuple(o for _, o in top_specs)), self.specs.layer(head)
 
-    def _top_head_fn(self, tops, head, modes=None, counts=None):
+    def top_head(self, tops, head, modes=None, counts=None):
         """The compiled `_top_head` of the groups ``tops`` (a tuple of layers, bottom first) in the head's
         program, each run in its mode of ``modes`` (None: backprop), ``counts`` blocks each (None: one; more:
         a stacked run of checkpoint blocks), and ``head``."""
@@ -356,33 +386,49 @@ class LayerPrograms:
         in_specs = self._with_specs(self._with_specs(in_specs, (0, 1), top_specs), (3, 4), head_specs)
         out_specs = self._with_specs(self._with_specs(out_specs, (1, 2), top_specs), (4, 5), head_specs)
         # x is not donated: it is the output the layer below rebuilds its input from.
-        return self._per_layer_compiled("top_head", (tops, head, modes, counts), self._top_head, in_specs,
-                                        out_specs, (0, 1, 3, 4))
+        return self.compiled("top_head", (tops, head, modes, counts), self._top_head, in_specs, out_specs,
+                             (0, 1, 3, 4))
 
-    def _run_fn(self, kind, layer, count):
+    def run(self, kind, layer, count):
         """The compiled scan over a run of ``count`` layers like ``layer`` (runs of equal length share it)."""
         key = (kind, layer, count)
         pspec, ospec = self.specs.group(layer, count)
         if kind == "forward_run":
-            if self._fenced(layer):
-                return self._dropping(self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R),
-                                                     (_D, _R, _D), donate=(2,), key=key))
-            return self._compiled(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
-                                  key=key)
+            if self.fenced(layer):
+                return self._dropping(self.compile(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R),
+                                                   (_D, _R, _D), donate=(2,), key=key))
+            return self.compile(kind, layer, self._forward_run, (pspec, _R, _D, _R, _R), (_D, _R), donate=(2,),
+                                key=key)
         if kind == "reverse_run":
-            return self._compiled(kind, layer, self._reverse_run, (pspec, ospec, _R, _D, _D, _R, _R),
-                                  (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 3, 4), key=key)
+            return self.compile(kind, layer, self._reverse_run, (pspec, ospec, _R, _D, _D, _R, _R),
+                                (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 3, 4), key=key)
         if kind == "remat_forward_run":
-            return self._compiled(kind, layer, self._remat_forward_run, (pspec, _R, _D, _R, _R), (_D, _R, _SD),
-                                  key=key)  # (x is copied into the stack: nothing to donate)
+            return self.compile(kind, layer, self._remat_forward_run, (pspec, _R, _D, _R, _R), (_D, _R, _SD),
+                                key=key)  # (x is copied into the stack: nothing to donate)
         if kind == "remat_backward_run":
-            return self._compiled(kind, layer, self._remat_backward_run, (pspec, ospec, _R, _SD, _D, _R, _R),
-                                  (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 4), key=key)
+            return self.compile(kind, layer, self._remat_backward_run, (pspec, ospec, _R, _SD, _D, _R, _R),
+                                (_D, _D, pspec, ospec, _R, _R), donate=(0, 1, 4), key=key)
         raise KeyError(kind)
 
 
+def compile_on(mesh):
+    """A compile function for `LayerPrograms` (its ``compile``) over ``mesh`` without a trainer: each program
+    ``jit(shard_map(partial(fn, layer)))`` with the trainers' compiler options, cached per key, every donated
+    position donated (the memory plan reads compiled programs' sizes and never calls them)."""
+    cache: dict = {}
+
+    def compile(kind, layer, fn, in_specs, out_specs, donate=(), key=None, donate_if_used=()):
+        key = (kind, layer) if key is None else key
+        if key not in cache:
+            mapped = jax.shard_map(functools.partial(fn, layer), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+            cache[key] = jax.jit(mapped, donate_argnums=tuple(sorted(set(donate) | set(donate_if_used))),
+                                 compiler_options=XLA_OPTIONS)
+        return cache[key]
+    return compile
+
+
 class _Dropping:
-    """A fenced forward program (`ReversibleTrainer._fenced`) called as an ordinary one: returns ``(y, new
+    """A fenced forward program (`LayerPrograms.fenced`) called as an ordinary one: returns ``(y, new
     state)`` and drops the residuals; other attributes (``lower``, ...) are the program's."""
 
     def __init__(self, program):

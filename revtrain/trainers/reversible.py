@@ -33,6 +33,8 @@ Residual Network", NeurIPS 2017; Kitaev et al., "Reformer", ICLR 2020.
 
 from __future__ import annotations
 
+import re
+
 import gin
 import jax
 import numpy as np
@@ -46,7 +48,7 @@ from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, che
                                       grad_norm, is_elementwise, step_key)
 from revtrain.trainers.deferred import DeferredUpdates
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
-from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head
+from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head, default_modes
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import Stacked, find_runs, groups_of
@@ -54,8 +56,43 @@ from revtrain.trainers.walk import Block, Plan, StepKind, walk
 
 
 
+# -- the memory budget's settings (its planner: `revtrain.planning.budget`) ---------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+AUTO_MARGIN = 0.10  # 'auto': the device's bytes_limit less this share (the runtime's own, fragmentation)
+OBJECTIVES = ("time", "flops")  # what a memory budget's plan minimises (`revtrain.planning.budget`)
+
+
+def parse_budget(value, mesh=None) -> int:
+    """Bytes of a memory budget: an int (bytes), a string with a unit (``'2GiB'``, ``'500MB'``, ``'1.5 GiB'``)
+    or ``'auto'`` (an accelerator's ``bytes_limit`` less `AUTO_MARGIN`).
+
+    Raises:
+      TrainerError: not a positive size, or ``'auto'`` on a backend without a device memory limit (CPU).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
+            try:
+                limit = (device.memory_stats() or {}).get("bytes_limit")
+            except Exception:  # noqa: BLE001 (CPU: no memory stats)
+                limit = None
+            if not limit:
+                raise TrainerError(f"ReversibleTrainer.memory_budget='auto' needs a device with a bytes_limit "
+                                   f"({device.platform} has none); give the budget in bytes, e.g. '4GiB'")
+            return int(limit * (1 - AUTO_MARGIN))
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)\s*([kmgt]?i?b?)", text)
+        if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
+            return int(float(m.group(1)) * _UNITS[m.group(2)])
+    raise TrainerError(f"ReversibleTrainer.memory_budget must be a positive number of bytes, a size such as '2GiB', "
+                       f"or 'auto'; got {value!r}")
+
+
 @gin.configurable
-class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
+class ReversibleTrainer(DeferredUpdates, TrainerBase):
     """Reversible backprop with fused per-layer optimizer updates and optional per-layer host offload.
 
     Args:
@@ -93,7 +130,7 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         accelerator's ``bytes_limit`` less 10%); None (default): every reversible block rebuilt. With a budget
         the trainer chooses each block's backward mode (`revtrain.trainers.modes`: backprop inside the head's
         program, remat from its kept input, or rebuild) for the fastest step (``budget_objective``) whose
-        planned peak fits (`revtrain.trainers.budget`; ``plan_budget``, before the state is placed by
+        planned peak fits (`revtrain.planning.budget`; ``plan_budget``, before the state is placed by
         ``revtrain train``, else at the first step), logs the plan in one line and refuses a budget below the least plan's peak
         (`TrainerError` naming it). Overrides ``fuse_top``. Every plan's gradients equal backprop's as the
         rebuild's do (docs/budget.md).
@@ -154,24 +191,26 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
             raise TrainerError(why)
         if self.residency.streamed:
             self._limit = self.residency.store.bounded(self._limit)  # the layers in flight, bounded
+        # The per-layer programs (`programs.LayerPrograms`): the step, the planners and check compile them here.
+        self.programs = LayerPrograms(optimizer, self.specs, self.rebuild_mode, self._compiled,
+                                      self.residency.branch_update)
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
         num_layers = len(model.layers)
         self.fuse_top = fuse_top and num_layers >= 2 and model.layers[-2].reversible
         # Each block's backward mode (`modes`): a standard layer's is remat, a reversible block's the rebuild;
         # with fuse_top the block under the head is backprop'd; a memory budget chooses per block.
-        self.block_modes = [self.rebuild_mode if layer.reversible else REMAT for layer in model.layers[:-1]]
+        self.block_modes = default_modes(model.layers[:-1], self.rebuild_mode)
         if self.fuse_top:
             self.block_modes[-1] = BACKPROP
         self._plans: dict = {}
         self.memory_budget, self.budget_plan = None, None
-        import revtrain.trainers.budget as budget_lib
-        if budget_objective not in budget_lib.OBJECTIVES:
+        if budget_objective not in OBJECTIVES:
             raise TrainerError(f"ReversibleTrainer.budget_objective must be one of "
-                               f"{', '.join(map(repr, budget_lib.OBJECTIVES))}, got {budget_objective!r}")
+                               f"{', '.join(map(repr, OBJECTIVES))}, got {budget_objective!r}")
         self.budget_objective = budget_objective
         if memory_budget is not None:
-            self.memory_budget = budget_lib.parse_budget(memory_budget, mesh)
+            self.memory_budget = parse_budget(memory_budget, mesh)
         self.groups = self._layout()
         if shard_state:
             metrics_lib.log(self.specs.summary())
@@ -206,6 +245,13 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
             runs = [(start, count) for start, count in runs
                     if len({self.layerwise.signature(start + j) for j in range(count)}) == 1]
         return groups_of(len(self.model.layers), runs)
+
+    # The deferred update's programs (`DeferredUpdates`) are built on the same program interface.
+    def _block_grads(self, mode, layer, params, state, start, dy, keys):
+        return self.programs.block_grads(mode, layer, params, state, start, dy, keys)
+
+    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate):
+        return self.programs.compiled(kind, layer, fn, in_specs, out_specs, donate)
 
     def _scans(self, mode) -> bool:
         """Whether a run of identical blocks in ``mode`` is one ``lax.scan`` per pass: rebuilt runs always;
@@ -358,23 +404,22 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         plan = self._plans.get(key)
         if plan is None:
             layers, acc, blocks = self.model.layers, self.deferred, []
-            top = 0  # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
-            while top < len(groups) - 1 and self.block_modes[groups[-2 - top][0]].kind is StepKind.TOP:
-                top += 1
+            # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
+            top = count_in_head([self.block_modes[start] for start, _ in groups[:-1]])
             below = len(groups) - 1 - top  # the groups with programs of their own
             for start, count in groups[:below]:
                 layer, mode = layers[start], self.block_modes[start]
                 forward_kind, backward_kind, acc_kind = mode.program_kinds
                 if count > 1 and mode.keeps_input:  # (`_scans`: the fused update only)
-                    blocks.append(Block(StepKind.RUN, mode, self._run_fn("remat_forward_run", layer, count),
-                                         self._run_fn("remat_backward_run", layer, count), np.int32(start)))
+                    blocks.append(Block(StepKind.RUN, mode, self.programs.run("remat_forward_run", layer, count),
+                                         self.programs.run("remat_backward_run", layer, count), np.int32(start)))
                 elif count > 1:
-                    blocks.append(Block(StepKind.RUN, mode, self._run_fn("forward_run", layer, count),
+                    blocks.append(Block(StepKind.RUN, mode, self.programs.run("forward_run", layer, count),
                                          self._acc_run_fn(layer, count) if acc else
-                                         self._run_fn("reverse_run", layer, count), np.int32(start)))
+                                         self.programs.run("reverse_run", layer, count), np.int32(start)))
                 else:
-                    blocks.append(Block(mode.kind, mode, self._fn(forward_kind, layer),
-                                         self._acc_fn(acc_kind, layer) if acc else self._fn(backward_kind, layer),
+                    blocks.append(Block(mode.kind, mode, self.programs.per_layer(forward_kind, layer),
+                                         self._acc_fn(acc_kind, layer) if acc else self.programs.per_layer(backward_kind, layer),
                                          np.int32(start)))
             for start, _ in groups[below:-1]:
                 blocks.append(Block(StepKind.TOP, self.block_modes[start], None, None, np.int32(start)))
@@ -383,9 +428,9 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
                 modes = tuple(self.block_modes[s] for s, _ in groups[below:-1])
                 counts = tuple(c for _, c in groups[below:-1])
                 head = (self._top_head_acc_fn(tops, layers[-1], modes) if acc else
-                        self._top_head_fn(tops, layers[-1], modes, counts))
+                        self.programs.top_head(tops, layers[-1], modes, counts))
             else:
-                head = self._acc_fn("head_acc", layers[-1]) if acc else self._fn("head", layers[-1])
+                head = self._acc_fn("head_acc", layers[-1]) if acc else self.programs.per_layer("head", layers[-1])
             blocks.append(Block(StepKind.HEAD, None, head, None, np.int32(groups[-1][0])))
             plan = self._plans[key] = Plan(blocks)
         return plan
@@ -453,7 +498,7 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
                      self.model.layers)
         return new_ts, metrics
 
-    # -- the memory budget (`revtrain.trainers.budget`) ---------------------------------------------
+    # -- the memory budget (`revtrain.planning.budget`) ---------------------------------------------
     def plan_budget(self, batch_spec: dict):
         """Chooses each block's backward mode within ``memory_budget`` for batches shaped like
         ``batch_spec`` (``{key: jax.ShapeDtypeStruct}``, the global batch), sets them (`set_block_modes`),
@@ -463,8 +508,8 @@ class ReversibleTrainer(DeferredUpdates, LayerPrograms, TrainerBase):
         Raises:
           TrainerError: the budget is below the least any plan needs (the message names that least budget).
         """
-        import revtrain.trainers.budget as budget_lib
-        self.budget_plan = budget_lib.plan_budget(self, batch_spec, self.memory_budget, self.budget_objective)
+        from revtrain.planning import budget as budget_planner
+        self.budget_plan = budget_planner.choose(self, batch_spec, self.memory_budget, self.budget_objective)
         self.set_block_modes(self.budget_plan.modes)
         metrics_lib.log(self.budget_plan.line())
         return self.budget_plan

@@ -193,6 +193,19 @@ class StandardTrainer(TrainerBase):
         metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": optax.global_norm(grads)}
         return new_params, new_opt, new_states, metrics, finite
 
+    def step_program(self):
+        """The whole step as one program, ``(params, optimizer state, layer states, batch, step key) -> (params,
+        optimizer state, layer states, metrics, finite flags)``: ``jit(shard_map(...))`` over the mesh, the
+        weights and optimizer state donated; `train_step` calls it, the memory plan compiles it for its
+        temporaries (`revtrain.planning.costs`)."""
+        if "step" not in self._cache:
+            mapped = jax.shard_map(self._step, mesh=self.mesh,
+                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()),
+                                   out_specs=(P(), P(), P(), P(), P()))
+            self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS),
+                                            self)
+        return self._cache["step"]
+
     def train_step(self, ts: TrainState, batch: dict):
         """One step of ordinary backprop. Returns ``(new_state, metrics)`` (``loss``, ``accuracy``).
 
@@ -200,13 +213,7 @@ class StandardTrainer(TrainerBase):
           TrainerError: the batch size is not divisible by the number of devices.
         """
         check_batch(batch, self.num_devices, self.microbatches)
-        if "step" not in self._cache:
-            mapped = jax.shard_map(self._step, mesh=self.mesh,
-                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()),
-                                   out_specs=(P(), P(), P(), P(), P()))
-            self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS),
-                                            self)
-        params, opt, states, metrics, finite = self._cache["step"](ts.params, ts.opt_state[0], ts.layer_state,
+        params, opt, states, metrics, finite = self.step_program()(ts.params, ts.opt_state[0], ts.layer_state,
                                                                    batch, step_key(self.seed, ts.step))
         new_ts = TrainState(ts.step + 1, params, [opt], states)
         check_finite(TrainState(ts.step + 1, params, [opt], ts.layer_state), metrics, [finite], self.model.layers)

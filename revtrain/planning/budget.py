@@ -35,7 +35,7 @@ the head runs, where the step peaks). The peak of each ``(k, h, r)`` is simulate
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-A scanned run's peak is its scans' (compiled at `_Analysis.RUN_LENGTH` blocks and one more, their extra
+A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks and one more, their extra
 bytes extrapolated to the run's length: a scan's buffers grow with it), counted where each scan starts.
 The plan chosen and the least plan are then compiled as they run (`Candidates.measure`: the head's program
 with its blocks, each run at its own length), so the peak a budget is checked against is never an estimate.
@@ -60,95 +60,19 @@ third option (a rebuild) keeps nothing at all.
 from __future__ import annotations
 
 import dataclasses
-import re
-import time
-import types
-import warnings
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from revtrain import optstate
-from revtrain.placement import DATA_AXIS
+from revtrain.optstate import tree_nbytes
+from revtrain.planning.costs import Cost, StepCosts, device_bytes, step_costs
 from revtrain.trainers.common import TrainerError
-from revtrain.trainers.modes import BACKPROP, BUDGET_MODES, CHECKPOINT, REMAT, count_in_head
+from revtrain.trainers.modes import BACKPROP, BUDGET_MODES, CHECKPOINT, REMAT, count_in_head, default_modes
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
 # Beyond the state, batch and activations a step holds small arrays (metrics, finite flags, squares, keys):
 # planned as this much (the meter saw 258 bytes over a plan without it at depth 6).
 SLACK_BYTES = 1 << 16
-AUTO_MARGIN = 0.10  # 'auto': the device's bytes_limit less this share (the runtime's own, fragmentation)
 
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def parse_budget(value, mesh=None) -> int:
-    """Bytes of a memory budget: an int (bytes), a string with a unit (``'2GiB'``, ``'500MB'``, ``'1.5 GiB'``)
-    or ``'auto'`` (an accelerator's ``bytes_limit`` less `AUTO_MARGIN`).
-
-    Raises:
-      TrainerError: not a positive size, or ``'auto'`` on a backend without a device memory limit (CPU).
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == "auto":
-            device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
-            try:
-                limit = (device.memory_stats() or {}).get("bytes_limit")
-            except Exception:  # noqa: BLE001 (CPU: no memory stats)
-                limit = None
-            if not limit:
-                raise TrainerError(f"ReversibleTrainer.memory_budget='auto' needs a device with a bytes_limit "
-                                   f"({device.platform} has none); give the budget in bytes, e.g. '4GiB'")
-            return int(limit * (1 - AUTO_MARGIN))
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+]?[0-9]+)?)\s*([kmgt]?i?b?)", text)
-        if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2)])
-    raise TrainerError(f"ReversibleTrainer.memory_budget must be a positive number of bytes, a size such as '2GiB', "
-                       f"or 'auto'; got {value!r}")
-
-
-@dataclasses.dataclass
-class Cost:
-    """What one program call adds to the live device bytes (``extra``, the meter's rule), its FLOPs and
-    (``objective='time'``) its measured seconds per block."""
-
-    extra: int
-    flops: float
-    seconds: float = 0.0
-
-
-OBJECTIVES = ("time", "flops")
-TIMED_CALLS = 2  # timed calls of each program after one warm-up call (their minimum is taken)
-
-
-def _zeros_like_args(compiled, args):
-    """Zero-filled arguments for ``compiled`` (placed as its input shardings say) shaped like ``args``."""
-    shardings = compiled.input_shardings[0]
-    return jax.tree.map(lambda a, s: jax.device_put(np.zeros(np.shape(a), a.dtype), s), tuple(args), tuple(shardings))
-
-
-def time_call(compiled, args, calls: int = TIMED_CALLS) -> float:
-    """Seconds of one call of ``compiled`` (a compiled program) on zero-filled arguments shaped like
-    ``args`` (abstract): the least of ``calls`` timed calls after a warm-up call. Fresh arguments each call
-    (a program may donate them); the clock covers the call and waiting for its results only."""
-    best = float("inf")
-    for c in range(calls + 1):
-        inputs = _zeros_like_args(compiled, args)
-        jax.block_until_ready(inputs)
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*inputs))
-        if c:
-            best = min(best, time.perf_counter() - start)
-    return best
 
 
 @dataclasses.dataclass
@@ -212,192 +136,6 @@ class BudgetPlan:
                 **{f"budget_{name}": count for name, count in c.items()}}
 
 
-_nbytes = optstate.tree_nbytes  # bytes of a tree (typed PRNG keys too)
-
-
-def _device_bytes(tree) -> int:
-    """Bytes of the leaves of an abstract tree not placed in host memory."""
-    return sum(_nbytes(x) for x in jax.tree.leaves(tree)
-               if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
-
-
-def _stacked(tree, n: int):
-    """An abstract tree stacked ``n`` times along a new leading layer axis, each leaf where its layer's lives:
-    its memory kind kept (a stack of offloaded weights stays in host memory, as `Residency.place_stacked`
-    puts it) and its spec with the layer axis unsplit. (A stack without memory kinds made the scanned
-    reverse program of offloaded weights mix a device stack with its host slices.)"""
-    def one(x):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
-        else:
-            sharding = None
-        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
-    return jax.tree.map(one, tree)
-
-
-def _program_state(trainer, held):
-    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): a streamed tier's
-    layers as device arrays (its programs compute on the layer the engine fetched), and a tied parameter's
-    user (the head) with its tied leaves in its tree, as the head's program computes on them (the deferred
-    update passes them in beside its own; here they count as its own, a bound)."""
-    params, opt = list(held.params), list(held.opt_state)
-    rep = NamedSharding(trainer.mesh, P())
-    place = lambda tree, like: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
-    shapes = trainer.model.param_shapes()
-    users = {tie.user for tie in trainer.model.ties}
-    on_device = lambda tree: jax.tree.map(  # noqa: E731
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
-    for i, layer in enumerate(trainer.model.layers):
-        if trainer.offload:  # the host store's: fetched to the device
-            params[i], opt[i] = on_device(params[i]), on_device(opt[i])
-        if trainer.on_disk or i in users:
-            like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
-            tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
-            params[i], opt[i] = place(tree, like), place(jax.eval_shape(trainer.tx.init, tree), like)
-    return types.SimpleNamespace(params=params, opt_state=opt, layer_state=list(held.layer_state))
-
-
-def _compile(program, args):
-    with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
-        warnings.simplefilter("ignore")
-        return program.lower(*args).compile()
-
-
-class _Analysis:
-    """Compiles the trainer's own programs on shapes and reads their costs (cached per distinct layer)."""
-
-    def __init__(self, trainer, batch_spec: dict, timed: bool = False, will_time: bool = False):
-        self.trainer = t = trainer
-        self.timed, self.will_time = timed, will_time
-        self.mesh = t.mesh
-        data = NamedSharding(self.mesh, P(DATA_AXIS))
-        self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
-        self.state = t.abstract_state()  # the state as it is held (the disk tier's: layer files)
-        self.abstract = _program_state(t, self.state)  # ... as the programs take it
-        self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=NamedSharding(self.mesh, P()))
-        self.cache: dict = {}
-        self.compiled: dict = {}  # untimed programs kept (``will_time``) for `Candidates.time`
-        self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
-        self.offload = t.offload  # kept inputs in host memory (the host tier)
-        self.on_disk, self.streamed = t.on_disk, t.residency.streamed
-        layers = t.model.layers
-        self.moved = [_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
-        # A streamed tier: beside a program's own layer, one layer being written and one fetched ahead (the
-        # disk tier's read only once the program before has run: with its temporaries or in their place;
-        # the host store's during the program, `revtrain.streaming`).
-        self.in_flight = max(self.moved) if self.streamed else 0
-        # Each layer's input shapes (global, split over "data").
-        x = self.batch[t.model.input_key]
-        self.inputs = []
-        for i, layer in enumerate(layers[:-1]):
-            self.inputs.append(x)
-            out = t._fn("forward_std", layer).eval_shape(self.abstract.params[i], self.abstract.layer_state[i], x,
-                                                         self.skey, np.int32(i))[0]
-            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
-        self.inputs.append(x)
-
-    def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
-        """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
-        (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
-        timed = self.timed and timeable
-        if key in self.cache:
-            if timed and not self.cache[key].seconds:  # compiled untimed (the refusal's check), timed when asked
-                compiled, args, blocks = self.compiled.pop(key, None) or (_compile(program, args), args, blocks)
-                self.cache[key].seconds = time_call(compiled, args) / blocks
-        else:
-            compiled = _compile(program, args)
-            seconds = time_call(compiled, args) / blocks if timed else 0.0
-            if not self.timed and timeable and self.will_time:
-                self.compiled[key] = (compiled, args, blocks)
-            mem = compiled.memory_analysis()
-            extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
-            try:
-                cost = compiled.cost_analysis()
-                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-                flops = float(cost.get("flops", 0.0))
-            except Exception:  # noqa: BLE001 (a backend without cost analysis)
-                flops = 0.0
-            if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
-                extra = moved + self.in_flight + max(extra, self.in_flight)
-            elif self.streamed:  # its layer, the one before being written back and those fetched ahead, beside it
-                extra += moved + (1 + self.trainer.residency.store.read_ahead) * self.in_flight
-            self.cache[key] = Cost(extra, flops, seconds)
-        return self.cache[key]
-
-    RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
-    RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
-
-    def run_costs(self, i: int, backward_kind: str, n: int = RUN_LENGTH) -> tuple:
-        """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
-        the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
-        t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
-        stack = lambda tree: _stacked(tree, n)  # noqa: E731
-        params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
-        fwd, bwd = self.RUN_KINDS[backward_kind]
-        f = self._read(("fwd_run", fwd, layer, n), t._run_fn(fwd, layer, n),
-                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, n == self.RUN_LENGTH)
-        start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
-        b = self._read(("bwd_run", bwd, layer, n), t._run_fn(bwd, layer, n),
-                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n,
-                       n == self.RUN_LENGTH)
-        return f, b
-
-    def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
-        """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
-        compiled at `RUN_LENGTH` and one block more, extrapolated linearly (a scan's buffers grow with its
-        length: the stacked states it updates, a remat run's kept inputs)."""
-        n = self.RUN_LENGTH
-        f2, b2 = self.run_costs(i, backward_kind, n)
-        if count <= n:
-            return f2.extra, b2.extra
-        f3, b3 = self.run_costs(i, backward_kind, n + 1)
-        grow = lambda a, b: a.extra + (count - n) * max(0, b.extra - a.extra)  # noqa: E731
-        return grow(f2, f3), grow(b2, b3)
-
-    def forward(self, i: int, kind: str) -> Cost:
-        if ("fwd", i, kind) not in self.blocks:  # (per block index: a plan's walk looks each up without hashing
-            t, layer = self.trainer, self.trainer.model.layers[i]  # the layer's module graph)
-            a = self.abstract
-            args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
-            self.blocks[("fwd", i, kind)] = self._read(("fwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
-        return self.blocks[("fwd", i, kind)]
-
-    def backward(self, i: int, kind: str) -> Cost:
-        if ("bwd", i, kind) not in self.blocks:
-            t, layer = self.trainer, self.trainer.model.layers[i]
-            a = self.abstract
-            start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
-            args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
-            self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t._fn(kind, layer), args, self.moved[i])
-        return self.blocks[("bwd", i, kind)]
-
-    def head(self, k: int, h: int = 0, top=BACKPROP) -> Cost:
-        """The head's program with the ``k`` blocks under it inside (in mode ``top``: backprop, or another mode
-        of `walk.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
-        t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
-        n = len(layers) - 1
-        if k + h == 0:
-            args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
-            return self._read(("head", 0, layers[n]), t._fn("head", layers[n]), args, self.moved[n])
-        # The groups as the layout gives them: with the scanned executor h >= 2 checkpoint blocks are one
-        # stacked run (`ReversibleTrainer._scans`), else every block is a group of its own.
-        stacked = h >= 2 and t.scan_layers and t._scans(CHECKPOINT)
-        groups = ([(n - k - h, h)] if stacked else [(i, 1) for i in range(n - k - h, n - k)]) + \
-            [(i, 1) for i in range(n - k, n)]
-        stack = lambda tree, c: tree if c == 1 else _stacked(tree, c)  # noqa: E731
-        args = (tuple(stack(a.params[i], c) for i, c in groups), tuple(stack(a.opt_state[i], c) for i, c in groups),
-                tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
-                self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
-        program = t._top_head_fn(tuple(layers[i] for i, _ in groups), layers[n],
-                                 tuple(CHECKPOINT if i < n - k else top for i, _ in groups),
-                                 tuple(c for _, c in groups))
-        key = ("head", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
-        return self._read(key, program, args,
-                          sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
-
-
 _FIELDS = ("extra", "flops", "seconds")
 
 
@@ -408,7 +146,7 @@ def _head_cost(costs: dict, k: int, h: int) -> Cost:
     Backprop blocks alone: each block past the measured adds what the last measured one added. Checkpoint
     blocks alone: likewise from h = 2 to 3 (a stacked run is one scan from two blocks on). FLOPs: h times
     one checkpoint block's (``cost_analysis`` counts a scan's body once). Both: an optimistic estimate (the
-    larger of the two programs' bytes, their seconds and FLOPs added), which `plan_budget` replaces by the
+    larger of the two programs' bytes, their seconds and FLOPs added), which `choose` replaces by the
     compiled program's before choosing such a plan (one program holds one of their peaks at a time, and
     where they meet is the compiler's)."""
     if (k, h) in costs:
@@ -444,13 +182,13 @@ def _scan_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
     return dataclasses.replace(cost, flops=_backprop_head(costs, k).flops + h * one)
 
 
-def _simulate(an: _Analysis, modes: list, head: Cost, base: int, exact: bool = False) -> tuple[int, float, float]:
+def _simulate(an: StepCosts, modes: list, head: Cost, base: int, exact: bool = False) -> tuple[int, float, float]:
     """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
     call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block.
     ``exact``: a run's bytes from its scans compiled at its own length (else extrapolated, `run_extra`)."""
     n = len(modes)
     below = n - count_in_head(modes)
-    act = lambda i: _nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
+    act = lambda i: tree_nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
     live, peak, flops, seconds = base, base, head.flops, head.seconds
     runs = {}  # block -> (its run's start, count): blocks in a scanned run of the layout these modes give
     if an.trainer.scan_layers and not an.trainer.deferred:
@@ -493,8 +231,8 @@ class Candidates:
     FLOPs and seconds: ``table[(k, h, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``:
     the trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
 
-    def __init__(self, trainer, batch_spec: dict, timed: bool = False, will_time: bool = False):
-        self.trainer, self.an = trainer, _Analysis(trainer, batch_spec, timed, will_time)
+    def __init__(self, trainer, batch_spec: dict):
+        self.trainer, self.an = trainer, step_costs(trainer, batch_spec)  # (the trainer's programs, compiled once)
         layers = trainer.model.layers
         self.n = n = len(layers) - 1
         self.reversible = [i for i in range(n) if layers[i].reversible]
@@ -504,21 +242,31 @@ class Candidates:
             while (self.max_top < n and layers[n - 1 - self.max_top].reversible
                    and layers[n - 1 - self.max_top] == layers[n - 1]):
                 self.max_top += 1
-        self.heads = self._heads()
         self.measured: set = set()  # plans whose table entry is from their compiled programs (`measure`)
         held = self.an.state
-        self.base = _nbytes(self.an.batch) + _nbytes(held.layer_state) + SLACK_BYTES
+        self.base = tree_nbytes(self.an.batch) + tree_nbytes(held.layer_state) + SLACK_BYTES
         if not trainer.on_disk:  # (the disk tier's weights and optimizer state: in flight, counted per call)
-            self.base += _device_bytes((held.params, held.opt_state))
+            self.base += device_bytes((held.params, held.opt_state))
         if trainer.deferred and not trainer.offload and not trainer.on_disk:
-            self.base += _device_bytes(held.params)  # the gradient buffers, beside the weights
+            self.base += device_bytes(held.params)  # the gradient buffers, beside the weights
         for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
-            self.base += _nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
+            self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
         if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
-            self.base += max(_nbytes(p) for p in self.an.abstract.params)
-        self.table = {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
-                      for h in range(self.max_top - k + 1)
-                      for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
+            self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
+        self.heads = {}
+        self.an.prepare(self._set_heads, self._evaluate_all)  # (every program the table reads, compiled at once)
+        self._set_heads()
+        self.table = self._evaluate_all()
+
+    def _set_heads(self) -> None:
+        self.heads = self._heads()
+
+    def _evaluate_all(self) -> dict:
+        """Every plan ``(k, h, r)``'s estimate (`evaluate`)."""
+        n = self.n
+        return {(k, h, r): self.evaluate(k, h, r) for k in range(self.max_top + 1)
+                for h in range(self.max_top - k + 1)
+                for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
 
     def _heads(self) -> dict:
         """The head's measured programs, ``{(k, h): Cost}`` (see `_head_cost`)."""
@@ -529,7 +277,7 @@ class Candidates:
         """Times the programs (``timed`` from now on) and re-evaluates the table with their seconds: a
         budget below the least is refused from the untimed table, before any program runs."""
         if not self.an.timed:
-            self.an.timed = True
+            self.an.timed = True  # (the memory plan reads the same programs: timed ones cost it nothing)
             self.an.blocks.clear()  # (looked up again: each program is timed on its first look-up)
             self.heads = self._heads()
             self.table = {plan: self.evaluate(*plan, measured=plan in self.measured) for plan in self.table}
@@ -538,7 +286,7 @@ class Candidates:
         """The top ``k`` blocks backprop, the ``h`` under them checkpoint, the lowest ``r`` other reversible
         blocks remat, the rest rebuilt."""
         layers, t = self.trainer.model.layers, self.trainer
-        modes = [REMAT if not layers[i].reversible else t.rebuild_mode for i in range(self.n)]
+        modes = default_modes(layers[:self.n], t.rebuild_mode)
         for i in range(self.n - k - h, self.n):
             modes[i] = BACKPROP if i >= self.n - k else CHECKPOINT
         for i in [j for j in self.reversible if j < self.n - k - h][:r]:
@@ -551,6 +299,7 @@ class Candidates:
         if plan in self.measured:
             return False
         self.measured.add(plan)
+        self.an.prepare(lambda: self.evaluate(*plan, measured=True))  # (its programs compiled at once)
         self.table[plan] = self.evaluate(*plan, measured=True)
         return True
 
@@ -561,22 +310,29 @@ class Candidates:
         return _simulate(self.an, self.modes(k, h, r), head, self.base, exact=measured)
 
 
-def plan_budget(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
+def candidates(trainer, batch_spec: dict) -> Candidates:
+    """The `Candidates` of ``trainer`` on batches shaped like ``batch_spec``, made once and kept with the
+    trainer's programs (``trainer.programs.readings``, beside the `StepCosts` they are read from): a second
+    budget on the same trainer compiles and times nothing again."""
+    key = ("budget",) + tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch_spec.items()))
+    readings = trainer.programs.readings
+    if key not in readings:
+        readings[key] = Candidates(trainer, batch_spec)
+    return readings[key]
+
+
+def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> BudgetPlan:
     """The fastest plan within ``budget`` bytes for ``trainer`` (a `ReversibleTrainer`) on batches shaped
     like ``batch_spec`` (the global batch, ``{key: ShapeDtypeStruct}``). See the module note.
     ``objective``: ``'flops'`` minimises the compiled programs' FLOPs (the same plan on every machine),
     ``'time'`` their seconds measured here (each distinct program run on zeros; a scanned run timed at
-    `_Analysis.RUN_LENGTH` blocks).
+    `StepCosts.RUN_LENGTH` blocks).
 
     Raises:
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
     """
     timed = objective == "time"
-    key = tuple(sorted((k, v.shape, str(v.dtype)) for k, v in batch_spec.items()))
-    cache = trainer.__dict__.setdefault("_budget_candidates", {})  # (the compiled analyses, per batch shape)
-    if key not in cache:
-        cache[key] = Candidates(trainer, batch_spec, will_time=timed)  # (timed once the budget is known to fit)
-    c = cache[key]
+    c = candidates(trainer, batch_spec)  # (timed once the budget is known to fit)
     # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
     # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
     sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731

@@ -1,0 +1,483 @@
+"""What the trainer's programs cost: compiled on shapes, once, and read by both planners.
+
+Both planners (`revtrain.planning.memory`, `revtrain.planning.budget`) ask the trainer's per-layer programs
+(`revtrain.trainers.programs.LayerPrograms`, ``trainer.programs``) for the programs a step runs, compile
+them on the abstract arguments the step passes (`StepCosts`: the global batch, the state's shardings and memory
+kinds), and read ``memory_analysis()`` (temporaries, results) and ``cost_analysis()`` (FLOPs); the budget's
+``'time'`` objective runs each on zeros and times it (`time_call`). The compiled programs are the run's own:
+its first step finds them compiled. A trainer choice without a trainer (the memory plan's alternatives) gets
+the same programs from `LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a
+program of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import time
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from revtrain.optstate import tree_nbytes
+from revtrain.placement import DATA_AXIS
+from revtrain.planning.shapes import is_float, mesh1, shape_key
+from revtrain.trainers.common import TrainerBase
+from revtrain.trainers.modes import BACKPROP, CHECKPOINT, count_in_head, default_modes
+from revtrain.trainers.programs import LayerPrograms
+
+
+@dataclasses.dataclass
+class Cost:
+    """What one program call adds to the live device bytes (``extra``, the meter's rule), its FLOPs and
+    (``objective='time'``) its measured seconds per block."""
+
+    extra: int
+    flops: float
+    seconds: float = 0.0
+    temp: int = 0  # the program's own temporaries (``temp_size_in_bytes``): the memory plan's term
+
+
+TIMED_CALLS = 2  # timed calls of each program after one warm-up call (their minimum is taken)
+
+
+def _zeros_like_args(compiled, args):
+    """Zero-filled arguments for ``compiled`` (placed as its input shardings say) shaped like ``args``."""
+    shardings = compiled.input_shardings[0]
+    return jax.tree.map(lambda a, s: jax.device_put(np.zeros(np.shape(a), a.dtype), s), tuple(args), tuple(shardings))
+
+
+def time_call(compiled, args, calls: int = TIMED_CALLS) -> float:
+    """Seconds of one call of ``compiled`` (a compiled program) on zero-filled arguments shaped like
+    ``args`` (abstract): the least of ``calls`` timed calls after a warm-up call. Fresh arguments each call
+    (a program may donate them); the clock covers the call and waiting for its results only."""
+    best = float("inf")
+    for c in range(calls + 1):
+        inputs = _zeros_like_args(compiled, args)
+        jax.block_until_ready(inputs)
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        if c:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+
+
+def device_bytes(tree) -> int:
+    """Bytes of the leaves of an abstract tree not placed in host memory."""
+    return sum(tree_nbytes(x) for x in jax.tree.leaves(tree)
+               if getattr(getattr(x, "sharding", None), "memory_kind", None) not in ("pinned_host", "unpinned_host"))
+
+
+def stacked(tree, n: int):
+    """An abstract tree stacked ``n`` times along a new leading layer axis, each leaf where its layer's lives:
+    its memory kind kept (a stack of offloaded weights stays in host memory, as `Residency.place_stacked`
+    puts it) and its spec with the layer axis unsplit. (A stack without memory kinds made the scanned
+    reverse program of offloaded weights mix a device stack with its host slices.)"""
+    def one(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):  # (a replicated leaf stays ``P()``: the sharding the run's stack has)
+            spec = P(None, *sharding.spec) if any(a is not None for a in sharding.spec) else P()
+            sharding = NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+        else:
+            sharding = None
+        return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def program_state(trainer, held):
+    """The abstract state as the trainer's programs take it (``held``: its `abstract_state`): a streamed tier's
+    layers as device arrays (its programs compute on the layer the engine fetched), and a tied parameter's
+    user (the head) with its tied leaves in its tree, as the head's program computes on them (the deferred
+    update passes them in beside its own; here they count as its own, a bound)."""
+    params, opt = list(held.params), list(held.opt_state)
+    rep = NamedSharding(trainer.mesh, P())
+    place = lambda tree, like: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
+    shapes = trainer.model.param_shapes()
+    users = {tie.user for tie in trainer.model.ties}
+    on_device = lambda tree: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
+    for i, layer in enumerate(trainer.model.layers):
+        if trainer.offload:  # the host store's: fetched to the device
+            params[i], opt[i] = on_device(params[i]), on_device(opt[i])
+        if trainer.on_disk or i in users:
+            like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
+            tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
+            params[i], opt[i] = place(tree, like), place(jax.eval_shape(trainer.tx.init, tree), like)
+    return types.SimpleNamespace(params=params, opt_state=opt, layer_state=list(held.layer_state))
+
+
+def compile_program(program, args):
+    """``program`` (a jitted function) lowered on ``args`` (abstract) and compiled: JAX keeps the executable, so
+    the run's own call of ``program`` on arrays of these shapes and shardings compiles nothing again."""
+    return _compiled_quietly(lower_program(program, args))
+
+
+def lower_program(program, args):
+    """``program`` lowered on ``args`` (abstract): traced and turned into XLA's module, not compiled yet."""
+    with warnings.catch_warnings():  # (a donation XLA cannot use on these shapes: said once, at run time)
+        warnings.simplefilter("ignore")
+        return program.lower(*args)
+
+
+def _compiled_quietly(lowered):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lowered.compile()
+
+
+class StepCosts:
+    """The trainer's own programs (``trainer.programs``, `LayerPrograms`) compiled on the abstract arguments a
+    step passes them (``batch_spec``: the global (micro)batch's shapes), and what each costs (`Cost`), cached
+    per distinct program. Made once per trainer and batch shape (`step_costs`): the memory plan, the budget
+    planner and the run's first step share its compiles. ``timed``: a program read from now on is also run on
+    zeros and timed (`time_call`), once; one compiled untimed is kept and timed then without a second
+    compile."""
+
+    def __init__(self, trainer, batch_spec: dict):
+        self.trainer = t = trainer
+        self.timed = False  # `read` times each program too (the budget planner's ``'time'`` objective)
+        self.mesh = t.mesh
+        data = NamedSharding(self.mesh, P(DATA_AXIS))
+        self.batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data) for k, v in batch_spec.items()}
+        self.state = t.abstract_state()  # the state as it is held (the disk tier's: layer files)
+        self.abstract = program_state(t, self.state)  # ... as the programs take it
+        # The step's key as the step passes it: an uncommitted array (`common.step_key`), no sharding of its own.
+        self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        self.cache: dict = {}
+        self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
+        self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
+        self._asked = None  # while `prepare` collects: the programs asked for, lowered
+        self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
+        self.offload = t.offload  # kept inputs in host memory (the host tier)
+        self.on_disk, self.streamed = t.on_disk, t.residency.streamed
+        layers = t.model.layers
+        self.moved = [tree_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
+        # A streamed tier: beside a program's own layer, one layer being written and one fetched ahead (the
+        # disk tier's read only once the program before has run: with its temporaries or in their place;
+        # the host store's during the program, `revtrain.streaming`).
+        self.in_flight = max(self.moved) if self.streamed else 0
+        # Each layer's input shapes (global, split over "data").
+        x = self.batch[t.model.input_key]
+        self.inputs = []
+        for i, layer in enumerate(layers[:-1]):
+            self.inputs.append(x)
+            out = t.programs.per_layer("forward_std", layer).eval_shape(
+                self.abstract.params[i], self.abstract.layer_state[i], x, self.skey, np.int32(i))[0]
+            x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
+        self.inputs.append(x)
+
+    def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
+        """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
+        (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
+        timed = self.timed and timeable
+        if self._asked is not None:  # (`prepare` collects: nothing is read yet)
+            if key not in self.cache and key not in self._ready and key not in self._asked:
+                self._asked[key] = lower_program(program, args)
+            return Cost(0, 0.0)
+        if key in self.cache:
+            if timed and not self.cache[key].seconds:  # compiled untimed (the refusal's check), timed when asked
+                compiled, args, blocks = self.compiled.pop(key, None) or (compile_program(program, args), args, blocks)
+                self.cache[key].seconds = time_call(compiled, args) / blocks
+        else:
+            compiled = self._ready.pop(key, None)
+            if compiled is None:
+                compiled = compile_program(program, args)
+            seconds = time_call(compiled, args) / blocks if timed else 0.0
+            if not timed and timeable:
+                self.compiled[key] = (compiled, args, blocks)
+            mem = compiled.memory_analysis()
+            extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
+            try:
+                cost = compiled.cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                flops = float(cost.get("flops", 0.0))
+            except Exception:  # noqa: BLE001 (a backend without cost analysis)
+                flops = 0.0
+            if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
+                extra = moved + self.in_flight + max(extra, self.in_flight)
+            elif self.streamed:  # its layer, the one before being written back and those fetched ahead, beside it
+                extra += moved + (1 + self.trainer.residency.store.depth) * self.in_flight
+            self.cache[key] = Cost(extra, flops, seconds, int(mem.temp_size_in_bytes))
+        return self.cache[key]
+
+    def prepare(self, *calls) -> None:
+        """Compiles every program the ``calls`` (functions of no argument that read costs here: `forward`,
+        `head`, a plan's walk) will read, all at once on every core (XLA compiles without holding the
+        interpreter), so that the calls themselves then only read compiled programs. The calls run twice: once
+        to collect their programs (each lowered, nothing read, the costs they see are zeros), and once more by
+        the caller. Results are those of reading one program at a time."""
+        blocks = set(self.blocks)
+        self._asked = {}
+        try:
+            for call in calls:
+                call()
+        finally:
+            asked, self._asked = self._asked, None
+            for key in set(self.blocks) - blocks:  # (the zeros seen while collecting)
+                del self.blocks[key]
+        if not asked:
+            return
+        workers = min(len(asked), os.cpu_count() or 1)
+        with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
+                workers, thread_name_prefix="revtrain-plan-compile") as pool:
+            warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
+            for key, compiled in zip(asked, pool.map(lambda lowered: lowered.compile(), asked.values())):
+                self._ready[key] = compiled
+
+    RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
+    RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
+
+    def run_costs(self, i: int, backward_kind: str, n: int = RUN_LENGTH) -> tuple:
+        """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
+        the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
+        t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
+        stack = lambda tree: stacked(tree, n)  # noqa: E731
+        params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
+        fwd, bwd = self.RUN_KINDS[backward_kind]
+        f = self._read(("fwd_run", fwd, layer, n), t.programs.run(fwd, layer, n),
+                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, n == self.RUN_LENGTH)
+        start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
+        b = self._read(("bwd_run", bwd, layer, n), t.programs.run(bwd, layer, n),
+                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n,
+                       n == self.RUN_LENGTH)
+        return f, b
+
+    def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
+        """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
+        compiled at `RUN_LENGTH` and one block more, extrapolated linearly (a scan's buffers grow with its
+        length: the stacked states it updates, a remat run's kept inputs)."""
+        n = self.RUN_LENGTH
+        f2, b2 = self.run_costs(i, backward_kind, n)
+        if count <= n:
+            return f2.extra, b2.extra
+        f3, b3 = self.run_costs(i, backward_kind, n + 1)
+        grow = lambda a, b: a.extra + (count - n) * max(0, b.extra - a.extra)  # noqa: E731
+        return grow(f2, f3), grow(b2, b3)
+
+    def forward(self, i: int, kind: str) -> Cost:
+        """The cost of block ``i``'s own forward program ``kind`` (a `LayerPrograms` per-layer kind)."""
+        if ("fwd", i, kind) not in self.blocks:  # (per block index: a plan's walk looks each up without hashing
+            t, layer = self.trainer, self.trainer.model.layers[i]  # the layer's module graph)
+            a = self.abstract
+            args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
+            self.blocks[("fwd", i, kind)] = self._read(("fwd", kind, layer), t.programs.per_layer(kind, layer), args,
+                                                       self.moved[i])
+        return self.blocks[("fwd", i, kind)]
+
+    def backward(self, i: int, kind: str) -> Cost:
+        """The cost of block ``i``'s own backward program ``kind`` (``"reverse"`` from its output, ``"recompute"``
+        from its kept input), its update with it."""
+        if ("bwd", i, kind) not in self.blocks:
+            t, layer = self.trainer, self.trainer.model.layers[i]
+            a = self.abstract
+            start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
+            args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
+            self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t.programs.per_layer(kind, layer), args,
+                                                       self.moved[i])
+        return self.blocks[("bwd", i, kind)]
+
+    def head(self, k: int, h: int = 0, top=BACKPROP) -> Cost:
+        """The head's program with the ``k`` blocks under it inside (in mode ``top``: backprop, or another mode
+        of `walk.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
+        t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
+        n = len(layers) - 1
+        if k + h == 0:
+            args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
+            return self._read(("head", 0, layers[n]), t.programs.per_layer("head", layers[n]), args, self.moved[n])
+        # The groups as the trainer's layout gives them (`ReversibleTrainer.layout`: with the scanned executor
+        # h >= 2 identical checkpoint blocks are one stacked run, else every block is a group of its own).
+        modes = default_modes(layers[:-1], t.rebuild_mode)
+        modes[n - k - h:] = [CHECKPOINT] * h + [top] * k
+        groups = [(i, c) for i, c in t.layout(modes) if n - k - h <= i < n]
+        stack = lambda tree, c: tree if c == 1 else stacked(tree, c)  # noqa: E731
+        args = (tuple(stack(a.params[i], c) for i, c in groups), tuple(stack(a.opt_state[i], c) for i, c in groups),
+                tuple(stack(a.layer_state[i], c) for i, c in groups), a.params[n], a.opt_state[n], a.layer_state[n],
+                self.inputs[n - k - h], self.batch, self.skey, tuple(np.int32(i) for i, _ in groups), np.int32(n))
+        program = t.programs.top_head(tuple(layers[i] for i, _ in groups), layers[n],
+                                 tuple(CHECKPOINT if i < n - k else top for i, _ in groups),
+                                 tuple(c for _, c in groups))
+        key = ("head", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
+        return self._read(key, program, args,
+                          sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
+
+
+
+def step_costs(trainer, batch_spec: dict) -> StepCosts:
+    """The `StepCosts` of ``trainer`` on batches shaped like ``batch_spec`` (the global (micro)batch), made once:
+    kept with the programs it compiled (``trainer.programs.readings``), so the memory plan, the budget planner
+    and a later plan of the same trainer read each program once."""
+    key = tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch_spec.items()))
+    readings = trainer.programs.readings
+    if key not in readings:
+        readings[key] = StepCosts(trainer, batch_spec)
+    return readings[key]
+
+
+def step_temporaries(trainer, batch_spec: dict) -> list:
+    """The temporaries (bytes) of every program one step of ``trainer`` runs, in its layout and block modes
+    (``trainer.groups``, ``trainer.block_modes``): each group's forward and backward (a stacked run's scans at
+    its length) and the head's program with the blocks inside it. The programs compiled are the ones the
+    step calls (`StepCosts`)."""
+    costs = step_costs(trainer, batch_spec)
+    modes = list(trainer.block_modes)
+    n, inside = len(modes), count_in_head(modes)
+    temps = []
+    for start, count in trainer.layout(modes):
+        if start >= n - inside:
+            break
+        forward_kind, backward_kind, _ = modes[start].program_kinds
+        if count > 1:
+            f, b = costs.run_costs(start, backward_kind, count)
+        else:
+            f, b = costs.forward(start, forward_kind), costs.backward(start, backward_kind)
+        temps += [f.temp, b.temp]
+    checkpointed = sum(1 for m in modes[n - inside:] if m is CHECKPOINT)
+    top = modes[-1] if inside > checkpointed else BACKPROP
+    temps.append(costs.head(inside - checkpointed, checkpointed, top).temp)
+    return temps
+
+
+class PlanPrograms:
+    """The memory plan's programs, through the program interface: for the run's own trainer (``trainer``; its
+    choice ``own``, a `revtrain.planning.setups.Setup`) the programs its step runs (`step_temporaries`); for
+    another choice one layer's programs of `LayerPrograms.on_mesh` on one device's (micro)batch. Results are
+    cached per distinct (layer, input shapes, optimizer, kind): each compile runs once per process.
+
+    Args:
+      trainer: the run's trainer (None: every choice on one device).
+      own: its `Setup` (`revtrain.planning.setups.setup_of`); a plan of that choice asks the trainer.
+    """
+
+    def __init__(self, trainer=None, own=None):
+        self.trainer, self.own = trainer, own
+        self.cache: dict = {}
+        self._layer_programs: dict = {}
+
+    def is_own(self, setup) -> bool:
+        """Whether ``setup`` is the run's own trainer's choice (its programs are the run's)."""
+        return self.trainer is not None and setup == self.own and hasattr(self.trainer, "programs")
+
+    def layer_programs(self, model, tx, rebuild: str = "exact", branch: bool = False) -> LayerPrograms:
+        """`LayerPrograms.on_mesh` of ``model`` and ``tx`` on one device (one per model, optimizer, rebuild
+        flavour and update form)."""
+        key = (id(model), id(tx), rebuild, branch)
+        if key not in self._layer_programs:
+            self._layer_programs[key] = (LayerPrograms.on_mesh(model, tx, mesh1(), rebuild, branch), model, tx)
+        return self._layer_programs[key][0]
+
+    def temp(self, programs: LayerPrograms, kind: str, layer, args) -> int:
+        """``temp_size_in_bytes`` of ``programs.per_layer(kind, layer)`` compiled on ``args`` (abstract); 0 on a
+        backend without memory analysis."""
+        key = ("temp", id(programs), kind, layer, shape_key(args))
+        if key not in self.cache:
+            try:
+                compiled = compile_program(programs.per_layer(kind, layer), args)
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
+                self.cache[key] = 0
+        return self.cache[key]
+
+    def forward(self, programs: LayerPrograms, layer, params, state, x, mode) -> int:
+        """The temporaries of ``layer``'s forward program in ``mode`` (a `modes.BackwardMode` below the head)."""
+        return self.temp(programs, mode.program_kinds[0], layer, (params, state, x) + _KEY_AND_INDEX)
+
+    def backward(self, programs: LayerPrograms, layer, params, opt, state, x, y, mode) -> int:
+        """The temporaries of ``layer``'s backward program in ``mode`` (reverse from its output ``y``, or
+        recompute from its input ``x``) with its update (the programs' form: ``programs.branch_update``)."""
+        start = y if mode.rebuilds else x
+        return self.temp(programs, mode.program_kinds[1], layer, (params, opt, state, start, y) + _KEY_AND_INDEX)
+
+    def head(self, programs: LayerPrograms, layer, params, opt, state, x, batch) -> int:
+        """The temporaries of the head's program (loss, vjp, update) alone."""
+        return self.temp(programs, "head", layer, (params, opt, state, x, batch) + _KEY_AND_INDEX)
+
+    def own_temporaries(self, batch_spec: dict) -> list:
+        """`step_temporaries` of the run's own trainer (``batch_spec``: its global (micro)batch's shapes)."""
+        key = ("own", shape_key(batch_spec))
+        if key not in self.cache:
+            self.cache[key] = step_temporaries(self.trainer, batch_spec)
+        return self.cache[key]
+
+    def whole_step(self, model, setup, params, opt, states, batch) -> int:
+        """``temp_size_in_bytes`` of `StandardTrainer`'s whole step (`StandardTrainer.step_program`) compiled
+        for one device (on a 1.44 B Llama of 32 blocks: 12 s on two CPU cores); -1 when it does not compile."""
+        from revtrain.trainers.standard import StandardTrainer
+        key = ("step", id(model), shape_key(batch), id(setup.optimizer), setup.remat, setup.microbatches)
+        if key not in self.cache:
+            try:
+                trainer = StandardTrainer(model, setup.optimizer, mesh1(), scan_layers=setup.remat,
+                                          remat_layers=setup.remat, microbatches=setup.microbatches)
+                compiled = compile_program(trainer.step_program(), (params, opt, states, batch, _KEY_AND_INDEX[0]))
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (fall back to the analytic bound)
+                self.cache[key] = -1
+        return self.cache[key]
+
+    def _mapped_temp(self, key, fn, args) -> int:
+        """``temp_size_in_bytes`` of ``fn(*args)`` compiled on one device inside ``shard_map`` (so that layers
+        averaging over ``"data"`` trace as in the trainers)."""
+        if key not in self.cache:
+            from revtrain.trainers.common import XLA_OPTIONS
+            mapped = jax.shard_map(fn, mesh=mesh1(), in_specs=(P(),) * len(args), out_specs=P(), check_vma=False)
+            try:
+                compiled = jax.jit(mapped, compiler_options=XLA_OPTIONS).lower(*args).compile()
+                self.cache[key] = int(compiled.memory_analysis().temp_size_in_bytes)
+            except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
+                self.cache[key] = 0
+        return self.cache[key]
+
+    def eval_forward(self, layer, params, state, x) -> int:
+        """``temp_size_in_bytes`` of ``layer``'s evaluation program at ``x`` (the trainers',
+        `TrainerBase.eval_forward`)."""
+        return self._mapped_temp(("eval", layer, shape_key(x)), functools.partial(TrainerBase.eval_forward, layer),
+                                 (params, state, x))
+
+    def eval_head(self, layer, params, state, x, batch) -> int:
+        """``temp_size_in_bytes`` of the head's evaluation program (its loss sums) at ``x`` (the trainers',
+        `TrainerBase.eval_loss`)."""
+        return self._mapped_temp(("eval_head", layer, shape_key(x)),
+                                 functools.partial(TrainerBase.eval_loss, layer), (params, state, x, batch))
+
+    def residuals(self, layer, params, state, x, keys) -> int:
+        """Bytes of the vjp residuals of ``layer`` at ``x`` (leaves of the pullback that are not inputs):
+        what backprop keeps of this layer until its backward."""
+        key = ("res", layer, shape_key(x))
+        if key not in self.cache:
+            found = []
+
+            def fn(p, s, x, k):
+                if is_float(x):
+                    _, vjp = jax.vjp(lambda p, x: layer.apply(p, s, x, k, True)[0], p, x)
+                else:
+                    _, vjp = jax.vjp(lambda p: layer.apply(p, s, x, k, True)[0], p)
+                given = {id(a) for a in jax.tree.leaves((p, s, x, k))}
+                found.append(sum(tree_nbytes(a) for a in jax.tree.leaves(vjp) if id(a) not in given))
+                return jnp.zeros(())
+
+            mapped = jax.shard_map(fn, mesh=mesh1(), in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+            jax.eval_shape(mapped, params, state, x, keys)
+            self.cache[key] = found[0]
+        return self.cache[key]
+
+    def output(self, layer, params, state, x, keys):
+        """The shapes of ``layer``'s output at ``x`` (training mode)."""
+        key = ("out", layer, shape_key(x))
+        if key not in self.cache:
+            fn = jax.shard_map(lambda p, s, x, k: layer.apply(p, s, x, k, True)[0], mesh=mesh1(),
+                               in_specs=(P(),) * 4, out_specs=P(), check_vma=False)
+            self.cache[key] = jax.eval_shape(fn, params, state, x, keys)
+        return self.cache[key]
+
+
+# A step's key and a layer's index, as the per-layer programs take them (abstract).
+_KEY_AND_INDEX = (jax.ShapeDtypeStruct((2,), jnp.uint32), np.int32(0))

@@ -1,0 +1,178 @@
+"""The plans of a built run (`revtrain.run.build`): its own plan and floor, the choices a table lists, the
+check ``revtrain train`` runs before placing the state, and the memory budget's plan as ``train`` makes it."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from revtrain.limits import device_limit, host_limit
+from revtrain.planning.setups import Setup, alternatives, setup_of
+from revtrain.planning.costs import PlanPrograms
+from revtrain.planning.memory import MemoryPlan, MemoryPlanError, floor, plan
+from revtrain.planning.report import refusal, short_tier
+
+def _host_memory_supported(mesh) -> bool:
+    from revtrain.placement import host_memory_supported
+    return host_memory_supported(mesh)
+
+
+def plan_budget(run, quiet: bool = True):
+    """The run's memory budget plan (`revtrain.planning.budget.BudgetPlan`) when its trainer has
+    ``memory_budget``, else None: the trainer's own planner on the run's batch shapes, as ``revtrain train``
+    runs it before placing the state (the blocks' modes are set on the trainer, so `plan_run` then counts the
+    plan's expected peak: `Setup.budget_peak`). ``quiet``: its log line is left to the caller (``revtrain
+    plan``); else logged (``revtrain train``). None also for a task without ``input_spec`` (the trainer then
+    plans at its first step, from the batch).
+
+    Raises:
+      TrainerError: the budget is below the least any plan needs (one line naming that least budget).
+    """
+    if run.trainer.memory_budget is None:
+        return None
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        return None
+    if not quiet:
+        return run.trainer.plan_budget(spec)
+    from revtrain import metrics as metrics_lib
+    with metrics_lib.silenced():
+        return run.trainer.plan_budget(spec)
+
+
+def programs_of(run) -> PlanPrograms:
+    """The programs a plan of ``run`` compiles: its own trainer's for its own choice (the run then finds them
+    compiled), one device's for the others (`PlanPrograms`)."""
+    return PlanPrograms(run.trainer, setup_of(run.trainer, run.cfg.batch_size))
+
+
+def plan_run(run, limits: dict | None = None, programs: PlanPrograms | None = None) -> MemoryPlan:
+    """The plan of a built run (`revtrain.run.build`): its model, trainer and batch."""
+    local = _local_devices(run.mesh)
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        raise MemoryPlanError(f"{type(run.task).__name__} has no input_spec: the memory plan needs the batch's "
+                              "shapes (train.memory_plan = False skips it)")
+    return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
+                programs=programs if programs is not None else programs_of(run), global_devices=run.mesh.size,
+                eval_spec=_eval_spec(run), disk=_disk_spec(run))
+
+
+def _disk_spec(run) -> dict:
+    """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
+    tier = run.trainer.residency.disk  # (None: no disk tier)
+    directory = (tier.directory if tier is not None else None) or os.path.join(os.getcwd(), "offload")
+    workdir = tier.workdir if tier is not None else None
+    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
+            "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
+
+
+def _eval_spec(run) -> dict | None:
+    """The shapes of the run's evaluation batch (``evaluate.batch_size``), or None without them."""
+    ecfg = getattr(run, "ecfg", None)
+    return run.task.input_spec(ecfg.batch_size) if ecfg is not None else None
+
+
+def _local_devices(mesh) -> int:
+    return len([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+
+
+def choices(run, limits: dict | None = None, programs: PlanPrograms | None = None,
+            own: MemoryPlan | None = None, with_standard: bool = False, least: bool = False) -> list[MemoryPlan]:
+    """The run's own plan first, then each alternative of `alternatives` (one compile cache for all).
+
+    Each choice is first planned from shapes (`floor`, nothing compiled): one whose floor exceeds a limit is
+    that floor in the list (it does not fit; no program is compiled for it), and only the others are planned
+    with compiled programs (`plan`, all sharing ``programs``). A floor is never more than the plan, so the
+    choices marked as fitting are exactly those the compiled plans would mark: the list may omit none that fits.
+    The run's own plan (when ``own`` is not given) is made the same way.
+
+    ``with_standard``: a run of the reversible trainer also gets a StandardTrainer row (same optimizer, batch
+    and microbatches; `revtrain plan`'s table). A refusal never names it, since it needs more than the
+    reversible trainer: its plan compiles the whole step, which takes seconds on a large model.
+
+    ``least``: only what `refusal` names (it names the least settings that fit): a choice whose settings add
+    to those of a choice that fits is neither planned nor listed (choices are planned fewest settings first),
+    so `refusal` of the shorter list says the same line.
+    """
+    programs = programs or programs_of(run)
+    limits = limits or _limits()
+    if own is None:
+        own = floor_run(run, limits, programs)
+        if own.fits:
+            own = plan_run(run, limits, programs)
+    local = _local_devices(run.mesh)
+    spec = run.task.input_spec(run.cfg.batch_size)
+    setups = alternatives(own.setup, run.model, local, _host_memory_supported(run.mesh))
+    if with_standard and own.setup.trainer == "reversible":
+        setups.insert(0, Setup("standard", own.setup.optimizer, own.setup.batch_size, own.setup.microbatches,
+                               label="StandardTrainer", settings=("train.trainer = @StandardTrainer",)))
+    planned: dict[int, MemoryPlan] = {}
+    for i in sorted(range(len(setups)), key=lambda i: len(setups[i].settings)):
+        s = setups[i]
+        if least and any(p.fits and set(p.setup.settings) < set(s.settings) for p in planned.values()):
+            continue
+        shapes_only = floor(run.model, s, spec, local, limits=limits, programs=programs,
+                            global_devices=run.mesh.size, disk=_disk_spec(run))
+        planned[i] = shapes_only if not shapes_only.fits else plan(
+            run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
+            eval_spec=_eval_spec(run), disk=_disk_spec(run))
+    return [own] + [planned[i] for i in sorted(planned)]
+
+
+def _limits() -> dict:
+    limits = {"host": host_limit()}
+    device = device_limit()
+    if device[0] is not None or jax.local_devices()[0].platform != "cpu":
+        limits["device"] = device
+    return limits
+
+
+def floor_run(run, limits: dict | None = None, programs: PlanPrograms | None = None) -> MemoryPlan:
+    """The `floor` of a built run (`revtrain.run.build`): its model, trainer and batch."""
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:  # (`plan_run` says why there is no plan)
+        return plan_run(run, limits, programs)
+    return floor(run.model, setup_of(run.trainer, run.cfg.batch_size), spec,
+                 _local_devices(run.mesh), limits=limits, programs=programs, global_devices=run.mesh.size,
+                 disk=_disk_spec(run))
+
+
+def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | None:
+    """Plans ``run`` on every process; returns this process's plan when every process's fits (``log``
+    gets its line then), None for a task without ``input_spec`` (nothing to plan from).
+
+    The run is first planned from shapes (`floor`): when its weights, optimizer state and gradients alone
+    exceed a limit it is refused from them, before any program is compiled (seconds instead of the
+    minutes StandardTrainer's whole step takes to compile on a large model), and the refusal's alternatives
+    are planned as `choices` does with ``least=True``. ``limits``: ``{tier: (bytes, source)}`` instead of
+    the process's own (`host_limit`, `device_limit`).
+
+    Raises:
+      MemoryPlanError: this process's plan does not fit (one line with the figures and the settings that
+        would fit), or another process's does not.
+    """
+    if run.task.input_spec(run.cfg.batch_size) is None:  # a task that cannot say its batch's shapes: no plan
+        if log is not None:
+            log(f"memory plan: skipped ({type(run.task).__name__} has no input_spec)")
+        return None
+    limits, programs = limits or _limits(), programs_of(run)
+    own = floor_run(run, limits, programs)
+    if own.fits:
+        own = plan_run(run, limits, programs)
+    fits = [own.fits]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
+    if not own.fits:  # (a disk that is too small names no other trainer choice: none is planned)
+        others = [] if short_tier(own) == "disk" else choices(run, limits, programs, own, least=True)[1:]
+        raise MemoryPlanError(refusal(own, others))
+    if not all(fits):
+        bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)
+        raise MemoryPlanError(f"the memory plan does not fit on process(es) {bad} (their line says by how much); "
+                              "train.memory_plan = False skips this check")
+    if log is not None:
+        log(own.line())
+    return own

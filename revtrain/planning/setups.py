@@ -1,0 +1,155 @@
+"""The trainer choices a memory plan compares: `Setup` (the settings a plan depends on), the run's own
+(`setup_of`, from the trainer's `memory_setup`) and the `alternatives` a table lists and a refusal names."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from revtrain.planning.shapes import layer_param_shapes
+
+# -- the trainer choices -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The settings a plan depends on (one trainer choice).
+
+    Attributes:
+      trainer: ``"standard"`` or ``"reversible"``.
+      optimizer: the optax ``GradientTransformation`` (its state's shapes).
+      batch_size: the global batch, in examples.
+      microbatches: M (each device's share runs as M microbatches).
+      offload: reversible: weights, optimizer state and saved inputs in host memory (pageable, moved by the
+        streaming engine, `revtrain.streaming`).
+      disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
+      shard_state: reversible: large leaves split over the devices (1/N each).
+      deferred: reversible: the deferred update (a whole-model gradient buffer).
+      remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
+      rebuild: reversible: a rebuild flavour's name (`revtrain.trainers.modes.REBUILDS`: the backward program
+        compiled).
+      label: how a table names it (``"ReversibleTrainer + offload"``).
+      settings: the gin bindings that select it, beyond the run's own.
+      budget_peak: reversible with ``memory_budget``: the budget plan's expected peak device bytes of a step
+        (`revtrain.planning.budget`; 0: none), a floor under the device parts of the step.
+      host_kind: with ``offload``, the memory kind of the host tier's state (``"pinned_host"`` or
+        ``"unpinned_host"``; ``""``: as the platform has it, `pinned.state_kind`: pinned on a GPU).
+    """
+
+    trainer: str
+    optimizer: Any
+    batch_size: int
+    microbatches: int = 1
+    offload: bool = False
+    disk: bool = False
+    shard_state: bool = False
+    deferred: bool = False
+    remat: bool = False
+    rebuild: str = "exact"
+    label: str = ""
+    settings: tuple = ()
+    budget_peak: int = 0
+    host_kind: str = ""
+
+
+def setup_of(trainer, batch_size: int) -> Setup:
+    """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``: the trainer
+    describes itself (`TrainerBase.memory_setup`)."""
+    return Setup(optimizer=trainer.tx, batch_size=batch_size, microbatches=trainer.microbatches,
+                 **trainer.memory_setup())
+
+
+def _factored(tx) -> bool:
+    """Whether ``tx``'s state holds a factored second moment (``optax.FactoredState``: Adafactor, alone or in a
+    chain or wrapper), read from its abstract state on a small matrix."""
+    try:
+        state = jax.eval_shape(tx.init, {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)})
+    except Exception:  # noqa: BLE001  (an optimizer that cannot init on a lone matrix: not known to be Adafactor)
+        return False
+    found = []
+    jax.tree.leaves(state, is_leaf=lambda n: found.append(isinstance(n, optax.FactoredState)) or False)
+    return any(found)
+
+
+def optimizer_text(cfg) -> str:
+    """How the run names its optimizer, as gin text (``@optax.adamw``, ``@optax.contrib.muon()``), from
+    ``train.optimizer`` (``cfg``: the run's `revtrain.run.TrainConfig`); "a ready optimizer" when gin cannot
+    say it (one built in Python)."""
+    import gin
+
+    from revtrain import ginconfig
+    configurable = ginconfig._configurable(cfg.optimizer)  # noqa: SLF001  (a factory: its configurable)
+    if configurable is not None:
+        return f"@{configurable.selector}"
+    try:
+        ref = gin.query_parameter("train.optimizer")
+        return f"@{ref.selector}()" if getattr(ref, "evaluate", False) else f"@{ref.selector}"
+    except (ValueError, AttributeError):
+        return "a ready optimizer"
+
+
+def _separable(tx, model) -> bool:
+    """Whether ``tx`` keeps the reversible trainer's fused per-layer update (no cross-layer equation)."""
+    from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+    try:
+        return LayerwiseUpdate(tx, layer_param_shapes(model)).separable
+    except CoupledUpdateError:
+        return False
+
+
+def rounds(tx, model) -> int:
+    """The deferred update's statistics passes under ``tx`` (`LayerwiseUpdate.rounds`, at least one)."""
+    from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+    try:
+        return max(LayerwiseUpdate(tx, layer_param_shapes(model)).rounds, 1)
+    except CoupledUpdateError:
+        return 1
+
+
+def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> list[Setup]:
+    """The trainer choices a table compares with ``setup`` and a refusal may name: the reversible trainer,
+    with offload (``host_offload``: the backend has host memory), Adafactor, microbatches, ``shard_state``
+    (several devices), half the batch. Each carries the gin bindings that select it (``settings``)."""
+    out, rev = [], setup.trainer == "reversible"
+    base_rev = setup if rev else dataclasses.replace(
+        setup, trainer="reversible", remat=False, label="ReversibleTrainer",
+        settings=("train.trainer = @ReversibleTrainer",),
+        deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
+    out.append(base_rev)
+    if host_offload and not base_rev.offload:
+        label = "ReversibleTrainer + offload" if base_rev.disk else base_rev.label + " + offload"
+        out.append(dataclasses.replace(base_rev, offload=True, disk=False, label=label,
+                                       settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
+    head = out[-1]  # the leanest so far: the next choices add to it
+    if not base_rev.disk and not base_rev.shard_state:  # the disk tier
+        out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
+                                       settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",)))
+    if not _factored(setup.optimizer):  # (an Adafactor run is offered no "+ Adafactor")
+        ada = optax.adafactor(1e-3)
+        out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",
+                                       deferred=head.deferred or head.shard_state,
+                                       settings=head.settings + ("train.optimizer = @optax.adafactor",)))
+    local = setup.batch_size // max(num_devices, 1)
+    if local % (2 * setup.microbatches) == 0:
+        m = 2 * setup.microbatches
+        out.append(dataclasses.replace(head, microbatches=m, deferred=True, label=head.label + f" + {m} microbatches",
+                                       settings=head.settings + (f"train.microbatches = {m}",)))
+    if num_devices > 1 and not head.shard_state:
+        out.append(dataclasses.replace(head, shard_state=True, label=head.label + " + shard_state",
+                                       settings=head.settings + ("ReversibleTrainer.shard_state = True",)))
+    if setup.batch_size // 2 >= num_devices and (setup.batch_size // 2) % num_devices == 0:
+        half = setup.batch_size // 2
+        for s in (setup, head):
+            if (half // num_devices) % s.microbatches == 0:
+                out.append(dataclasses.replace(s, batch_size=half, label=s.label + f", batch {half}",
+                                               settings=s.settings + (f"train.batch_size = {half}",)))
+    seen, unique = set(), []
+    for s in out:
+        key = (s.label, s.settings)
+        if key not in seen and s != setup:
+            seen.add(key)
+            unique.append(dataclasses.replace(s, budget_peak=0))  # (the budget is the run's own)
+    return unique

@@ -1,0 +1,74 @@
+"""revtrain/planning/costs.py: the planners compile the trainer's own programs once, and the run calls those."""
+
+import jax
+import numpy as np
+import optax
+
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.planning import costs
+from revtrain.planning.setups import Setup, setup_of
+from revtrain.trainers import ReversibleTrainer
+
+B, T = 4, 16
+LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # JAX's event: one program lowered
+
+
+class _Lowerings:
+    """Counts the programs JAX lowers (each compile starts with one; a program found compiled has none)."""
+
+    def __init__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+
+    def _seen(self, event, seconds, **kwargs):
+        self.count += event == LOWERED
+
+    def during(self, fn) -> int:
+        before = self.count
+        fn()
+        return self.count - before
+
+
+def _trainer():
+    model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.0)
+    return ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0)
+
+
+def _spec():
+    shape = jax.ShapeDtypeStruct((B, T), np.int32)
+    return {"inputs": shape, "targets": shape}
+
+
+def _first_step(trainer):
+    batch = global_batch({k: np.zeros(v.shape, v.dtype) for k, v in _spec().items()}, trainer.mesh)
+    jax.block_until_ready(trainer.train_step(trainer.init(), batch)[1])
+
+
+def test_a_plan_compiles_the_programs_the_step_runs_and_the_step_compiles_them_no_more():
+    """`step_temporaries` of the scanned layout (embedding alone, the two blocks one run, the head) compiles
+    five programs (each group's forward and backward, the head's): a trainer planned that way lowers exactly
+    five programs fewer in its first step than an unplanned one (their executables are found compiled)."""
+    lowered = _Lowerings()
+    _first_step(_trainer())  # (the small programs every step shares, compiled once)
+    unplanned = lowered.during(lambda: _first_step(_trainer()))
+    trainer = _trainer()
+    assert trainer.groups == ((0, 1), (1, 2), (3, 1))
+    temps = []
+    planned = lowered.during(lambda: temps.extend(costs.step_temporaries(trainer, _spec())))
+    assert planned == 5 and len(temps) == 5 and sum(t > 0 for t in temps) >= 4, temps  # (an embedding's forward
+    # can need none)
+    assert lowered.during(lambda: _first_step(trainer)) == unplanned - 5
+    assert lowered.during(lambda: costs.step_temporaries(trainer, _spec())) == 0  # (kept with the programs)
+    assert trainer.programs.readings and "_budget_candidates" not in vars(trainer)
+
+
+def test_the_memory_plan_asks_the_trainer_only_for_its_own_choice():
+    trainer = _trainer()
+    own = setup_of(trainer, B)
+    programs = costs.PlanPrograms(trainer, own)
+    assert programs.is_own(own) and not programs.is_own(Setup("reversible", trainer.tx, B // 2))
+    assert not costs.PlanPrograms().is_own(own)
+    other = programs.layer_programs(trainer.model, trainer.tx, "fused", branch=True)
+    assert other is not trainer.programs and other.branch_update and other.rebuild_mode.name == "fused"
+    assert programs.layer_programs(trainer.model, trainer.tx, "fused", branch=True) is other  # (made once)
