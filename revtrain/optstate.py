@@ -207,9 +207,9 @@ class LayerInit:
                                                                                              tx.init(params)))
         try:
             self._split = LayerwiseUpdate(as_update, layer_shapes)
+            self.needed = not self._split.separable
         except CoupledUpdateError:  # (an init that copies whole tensors across layers: none in optax)
-            self._split = None
-        self.needed = self._split is not None and not self._split.separable
+            self._split, self.needed = None, False
         self._globals: tuple | None = None
 
     def prepare(self, params_of) -> None:
