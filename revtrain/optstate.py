@@ -144,7 +144,8 @@ class _Kept(optax.GradientTransformationExtraArgs):
 
 # optax's update functions that need more than the gradients: what each keyword argument is, for the refusal
 _EXTRA_ARGUMENTS = {"value": "the loss at the current parameters", "grad": "its gradient",
-                    "value_fn": "a function that evaluates the loss at other parameters"}
+                    "value_fn": "a function that evaluates the loss at other parameters",
+                    "obj_fn": "the loss as a function of the parameters, for a Hessian-vector product"}
 
 
 def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
@@ -152,29 +153,34 @@ def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
 
     An optax update that requires keyword arguments besides the gradients, state and parameters
     (``optax.lbfgs``' zoom line search: ``value``, ``grad`` and ``value_fn``; ``optax.contrib.momo``,
-    ``momo_adam``, ``optax.polyak_sgd``: ``value``, the loss) cannot run in revtrain's trainers: both call
-    ``tx.update(grads, state, params)`` only (a line search would evaluate the whole model's loss several times
-    per step, which a layer-by-layer update cannot do). Found by tracing ``tx.update`` on the shapes of
-    ``params`` (``jax.eval_shape``: nothing is computed) and reading the ``TypeError`` Python raises for a
-    missing keyword-only argument; any other error is left to the training step to raise.
+    ``momo_adam``, ``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``: ``value``, the loss;
+    ``optax.contrib.sophia``'s Hutchinson estimator: ``obj_fn``) cannot run in revtrain's trainers: both call
+    ``tx.update(grads, state, params)`` only (a line search or a Hessian-vector product would evaluate the whole
+    model's loss again within the step, which a layer-by-layer update cannot do). Found by tracing ``tx.update``
+    on the shapes of ``params`` (``jax.eval_shape``: nothing is computed) and reading the ``TypeError`` Python
+    raises for a missing keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other
+    error of the traced update is refused with optax's own first line (an update that cannot run on this
+    model's parameters at all).
     """
     try:
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), shapes)
-    except TypeError as e:
-        text = str(e)
-        if "required keyword-only argument" not in text:
-            return None
-        owner = text.split("(", 1)[0].split(".<locals>", 1)[0].strip()
-        names = [n for n in re.findall(r"'(\w+)'", text.split("argument", 1)[-1])]
+    except Exception as e:  # noqa: BLE001  (any failure of the traced update: refused in one line)
+        text = str(e).strip()
+        missing = re.match(r"^(\w+) must be provided", text)
+        if isinstance(e, TypeError) and "required keyword-only argument" in text:
+            owner = text.split("(", 1)[0].split(".<locals>", 1)[0].strip()
+            names = re.findall(r"'(\w+)'", text.split("argument", 1)[-1])
+        elif isinstance(e, ValueError) and missing and missing.group(1) in _EXTRA_ARGUMENTS:
+            owner, names = text.split(" update function", 1)[0].rsplit(" ", 1)[-1], [missing.group(1)]
+        else:
+            first = text.splitlines()[0] if text else type(e).__name__
+            return f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
         what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
         return (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
                 f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
                 "gradients only; choose an optimizer that needs only the gradients (docs/recipe.md, \"Refused\")")
-    except Exception:  # noqa: BLE001  (not this check's to report: the first step raises it as it is)
-        return None
     return None
-
 
 class LayerInit:
     """Each layer's initial optimizer state as its part of ``tx.init`` of the whole model, for an optimizer whose

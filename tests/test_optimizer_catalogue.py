@@ -38,6 +38,8 @@ REPRESENTATIVE = ("optax.apply_if_finite", "optax.contrib.mechanize")
 # name fails its case.
 _VALUE = ("its update needs the loss (the keyword argument value) besides the gradients; neither trainer passes "
           "it (both trainers refuse it)")
+_OBJ = ("its update needs the keyword argument obj_fn, the loss as a function of the parameters (a Hessian-vector "
+        "product of the whole model's loss within the step; both trainers refuse it)")
 REFUSED: dict = {
     "optax.lbfgs": ("its zoom line search needs the keyword arguments value, grad and value_fn: the whole model's "
                     "loss evaluated at other parameters, several times a step (both trainers refuse it)"),
@@ -45,6 +47,9 @@ REFUSED: dict = {
     "optax.contrib.momo_adam": _VALUE,
     "optax.polyak_sgd": _VALUE,
     "optax.scale_by_polyak": _VALUE,
+    "optax.contrib.reduce_on_plateau": _VALUE,
+    "optax.contrib.sophia": _OBJ,
+    "optax.contrib.hutchinson_estimator_diag_hessian": _OBJ,
     "optax.flatten": ("ReversibleTrainer: it concatenates every leaf of the model into one vector (one state vector "
                       "for the whole model): whole tensors of several layers; the per-layer form of an elementwise "
                       "inner optimizer (each layer's own concatenation) is not derived"),
