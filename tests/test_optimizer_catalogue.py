@@ -306,6 +306,35 @@ def test_resume_with_another_optimizer(tmp_path, byte_lm_data_dir, capfd):
         + ") (did you mean 'optax.contrib.prodigy'?)"), got.stderr
 
 
+def test_values_of_the_whole_tree_are_the_whole_models(text_batches):
+    """Two optimizers whose layers must see values of the whole tree: ``optax.noisy_sgd`` splits its key over every
+    leaf of the model (a layer's own update would split it over its own), so its layers run their slices of the
+    whole update (not separable: the deferred update) and a step equals StandardTrainer's bit for bit;
+    ``optax.contrib.dog`` starts ``max_dist`` from the norm of every parameter, so each layer's initial state is its
+    part of the whole model's init (`optstate.LayerInit`), bit for bit StandardTrainer's (its steps: KNOWN_FAILURES).
+    AdamW keeps the fused per-layer update and each layer's own init."""
+    from revtrain.optstate import LayerInit
+    mesh = make_mesh(jax.devices()[:1])
+    model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        noisy = ReversibleTrainer(model, optax.noisy_sgd(1e-2), mesh, seed=0)
+        assert not noisy.layerwise.separable and noisy.layerwise.rounds == 0 and noisy.deferred
+        assert _run("optax.noisy_sgd", text_batches(8, 1), ReversibleTrainer) == \
+            _run("optax.noisy_sgd", text_batches(8, 1), StandardTrainer)
+    dog = optax.contrib.dog()
+    whole = StandardTrainer(model, dog, mesh, seed=0).init().per_layer().opt_state[0]
+    per = ReversibleTrainer(model, dog, mesh, seed=0).init().per_layer().opt_state
+    scalars = [np.asarray(x).tobytes() for x in jax.tree.leaves(whole) if np.ndim(x) == 0]
+    own = [np.asarray(x).tobytes() for x in jax.tree.leaves(dog.init(model.init()[0][0])) if np.ndim(x) == 0]
+    assert own[1] != scalars[1]  # (max_dist: a layer's own init takes its own norm)
+    for state in per:
+        assert [np.asarray(x).tobytes() for x in jax.tree.leaves(state) if np.ndim(x) == 0] == scalars
+    trainer = ReversibleTrainer(model, optax.adamw(1e-3), mesh, seed=0)
+    assert trainer.layerwise.separable and not trainer.deferred
+    assert not LayerInit(trainer.tx, model.param_shapes()).needed
+
+
 def test_an_update_that_needs_more_than_gradients_is_refused_in_one_line(tmp_path, capsys):
     """An optimizer whose update needs the loss (``optax.contrib.momo``: the keyword argument ``value``) or a line
     search (``optax.lbfgs``: ``value``, ``grad``, ``value_fn``) is refused when a trainer is made, by both trainers
