@@ -176,6 +176,7 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     from revtrain import checkpoint as ckpt_lib
     from revtrain import run as run_lib
     from revtrain.models.llama import iter_model_tensors
+    from revtrain.schedule_free import evaluation_state, restores_optimizer_state
 
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -194,11 +195,13 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
     try:
         checkpointer.chosen_step(step)
         run = run_lib.build(cfg, workdir)
-        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step, optimizer_state=False,
+        ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,
+                                                 optimizer_state=restores_optimizer_state(run.trainer),
                                                  files=True,  # a disk-tier state: its layer files, unread
                                                  accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
+    ts = evaluation_state(run.trainer, ts)  # a schedule-free run exports its evaluation weights
     from revtrain.tiers.disk_format import LayerWeights
     # Each layer's weights as numpy when its tensors are reached (read from its file for the disk tier), dropped
     # once converted: the export holds one shard's tensors and one layer, not the model beside them.

@@ -732,6 +732,8 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
     records = []
     try:
         template = run.trainer.abstract_state()  # shapes only: each restore is the one copy
+        from revtrain.schedule_free import restores_optimizer_state
+        with_optimizer = restores_optimizer_state(run.trainer)  # (evaluated on its evaluation weights)
         if all_steps:
             checkpointer.chosen_step()  # at least one checkpoint
             done = {r["step"] for r in metrics_lib.read_jsonl(
@@ -754,7 +756,8 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
         pc = jax.process_count()
         for s in todo:
             try:
-                ts, s = checkpointer.restore_newest(template, step if s is None else s, optimizer_state=False,
+                ts, s = checkpointer.restore_newest(template, step if s is None else s,
+                                                    optimizer_state=with_optimizer,  # (schedule-free: its z)
                                                     files=True,  # a disk-tier state: its files, streamed
                                                     accept=same_model(run, workdir))
             except ckpt_lib.DamagedCheckpoint as e:

@@ -21,6 +21,8 @@ Integer counters and empty states (``EmptyState()``, ``()``) pass through unchan
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -138,3 +140,106 @@ class _Kept(optax.GradientTransformationExtraArgs):
     def __init__(self, init, update, inner):
         self.inner = inner
         self._revtrain_keeps_states = True
+
+
+# optax's update functions that need more than the gradients: what each keyword argument is, for the refusal
+_EXTRA_ARGUMENTS = {"value": "the loss at the current parameters", "grad": "its gradient",
+                    "value_fn": "a function that evaluates the loss at other parameters",
+                    "obj_fn": "the loss as a function of the parameters, for a Hessian-vector product"}
+
+
+def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
+    """Why ``tx`` cannot train in revtrain, in one line, or None.
+
+    An optax update that requires keyword arguments besides the gradients, state and parameters
+    (``optax.lbfgs``' zoom line search: ``value``, ``grad`` and ``value_fn``; ``optax.contrib.momo``,
+    ``momo_adam``, ``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``: ``value``, the loss;
+    ``optax.contrib.sophia``'s Hutchinson estimator: ``obj_fn``) cannot run in revtrain's trainers: both call
+    ``tx.update(grads, state, params)`` only (a line search or a Hessian-vector product would evaluate the whole
+    model's loss again within the step, which a layer-by-layer update cannot do). Found by tracing ``tx.update``
+    on the shapes of ``params`` (``jax.eval_shape``: nothing is computed) and reading the ``TypeError`` Python
+    raises for a missing keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other
+    error of the traced update is refused with optax's own first line (an update that cannot run on this
+    model's parameters at all).
+    """
+    try:
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), shapes)
+    except Exception as e:  # noqa: BLE001  (any failure of the traced update: refused in one line)
+        text = str(e).strip()
+        missing = re.match(r"^(\w+) must be provided", text)
+        if isinstance(e, TypeError) and "required keyword-only argument" in text:
+            owner = text.split("(", 1)[0].split(".<locals>", 1)[0].strip()
+            names = re.findall(r"'(\w+)'", text.split("argument", 1)[-1])
+        elif isinstance(e, ValueError) and missing and missing.group(1) in _EXTRA_ARGUMENTS:
+            owner, names = text.split(" update function", 1)[0].rsplit(" ", 1)[-1], [missing.group(1)]
+        else:
+            first = text.splitlines()[0] if text else type(e).__name__
+            return f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
+        what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
+        return (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
+                f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
+                "gradients only; choose an optimizer that needs only the gradients (docs/recipe.md, \"Refused\")")
+    return None
+
+class LayerInit:
+    """Each layer's initial optimizer state as its part of ``tx.init`` of the whole model, for an optimizer whose
+    whole-model init is not each layer's own (``optax.contrib.dog``: its ``max_dist`` starts at
+    ``r_epsilon * (1 + norm of every parameter)``, one scalar from the whole tree; a layer's own ``tx.init``
+    would take its own norm).
+
+    ``tx.init`` of the whole model (the list of every layer's params) is split as an update is
+    (`revtrain.trainers.layerwise.LayerwiseUpdate` of a transformation whose ``update`` returns
+    ``tx.init(params)``): its reductions over several layers (the norm) become global rounds over each
+    layer's small exports (each leaf's sum of squares), every other value is computed from the layer's own
+    params, so each layer's state equals its part of the whole init (the equations optax runs, each evaluated
+    on its own as the whole model's eager init runs them). Reversible trainers hold one state per layer and
+    never the whole model: `prepare` makes each layer's params once more (a pass over the layers before the
+    one that places them) when, and only when, the init needs it.
+
+    Args:
+      tx: the optimizer (as the trainer keeps it: `keep_states`).
+      layer_shapes: one params tree per layer (``jax.ShapeDtypeStruct`` leaves), as the trainer holds them.
+
+    Attributes:
+      needed: whether a layer's own ``tx.init`` differs from its part of the whole model's (``False``: use
+        ``tx.init`` of the layer, no extra pass).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, layer_shapes: list):
+        from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
+        self.tx = tx
+        as_update = optax.GradientTransformation(tx.init, lambda updates, state, params=None: (updates,
+                                                                                             tx.init(params)))
+        try:
+            self._split = LayerwiseUpdate(as_update, layer_shapes)
+            self.needed = not self._split.separable
+        except CoupledUpdateError:  # (an init that copies whole tensors across layers: none in optax)
+            self._split, self.needed = None, False
+        self._globals: tuple | None = None
+
+    def prepare(self, params_of) -> None:
+        """Runs the global rounds of the whole init: ``params_of(i)`` gives layer ``i``'s initial params (called
+        once per layer and round; its arrays are dropped after use). A no-op unless `needed`."""
+        if not self.needed:
+            return
+        split, globals_, exports = self._split, (), []
+        for k in range(split.rounds):
+            round_k, shared = [], ()
+            for i in range(split.num_layers):
+                p = params_of(i)
+                own = self.tx.init(p)  # (the operands the split reads of a layer's state: none it uses)
+                round_k.append(split.exports(k, i, p, own, p, globals_))
+                shared = shared or split.global_leaves(i, own)
+                del p, own
+            exports.append(round_k)
+            globals_ = split.combine(k, exports, shared, globals_)
+        self._globals = globals_
+
+    def state(self, i: int, params):
+        """Layer ``i``'s initial optimizer state for its initial ``params`` (after `prepare` when `needed`)."""
+        if not self.needed:
+            return self.tx.init(params)
+        if self._globals is None:
+            raise RuntimeError("LayerInit.prepare must run before LayerInit.state")
+        return self._split.update(i, params, self.tx.init(params), params, self._globals)[1]

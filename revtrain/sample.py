@@ -15,6 +15,7 @@ from revtrain import checkpoint as ckpt_lib
 from revtrain.lifecycle import interrupts
 from revtrain import run as run_lib
 from revtrain import metrics as metrics_lib
+from revtrain.schedule_free import evaluation_state, restores_optimizer_state
 from revtrain.generate import (Options, Result, SampleError, check_decodable, check_training_sample,  # noqa: F401
                                generate, next_tokens, sample_keys, show, slides, training_sample)
 
@@ -104,7 +105,9 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
         run = run_lib.build(cfg, workdir)
         check_decodable(run.model)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,  # a damaged newest one is skipped
-                                                 optimizer_state=False,  # (weights alone: a third of the bytes)
+                                                 # (weights alone: a third of the bytes; a schedule-free
+                                                 # optimizer's state too: its evaluation weights need it)
+                                                 optimizer_state=restores_optimizer_state(run.trainer),
                                                  files=True,  # (a disk-tier state: its files, held or streamed)
                                                  accept=run_lib.same_model(run, workdir))
     finally:
@@ -117,6 +120,7 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
     ids = run.task.encode(prompt)
     if tokenized and len(ids) == 0:
         raise SampleError("the prompt encodes to no tokens: give some text (--prompt or --prompt_file)")
+    ts = evaluation_state(run.trainer, ts)  # (a schedule-free run's evaluation weights; else ts itself)
     result = generate(run.trainer, ts, ids, run.task.sequence_length, opts)
     # The samples exist: a signal now lets them be written (or printed) in full, then stops.
     guard.at_once, guard.first_note = False, "writing the samples, then stopping; send it again to stop at once"

@@ -411,6 +411,9 @@ class TrainerBase:
         # optax's state as revtrain can keep it: typed PRNG keys as key data, no leaf that is a parameter's own
         # array (revtrain/optstate.py); ``optimizer``'s programs are otherwise unchanged
         self.tx = optstate.keep_states(optimizer)
+        why = optstate.update_refusal(self.tx, model.param_shapes())  # (lbfgs, momo: more than gradients)
+        if why:
+            raise TrainerError(why)
         self.mesh = mesh
         self.seed = seed
         self.microbatches = microbatches

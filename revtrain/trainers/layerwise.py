@@ -576,11 +576,44 @@ class LayerwiseUpdate:
         self._names = {v: k for k, v in enumerate(tags)}
         self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
         self._signatures: dict = {}
+        self._layer_shapes, self._separable = shapes, None  # (`separable` is computed on first use)
 
     @property
     def separable(self) -> bool:
-        """True when no equation combines layers: each layer's update is ``tx.update`` of its own tree."""
-        return self.rounds == 0
+        """True when no equation combines layers and each layer's update is ``tx.update`` of its own tree: the
+        values every layer computes alike (round -1: the step count, the bias corrections) are the ones its
+        own update computes. Not so for ``optax.noisy_sgd``: it splits its key into one key per leaf of the
+        whole tree, so a layer's own update would split it over its own leaves and draw other noise; its
+        layers run their slices of the whole program (the deferred update, issue 60)."""
+        if self._separable is None:
+            self._separable = self.rounds == 0 and all(self._own_alike(i) for i in range(self.num_layers))
+        return self._separable
+
+    def _needed_pre(self, i: int) -> list:
+        """The round -1 equations layer ``i``'s outputs need, as comparable records (primitive, params,
+        operand and result types), sorted."""
+        seen, stack = set(), [v for v in self._out_updates[i] + self._out_state[i] if isinstance(v, jcore.Var)]
+        while stack:
+            e = self._producer.get(stack.pop())
+            if e is not None and id(e) not in seen:
+                seen.add(id(e))
+                stack.extend(x for x in e.invars if isinstance(x, jcore.Var))
+        return sorted((e.primitive.name, str(e.params), tuple(str(v.aval) for v in e.invars),
+                       tuple(str(v.aval) for v in e.outvars))
+                      for e, t in zip(self._jaxpr.eqns, self._eqn_tag)
+                      if id(e) in seen and t.layer is None and t.round == _PRE)
+
+    def _own_alike(self, i: int) -> bool:
+        """Whether ``tx.update`` of layer ``i``'s own tree computes the round -1 values that layer ``i`` reads
+        in the whole model's update (traced once per distinct layer structure)."""
+        shapes = self._layer_shapes[i]
+        key = ("own", jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
+        if key not in self._signatures:
+            try:
+                self._signatures[key] = LayerwiseUpdate(self.tx, [shapes])._needed_pre(0)
+            except CoupledUpdateError:
+                self._signatures[key] = None
+        return self._signatures[key] == self._needed_pre(i)
 
     # -- the whole optimizer state, matched to the layers' states ----------------------------------
     def _match_state(self, whole_paths) -> list:

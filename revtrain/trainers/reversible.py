@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from revtrain import metrics as metrics_lib
+from revtrain import optstate
 from revtrain.placement import placer, replicated
 from revtrain.tiers import HostStack, from_gin
 from revtrain.streaming import train_programs
@@ -170,7 +171,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.rebuild_mode = REBUILDS[rebuild]  # the strategy object of the rebuilt blocks (`modes`)
         super().__init__(model, optimizer, mesh, seed, microbatches)
         try:
-            self.layerwise = LayerwiseUpdate(optimizer, model.param_shapes())
+            self.layerwise = LayerwiseUpdate(self.tx, model.param_shapes())  # (the state as kept: keys as data)
         except CoupledUpdateError as e:
             raise TrainerError(str(e)) from None
         self.shard_state = shard_state
@@ -346,19 +347,23 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         so host memory holds one copy of the state plus one layer's (or one stacked leaf's) values."""
         residency = self.residency
         params, opt_state, layer_state = [], [], []
+        # each layer's part of the whole model's tx.init (a pass over the layers first when a layer's own init
+        # differs: optax.contrib.dog's scale from the norm of every parameter; `optstate.LayerInit`)
+        layer_init = optstate.LayerInit(self.tx, self.model.param_shapes())
+        layer_init.prepare(lambda i: self.model.init_layer(i)[0])
         for start, count in self.groups:
             pspec, ospec = self.specs.group(self.model.layers[start], count)
             pspec, ospec = (None if isinstance(spec, P) else spec for spec in (pspec, ospec))
             if count == 1:
                 p, s = self.model.init_layer(start)
-                p, o = residency.put_layer(start, p, jax.tree.map(np.array, self.tx.init(p)), pspec, ospec)
+                p, o = residency.put_layer(start, p, jax.tree.map(np.array, layer_init.state(start, p)), pspec, ospec)
                 params.append(p), opt_state.append(o), layer_state.append(self.replicate(s))
                 del p, o, s
                 continue
             ps, opts, states = HostStack(count), HostStack(count), []
             for j in range(count):
                 p, s = self.model.init_layer(start + j)
-                opts.put(j, self.tx.init(p))
+                opts.put(j, layer_init.state(start + j, p))
                 ps.put(j, p)
                 states.append(s)
                 del p
