@@ -22,18 +22,23 @@ difference; the check then fails (exit 1). Where the update cannot run one layer
 (`layerwise.CoupledUpdateError`: the reversible trainer refuses it), nothing is compared and the line says so.
 
 Limits: the whole model's parameters, the seeded gradients and both optimizer states are held on the device
-at once (as StandardTrainer holds them); the per-layer programs are unstacked (a scanned run's layers are
-updated one at a time here, in a scan by the trainer) and take the gradient as it is (no microbatch divisor).
+at once (as StandardTrainer holds them: ``check_optimizer.steps = 0`` leaves the comparison out for a model
+too large for that); the per-layer programs are unstacked (a scanned run's layers are updated one at a time
+here, in a scan by the trainer), on whole leaves (no ``shard_state`` pieces), and take the gradient as it is
+(no microbatch divisor).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import SequenceKey, keystr, tree_flatten_with_path
+
+from revtrain.errors import ConfigError
 
 from revtrain.trainers.layerwise import (CoupledUpdateError, LayerwiseUpdate, all_finite, fence, fenced_update,
                                          guarded_update)
@@ -237,13 +242,24 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     return Result(steps, per_layer.form)
 
 
-def verdict(run, params: list, code: int, out, progress=None) -> int:
+@gin.configurable("check_optimizer")
+def verdict(run, params: list, code: int, out, progress=None, steps: int = STEPS) -> int:
     """``revtrain check``'s last step: `compare` on the run's trainer, model and parameters (``params`` as the
     trainer holds them), its `Result.line` printed to ``out`` after the gradient verdict, and the exit status:
     ``code`` (the gradient check's: 0 or 1), or 1 when an optimizer step differs. ``progress(text)`` is told
-    when the comparison starts."""
+    when the comparison starts.
+
+    ``steps`` (gin ``check_optimizer.steps``): how many optimizer steps to compare; 0 compares none (a model
+    whose whole parameters, gradients and two optimizer states do not fit the device at once), said in the
+    line.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"check_optimizer.steps must be a non-negative integer, got {steps!r}")
+    if steps == 0:
+        print("optimizer step: not compared (check_optimizer.steps = 0)", file=out)
+        return code
     if progress is not None:
-        progress(f"check optimizer step: {STEPS} steps per layer and of the whole model")
-    result = compare(run.trainer, run.model, params, seed=run.cfg.seed)
+        progress(f"check optimizer step: {steps} steps per layer and of the whole model")
+    result = compare(run.trainer, run.model, params, steps=steps, seed=run.cfg.seed)
     print(result.line(), file=out)
     return code if result.ok else 1

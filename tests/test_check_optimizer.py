@@ -6,12 +6,16 @@ optax transformation that divides the update by the number of leaves of the tree
 tree (fewer leaves) moves further than the same layer inside the whole model's tree, by construction.
 """
 
+import io
+
 import gin
 import jax
 import numpy as np
 import optax
+import pytest
 
 from revtrain import check_optimizer
+from revtrain.errors import ConfigError
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import make_mesh
 from revtrain.trainers import ReversibleTrainer
@@ -80,3 +84,11 @@ def test_revtrain_check_fails_on_an_optimizer_whose_layer_step_differs(capfd):
     lines = result.stdout.splitlines()
     assert any(line.startswith("PASS: compute dtype float32") for line in lines), result.stdout
     assert lines[-1].startswith("FAIL: optimizer step") and "layer embedding (index 0)" in lines[-1], lines[-1]
+
+
+def test_steps_zero_leaves_the_comparison_out_and_a_bad_value_is_refused():
+    out = io.StringIO()
+    assert check_optimizer.verdict(None, [], 1, out, steps=0) == 1  # the gradient check's status stands
+    assert out.getvalue() == "optimizer step: not compared (check_optimizer.steps = 0)\n"
+    with pytest.raises(ConfigError, match="check_optimizer.steps must be a non-negative integer, got -1"):
+        check_optimizer.verdict(None, [], 0, out, steps=-1)
