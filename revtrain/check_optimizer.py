@@ -85,7 +85,8 @@ class Result:
         """The verdict line ``revtrain check`` prints (``PASS: optimizer step ...`` or ``FAIL: ...``)."""
         if self.refused:
             return f"optimizer step: not compared ({self.refused})"
-        what = f"optimizer step, {self.steps} steps of seeded gradients, per layer ({self.form}) against the whole model"
+        what = (f"optimizer step, {self.steps} steps of seeded gradients, per layer ({self.form}) against the "
+                "whole model")
         d = self.difference
         if d is None:
             return f"PASS: {what}: every layer's new parameters and optimizer state bit for bit"
@@ -166,7 +167,8 @@ class _PerLayer:
             return [p for p, _ in out], [s for _, s in out]
         lw, globals_, history = self.layerwise, (), []
         for k in range(lw.rounds):
-            stats = [self._jit(("stats", k, lw.signature(i)), lambda g, s, p, gl, k=k, i=i: self._stats(k, i, g, s, p, gl))(
+            stats = [self._jit(("stats", k, lw.signature(i)),
+                               lambda g, s, p, gl, k=k, i=i: self._stats(k, i, g, s, p, gl))(
                 grads[i], states[i], params[i], globals_) for i in range(n)]
             history.append([s[0] if k == 0 else s for s in stats])  # (round 0's also hold squares and flags)
             combine = self._jit(("combine", k), lambda ex, leaves, gl, k=k: lw.combine(k, ex, leaves, gl))

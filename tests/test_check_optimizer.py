@@ -70,7 +70,8 @@ def test_state_of_layer_matches_the_whole_state_by_path():
     whole = jax.tree.map(lambda x: x + 7 if x.ndim == 0 else x, whole)  # the count: 7
     layer = tx.init(params[1])
     leaves = check_optimizer._state_of_layer(whole, layer, 1)
-    assert [np.shape(x) for x in leaves] == [np.shape(x) for x in jax.tree.leaves(layer)] == [(), (1,), (3,), (1,), (3,)]
+    shapes = [(), (1,), (3,), (1,), (3,)]  # the count, then mu and nu of b and w
+    assert [np.shape(x) for x in leaves] == [np.shape(x) for x in jax.tree.leaves(layer)] == shapes
     assert int(leaves[0]) == 7
 
 
