@@ -39,7 +39,8 @@ LONGEST_FIRST = ("test_disk_tier.py", "test_exactness.py", "test_combinations.py
                  "test_faults.py", "test_modes.py", "test_streaming.py", "test_host_memory.py", "test_sample.py",
                  "test_budget.py", "test_reliability.py", "test_standalone.py", "test_parallel.py", "test_modern.py",
                  "test_optim.py", "test_cli.py", "test_shard.py", "test_revnet.py", "test_recipe.py",
-                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py")
+                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py",
+                 "test_check_optimizer.py", "test_reversible.py")  # (29 and 26 s of CPU alone, 2026-12-06)
 
 
 def pytest_collection_modifyitems(config, items):
