@@ -78,9 +78,13 @@ def test_state_of_layer_matches_the_whole_state_by_path():
 def test_revtrain_check_fails_on_an_optimizer_whose_layer_step_differs(capfd):
     """The command: the gradients pass (the model is exact), the optimizer step fails, exit 1, naming the
     layer (the test-only optimizer above, bound in gin)."""
-    result = revtrain_here(capfd, "check", "--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 2",
-                           "--gin", "ReversibleTransformerLM.d_model = 16", "--gin", "train.batch_size = 2",
-                           "--gin", "train.optimizer = @leaf_count_sgd()", "--gin", "train.learning_rate = None")
+    precision = jax.config.jax_default_matmul_precision  # (check sets 'highest' for the process: put back)
+    try:
+        result = revtrain_here(capfd, "check", "--config", CONFIG, "--gin", "ReversibleTransformerLM.num_layers = 2",
+                               "--gin", "ReversibleTransformerLM.d_model = 16", "--gin", "train.batch_size = 2",
+                               "--gin", "train.optimizer = @leaf_count_sgd()", "--gin", "train.learning_rate = None")
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
     assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert any(line.startswith("PASS: compute dtype float32") for line in lines), result.stdout
