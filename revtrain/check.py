@@ -11,6 +11,9 @@ layer:
   ``g_ref`` is ordinary backprop (the whole model at once, or ``check.layers_per_chunk`` layers at a time
   for models too large for one backprop: each chunk is differentiated at its true forward input), in the
   same compute dtype.
+* **optimizer step** (`revtrain.check_optimizer`): each layer's optimizer step (new parameters and optimizer
+  state, as ReversibleTrainer runs it) against the whole model's (StandardTrainer's), bit for bit over a few
+  steps of seeded gradients; the first step, layer and leaf that differ fail the check.
 
 The passes walk down the layers together (`_Checker.rows`), so the check holds the weights and one layer's
 gradients, never the whole model's: it runs on the largest model that trains (docs/memory.md).
@@ -37,6 +40,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from revtrain import check_optimizer
 from revtrain import run as run_lib
 from revtrain.placement import DATA_AXIS, global_batch, put_replicated
 from revtrain.trainers.common import batch_size_of, example_keys, per_device, step_key
@@ -313,6 +317,7 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
         values, where = _initial_params(run), "initial parameters"
         params, states = [p for p, _ in values], [s for _, s in values]
         del values
+    held = params  # as the trainer holds them (a tied leaf in its owner's): the optimizer step's comparison
     # Each layer with its whole params (a tied leaf in both its users': the same placed array, no copy): the
     # check compares per-layer gradients of each use, which the trainers then add up.
     params = [run.model.merge_tied(i, p, params) for i, p in enumerate(params)]
@@ -363,7 +368,8 @@ def _run_check(layers_per_chunk, workdir, step, out, progress, guard) -> int:
           f"update: {run.trainer.update_text()}", file=out)
     note = (_grid_hint(cfg, results[base_dtype], stream_max) or _fused_hint(mode, results[base_dtype], alternative)
             or _noise_hint(results[base_dtype], base_dtype, layers_per_chunk))
-    return _report(results, base_dtype, out, note=note, alternative=alternative)
+    code = _report(results, base_dtype, out, note=note, alternative=alternative)
+    return check_optimizer.verdict(run, held, code, out, progress)  # each layer's optimizer step (issue 60)
 
 
 def _plan_text(budget) -> str:

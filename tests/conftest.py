@@ -39,7 +39,8 @@ LONGEST_FIRST = ("test_disk_tier.py", "test_exactness.py", "test_combinations.py
                  "test_faults.py", "test_modes.py", "test_streaming.py", "test_host_memory.py", "test_sample.py",
                  "test_budget.py", "test_reliability.py", "test_standalone.py", "test_parallel.py", "test_modern.py",
                  "test_optim.py", "test_cli.py", "test_shard.py", "test_revnet.py", "test_recipe.py",
-                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py")
+                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py",
+                 "test_check_optimizer.py", "test_reversible.py")  # (29 and 26 s of CPU alone, 2026-12-06)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,6 +48,28 @@ def pytest_collection_modifyitems(config, items):
     a file's tests keep theirs). Every xdist worker collects the same order."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have been waited for."""
+    import resource
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``REVTRAIN_TEST_CPU=FILE``: each test's CPU seconds (setup, call and teardown; this process and the
+    subprocesses it ran), appended to FILE as JSON lines ``{"test": node id, "cpu_s": ...}``. On a machine
+    shared with other work a test's wall time says little (the `--durations` of one run swing by 2x or
+    more); its CPU seconds are what it costs a test process, and about its wall time on an idle core."""
+    path = os.environ.get("REVTRAIN_TEST_CPU")
+    start = _cpu_seconds() if path else 0.0
+    yield
+    if path:
+        import json
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 2)}) + "\n")
 
 
 SEQUENCE_LENGTH = 128
@@ -85,3 +108,21 @@ def text_batches(byte_lm_data_dir):
         return [{k: np.asarray(v) for k, v in next(it).items()} for _ in range(count)]
 
     return load
+
+
+@pytest.fixture
+def tiny_model():
+    """The tests' tiny model, as a factory (`helpers.tiny_model`): ``tiny_model()`` is a 2-block
+    `ReversibleTransformerLM` of width 32 on 128-byte sequences; ``tiny_model(num_layers=4, sequence_length=16)``
+    and the like for a test that needs another size. A fresh model per call (models are cheap; their compiled
+    programs are shared through JAX's caches)."""
+    from helpers import tiny_model as make
+    return make
+
+
+@pytest.fixture
+def train_steps():
+    """``train_steps(trainer, batches, mesh=None) -> (state, history)`` (`helpers.train_steps`): one
+    ``train_step`` per host batch from ``trainer.init()``, each step's metrics as Python floats."""
+    from helpers import train_steps as run
+    return run

@@ -99,8 +99,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_steps(trainer, batches, mesh):
-    """One ``train_step`` of ``trainer`` per batch (host numpy ``{'inputs', 'targets'}``), from ``trainer.init()``.
+def tiny_model(num_layers: int = 2, d_model: int = 32, sequence_length: int = 128, num_heads: int = 2,
+               dropout_rate: float = 0.1, **kwargs):
+    """The tests' tiny model: a `ReversibleTransformerLM` of ``num_layers`` blocks of width ``d_model`` on byte
+    sequences of ``sequence_length`` (defaults: 2 blocks of width 32, 2 heads, dropout 0.1, 128 bytes; about
+    54 k parameters), seed 0; ``kwargs`` go to the model (``grid_bits``, ``attention``, ...). The
+    ``tiny_model`` fixture of tests/conftest.py."""
+    from revtrain.models import ReversibleTransformerLM
+    return ReversibleTransformerLM(sequence_length, num_layers=num_layers, d_model=d_model, num_heads=num_heads,
+                                   dropout_rate=dropout_rate, **kwargs)
+
+
+def byte_batches(steps: int, sequence_length: int = 16, batch_size: int = 4, seed: int = 0) -> list:
+    """``steps`` batches of random bytes (``numpy.random.default_rng(seed)``), each ``{'inputs': x, 'targets':
+    x}`` with ``x`` int32 ``[batch_size, sequence_length]`` in 0 .. 255 (the same array twice)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        x = rng.integers(0, 256, (batch_size, sequence_length)).astype(np.int32)
+        out.append({"inputs": x, "targets": x})
+    return out
+
+
+def train_steps(trainer, batches, mesh=None):
+    """One ``train_step`` of ``trainer`` per batch (host numpy ``{'inputs', 'targets'}``, placed with
+    `revtrain.placement.global_batch` on ``mesh``, default the trainer's), from ``trainer.init()``. The
+    ``train_steps`` fixture of tests/conftest.py.
 
     Returns:
       ``(state, history)``: the last `TrainState` and a list of each step's metrics (Python floats; numpy for a
@@ -109,6 +134,7 @@ def train_steps(trainer, batches, mesh):
     import numpy as np
 
     from revtrain.placement import global_batch
+    mesh = trainer.mesh if mesh is None else mesh
     state, history = trainer.init(), []
     for batch in batches:
         state, metrics = trainer.train_step(state, global_batch(batch, mesh))

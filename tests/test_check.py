@@ -45,6 +45,7 @@ def test_check_passes_on_an_exact_model(capsys):
     assert cli.main(["check", "--config", CONFIG, *TINY]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "block_2" in out and "rebuild bfloat16" in out
+    assert out.splitlines()[-1].startswith("PASS: optimizer step"), out  # (revtrain/check_optimizer.py)
 
 
 @pytest.mark.slow  # make test-all

@@ -19,14 +19,14 @@ from revtrain.placement import DATA_AXIS, global_batch, make_mesh
 from revtrain.trainers import NonFiniteError, ReversibleTrainer, StandardTrainer
 from revtrain.trainers.specs import split_leaf_squares
 
-from helpers import numpy_params, train_model, train_steps, worst_leaf
+from helpers import numpy_params, tiny_model, train_model, train_steps, worst_leaf
 
 SEQ, BATCH, STEPS = 128, 4, 3
 CLIP = 0.3  # below the gradient norm of these steps (asserted): the clip scales every step
 
 
 def _model():
-    return ReversibleTransformerLM(SEQ, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
+    return tiny_model(sequence_length=SEQ)
 
 
 def _clip_adamw():

@@ -14,7 +14,6 @@ import pytest
 
 from revtrain import checkpoint as ckpt_lib
 from revtrain import disk_tier
-from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
 from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
@@ -22,14 +21,14 @@ from revtrain.trainers.reversible import ReversibleTrainer
 
 from helpers import REPO, env, in_cgroup, make_memory_cgroup, revtrain, revtrain_here, run_worker
 from helpers import losses as logged_losses
-from helpers import records_by_step
+from helpers import records_by_step, tiny_model, train_steps
 
 LLAMA = str(REPO / "configs" / "llama_small.gin")
 T = 16
 
 
 def _model(layers=4):
-    return ReversibleTransformerLM(T, num_layers=layers, d_model=32, num_heads=2, dropout_rate=0.1)
+    return tiny_model(layers, sequence_length=T)
 
 
 def _batches(steps):
@@ -40,12 +39,10 @@ def _batches(steps):
 def _train(offload, directory=None, steps=3, fuse_top=False):
     trainer = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload=offload, scan_layers=False,
                                 fuse_top=fuse_top, offload_dir=directory)
-    ts, losses = trainer.init(), []
-    for x in _batches(steps):
-        batch = global_batch({"inputs": x, "targets": x}, trainer.mesh)
-        ts, m = trainer.train_step(ts, batch)
-        losses.append(float(m["loss"]))
-    scores = {k: float(v) for k, v in trainer.eval_step(ts, batch).items()}
+    batches = [{"inputs": x, "targets": x} for x in _batches(steps)]
+    ts, history = train_steps(trainer, batches)
+    losses = [h["loss"] for h in history]
+    scores = {k: float(v) for k, v in trainer.eval_step(ts, global_batch(batches[-1], trainer.mesh)).items()}
     params = [jax.tree.map(np.asarray, trainer.layer_params(ts, i)) for i in range(len(trainer.model.layers))]
     return trainer, ts, losses, params, scores
 

@@ -121,8 +121,12 @@ def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     assert rel <= 1e-5, f"leaf {leaf}: reversible and standard differ by {rel:.2e} after {STEPS} Adam steps"
 
 
-@pytest.mark.parametrize("executor", ["reversible", "per_layer", *(pytest.param(e, marks=pytest.mark.slow) for e in
-                                                                   ("fused", "fused_per_layer", "top_fused"))])
+# The scanned executor at depth 12 is the slow tier's (a third depth-12 training, 11 s of CPU): make test keeps
+# it bit for bit against StandardTrainer at depth 2 (test_smoke: device and host; test_reversible: parameters and
+# Adam's moments) and on the default model over 10 steps (test_default_and_llama_models_are_bitwise_backprop).
+@pytest.mark.parametrize("executor", [pytest.param("reversible", marks=pytest.mark.slow), "per_layer",
+                                      *(pytest.param(e, marks=pytest.mark.slow) for e in
+                                        ("fused", "fused_per_layer", "top_fused"))])
 def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
     """Stronger than the 1e-5 rule, and what XLA:CPU gives today: identical bits. The rebuild is exact
     (coupling grid), the per-layer programs compute the same float operations in the same order as the
@@ -139,6 +143,7 @@ def test_reversible_is_bitwise_backprop_on_cpu(depth12, executor):
                                       f"(max rel {np.abs(a - b).max() / np.abs(a).max():.1e})")
 
 
+@pytest.mark.slow  # the scanned depth-12 run (see above); make test: each executor bit for bit like backprop
 def test_scan_and_per_layer_executors_are_bitwise_identical(depth12):
     """Parameters and Adam state (moments and step counts) of the two executors: identical bits."""
     a, b = depth12["reversible"], depth12["per_layer"]

@@ -18,10 +18,10 @@ from jax.sharding import PartitionSpec as P
 from revtrain import cli
 from revtrain.layers.attention import blockwise_causal_attention
 from revtrain.models import ReversibleTransformerLM
-from revtrain.placement import DATA_AXIS, global_batch, make_mesh
+from revtrain.placement import DATA_AXIS, make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
-from helpers import rel_error
+from helpers import rel_error, tiny_model, train_steps
 
 CONFIG = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "enwik_small.gin")
 TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "ReversibleTransformerLM.d_model = 32",
@@ -71,13 +71,8 @@ def runs(text_batches):
     with jax.default_matmul_precision("highest"):
         for name, cls, kw in (("standard", StandardTrainer, LONG), ("reversible", ReversibleTrainer, LONG),
                               ("dense", StandardTrainer, {})):
-            model = ReversibleTransformerLM(128, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1, **kw)
-            trainer = cls(model, optax.adam(1e-3), mesh, seed=0)
-            ts, losses = trainer.init(), []
-            for batch in batches:
-                ts, metrics = trainer.train_step(ts, global_batch(batch, mesh))
-                losses.append(float(metrics["loss"]))
-            out[name] = (losses, jax.tree.map(np.asarray, ts.params))
+            ts, history = train_steps(cls(tiny_model(**kw), optax.adam(1e-3), mesh, seed=0), batches)
+            out[name] = ([h["loss"] for h in history], jax.tree.map(np.asarray, ts.params))
     return out
 
 

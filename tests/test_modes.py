@@ -73,6 +73,18 @@ def test_mode_named_finds_each_mode_by_its_name():
         modes.mode_named("inverse")
 
 
+def test_the_blocks_in_the_heads_program_and_their_runs():
+    """`count_in_head` counts the backprop and checkpoint blocks at the top (none below a rebuilt or remat
+    block); `head_runs` makes one run of consecutive identical single checkpoint blocks, and a run of its own of
+    a backprop block, a stacked run or a checkpoint block of another layer."""
+    exact, cp, bp = modes.REBUILDS["exact"], modes.CHECKPOINT, modes.BACKPROP
+    assert modes.count_in_head([modes.REMAT, exact, cp, cp, bp]) == 3
+    assert modes.count_in_head([cp, exact, bp]) == 1 and modes.count_in_head([exact, modes.REMAT]) == 0
+    assert modes.head_runs(["a", "a", "a", "a"], [cp, cp, cp, bp]) == [(0, 3), (3, 4)]
+    assert modes.head_runs(["a", "b", "b"], [cp, cp, cp]) == [(0, 1), (1, 3)]
+    assert modes.head_runs(["a", "a"], [cp, cp], counts=[2, 1]) == [(0, 1), (1, 2)]  # a stacked run alone
+
+
 def test_a_plans_counts_line_and_record_come_from_the_modes():
     """`BudgetPlan` counts each reversible block under its mode's plan name (a standard layer not at all)."""
     fused = modes.REBUILDS["fused"]

@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import optax
 
-from revtrain.models import ReversibleTransformerLM
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
 
 from helpers import CONFIG, records, revtrain_here, train_model
@@ -20,16 +19,14 @@ _TINY = ["--gin", "ReversibleTransformerLM.num_layers = 2", "--gin", "Reversible
          "--gin", "WARMUP = 1", "--gin", "train.log_every = 1", "--gin", "train.sample_every = 0"]
 
 
-def test_two_steps_of_both_trainers_are_bit_for_bit(text_batches):
+def test_two_steps_of_both_trainers_are_bit_for_bit(text_batches, tiny_model):
     """ReversibleTrainer (device memory, host offload) and StandardTrainer: the same losses and the same bits in
     every parameter leaf after two AdamW steps on real text."""
     batches = text_batches(4, 2)
     with jax.default_matmul_precision("highest"):
-        def model():
-            return ReversibleTransformerLM(128, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
-        reference, reference_losses = train_model(StandardTrainer, model(), optax.adamw(1e-3), batches)
+        reference, reference_losses = train_model(StandardTrainer, tiny_model(), optax.adamw(1e-3), batches)
         for offload in (False, True):
-            params, losses = train_model(ReversibleTrainer, model(), optax.adamw(1e-3), batches, offload=offload)
+            params, losses = train_model(ReversibleTrainer, tiny_model(), optax.adamw(1e-3), batches, offload=offload)
             assert losses == reference_losses, offload
             for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(params)):
                 assert np.array_equal(a, b), offload

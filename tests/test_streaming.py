@@ -20,19 +20,18 @@ import optax
 import pytest
 
 from revtrain import streaming
-from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import DEVICE_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.reversible import ReversibleTrainer
 
-from helpers import run_worker
+from helpers import run_worker, tiny_model
 
 T = 16
 TIERS = (False, True, "disk")
 
 
 def _model(layers=3, d_model=32, seq=T):
-    return ReversibleTransformerLM(seq, num_layers=layers, d_model=d_model, num_heads=2, dropout_rate=0.1)
+    return tiny_model(layers, d_model, sequence_length=seq)
 
 
 def _batches(steps, seq=T, batch=4):
