@@ -344,18 +344,17 @@ class _Programs:
             return mode.forward(layer, p, s, x, k)
         return self._compile(("fwd", layer, _key(x), mode.name), fn, (params, state, x, keys))
 
-    def backward(self, layer, params, opt, state, x, y, keys, tx, mode, branch: bool = False) -> int:
+    def backward(self, layer, params, opt, state, x, y, keys, tx, mode) -> int:
         """The reverse-and-update program of a layer below the head as the reversible trainer runs it: its
         backward mode's reverse-and-grad (`BackwardMode.grads`: from its output ``y`` for a rebuild, from its
-        input ``x`` for `modes.Remat`), then `guarded_update` (``branch``: the update's form; the disk tier's
-        is the conditional), donating what the trainer's program donates (its `modes.ProgramSpec`)."""
+        input ``x`` for `modes.Remat`), then `guarded_update` (a conditional on every tier), donating what the trainer's program donates (its `modes.ProgramSpec`)."""
         start = y if mode.rebuilds else x
 
         def fn(p, o, s, start, dy, k):
             x, dx, grads = mode.grads(layer, p, s, start, dy, k)
-            return (x, dx) + guarded_update(tx, grads, o, p, branch=branch)
+            return (x, dx) + guarded_update(tx, grads, o, p)
         donate = LayerPrograms._PER_LAYER[mode.program_kinds[1]].donate
-        return self._compile(("bwd", layer, _key(x), id(tx), mode.name, branch), fn,
+        return self._compile(("bwd", layer, _key(x), id(tx), mode.name), fn,
                              (params, opt, state, start, y, keys), donate)
 
     def head(self, layer, params, opt, state, x, batch, keys, tx) -> int:
@@ -670,7 +669,7 @@ def _walk_programs(model, setup: Setup, shapes: _Shapes, programs: _Programs) ->
             if not layer.reversible:
                 walk.saved_std += _nbytes(x)
             walk.temps.append(programs.forward(layer, p, s, x, keys, mode))
-            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, mode, branch=setup.disk))
+            walk.temps.append(programs.backward(layer, p, o, s, x, y, keys, tx, mode))
         else:
             walk.residuals += _nbytes(x) if setup.remat else programs.residuals(layer, p, s, x, keys)
             mode = REBUILDS["exact"] if layer.reversible else REMAT

@@ -18,8 +18,8 @@ replicated on every device (pmap semantics) or, with ``shard_state``, has each l
 The trainer, checkpoint restore templates, generation and the memory plan ask this object instead of
 reading flags: where a new layer goes (`put_layer`) and its shape-only restore template (`layer_template`),
 how a layer's weights come to the device whole (`fetch`), where a kept activation waits for the backward
-(`keep`, `bring`), whether a step lets go of each layer's old state as it writes the new one (`releases`),
-the update's form (`branch_update`) and how a plan names it (`label`, `describe`).
+(`keep`, `bring`), whether a step lets go of each layer's old state as it writes the new one (`releases`)
+and how a plan names it (`label`, `describe`).
 
 A state is placed *one layer at a time*: the initial values of a lazy model (`revtrain.layers.Layer.lazy`)
 are made per layer, put where they live, and dropped, so a whole model never exists twice in host memory
@@ -55,7 +55,6 @@ class Residency:
     tier = "device"
     label = ""  # what a trainer's label adds for this tier
     releases = False  # a step lets go of each layer's old state once its new one is written
-    branch_update = False  # the per-layer update's form (`layerwise.guarded_update`): the conditional
 
     def __init__(self, mesh: Mesh, sharded: bool = False):
         self.mesh, self.sharded = mesh, sharded
@@ -255,10 +254,6 @@ class DiskResidency(Residency):
 
     tier = "disk"
     label = " + offload='disk'"
-    # The conditional update: the disk tier's peak is the layers in flight plus one program's temporaries,
-    # and the select form's update holds a copy of the weights' size (on a d 3200 Llama block 1.21 GiB of
-    # temporaries against 0.83); elsewhere the select form (a conditional makes an accelerator wait).
-    branch_update = True
 
     def __init__(self, mesh: Mesh, sharded: bool = False, store: DiskTier | None = None):
         super().__init__(mesh, sharded)

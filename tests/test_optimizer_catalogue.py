@@ -46,24 +46,12 @@ _COND = ("ReversibleTrainer refuses it: it flattens every layer's tensors into o
 KNOWN_FAILURES: dict = {
     "optax.noisy_sgd": "loss differs from step 2 on every tier (likely: optax splits the key by the number of leaves, "
                        "and each layer's fused update splits its own key over its own leaves)",
-    "optax.adabelief": "parameters differ by an ulp on every tier (losses equal over 3 steps)",
-    "optax.adafactor": "parameters differ by an ulp on the device and host tiers (the disk tier matches)",
     "optax.contrib.prodigy": "parameters differ on every tier (losses equal over 3 steps)",
     "optax.contrib.dog": "loss differs from step 2 on every tier (likely: its init's r_epsilon is from the whole "
                          "tree's norm, each layer's tx.init takes its own)",
-    "optax.contrib.madgrad": "loss differs by an ulp at step 3 (device, host); parameters on the disk tier",
-    "optax.contrib.muon": "loss differs by an ulp from step 2 on every tier",
-    "optax.nadamw": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.adan": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
     "optax.flatten": _COND,
     "optax.lbfgs": ("both trainers crash: its update needs the keyword arguments value, grad and value_fn (a "
                     "line search), which no trainer passes: to be refused in one line"),
-    "optax.nadam": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.optimistic_adam": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.optimistic_adam_v2": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.sm3": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.contrib.dadapt_adamw": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.contrib.dowg": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
     "optax.contrib.momo": ("both trainers crash: its update needs the keyword argument value (the loss), which "
                            "no trainer passes: to be refused in one line"),
     "optax.contrib.momo_adam": ("both trainers crash: its update needs the keyword argument value (the loss), "

@@ -11,7 +11,7 @@ local pieces of its layer's weights and optimizer state: the weights are gathere
 gradients reduce-scattered back to pieces and the update runs on the pieces (`revtrain.trainers.specs`).
 
 `LayerPrograms` is a mixin of `revtrain.trainers.reversible.ReversibleTrainer`; it reads only the host's
-``model``, ``tx``, ``specs`` (`StateSpecs`), ``rebuild_mode``, ``residency`` (its ``branch_update``) and the
+``model``, ``tx``, ``specs`` (`StateSpecs`), ``rebuild_mode``, ``residency`` and the
 compiled-program cache (``_compiled``). The gradient halves (`head_grads`, `top_head_grads`, `reverse_grads`,
 `recompute_grads`) are static: ``revtrain check`` calls them on their own.
 """
@@ -203,15 +203,13 @@ class LayerPrograms:
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
         x, dx, grads = self._block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.residency.branch_update,
-                                                     across=self.specs.across)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self.specs.across)
         return x, dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
         _, dx, grads = self._block_grads(REMAT, layer, params, state, x, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.residency.branch_update,
-                                                     across=self.specs.across)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self.specs.across)
         return dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
