@@ -10,7 +10,7 @@ runs the optimizer itself, both ways, from the same parameters and the same grad
   flag), the optimizer state ``tx.init`` of the whole list;
 * **per layer**, as `revtrain.trainers.reversible.ReversibleTrainer` applies it: each layer's own state
   (``tx.init`` of its tree) and one program per layer: the fused update (`layerwise.guarded_update` of the
-  layer's tree, in its tier's form: ``residency.branch_update``) for a separable optimizer, else the deferred
+  layer's tree, the conditional form as the whole model's) for a separable optimizer, else the deferred
   one (the statistics passes, the global programs and the final pass of `layerwise.LayerwiseUpdate`, each
   fenced as the trainer's are, `layerwise.fence`).
 
@@ -140,8 +140,8 @@ def seeded_grads(params: list, seed: int, step: int) -> list:
 class _PerLayer:
     """The reversible trainer's per-layer optimizer step (see the module note), one program per layer."""
 
-    def __init__(self, tx, layerwise: LayerwiseUpdate, deferred: bool, branch: bool):
-        self.tx, self.layerwise, self.deferred, self.branch = tx, layerwise, deferred, branch
+    def __init__(self, tx, layerwise: LayerwiseUpdate, deferred: bool):
+        self.tx, self.layerwise, self.deferred = tx, layerwise, deferred
         self._programs: dict = {}
 
     @property
@@ -162,7 +162,7 @@ class _PerLayer:
         ok = jnp.asarray(True)
         n = len(params)
         if not self.deferred:
-            fused = self._jit("fused", lambda g, s, p: guarded_update(self.tx, g, s, p, branch=self.branch)[:2])
+            fused = self._jit("fused", lambda g, s, p: guarded_update(self.tx, g, s, p)[:2])
             out = [fused(grads[i], states[i], params[i]) for i in range(n)]
             return [p for p, _ in out], [s for _, s in out]
         lw, globals_, history = self.layerwise, (), []
@@ -199,8 +199,8 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     """Runs `STEPS` optimizer steps both ways (see the module note) and compares them.
 
     Args:
-      trainer: the run's trainer (its ``tx``; a `ReversibleTrainer`'s ``layerwise``, ``deferred`` and
-        ``residency.branch_update`` when it is one, else those a reversible trainer of this model would have).
+      trainer: the run's trainer (its ``tx``; a `ReversibleTrainer`'s ``layerwise``, ``deferred`` when it
+        is one, else those a reversible trainer of this model would have).
       model: the `revtrain.models.Model` (layer names; ``ties`` make the update deferred).
       params: one params tree per layer as the trainer holds them (a tied leaf only in its owner's); arrays
         on the device or numpy.
@@ -219,10 +219,8 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     deferred = getattr(trainer, "deferred", None)
     if deferred is None:
         deferred = not layerwise.separable or bool(model.ties)
-    residency = getattr(trainer, "residency", None)
-    per_layer = _PerLayer(tx, layerwise, deferred, bool(getattr(residency, "branch_update", False))
-                          if getattr(trainer, "layerwise", None) is not None else False)
-    whole = jax.jit(lambda g, s, p, ok: guarded_update(tx, g, s, p, ok=ok, branch=True)[:2])
+    per_layer = _PerLayer(tx, layerwise, deferred)
+    whole = jax.jit(lambda g, s, p, ok: guarded_update(tx, g, s, p, ok=ok)[:2])
     whole_params, layer_params = list(params), list(params)
     init = jax.jit(tx.init)  # (one program per distinct tree, not one per leaf's zeros)
     whole_state = init(whole_params)

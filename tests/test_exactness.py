@@ -450,7 +450,7 @@ def test_single_leaf_layer_update_is_the_whole_models(name):
     params = [{"e": rng.normal(size=(64, 16)).astype(np.float32)},
               {"w": rng.normal(size=(16, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}]
     alone = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p)[:2])
-    whole = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p, branch=True)[:2])
+    whole = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p)[:2])
     p_alone, o_alone, p_whole, o_whole = params[0], tx.init(params[0]), params, tx.init(params)
     for step in range(4):
         grads = [jax.tree.map(lambda x: (rng.normal(size=x.shape) * 10.0 ** (step - 2)).astype(np.float32), p)
@@ -460,8 +460,7 @@ def test_single_leaf_layer_update_is_the_whole_models(name):
         assert np.array_equal(np.asarray(p_alone["e"]), np.asarray(p_whole[0]["e"])), step
 
 
-@pytest.mark.parametrize("branch", [False, True])
-def test_fenced_update_inside_shard_map_keeps_replication(branch):
+def test_fenced_update_inside_shard_map_keeps_replication():
     """The fenced update inside ``shard_map`` with a split leaf (``shard_state``'s layout: the embedding
     split over ``"data"``, a bias and Adam's count replicated): ``shard_map`` accepts the replicated
     outputs (the flag, the bias, the count: ``out_specs`` ``P()``), and the values equal the same update
@@ -475,10 +474,10 @@ def test_fenced_update_inside_shard_map_keeps_replication(branch):
     spec = {"e": P("data"), "b": P()}
     opt_spec = (optax.ScaleByAdamState(P(), spec, spec), optax.ScaleByScheduleState(P()))
     put = lambda tree, specs: jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)  # noqa: E731
-    step = lambda g, o, p: guarded_update(tx, g, o, p, branch=branch, across="data")  # noqa: E731
+    step = lambda g, o, p: guarded_update(tx, g, o, p, across="data")  # noqa: E731
     mapped = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, opt_spec, spec),
                                    out_specs=(spec, opt_spec, P())))
-    alone = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p, branch=branch))
+    alone = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p))
     p_map, o_map = put(params, spec), put(tx.init(params), opt_spec)
     p_alone, o_alone = params, tx.init(params)
     for k in range(3):

@@ -66,22 +66,10 @@ REFUSED: dict = {
 # or of a reduction's rounding, see docs/recipe.md). Each is xfail(strict=True): a fixed one fails as XPASS, so
 # this list cannot outlive its fixes; docs/recipe.md ("Refused, and not yet exact") gives the same list.
 KNOWN_FAILURES: dict = {
-    "optax.adabelief": "parameters differ by an ulp on every tier (losses equal over 3 steps)",
-    "optax.adafactor": "parameters differ by an ulp on the device and host tiers (the disk tier matches)",
     "optax.contrib.prodigy": "parameters differ on every tier (losses equal over 3 steps)",
     "optax.contrib.dog": ("parameters differ by an ulp at step 3 (device tier; losses equal over 3 steps): its "
                           "initial state is now the whole model's (optstate.LayerInit), what is left is the "
                           "rounding of the update's two global norms (arithmetic, issue 60)"),
-    "optax.contrib.madgrad": "loss differs by an ulp at step 3 (device, host); parameters on the disk tier",
-    "optax.contrib.muon": "loss differs by an ulp from step 2 on every tier",
-    "optax.nadamw": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.adan": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.nadam": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.optimistic_adam": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.optimistic_adam_v2": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.sm3": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.contrib.dadapt_adamw": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
-    "optax.contrib.dowg": "parameters differ (losses equal over 3 steps) on the device, host, disk tiers",
     # first run on 2026-12-06 (this branch; the device tier only, the other tiers not yet run):
     "optax.scale_by_adan": "parameters differ (losses equal over 3 steps) on the device tier, as optax.adan",
     "optax.scale_by_belief": "parameters differ (losses equal over 3 steps) on the device tier, as optax.adabelief",

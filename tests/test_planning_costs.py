@@ -69,6 +69,6 @@ def test_the_memory_plan_asks_the_trainer_only_for_its_own_choice():
     programs = costs.PlanPrograms(trainer, own)
     assert programs.is_own(own) and not programs.is_own(Setup("reversible", trainer.tx, B // 2))
     assert not costs.PlanPrograms().is_own(own)
-    other = programs.layer_programs(trainer.model, trainer.tx, "fused", branch=True)
-    assert other is not trainer.programs and other.branch_update and other.rebuild_mode.name == "fused"
-    assert programs.layer_programs(trainer.model, trainer.tx, "fused", branch=True) is other  # (made once)
+    other = programs.layer_programs(trainer.model, trainer.tx, "fused")
+    assert other is not trainer.programs and other.rebuild_mode.name == "fused"
+    assert programs.layer_programs(trainer.model, trainer.tx, "fused") is other  # (made once)

@@ -45,7 +45,6 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
     assert device.disk is None and host.disk is None and disk.disk is disk.store
     assert [r.label for r in (device, host, disk)] == ["", " + offload", " + offload='disk'"]
     assert [r.releases for r in (device, host, disk)] == [False, True, False]
-    assert [r.branch_update for r in (device, host, disk)] == [False, False, True]
     assert device.describe() == "device memory, replicated"
     assert host.describe() == "host memory (unpinned_host), replicated"
     assert disk.describe() == f"layer files in {tmp_path / 'offload'}, replicated"

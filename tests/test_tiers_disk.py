@@ -43,7 +43,7 @@ def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
 
 
 def test_the_disk_tiers_words_hooks_and_plan_terms(tier, tmp_path):
-    assert (tier.name, tier.gin_value, tier.branch_update, tier.uses_directory) == ("disk", "disk", True, True)
+    assert (tier.name, tier.gin_value, tier.uses_directory) == ("disk", "disk", True)
     assert tier.describe() == f"layer files in {tmp_path / 'tier'}, replicated" and tier.disk is tier.store
     label = tier.trainer_label("ReversibleTrainer", " + shard_state")
     assert label == "ReversibleTrainer + shard_state + offload='disk'"

@@ -367,12 +367,12 @@ class PlanPrograms:
         """Whether ``setup`` is the run's own trainer's choice (its programs are the run's)."""
         return self.trainer is not None and setup == self.own and hasattr(self.trainer, "programs")
 
-    def layer_programs(self, model, tx, rebuild: str = "exact", branch: bool = False) -> LayerPrograms:
+    def layer_programs(self, model, tx, rebuild: str = "exact") -> LayerPrograms:
         """`LayerPrograms.on_mesh` of ``model`` and ``tx`` on one device (one per model, optimizer, rebuild
         flavour and update form)."""
-        key = (id(model), id(tx), rebuild, branch)
+        key = (id(model), id(tx), rebuild)
         if key not in self._layer_programs:
-            self._layer_programs[key] = (LayerPrograms.on_mesh(model, tx, mesh1(), rebuild, branch), model, tx)
+            self._layer_programs[key] = (LayerPrograms.on_mesh(model, tx, mesh1(), rebuild), model, tx)
         return self._layer_programs[key][0]
 
     def temp(self, programs: LayerPrograms, kind: str, layer, args) -> int:
@@ -393,7 +393,7 @@ class PlanPrograms:
 
     def backward(self, programs: LayerPrograms, layer, params, opt, state, x, y, mode) -> int:
         """The temporaries of ``layer``'s backward program in ``mode`` (reverse from its output ``y``, or
-        recompute from its input ``x``) with its update (the programs' form: ``programs.branch_update``)."""
+        recompute from its input ``x``) with its update."""
         start = y if mode.rebuilds else x
         return self.temp(programs, mode.program_kinds[1], layer, (params, opt, state, start, y) + _KEY_AND_INDEX)
 

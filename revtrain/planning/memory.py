@@ -318,7 +318,7 @@ def _walk_programs(model, setup: Setup, shapes: Shapes, programs: PlanPrograms, 
     reversible = setup.trainer == "reversible"
     own = reversible and programs.is_own(setup)
     layer_programs = None if own else programs.layer_programs(
-        model, tx, setup.rebuild if reversible else "exact", branch=reversible and setup.disk)
+        model, tx, setup.rebuild if reversible else "exact")
     x = batch[model.input_key]
     walk = _Walk([], 0, 0, [0])
     for layer in model.layers:

@@ -10,7 +10,7 @@ answers every question the rest of revtrain asks about that place. The questions
   (`Tier.fetch`) and where a kept activation waits for the backward (`Tier.keep`, `Tier.bring`).
 * **Its store and the engine's hooks**: `Tier.store` (a `revtrain.streaming.Store`, None for a tier the
   streaming engine does not move), `Tier.streamed`, `Tier.releases` (a step lets go of each layer's old state
-  as it writes the new one), `Tier.branch_update` (the per-layer update's form), and the run's hooks
+  as it writes the new one) and the run's hooks
   (`Tier.attach`, `Tier.check_run`, `Tier.own_directory`).
 * **Plan terms**, methods the planners call: the device copies of a layer the engine holds at once
   (`Tier.layers_in_flight`), the bytes one step moves between the store and the device (`Tier.io_per_step`),
@@ -63,7 +63,6 @@ class Tier(abc.ABC):
     gin_value: object = None  # the ``ReversibleTrainer.offload`` value that selects it
     label = ""  # what a trainer's label adds for this tier
     releases = False  # a step lets go of each layer's old state once its new one is written
-    branch_update = False  # the per-layer update's form (`layerwise.guarded_update`): the conditional
     checkpoint_form = "orbax"  # how a checkpoint holds the state: "orbax" (arrays) or "links" (the files)
     uses_directory = False  # whether ``ReversibleTrainer.offload_dir`` names this tier's directory
     host_pool = False  # whether the state lives in host memory a GPU's runtime pins (`revtrain.pinned`'s pool)

@@ -36,10 +36,6 @@ class DiskTier(Tier):
     label = " + offload='disk'"
     checkpoint_form = "links"
     uses_directory = True
-    # The conditional update: the disk tier's peak is the layers in flight plus one program's temporaries,
-    # and the select form's update holds a copy of the weights' size (on a d 3200 Llama block 1.21 GiB of
-    # temporaries against 0.83); elsewhere the select form (a conditional makes an accelerator wait).
-    branch_update = True
 
     def __init__(self, mesh: Mesh, sharded: bool = False, store: DiskStore | None = None,
                  directory: str | None = None):

@@ -238,18 +238,21 @@ class DeferredUpdates:
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
     def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok):
-        scalars: list = []
-        g = self._grads_of(index, acc, tie_in, scale, scalars)
-        if self.layerwise.separable:
-            updates, new_opt, more = fenced_update(self.tx, g, opt, params)
-            scalars.extend(more)
-        else:
-            updates, new_opt = self.layerwise.update(index, g, opt, params, globals_, scalars)
-        ok = fence(scalars, ok)  # as every update is (`layerwise.fence`)
-        new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        g = self._grads_of(index, acc, tie_in, scale, [])  # (the quotient is fenced there)
+
+        def update():  # under a cond on ``ok``, fenced, as every update is (`layerwise.guarded_update`)
+            scalars: list = []
+            if self.layerwise.separable:
+                updates, new_opt, more = fenced_update(self.tx, g, opt, params)
+                scalars.extend(more)
+            else:
+                updates, new_opt = self.layerwise.update(index, g, opt, params, globals_, scalars)
+            new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
+            return fence(scalars, (new_params, new_opt))
+
+        new_params, new_opt = lax.cond(ok, update, lambda: (params, opt))
         zeros = jax.tree.map(jnp.zeros_like, acc)
-        return keep(new_params, params), keep(new_opt, opt), zeros, jax.tree.map(jnp.zeros_like, tie_in)
+        return new_params, new_opt, zeros, jax.tree.map(jnp.zeros_like, tie_in)
 
     def _pass_fn(self, what: str, g: int, groups, k: int = 0):
         """The compiled statistics (``what="stats"``, round ``k``) or update program of group ``g``, looked

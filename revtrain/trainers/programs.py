@@ -11,7 +11,7 @@ local pieces of its layer's weights and optimizer state: the weights are gathere
 gradients reduce-scattered back to pieces and the update runs on the pieces (`revtrain.trainers.specs`).
 
 `LayerPrograms` is an object the trainer owns (``ReversibleTrainer.programs``), made from what it declares:
-the optimizer, the layers' split (`StateSpecs`), the rebuild flavour, the update's form and a compile function
+the optimizer, the layers' split (`StateSpecs`), the rebuild flavour and a compile function
 (the trainer's: ``jit(shard_map(...))`` over its mesh, each call through its dispatch limiter). Its public
 methods give the programs a step runs (`per_layer`, `top_head`, `run`): the trainer's step, the memory plan and
 the budget planner (`revtrain.planning`) take them from here, so a program compiled for a plan is the one the
@@ -49,22 +49,21 @@ class LayerPrograms:
       compile: ``compile(kind, layer, fn, in_specs, out_specs, donate=(), key=None, donate_if_used=())`` ->
         the jitted ``shard_map`` of ``partial(fn, layer)``, cached under ``key`` (default ``(kind, layer)``):
         `TrainerBase._compiled`, or `compile_on` a mesh.
-      branch_update: the per-layer update's form (`layerwise.guarded_update`'s ``branch``: the disk tier's).
     """
 
-    def __init__(self, tx, specs, rebuild_mode, compile, branch_update: bool = False):
+    def __init__(self, tx, specs, rebuild_mode, compile):
         self.tx, self.specs, self.rebuild_mode = tx, specs, rebuild_mode
-        self.compile, self.branch_update = compile, branch_update
+        self.compile = compile
         # What the planners read of these programs compiled on a batch shape (`revtrain.planning.costs`), kept
         # with them: a later plan of the same trainer compiles nothing again.
         self.readings: dict = {}
 
     @classmethod
-    def on_mesh(cls, model, tx, mesh, rebuild: str = "exact", branch_update: bool = False) -> "LayerPrograms":
+    def on_mesh(cls, model, tx, mesh, rebuild: str = "exact") -> "LayerPrograms":
         """The programs of a trainer choice without a trainer: ``model``'s layers unsplit on ``mesh`` (the memory
         plan's alternatives, on one device), compiled by `compile_on` (no dispatch limiter)."""
         from revtrain.trainers.specs import StateSpecs
-        return cls(tx, StateSpecs(model, tx, mesh.size, False), REBUILDS[rebuild], compile_on(mesh), branch_update)
+        return cls(tx, StateSpecs(model, tx, mesh.size, False), REBUILDS[rebuild], compile_on(mesh))
 
     # -- the per-layer fused functions (run inside shard_map over "data") ---------------------------
     # With shard_state each takes the local pieces of its layer's weights and optimizer state: the weights
@@ -233,15 +232,13 @@ class LayerPrograms:
     def _reverse_and_update(self, layer, params, opt_state, state, y, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(y))
         x, dx, grads = self.block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.branch_update,
-                                                     across=self.specs.across)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self.specs.across)
         return x, dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
     def _recompute_and_update(self, layer, params, opt_state, state, x, dy, skey, index):
         keys = example_keys(skey, index, batch_size_of(x))
         _, dx, grads = self.block_grads(REMAT, layer, params, state, x, dy, keys)
-        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, branch=self.branch_update,
-                                                     across=self.specs.across)
+        new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self.specs.across)
         return dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----

@@ -193,8 +193,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         if self.residency.streamed:
             self._limit = self.residency.store.bounded(self._limit)  # the layers in flight, bounded
         # The per-layer programs (`programs.LayerPrograms`): the step, the planners and check compile them here.
-        self.programs = LayerPrograms(optimizer, self.specs, self.rebuild_mode, self._compiled,
-                                      self.residency.branch_update)
+        self.programs = LayerPrograms(optimizer, self.specs, self.rebuild_mode, self._compiled)
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
         num_layers = len(model.layers)

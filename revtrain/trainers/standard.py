@@ -189,7 +189,7 @@ class StandardTrainer(TrainerBase):
             correct = stats["correct"]
         finite = jnp.stack([all_finite(g) for g in grads])
         new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
-                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)), branch=True)
+                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)))
         metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": optax.global_norm(grads)}
         return new_params, new_opt, new_states, metrics, finite
 
