@@ -31,8 +31,9 @@ puts in the same order; the writer thread writes each updated layer's file.
 
 **Depth on the CPU.** On the CPU backend the device's memory is host memory: every layer in flight is host
 memory too, and a copy runs on the cores that compute. There the depth is 0: program k's layer is put right
-before it is dispatched, once program k - 1 has finished (docs/streaming.md has the host memory this saves);
-`Store.depth` can be set.
+before it is dispatched, once program k - 1 has finished and its updated layer is back in host memory (the
+update's device buffers are then free: one layer in flight, not two; docs/streaming.md has the host memory
+this saves); `Store.depth` can be set.
 
 **Host memory as the store.** `HostStore` keeps a layer's state as JAX arrays in a host memory kind:
 ``unpinned_host`` (ordinary pageable memory) where the backend has it, else ``pinned_host``. A step replaces
@@ -371,6 +372,7 @@ class StepStream:
         self._loads: dict = {}  # (k, g, part) -> Future of its host buffers (a threaded store)
         self._used: set = set()  # (k, g, part) taken by `get`
         self._tokens: dict = {}  # k -> a small output of program k (what the bound waits on)
+        self._backs: dict = {}  # k -> program k's write-backs to host memory (waited with it at depth 0)
         self._waited = -1  # programs waited for, up to this one
         self._updates: dict = {}  # g -> {part: value}
         self._kept: dict = {}  # g -> a block input kept for the backward (`keep`)
@@ -406,10 +408,12 @@ class StepStream:
         to ``k + depth``."""
         self._k = k
         for j in range(self._waited + 1, k - max(self.depth, 1) + 1):
-            token = self._tokens.pop(j, None)
-            if token is not None:
+            token, backs = self._tokens.pop(j, None), self._backs.pop(j, ())
+            if token is not None or backs:
                 self._record("wait", "program", j)
                 wait(token)
+                for back in backs:  # (depth 0: its update's copy to host memory too, `put`)
+                    wait((back.params, back.opt_state))
             self._waited = j
         last = len(self.programs) - 1
         if self._owed:  # (those whose source is there now first, in order)
@@ -581,6 +585,11 @@ class StepStream:
             self.write_seconds += time.perf_counter() - start
             self.write_bytes += self.store.nbytes(new)
             self._record("back", self._k, g, "state")
+            if self.depth == 0:
+                # Where every layer in flight is RAM (the CPU), the next program's put waits for this copy
+                # too: the update's device buffers are then free before the next layer is put, so one layer
+                # is in flight, not two (docs/streaming.md).
+                self._backs.setdefault(self._k, []).append(new)
             if self.release is not None:  # its old state is let go at once (the runtime holds it for the copies)
                 self.refs[g] = None
                 self.release(g)
@@ -621,6 +630,7 @@ class StepStream:
             for future in self._links.values():
                 future.result()
             self._loads.clear(), self._links.clear(), self._puts.clear(), self._tokens.clear(), self._kept.clear()
+            self._backs.clear()
 
     def finish(self) -> list:
         """Waits for every file written; returns the new ref of each group (a group not updated keeps its

@@ -42,7 +42,9 @@
 # Budget: each group's points start while its own clock is under its budget (GROUP_BUDGET_S overrides all;
 # first_contact 225 s, the others 480 s); a point that would start later is recorded as skipped, and each process
 # is limited to POINT_LIMIT_S (default 100 s) or what its group has left. A DRY_RUN's groups keep the same budgets
-# on a 2-core CPU (docs/gpu.md has their times).
+# on a 2-core CPU (docs/gpu.md has their times); a dry run's points share one compilation cache and compile without
+# LLVM's optimizations (it checks the wiring, not speed). Each record carries its process's wall seconds (point_s)
+# and CPU seconds (point_cpu_s, user + system: what a loaded machine stretches, not what it costs).
 # Environment: PYTHON (default .venv/bin/python, else python3).
 #
 # On a GPU image without network (docs/gpu.md): when the Python packages revtrain imports are missing, they are
@@ -96,6 +98,15 @@ fi
 DRY=${DRY_RUN:-0}
 if [ "$DRY" = 1 ]; then
   export JAX_PLATFORMS=cpu
+  # A dry run checks the wiring, not speed: its points share one compilation cache (JAX's persistent cache,
+  # for this run only), so a program that an earlier point compiled (the same per-layer programs at the same
+  # tiny shapes) is read back instead of compiled again (on this 2-core CPU compilation is most of a point's
+  # CPU time: 13.6 s of CPU for a dry-run offload point without the cache, 4.5 s with it; docs/gpu.md).
+  export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$TMP/jax_cache}
+  export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
+  export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=${JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES:--1}
+  # and compile without LLVM's optimizations (10.3 s of CPU for that point against 13.6-17.2 s).
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
 fi
 export PYTHONPATH="${PYTHONPATH:-$PWD}"
 
@@ -130,6 +141,10 @@ selected() {  # selected ID: POINTS names ID or its group
   return 1
 }
 
+cpu_seconds() {  # cpu_seconds FILE: user + system seconds of the children in a `times` output (its 2nd line)
+  sed -n 2p "$1" | awk '{ n = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); n += a[1] * 60 + a[2] }; print n }'
+}
+
 point() {  # [SCRIPT=scripts/X.py] point ID NAME [env assignments --] the script's arguments (default bench_trainers.py)
   local id=$1 name=$2; shift 2
   selected "$id" || return 0
@@ -149,20 +164,25 @@ point() {  # [SCRIPT=scripts/X.py] point ID NAME [env assignments --] the script
   [ "$left" -lt "$limit" ] && limit=$left
   echo "gpu_report: $id: $name" >&2
   local t0=$(date +%s)
+  times > "$TMP/times0"  # (the CPU seconds of this shell's children, before and after: the point's own)
   env "${envs[@]}" timeout -k 5 "$limit" "$PY" "${SCRIPT:-scripts/bench_trainers.py}" "$@" > "$TMP/out" 2> "$TMP/err"
   local rc=$? seconds=$(( $(date +%s) - t0 ))
+  times > "$TMP/times1"
+  local cpu
+  cpu=$(cpu_seconds "$TMP/times1")-$(cpu_seconds "$TMP/times0")
+  cpu=$(awk "BEGIN { printf \"%.1f\", $cpu }")
   local line
   line=$(grep '^{' "$TMP/out" | tail -1)
   if [ -n "$line" ]; then
-    printf '%s\n' "$line" | "$PY" -c 'import json,sys; r=json.loads(sys.stdin.read()); r.update(name=sys.argv[1], point_id=sys.argv[2], group=sys.argv[3], point_s=int(sys.argv[4])); print(json.dumps(r))' \
-      "$name" "$id" "$GROUP" "$seconds" > "$file"
+    printf '%s\n' "$line" | "$PY" -c 'import json,sys; r=json.loads(sys.stdin.read()); r.update(name=sys.argv[1], point_id=sys.argv[2], group=sys.argv[3], point_s=int(sys.argv[4]), point_cpu_s=float(sys.argv[5])); print(json.dumps(r))' \
+      "$name" "$id" "$GROUP" "$seconds" "$cpu" > "$file"
   else
     local why="exit status $rc"
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && why="killed after $limit s"
     local tail_err
     tail_err=$(tail -1 "$TMP/err" | tr -d '"\\' | tr -d '\000-\037' | cut -c1-300)
-    printf '{"name": "%s", "point_id": "%s", "group": "%s", "status": "error", "error": "%s: %s", "point_s": %s}\n' \
-      "$name" "$id" "$GROUP" "$why" "$tail_err" "$seconds" > "$file"
+    printf '{"name": "%s", "point_id": "%s", "group": "%s", "status": "error", "error": "%s: %s", "point_s": %s, "point_cpu_s": %s}\n' \
+      "$name" "$id" "$GROUP" "$why" "$tail_err" "$seconds" "$cpu" > "$file"
   fi
   echo "gpu_report: $id $(grep -o '"status": "[^"]*"' "$file") in $seconds s" >&2
 }
@@ -293,9 +313,11 @@ for r in records:
     if mem and mem.get("tokens_per_sec") and r.get("tokens_per_sec"):
         r["tokens_per_sec_to_memory"] = r["tokens_per_sec"] / mem["tokens_per_sec"]
 report = {"dry_run": dry, "points": points, "seconds": seconds, "records": records, "group_seconds": {}}
+report["group_cpu_seconds"] = {}
 for r in records:
     g = r.get("group", "")
     report["group_seconds"][g] = report["group_seconds"].get(g, 0) + r.get("point_s", 0)
+    report["group_cpu_seconds"][g] = round(report["group_cpu_seconds"].get(g, 0) + r.get("point_cpu_s", 0), 1)
 pathlib.Path(out).write_text(json.dumps(report, indent=1) + "\n")
 G = 2**30
 pad = " " * 23
@@ -348,5 +370,7 @@ for r in records:
         print(f"{pad}weights + Adam {r['state_bytes'] / G:.1f} GiB = "
               f"{r['state_bytes'] / r['device_bytes_limit']:.1f}x the device limit")
 print("seconds by group (its points' processes): " + ", ".join(f"{g} {s}" for g, s in report["group_seconds"].items()))
+print("CPU seconds by group (user + system of its points' processes): "
+      + ", ".join(f"{g} {s}" for g, s in report["group_cpu_seconds"].items()))
 print(f"wrote {out} ({seconds} s)")
 EOF

@@ -68,6 +68,9 @@ def walk(plan: "Plan", residency, params: list, slot: list, states, new_states: 
         else:
             y, dy, *rest = block.backward(params[g], slot[g], states[g], y, dy, ctx, block.index)
         store(g, rest)
+        # The program's results are the store's now: no name here keeps the updated layer alive while the
+        # next program's layer is put (on the CPU both would be RAM at once).
+        rest = out = None
 
 
 @dataclasses.dataclass
