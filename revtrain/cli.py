@@ -547,7 +547,7 @@ def _plan_command(args) -> int:
         print(budget.line())
     plans = planning.choices(run, with_standard=True)
     print(plans[0].line(optimizer=planning.optimizer_text(run.cfg)))
-    memory_line = getattr(run.trainer.residency, "memory_line", None)  # the host tier: where its state lives
+    memory_line = run.trainer.residency.memory_line  # the host tier's: where its state lives
     if memory_line:  # (the line `train` logs, with the pinned pool's variables it set)
         print(memory_line)
     print(planning.table(plans))

@@ -61,12 +61,12 @@ def plan_run(run, limits: dict | None = None, programs: PlanPrograms | None = No
 
 
 def _disk_spec(run) -> dict:
-    """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
-    tier = run.trainer.residency.disk  # (None: no disk tier)
-    directory = (tier.directory if tier is not None else None) or os.path.join(os.getcwd(), "offload")
-    workdir = tier.workdir if tier is not None else None
-    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
-            "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
+    """What a tier with a store of its own counts beyond its files (`Tier.store_parts`, `Tier.capacity`): the
+    run's kept checkpoints, checkpoint period and checkpoints' directory (under the workdir its tier was
+    attached to; space the run holds already)."""
+    workdir = run.trainer.residency.workdir
+    return {"keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
+            "checkpoints": os.path.join(os.path.abspath(workdir), "checkpoints") if workdir else None}
 
 
 def _eval_spec(run) -> dict | None:

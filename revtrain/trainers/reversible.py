@@ -517,7 +517,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
     def memory_setup(self) -> dict:
         label = self.residency.trainer_label("ReversibleTrainer", " + shard_state" if self.shard_state else "")
-        return {"trainer": "reversible", "label": label, **self.residency.setup_terms(),
+        return {"trainer": "reversible", "label": label, "tier": self.residency,
                 "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}
