@@ -364,6 +364,10 @@ class PlanPrograms:
         self.trainer, self.own = trainer, own
         self.cache: dict = {}
         self._layer_programs: dict = {}
+        # The walks of plans that differ in their tier only (``offload = 'auto'``): None, each plan walks its own
+        # programs; a dict, the first walk of a choice is every tier's (the tiers differ in where the state
+        # lives, not in the programs).
+        self.shared_walks: dict | None = None
 
     def is_own(self, setup) -> bool:
         """Whether ``setup`` is the run's own trainer's choice (its programs are the run's)."""

@@ -240,7 +240,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     n = max(num_devices, 1)
     one_tier = platform == "cpu"  # (the CPU backend: device memory is host memory)
     shapes = shapes_of(model, setup, batch_spec, n, global_devices)
-    walk = _walk_programs(model, setup, shapes, programs, global_devices or n)
+    walk = _shared_walk(model, setup, shapes, programs, global_devices or n)
     state = state_bytes(setup, shapes.pshapes, shapes.oshapes, n)
     if setup.trainer == "standard":
         step = _standard_step(model, setup, shapes, walk, state, programs, whole_step)
@@ -350,6 +350,18 @@ def _walk_programs(model, setup: Setup, shapes: Shapes, programs: PlanPrograms, 
     if own:
         walk.temps += programs.own_temporaries(local_batch(batch, shapes.b * global_devices))
     return walk
+
+
+def _shared_walk(model, setup: Setup, shapes: Shapes, programs: PlanPrograms, global_devices: int) -> _Walk:
+    """`_walk_programs`, or, where ``programs.shared_walks`` is a dict, the walk of an earlier plan of the same
+    choice on another tier (the programs are the same; ``offload = 'auto'`` compiles them once)."""
+    walks = programs.shared_walks
+    if walks is None:
+        return _walk_programs(model, setup, shapes, programs, global_devices)
+    key = (id(model), dataclasses.replace(setup, tier=None, label="", settings=()))
+    if key not in walks:
+        walks[key] = _walk_programs(model, setup, shapes, programs, global_devices)
+    return walks[key]
 
 
 @dataclasses.dataclass

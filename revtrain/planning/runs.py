@@ -3,12 +3,13 @@ check ``revtrain train`` runs before placing the state, and the memory budget's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 
-from revtrain.limits import device_limit, host_limit
+from revtrain.limits import device_limit, gib, host_limit
 from revtrain.planning.setups import Setup, alternatives, setup_of
 from revtrain.planning.costs import PlanPrograms
 from revtrain.planning.memory import MemoryPlan, MemoryPlanError, floor, plan
@@ -176,3 +177,65 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
     if log is not None:
         log(own.line())
     return own
+
+
+# ``ReversibleTrainer.offload = 'auto'``: the tiers it weighs, fastest first.
+AUTO_ORDER = ("device", "host", "disk")
+
+
+def choose_tier(run, limits: dict | None = None) -> str:
+    """Chooses the tier of a run whose trainer has ``offload = 'auto'`` (`TrainerBase.auto_tier`): the first of
+    `AUTO_ORDER` (device, host, disk: fastest first) whose memory plan fits this machine, made the trainer's
+    (`ReversibleTrainer.use_tier`) before its state is placed. Returns the one line that says which and why
+    (``"offload = 'auto': host tier (device tier: host needs at least 9.10 GiB of 8.00 GiB (...))"``).
+
+    Each tier is planned from shapes first (`floor`, nothing compiled) and only a tier whose floor fits with
+    compiled programs (`plan`); the programs are walked once, for the first tier planned, and every later
+    tier's plan reuses that walk (``PlanPrograms.shared_walks``: the tiers differ in where the state lives, not
+    in the programs), so choosing costs about one fixed tier's plan. The device tier's plan is the run's own:
+    its programs are those the run then calls. A tier that cannot run here (`Tier.refusal`, the host tier on a
+    backend without host memory) is passed over with its reason.
+
+    Args:
+      run: a built run (`revtrain.run.build`) whose trainer has ``auto_tier``.
+      limits: ``{tier: (bytes or None, source)}`` instead of the process's own (`host_limit`, `device_limit`).
+
+    Raises:
+      MemoryPlanError: no tier fits (one line: each tier and what it needs), or the task cannot say its batch's
+        shapes.
+    """
+    trainer = run.trainer
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        raise MemoryPlanError(f"ReversibleTrainer.offload = 'auto' plans the tiers from the batch's shapes, and "
+                              f"{type(run.task).__name__} has no input_spec: set ReversibleTrainer.offload")
+    limits, local = limits or _limits(), _local_devices(run.mesh)
+    programs = programs_of(run)
+    programs.shared_walks = {}
+    own, base = programs.own, trainer.residency
+    passed = []
+    for name in AUTO_ORDER:
+        tier = base if name == base.name else base.peer(name)
+        why = tier.refusal()
+        if tier.state_memory == "host" and not _host_memory_supported(run.mesh):
+            why = why or "the backend has no host memory space"
+        if why:
+            passed.append(f"{name} tier: {why}")
+            continue
+        setup = own if tier is base else dataclasses.replace(
+            own, tier=tier, label=tier.trainer_label("ReversibleTrainer", " + shard_state" if own.shard_state else ""))
+        kw = dict(limits=limits, programs=programs, global_devices=run.mesh.size, disk=_disk_spec(run))
+        made = floor(run.model, setup, spec, local, **kw)
+        if made.fits:
+            made = plan(run.model, setup, spec, local, eval_spec=_eval_spec(run), **kw)
+        if made.fits:
+            if tier is not base:
+                trainer.use_tier(tier)
+            trainer.auto_tier = False
+            fits = ", ".join(f"{t} {gib(made.total(t))} of {gib(made.limits[t])}" for t in made.tiers
+                             if made.limits.get(t) is not None)
+            why = "; ".join(passed) if passed else f"its plan fits: {fits}"
+            return f"ReversibleTrainer.offload = 'auto': {name} tier ({why})"
+        passed.append(f"{name} tier: {made.shortfall()}")
+    raise MemoryPlanError("ReversibleTrainer.offload = 'auto': no tier fits this machine (" + "; ".join(passed)
+                          + "); a smaller model or batch would (revtrain plan lists the choices)")

@@ -398,6 +398,7 @@ class TrainerBase:
 
     name: str = ""
     residency = None  # where weights and optimizer state live between uses: each trainer sets its tier
+    auto_tier = False  # True until the memory plan chooses the tier (``ReversibleTrainer.offload = 'auto'``)
     specs = None  # how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`)
     memory_budget: int | None = None
     budget_plan = None
