@@ -194,7 +194,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             tier = from_gin(False if self.auto_tier else offload, mesh, shard_state,
                             None if self.auto_tier else offload_dir)
         except ValueError as e:
-            raise TrainerError(str(e).replace(" or a registered tier", ", 'auto' or a registered tier")) from None
+            raise TrainerError(f"{e} (or 'auto': the memory plan chooses)") from None
         self._unbounded, self._programs_tx = self._limit, optimizer  # (what `use_tier` builds on)
         self.use_tier(tier)
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
