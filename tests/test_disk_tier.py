@@ -16,6 +16,7 @@ from revtrain import checkpoint as ckpt_lib
 from revtrain.tiers import disk_format
 from revtrain.tiers import disk_links
 from revtrain.tiers import disk_probes
+from revtrain.tiers.disk import DiskTier
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
 from revtrain.errors import ConfigError
@@ -406,8 +407,9 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     model, tx = _model(), optax.adamw(1e-3)
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
     limits = {"host": (2**50, "test")}
-    disk = {"directory": str(tmp_path / "offload"), "keep": 2, "every": 5}
-    plan = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    disk = {"keep": 2, "every": 5}
+    tier = DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))  # (the plan asks it)
+    plan = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
                             limits=limits, platform="cpu", disk=disk)
     layers = [disk_format.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
     weights = sum(lay.nbytes("params") for lay in layers)
@@ -425,10 +427,10 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
     assert plan.io["write_bytes"] == weights + opt
     assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
-    every_step = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    every_step = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
                                   limits=limits, platform="cpu", disk=dict(disk, every=1))
     assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
-    short = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
+    short = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
                              limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
     assert not short.fits and "keep_checkpoints" in planning.refusal(short, [])
 
@@ -445,10 +447,10 @@ def test_the_bandwidth_is_not_probed_on_a_nearly_full_disk(tmp_path, monkeypatch
     assert measured == {"read": None, "write": None, "source": "not measured: too little free space"}
     assert list(tmp_path.iterdir()) == []
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
-    plan = planning.plan(_model(), planning.Setup("reversible", optax.adamw(1e-3), 4, disk=True, label="d"),
-                            spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu",
-                            disk={"directory": str(tmp_path / "offload")})
-    plan.io = planning.memory._io(plan.io["read_bytes"], plan.io["write_bytes"], measured)
+    tier = DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))
+    tier.bandwidth = lambda: measured  # (the directory's figure: its cached one is another disk's)
+    plan = planning.plan(_model(), planning.Setup("reversible", optax.adamw(1e-3), 4, tier=tier, label="d"),
+                            spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu")
     assert "(bandwidth not measured: too little free space)" in plan.line() and " s a step" not in plan.line()
 
 
