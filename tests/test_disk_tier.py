@@ -541,7 +541,7 @@ def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
 def test_layer_cycle_reads_each_layer_per_pass_and_one_ahead(tmp_path):
     trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=1)
     from revtrain.disk_generate import LayerCycle
-    cycle = LayerCycle(trainer.residency.disk, ts.params, None)
+    cycle = LayerCycle(trainer.residency.store, ts.params, None)
     order = [0, 1, 2, 3, 4, 5, 0, 1, 3, 4]  # (3 out of order: read on demand, the read ahead dropped)
     got = [cycle.get(i) for i in order]
     cycle.close()
