@@ -410,7 +410,7 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     disk = {"keep": 2, "every": 5}
     tier = DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))  # (the plan asks it)
     plan = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
-                            limits=limits, platform="cpu", disk=disk)
+                            limits=limits, platform="cpu", store=disk)
     layers = [disk_format.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
     weights = sum(lay.nbytes("params") for lay in layers)
     opt = sum(lay.nbytes("opt") for lay in layers)
@@ -422,16 +422,16 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     # On disk: two steps' files, and two kept checkpoints the tier has moved past.
     assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
     # The floor (shapes alone, nothing compiled) holds the disk tier whole: a disk too small is refused from it.
-    low = planning.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", disk=disk)
+    low = planning.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", store=disk)
     assert low.tiers["disk"] == plan.tiers["disk"]
     assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
     assert plan.io["write_bytes"] == weights + opt
     assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
     every_step = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
-                                  limits=limits, platform="cpu", disk=dict(disk, every=1))
+                                  limits=limits, platform="cpu", store=dict(disk, every=1))
     assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
     short = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
-                             limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
+                             limits=dict(limits, disk=(1000, "test")), platform="cpu", store=disk)
     assert not short.fits and "keep_checkpoints" in planning.refusal(short, [])
 
 

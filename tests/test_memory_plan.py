@@ -402,12 +402,12 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared,
              (planning.Setup("reversible", tx, B, tier=_host(pageable=False)), 1, "gpu"),
              (planning.Setup("reversible", tx, B, tier=_host(), shard_state=True, deferred=True), 2, "cpu"),
              (planning.Setup("reversible", tx, B, tier=_disk(tmp_path), deferred=True), 1, "gpu")]
-    floors = [planning.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
+    floors = [planning.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, store=disk)
               for s, n, p in cases]
     assert compiles() == 0
     for (setup, n, platform), low in zip(cases, floors):
         full = planning.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
-                                programs=programs, platform=platform, disk=disk)
+                                programs=programs, platform=platform, store=disk)
         assert low.floor and not full.floor and list(low.tiers) == list(full.tiers), setup
         for tier, parts in low.tiers.items():
             assert low.total(tier) <= full.total(tier), (setup, tier)
@@ -458,7 +458,7 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     def compiled(limits):  # what the plan said before the floor: every choice compiled
         own = planning.plan_run(run, limits, programs)
         others = [planning.plan(run.model, s, spec, 1, limits=limits, programs=programs, global_devices=1,
-                                   eval_spec=planning.runs._eval_spec(run), disk=planning.runs._disk_spec(run))
+                                   eval_spec=planning.runs._eval_spec(run), store=planning.runs._store_spec(run))
                   for s in setups]
         return own, others
 

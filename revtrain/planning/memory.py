@@ -212,7 +212,7 @@ class MemoryPlan:
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
          programs: PlanPrograms | None = None, platform: str | None = None, whole_step: bool = True,
-         global_devices: int | None = None, eval_spec: dict | None = None, disk: dict | None = None) -> MemoryPlan:
+         global_devices: int | None = None, eval_spec: dict | None = None, store: dict | None = None) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -228,7 +228,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
       global_devices: devices of every process (default ``num_devices``): the batch is split over them.
       eval_spec: ``{key: jax.ShapeDtypeStruct}`` of a global evaluation batch (None: no evaluation counted).
-      disk: for a tier with a store of its own (`Tier.store_parts`), ``{"keep", "every", "checkpoints"}``
+      store: for a tier with a store of its own (`Tier.store_parts`), ``{"keep", "every", "checkpoints"}``
         (``train.keep_checkpoints``, ``train.checkpoint_every``, the checkpoints' directory: space the run holds
         already; default 3, 0, none); the store's directory is the tier's.
 
@@ -253,10 +253,10 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
             evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
     io = None
     if where is None:
-        io = _store_tier_and_io(model, setup, shapes, state, tiers, disk)
+        io = _store_tier_and_io(model, setup, shapes, state, tiers, store)
     elif where == "host":
         _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
-    return _against_limits(setup, tiers, limits, one_tier, disk, step.method, shapes.pshapes, io=io)
+    return _against_limits(setup, tiers, limits, one_tier, store, step.method, shapes.pshapes, io=io)
 
 
 def _host_tier_pinned(setup: Setup, tiers: dict, state: tuple, step: "_Step", n: int, platform: str,
@@ -474,11 +474,11 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
     return {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
 
 
-def _store_tier(setup: Setup, shapes: Shapes, state: tuple, tiers: dict, disk: dict | None) -> tuple:
+def _store_tier(setup: Setup, shapes: Shapes, state: tuple, tiers: dict, store: dict | None) -> tuple:
     """Adds the tier's own store to ``tiers`` (under its name), from shapes alone (the plan's and the floor's
     alike): what `Tier.store_parts` says it holds for whole layers. Returns ``(weights, optimizer state,
     per-layer bytes)`` of the store."""
-    spec, tier = disk or {}, tier_of(setup)
+    spec, tier = store or {}, tier_of(setup)
     weights, opt, layer_bytes = state[0], state[1], state[2]
     if setup.shard_state:  # the store holds whole layers
         weights, opt = tree_nbytes(shapes.pshapes), tree_nbytes(shapes.oshapes)
@@ -486,10 +486,10 @@ def _store_tier(setup: Setup, shapes: Shapes, state: tuple, tiers: dict, disk: d
     return weights, opt, layer_bytes
 
 
-def _store_tier_and_io(model, setup: Setup, shapes: Shapes, state: tuple, tiers: dict, disk: dict | None) -> dict:
+def _store_tier_and_io(model, setup: Setup, shapes: Shapes, state: tuple, tiers: dict, store: dict | None) -> dict:
     """Adds the tier's own store to ``tiers`` (`_store_tier`) and returns the step's reads and writes
     (`Tier.step_io`)."""
-    weights, opt, layer_bytes = _store_tier(setup, shapes, state, tiers, disk)
+    weights, opt, layer_bytes = _store_tier(setup, shapes, state, tiers, store)
     deferred = None
     if setup.deferred:
         owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
@@ -497,7 +497,7 @@ def _store_tier_and_io(model, setup: Setup, shapes: Shapes, state: tuple, tiers:
     return tier_of(setup).step_io(weights, opt, layer_bytes[-1], deferred)
 
 
-def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bool, disk: dict | None, method: str,
+def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bool, store: dict | None, method: str,
                     pshapes: list, io: dict | None = None, floor: bool = False) -> MemoryPlan:
     """The `MemoryPlan` of ``tiers`` against ``limits`` (default: the process's host limit, the device's, the
     free space of the tier's own store (`Tier.capacity`), the pinned host pool)."""
@@ -506,10 +506,10 @@ def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bo
         if not one_tier:
             limits["device"] = device_limit()
     limits = dict(limits)
-    store = tier_of(setup).name
-    if store in tiers and store not in limits:
-        held = [d for d in ((disk or {}).get("checkpoints"),) if d]
-        limits[store] = tier_of(setup).capacity(held)
+    own = tier_of(setup).name  # (the tier's own store, counted under its name)
+    if own in tiers and own not in limits:
+        held = [d for d in ((store or {}).get("checkpoints"),) if d]
+        limits[own] = tier_of(setup).capacity(held)
     if "pinned" in tiers and "pinned" not in limits:
         limits["pinned"] = ((limits["host"][0], "pinned host memory is host RAM on the CPU backend") if one_tier
                             else pinned_limit())
@@ -525,7 +525,7 @@ FLOOR_METHOD = "from shapes alone, nothing compiled"
 
 def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
           programs: PlanPrograms | None = None, platform: str | None = None, global_devices: int | None = None,
-          disk: dict | None = None) -> MemoryPlan:
+          store: dict | None = None) -> MemoryPlan:
     """The least `plan` says for ``setup``, from shapes alone: no program is compiled (a second or less).
 
     Each tier gets, in the places `plan` puts them (the host with offload, the layers in flight and the disk
@@ -551,7 +551,7 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     any program is compiled (docs/memory.md: the 1.44 B `StandardTrainer` refusal).
 
     Args:
-      model, setup, batch_spec, num_devices, limits, programs, platform, global_devices, disk: as for `plan`.
+      model, setup, batch_spec, num_devices, limits, programs, platform, global_devices, store: as for `plan`.
 
     Returns:
       a `MemoryPlan` with ``floor=True`` and ``method`` `FLOOR_METHOD` (no ``io``).
@@ -572,10 +572,10 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     tiers = _place(model, setup, step, state, n, one_tier)
     where = tier_of(setup).state_memory if reversible else "device"
     if where is None:  # the plan's store whole: it needs shapes only
-        _store_tier(setup, shapes, state, tiers, disk)
+        _store_tier(setup, shapes, state, tiers, store)
     elif where == "host":
         _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
-    return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
+    return _against_limits(setup, tiers, limits, one_tier, store, FLOOR_METHOD, shapes.pshapes, floor=True)
 
 
 def _traced_inputs(model, shapes: Shapes, programs: PlanPrograms) -> tuple[int, int]:

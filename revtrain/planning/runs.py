@@ -58,10 +58,10 @@ def plan_run(run, limits: dict | None = None, programs: PlanPrograms | None = No
                               "shapes (train.memory_plan = False skips it)")
     return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
                 programs=programs if programs is not None else programs_of(run), global_devices=run.mesh.size,
-                eval_spec=_eval_spec(run), disk=_disk_spec(run))
+                eval_spec=_eval_spec(run), store=_store_spec(run))
 
 
-def _disk_spec(run) -> dict:
+def _store_spec(run) -> dict:
     """What a tier with a store of its own counts beyond its files (`Tier.store_parts`, `Tier.capacity`): the
     run's kept checkpoints, checkpoint period and checkpoints' directory (under the workdir its tier was
     attached to; space the run holds already)."""
@@ -116,10 +116,10 @@ def choices(run, limits: dict | None = None, programs: PlanPrograms | None = Non
         if least and any(p.fits and set(p.setup.settings) < set(s.settings) for p in planned.values()):
             continue
         shapes_only = floor(run.model, s, spec, local, limits=limits, programs=programs,
-                            global_devices=run.mesh.size, disk=_disk_spec(run))
+                            global_devices=run.mesh.size, store=_store_spec(run))
         planned[i] = shapes_only if not shapes_only.fits else plan(
             run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
-            eval_spec=_eval_spec(run), disk=_disk_spec(run))
+            eval_spec=_eval_spec(run), store=_store_spec(run))
     return [own] + [planned[i] for i in sorted(planned)]
 
 
@@ -138,7 +138,7 @@ def floor_run(run, limits: dict | None = None, programs: PlanPrograms | None = N
         return plan_run(run, limits, programs)
     return floor(run.model, setup_of(run.trainer, run.cfg.batch_size), spec,
                  _local_devices(run.mesh), limits=limits, programs=programs, global_devices=run.mesh.size,
-                 disk=_disk_spec(run))
+                 store=_store_spec(run))
 
 
 def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | None:
@@ -224,7 +224,7 @@ def choose_tier(run, limits: dict | None = None) -> str:
             continue
         setup = own if tier is base else dataclasses.replace(
             own, tier=tier, label=tier.trainer_label("ReversibleTrainer", " + shard_state" if own.shard_state else ""))
-        kw = dict(limits=limits, programs=programs, global_devices=run.mesh.size, disk=_disk_spec(run))
+        kw = dict(limits=limits, programs=programs, global_devices=run.mesh.size, store=_store_spec(run))
         made = floor(run.model, setup, spec, local, **kw)
         if made.fits:
             made = plan(run.model, setup, spec, local, eval_spec=_eval_spec(run), **kw)
