@@ -167,8 +167,10 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
-    if not own.fits:  # (a disk that is too small names no other trainer choice: none is planned)
-        others = [] if short_tier(own) == "disk" else choices(run, limits, programs, own, least=True)[1:]
+    if not own.fits:
+        store = run.trainer.residency  # (its own store too small: no other trainer choice is planned)
+        short = store.state_memory is None and short_tier(own) == store.name
+        others = [] if short else choices(run, limits, programs, own, least=True)[1:]
         raise MemoryPlanError(refusal(own, others))
     if not all(fits):
         bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)

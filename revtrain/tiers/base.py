@@ -260,6 +260,11 @@ class Tier(abc.ABC):
         the store too. None for a tier without a store of its own (its state is counted in memory)."""
         return None
 
+    def store_advice(self) -> tuple[str, str]:
+        """What a refusal says when the tier's own store is too small (`revtrain.planning.refusal`): what the
+        store holds, and what would make room (a tier with a store of its own overrides it)."""
+        return f"the {self.name} tier's store", f"give the {self.name} tier's store more room"
+
     def step_io(self, weights: int, opt: int, head_weights: int, deferred: tuple | None = None) -> dict | None:
         """A step's I/O between the tier's own store and memory: ``{"read_bytes", "write_bytes",
         "read_bandwidth", "write_bandwidth" (B/s or None), "seconds" (I/O alone, or None unmeasured),

@@ -129,6 +129,11 @@ class DiskTier(Tier):
             parts["gradients"] = 2 * weights
         return parts
 
+    def store_advice(self) -> tuple[str, str]:
+        return ("two steps' layer files and the kept checkpoints beyond them",
+                "free disk space, lower train.keep_checkpoints, set train.checkpoint_every = 1 (the newest checkpoint "
+                "then shares the live files) or put ReversibleTrainer.offload_dir on a larger disk")
+
     def step_io(self, weights: int, opt: int, head_weights: int, deferred: tuple | None = None) -> dict:
         """The layer files a step reads and writes (`io_per_step`; a deferred update's `disk_probes.deferred_io`)
         against the directory's sequential bandwidth (`disk_probes.bandwidth`: measured once, cached)."""
