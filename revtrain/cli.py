@@ -547,12 +547,9 @@ def _plan_command(args) -> int:
         print(budget.line())
     plans = planning.choices(run, with_standard=True)
     print(plans[0].line(optimizer=planning.optimizer_text(run.cfg)))
-    own = plans[0].setup
-    if own.offload:  # the host tier: where its state lives, the line `train` logs (with the pool it sized)
-        from revtrain import pinned
-        platform = run.mesh.devices.flat[0].platform
-        print(pinned.describe(own.host_kind or pinned.state_kind(platform), platform,
-                              switched=pinned.pageable_switched_off()))
+    memory_line = run.trainer.residency.memory_line  # the host tier's: where its state lives
+    if memory_line:  # (the line `train` logs, with the pinned pool's variables it set)
+        print(memory_line)
     print(planning.table(plans))
     return 0
 

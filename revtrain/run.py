@@ -182,16 +182,23 @@ class Run:
     plan: Any = None  # the `planning.MemoryPlan` made by `train` (None: not planned)
 
 
-def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: bool = True) -> Run:
+def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: bool = True,
+          limits: dict | None = None) -> Run:
     """Builds task, model, optimizer and trainer from the parsed gin config.
 
     Args:
       workdir: the run's workdir (``train``, ``eval``, ``sample``, ``export``, ``check --workdir``): the task
         gets the tokenizer kept there (`build_task`).
       say_data: print the data-preparation line here (``train`` prints it after its own checks).
+      limits: with ``ReversibleTrainer.offload = 'auto'``, the memory limits its tier is chosen against
+        (``{tier: (bytes or None, source)}``; default the process's own, `revtrain.limits`).
+
+    With ``ReversibleTrainer.offload = 'auto'`` the tier is chosen here, before anything is placed: the fastest
+    whose memory plan fits (`revtrain.planning.choose_tier`, one logged line).
 
     Raises:
-      ConfigError: invalid sizes or a batch not divisible by the device count.
+      ConfigError: invalid sizes or a batch not divisible by the device count; ``offload = 'auto'`` and no
+        tier fits (`revtrain.planning.MemoryPlanError`, one line).
       byte_lm.DataError: the data source is missing or unusable.
     """
     if cfg is None:
@@ -239,7 +246,11 @@ def build(cfg: TrainConfig | None = None, workdir: str | None = None, say_data: 
         raise ConfigError(ginconfig.call_error_line(e)) from e
     if say_data and task.data_prepared:  # said once the run is built: a configuration error stays the only line
         metrics_lib.log(task.data_status)
-    return Run(cfg, ecfg, task, model, trainer, schedule, mesh)
+    run = Run(cfg, ecfg, task, model, trainer, schedule, mesh)
+    if trainer.auto_tier:
+        from revtrain.planning.runs import choose_tier
+        metrics_lib.log(choose_tier(run, limits))
+    return run
 
 
 def build_task(cfg: TrainConfig, workdir: str | None = None) -> Task:

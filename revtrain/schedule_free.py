@@ -45,8 +45,8 @@ def restores_optimizer_state(trainer) -> bool:
     optimizer state too: a schedule-free one (`is_schedule_free`) whose state lives in memory (device or host
     tier: `evaluation_state` computes its evaluation weights); a disk-tier state's weights are its files,
     evaluated as trained."""
-    tier = getattr(getattr(trainer, "residency", None), "tier", None)
-    return tier != "disk" and is_schedule_free(trainer)
+    tier = getattr(trainer, "residency", None)  # (a state in memory: the tier's ``state_memory`` names it)
+    return (tier is None or tier.state_memory is not None) and is_schedule_free(trainer)
 
 
 def _evaluation_weights(state, params):

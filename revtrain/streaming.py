@@ -637,7 +637,7 @@ class StepStream:
         state, `Store.unchanged`) and ends the step in the store (`Store.end`).
 
         Raises:
-          OSError: a write failed (the store's error, e.g. `revtrain.disk_tier.DiskTierError`).
+          OSError: a write failed (the store's error, e.g. `revtrain.tiers.disk_format.DiskTierError`).
         """
         self._drain()
         new = []
@@ -775,11 +775,3 @@ class DeferredStream(StepStream):
         self._grad_refs, self._grad_held = [], {}
         return super().finish()
 
-
-def __getattr__(name: str):
-    """The host store's old names (`HostStore`, `HostLayer`), now in `revtrain.tiers.host_store` beside the disk
-    store: resolved on first use for the callers not yet moved to the tier object (the planners)."""
-    if name in ("HostStore", "HostLayer"):
-        from revtrain.tiers import host_store
-        return getattr(host_store, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

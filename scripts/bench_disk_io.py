@@ -1,4 +1,4 @@
-"""The disk tier's I/O, three ways (docs/disk.md): plain files (`revtrain.disk_tier`: one ``pwrite`` / ``readinto``
+"""The disk tier's I/O, three ways (docs/disk.md): plain files (`revtrain.tiers.disk_format`: one ``pwrite`` / ``readinto``
 per leaf, ``fdatasync``, page cache dropped), ``numpy.memmap``, and TensorStore (its ``zarr`` driver, one chunk
 per leaf). For each: write and read one layer-sized set of leaves, the bandwidth, and how much the process's
 resident set grows while reading (what a memory cgroup and the plan count).
@@ -31,14 +31,14 @@ def leaves(mib: int):
 
 
 def plain(directory, data):
-    from revtrain import disk_tier
-    layout = disk_tier.Layout.of(data, [])
+    from revtrain.tiers import disk_format
+    layout = disk_format.Layout.of(data, [])
     path = os.path.join(directory, "layer.bin")
     t = time.perf_counter()
-    disk_tier.write_layer(path, layout, list(data))
+    disk_format.write_layer(path, layout, list(data))
     w = time.perf_counter() - t
     before, t = rss(), time.perf_counter()
-    out = disk_tier.read_leaves(path, layout, "params")
+    out = disk_format.read_leaves(path, layout, "params")
     r = time.perf_counter() - t
     grown = rss() - before
     assert all(np.array_equal(a, b) for a, b in zip(out, data))

@@ -19,7 +19,7 @@ host estimate (``plan_host_bytes`` of the first ``train.jsonl`` record). A confi
 (exit 2, one line) is recorded as refused; larger sizes of the same trainer and optimizer are then skipped.
 
 A disk-tier point (``offload = 'disk'``) also records its step's reads and writes, the disk's sequential
-bandwidth measured once more right after it (`disk_tier.bandwidth`, uncached, 512 MiB) and the ratio of its
+bandwidth measured once more right after it (`disk_probes.bandwidth`, uncached, 512 MiB) and the ratio of its
 step time to the larger of the same size's in-memory step (the ``offload`` trainer) and that I/O bound.
 
 Outputs: ``--out`` (JSON), the same name with ``.png`` (bytes per parameter by phase and trainer) and a
@@ -279,8 +279,8 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
             if io["step_seconds"]:
                 io["achieved_bytes_per_sec"] = (io["disk_read_bytes"] + io["disk_write_bytes"]) / io["step_seconds"]
             # The disk's sequential bandwidth measured now, in this run, on the workdir's file system (not cached).
-            from revtrain import disk_tier
-            bw = disk_tier.bandwidth(workdir, cache=None, nbytes=DISK_PROBE_BYTES)
+            from revtrain.tiers import disk_probes
+            bw = disk_probes.bandwidth(workdir, cache=None, nbytes=DISK_PROBE_BYTES)
             io.update(measured_read_bytes_per_sec=bw["read"], measured_write_bytes_per_sec=bw["write"])
             io["io_bound_seconds"] = io["disk_read_bytes"] / bw["read"] + io["disk_write_bytes"] / bw["write"]
             out["disk"] = io

@@ -83,7 +83,7 @@ def main() -> None:
         start, count = grouped.groups[g]
         print(f"layers {start}..{start + count - 1} ({kinds[g]}): rebuild error of the bottom input {err:.1e}")
     print(f"worst {worst:.1e}: step {step} of {args.workdir}, rebuild '{trainer.rebuild}', scan_layers "
-          f"{trainer.scan_layers}, offload {trainer.offload}; bindings {'; '.join(args.gin) or 'none'}")
+          f"{trainer.scan_layers}, tier {trainer.residency.name}; bindings {'; '.join(args.gin) or 'none'}")
 
 if __name__ == "__main__":
     main()

@@ -199,12 +199,13 @@ def final_weights(workdir: pathlib.Path, step: int) -> list[list]:
     (numpy): from the Orbax ``state`` item, or a disk-tier checkpoint's layer files (their index's layouts)."""
     item = pathlib.Path(workdir) / "checkpoints" / str(step)
     if (item / "disk_state").is_dir():
-        from revtrain import disk_tier
-        index = json.loads((item / "disk_state" / disk_tier.INDEX).read_text())
+        from revtrain.tiers import disk_format
+        from revtrain.tiers import disk_links
+        index = json.loads((item / "disk_state" / disk_links.INDEX).read_text())
         out = []
         for entry in index["layers"]:
-            layout = disk_tier._saved_layout(entry)
-            out.append(disk_tier.read_leaves(str(item / "disk_state" / entry["file"]), layout, "params"))
+            layout = disk_links._saved_layout(entry)
+            out.append(disk_format.read_leaves(str(item / "disk_state" / entry["file"]), layout, "params"))
         return out
     import jax
     import orbax.checkpoint as ocp

@@ -1,4 +1,4 @@
-"""The disk tier (revtrain/disk_tier.py, ``ReversibleTrainer.offload = 'disk'``): bit for bit the host and device
+"""The disk tier (revtrain/tiers/disk*.py, ``ReversibleTrainer.offload = 'disk'``): bit for bit the host and device
 tiers' numbers, its refusals, checkpoints as hard links, an exact resume after ``kill -9`` in a step, the plan's
 disk check, and a model larger than its memory cgroup."""
 
@@ -13,7 +13,10 @@ import optax
 import pytest
 
 from revtrain import checkpoint as ckpt_lib
-from revtrain import disk_tier
+from revtrain.tiers import disk_format
+from revtrain.tiers import disk_links
+from revtrain.tiers import disk_probes
+from revtrain.tiers.disk import DiskTier
 from revtrain.placement import global_batch, make_mesh
 from revtrain.errors import ConfigError
 from revtrain.trainers.common import TrainerError
@@ -62,7 +65,7 @@ def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
     assert scores == dev_scores
     # Only the newest step's files are left; the state holds no arrays, only the layer files.
     assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
-    assert all(isinstance(r, disk_tier.DiskLayer) for r in ts.params)
+    assert all(isinstance(r, disk_format.DiskLayer) for r in ts.params)
     assert trainer.disk_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
     # Each layer read once in the forward (weights; not the head, nor with fuse_top the layer under it) and once in
     # the backward (weights and optimizer state): the read-ahead never reads a layer twice.
@@ -134,7 +137,7 @@ def test_recipe_on_every_tier_bit_for_bit(tmp_path, text_batches):
     """clip_by_global_norm(0.5) + AdamW, 2 microbatches and a tied embedding/head over 10 steps of real text,
     the default ``scan_layers``: the host tier (its gradient buffer in the host store) and the disk tier (in
     files), both streamed per layer, give the device tier's losses, gradient norms, every parameter leaf and
-    evaluation bit for bit; both move exactly `disk_tier.deferred_io`'s bytes (the same schedule); the disk
+    evaluation bit for bit; both move exactly `disk_probes.deferred_io`'s bytes (the same schedule); the disk
     tier leaves only the newest step's layer files; the table is held once (in the embedding's file)."""
     batches = text_batches(8, 10)
     device = _recipe_train(False, None, batches)
@@ -154,7 +157,7 @@ def test_recipe_on_every_tier_bit_for_bit(tmp_path, text_batches):
     assert "embedding" not in str(refs[-1].layout.params_def) and "embedding" in str(refs[0].layout.params_def)
     weights, opt = (sum(r.layout.nbytes(p) for r in refs) for p in ("params", "opt"))
     held = refs[0].layout.nbytes("params") if disk[4].residency.store.depth >= 1 else 0  # (the first buffer kept)
-    read, write = disk_tier.deferred_io(weights, opt, refs[-1].layout.nbytes("params"), refs[0].layout.nbytes("params"),
+    read, write = disk_probes.deferred_io(weights, opt, refs[-1].layout.nbytes("params"), refs[0].layout.nbytes("params"),
                                         2, 2, held)
     assert (disk[4].disk_stats["disk_read_bytes"], disk[4].disk_stats["disk_write_bytes"]) == (read, write)
     assert (host[4].disk_stats["host_read_bytes"], host[4].disk_stats["host_write_bytes"]) == (read, write)
@@ -179,7 +182,7 @@ def test_checkpoint_is_hard_links_and_restores(tmp_path):
         linked = os.stat(item / f"layer_{g:05d}.bin")
         assert linked.st_ino == os.stat(ref.path).st_ino and linked.st_nlink == 2  # no byte copied
     restored = checkpointer.restore(trainer.abstract_state())
-    assert restored.step == 2 and all(isinstance(r, disk_tier.DiskLayer) for r in restored.params)
+    assert restored.step == 2 and all(isinstance(r, disk_format.DiskLayer) for r in restored.params)
     assert _same([trainer.layer_params(restored, i) for i in range(len(params))], params)
     weights = checkpointer.restore(trainer.abstract_state(), optimizer_state=False)
     assert _same(weights.params, params) and weights.opt_state == [None] * len(params)
@@ -201,8 +204,8 @@ def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
     assert checkpointer.save(ts, None, {"x": 1})
     checkpointer.wait()
     item = tmp_path / "run" / "checkpoints" / "2" / "disk_state"
-    index = json.loads((item / disk_tier.INDEX).read_text())
-    assert index["layers"][1][disk_tier.CHECKSUM] == [f"{x:016x}" for x in ref.sums]
+    index = json.loads((item / disk_links.INDEX).read_text())
+    assert index["layers"][1][disk_format.CHECKSUM] == [f"{x:016x}" for x in ref.sums]
     # One byte of the second weight leaf flipped (the checkpoint's file is the live file: one inode).
     with open(item / "layer_00001.bin", "r+b") as f:
         f.seek(ref.layout.offsets[1] + 5)
@@ -210,20 +213,20 @@ def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
     why = f"{ref.path}: weight leaf 1 does not match its xxh3_64 checksum"
-    with pytest.raises(disk_tier.DamagedFile, match=why):
-        disk_tier.read_leaves(ref.path, ref.layout, "params", sums=ref.sums)
-    with pytest.raises(disk_tier.DamagedFile, match=why):
-        disk_tier.LayerWeights(ts.params)[1]
-    with pytest.raises(disk_tier.DamagedFile, match=why):
+    with pytest.raises(disk_format.DamagedFile, match=why):
+        disk_format.read_leaves(ref.path, ref.layout, "params", sums=ref.sums)
+    with pytest.raises(disk_format.DamagedFile, match=why):
+        disk_format.LayerWeights(ts.params)[1]
+    with pytest.raises(disk_format.DamagedFile, match=why):
         trainer.train_step(ts, global_batch({"inputs": _batches(1)[0], "targets": _batches(1)[0]}, trainer.mesh))
     damaged = r"at step 2 cannot be restored: DamagedFile: .*layer_00001.bin: weight leaf 1 "
     with pytest.raises(ckpt_lib.DamagedCheckpoint, match=damaged):
         checkpointer.restore(trainer.abstract_state())
-    disk_tier.read_leaves(ref.path, ref.layout, "opt", sums=ref.sums)  # the other leaves are intact
+    disk_format.read_leaves(ref.path, ref.layout, "opt", sums=ref.sums)  # the other leaves are intact
     # A checkpoint of before checksums: read unverified, with a note.
     for entry in index["layers"]:
-        entry.pop(disk_tier.CHECKSUM)
-    (item / disk_tier.INDEX).write_text(json.dumps(index))
+        entry.pop(disk_format.CHECKSUM)
+    (item / disk_links.INDEX).write_text(json.dumps(index))
     capfd.readouterr()
     restored = checkpointer.restore(trainer.abstract_state())
     assert restored.step == 2 and all(r.sums is None for r in restored.params)
@@ -333,7 +336,7 @@ def test_a_flipped_byte_sets_the_checkpoint_aside_and_the_run_resumes_from_the_o
     assert result.returncode == 0, result.stderr[-2000:]
     whole, files = logged_losses(workdir), _final_params(workdir, 3)
     item = workdir / "checkpoints" / "3" / "disk_state"
-    entry = json.loads((item / disk_tier.INDEX).read_text())["layers"][2]
+    entry = json.loads((item / disk_links.INDEX).read_text())["layers"][2]
     with open(item / entry["file"], "r+b") as f:  # the middle of its first weight leaf
         (shape, dtype, offset) = entry["leaves"][0]
         f.seek(offset + int(np.prod(shape)) * np.dtype(dtype).itemsize // 2)
@@ -401,10 +404,11 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     model, tx = _model(), optax.adamw(1e-3)
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
     limits = {"host": (2**50, "test")}
-    disk = {"directory": str(tmp_path / "offload"), "keep": 2, "every": 5}
-    plan = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
-                            limits=limits, platform="cpu", disk=disk)
-    layers = [disk_tier.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
+    disk = {"keep": 2, "every": 5}
+    tier = DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))  # (the plan asks it)
+    plan = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
+                            limits=limits, platform="cpu", store=disk)
+    layers = [disk_format.Layout.of(layer.param_shapes, jax.eval_shape(tx.init, layer.param_shapes)) for layer in model.layers]
     weights = sum(lay.nbytes("params") for lay in layers)
     opt = sum(lay.nbytes("opt") for lay in layers)
     host = plan.tiers["host"]
@@ -415,16 +419,16 @@ def test_plan_parts_of_the_disk_tier(tmp_path):
     # On disk: two steps' files, and two kept checkpoints the tier has moved past.
     assert plan.tiers["disk"] == {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": 2 * (weights + opt)}
     # The floor (shapes alone, nothing compiled) holds the disk tier whole: a disk too small is refused from it.
-    low = planning.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", disk=disk)
+    low = planning.floor(model, plan.setup, spec, 1, limits=limits, platform="cpu", store=disk)
     assert low.tiers["disk"] == plan.tiers["disk"]
     assert plan.io["read_bytes"] == 2 * weights + opt - layers[-1].nbytes("params")
     assert plan.io["write_bytes"] == weights + opt
     assert plan.limits["disk"] > 0 and "disk I/O a step" in plan.line()
-    every_step = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
-                                  limits=limits, platform="cpu", disk=dict(disk, every=1))
+    every_step = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
+                                  limits=limits, platform="cpu", store=dict(disk, every=1))
     assert every_step.tiers["disk"]["checkpoint"] == weights + opt  # the newest shares the live files
-    short = planning.plan(model, planning.Setup("reversible", tx, 4, disk=True, label="d"), spec, 1,
-                             limits=dict(limits, disk=(1000, "test")), platform="cpu", disk=disk)
+    short = planning.plan(model, planning.Setup("reversible", tx, 4, tier=tier, label="d"), spec, 1,
+                             limits=dict(limits, disk=(1000, "test")), platform="cpu", store=disk)
     assert not short.fits and "keep_checkpoints" in planning.refusal(short, [])
 
 
@@ -435,15 +439,15 @@ def test_the_bandwidth_is_not_probed_on_a_nearly_full_disk(tmp_path, monkeypatch
 
     from revtrain import planning
     real = shutil.disk_usage
-    monkeypatch.setattr(disk_tier.shutil, "disk_usage", lambda p: real(p)._replace(free=disk_tier.BANDWIDTH_BYTES))
-    measured = disk_tier.bandwidth(str(tmp_path), cache=None)
+    monkeypatch.setattr(disk_probes.shutil, "disk_usage", lambda p: real(p)._replace(free=disk_probes.BANDWIDTH_BYTES))
+    measured = disk_probes.bandwidth(str(tmp_path), cache=None)
     assert measured == {"read": None, "write": None, "source": "not measured: too little free space"}
     assert list(tmp_path.iterdir()) == []
     spec = {k: jax.ShapeDtypeStruct((4, T), np.int32) for k in ("inputs", "targets")}
-    plan = planning.plan(_model(), planning.Setup("reversible", optax.adamw(1e-3), 4, disk=True, label="d"),
-                            spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu",
-                            disk={"directory": str(tmp_path / "offload")})
-    plan.io = planning.memory._io(plan.io["read_bytes"], plan.io["write_bytes"], measured)
+    tier = DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))
+    tier.bandwidth = lambda: measured  # (the directory's figure: its cached one is another disk's)
+    plan = planning.plan(_model(), planning.Setup("reversible", optax.adamw(1e-3), 4, tier=tier, label="d"),
+                            spec, 1, limits={"host": (2**50, "test"), "disk": (2**40, "test")}, platform="cpu")
     assert "(bandwidth not measured: too little free space)" in plan.line() and " s a step" not in plan.line()
 
 
@@ -534,7 +538,7 @@ def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
 def test_layer_cycle_reads_each_layer_per_pass_and_one_ahead(tmp_path):
     trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=1)
     from revtrain.disk_generate import LayerCycle
-    cycle = LayerCycle(trainer.residency.disk, ts.params, None)
+    cycle = LayerCycle(trainer.residency.store, ts.params, None)
     order = [0, 1, 2, 3, 4, 5, 0, 1, 3, 4]  # (3 out of order: read on demand, the read ahead dropped)
     got = [cycle.get(i) for i in order]
     cycle.close()

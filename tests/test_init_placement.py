@@ -24,7 +24,7 @@ from revtrain.models import ReversibleTransformerLM, compose
 from revtrain.models.llama import LlamaModel
 from revtrain.models.revnet import RevNet
 from revtrain.placement import make_mesh
-from revtrain.residency import Residency
+from revtrain.tiers.device import DeviceTier as Residency
 from revtrain.trainers import ReversibleTrainer
 
 SLACK = 64 * 1024  # PRNG keys, step counters, a batch-norm layer's statistics

@@ -30,6 +30,20 @@ def _spec(batch):
     return {"inputs": shape, "targets": shape}
 
 
+def _host(pageable=None):
+    """A host tier on one device, its state pageable (the CPU's) or, ``pageable=False``, pinned (a GPU's)."""
+    from revtrain.placement import make_mesh
+    from revtrain.tiers.host import HostTier
+    return HostTier(make_mesh(jax.devices()[:1]), pageable=pageable)
+
+
+def _disk(tmp_path):
+    """A disk tier on one device, its files in ``tmp_path/offload``."""
+    from revtrain.placement import make_mesh
+    from revtrain.tiers.disk import DiskTier
+    return DiskTier(make_mesh(jax.devices()[:1]), directory=str(tmp_path / "offload"))
+
+
 @pytest.fixture(scope="module")
 def model():
     return ReversibleTransformerLM(T, num_layers=LAYERS, d_model=D, num_heads=2, dropout_rate=0.0)
@@ -128,7 +142,7 @@ def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
     deferred update (microbatches) two buffers in flight."""
     weights, opt, largest = _exact(model)
     tx, programs = shared  # (one compile cache for the module's plans)
-    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
+    setup = planning.Setup("reversible", tx, B, tier=_host(), label="s")  # (its state pageable)
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
     tpu = planning.plan(model, setup, _spec(B), 1, limits=limits, platform="tpu", programs=programs)
     assert set(tpu.tiers) == {"device", "host", "pinned"} and tpu.limits["pinned"] == 64 * 2**30
@@ -138,7 +152,7 @@ def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
     other = {s.label: s for s in planning.alternatives(setup, model, 1, True)}
     deferred = planning.plan(model, other["s + 2 microbatches"], _spec(B), 1, limits=limits, platform="tpu",
                                 programs=programs)
-    assert other["s + 2 microbatches"].offload and deferred.tiers["device"]["gradients"] == 2 * largest
+    assert other["s + 2 microbatches"].tier.state_memory == "host" and deferred.tiers["device"]["gradients"] == 2 * largest
 
 
 def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypatch):
@@ -147,7 +161,7 @@ def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypa
     preallocated, the doubling regions where grown) against the pool's limit; host counts the pool too."""
     weights, opt, largest = _exact(model)
     tx, programs = shared
-    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
+    setup = planning.Setup("reversible", tx, B, tier=_host(pageable=False), label="s")  # (a GPU's: pinned)
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
     monkeypatch.delenv(pinned.PREALLOCATE_ENV, raising=False)
     monkeypatch.delenv(pinned.LIMIT_ENV, raising=False)
@@ -172,23 +186,23 @@ def test_the_host_tier_on_a_gpu_lives_in_the_pinned_pool(model, shared, monkeypa
 
 def test_the_pageable_switch_makes_the_plan_count_the_state_as_pinned(model, shared, monkeypatch):
     """On the CPU with the pageable kind switched off (`pinned.NO_PAGEABLE_ENV`, or a host tier whose state is
-    pinned: ``Setup.host_kind``) the plan has a pinned tier holding the state (ordinary host memory there: no
+    pinned: its `Tier.memory_kind`) the plan has a pinned tier holding the state (ordinary host memory there: no
     pool, the host limit)."""
     weights, opt, largest = _exact(model)
     tx, programs = shared
-    plain = planning.plan(model, planning.Setup("reversible", tx, B, offload=True, label="s"), _spec(B), 1,
+    plain = planning.plan(model, planning.Setup("reversible", tx, B, tier=_host(), label="s"), _spec(B), 1,
                              limits=NO_LIMIT, platform="cpu", programs=programs)
     assert list(plain.tiers) == ["host"]
     monkeypatch.setenv(pinned.NO_PAGEABLE_ENV, "1")
-    for setup in (planning.Setup("reversible", tx, B, offload=True, label="s"),
-                  planning.Setup("reversible", tx, B, offload=True, label="s", host_kind="pinned_host")):
+    for setup in (planning.Setup("reversible", tx, B, tier=_host(), label="s"),  # (made with the switch off)
+                  planning.Setup("reversible", tx, B, tier=_host(pageable=False), label="s")):
         plan = planning.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu", programs=programs)
         assert list(plan.tiers) == ["host", "pinned"] and plan.limits["pinned"] == NO_LIMIT["host"][0]
         assert plan.tiers["pinned"]["weights"] == weights + largest and plan.tiers["pinned"]["pool"] == 0
         assert plan.tiers["host"] == {**plain.tiers["host"], "pool": 0}  # the same RAM, counted once
     monkeypatch.delenv(pinned.NO_PAGEABLE_ENV)
-    kept = planning.plan(model, planning.Setup("reversible", tx, B, offload=True, label="s",
-                                                     host_kind="unpinned_host"), _spec(B), 1, limits=NO_LIMIT,
+    kept = planning.plan(model, planning.Setup("reversible", tx, B, tier=_host(), label="s"), _spec(B), 1,
+                            limits=NO_LIMIT,
                             platform="cpu", programs=programs)
     assert list(kept.tiers) == ["host"]
 
@@ -381,19 +395,19 @@ def test_the_floor_is_a_lower_bound_of_the_plan_from_shapes_alone(model, shared,
     tx, programs = shared  # (one compile cache for the module's plans)
     weights, opt, largest = _exact(model)
     gpu = {"host": (2**50, "t"), "device": (2**40, "t")}
-    disk = {"directory": str(tmp_path / "offload")}
+    disk = {}  # (the disk tier's directory is its own)
     cases = [(planning.Setup("standard", tx, B), 1, "cpu"), (planning.Setup("standard", tx, B, 2), 1, "cpu"),
              (planning.Setup("standard", tx, B), 1, "gpu"), (planning.Setup("reversible", tx, B), 1, "cpu"),
              (planning.Setup("reversible", tx, B, deferred=True), 1, "cpu"),
-             (planning.Setup("reversible", tx, B, offload=True), 1, "gpu"),
-             (planning.Setup("reversible", tx, B, offload=True, shard_state=True, deferred=True), 2, "cpu"),
-             (planning.Setup("reversible", tx, B, disk=True, deferred=True), 1, "gpu")]
-    floors = [planning.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, disk=disk)
+             (planning.Setup("reversible", tx, B, tier=_host(pageable=False)), 1, "gpu"),
+             (planning.Setup("reversible", tx, B, tier=_host(), shard_state=True, deferred=True), 2, "cpu"),
+             (planning.Setup("reversible", tx, B, tier=_disk(tmp_path), deferred=True), 1, "gpu")]
+    floors = [planning.floor(model, s, _spec(B), n, limits=gpu if p == "gpu" else NO_LIMIT, platform=p, store=disk)
               for s, n, p in cases]
     assert compiles() == 0
     for (setup, n, platform), low in zip(cases, floors):
         full = planning.plan(model, setup, _spec(B), n, limits=gpu if platform == "gpu" else NO_LIMIT,
-                                programs=programs, platform=platform, disk=disk)
+                                programs=programs, platform=platform, store=disk)
         assert low.floor and not full.floor and list(low.tiers) == list(full.tiers), setup
         for tier, parts in low.tiers.items():
             assert low.total(tier) <= full.total(tier), (setup, tier)
@@ -444,7 +458,7 @@ def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(by
     def compiled(limits):  # what the plan said before the floor: every choice compiled
         own = planning.plan_run(run, limits, programs)
         others = [planning.plan(run.model, s, spec, 1, limits=limits, programs=programs, global_devices=1,
-                                   eval_spec=planning.runs._eval_spec(run), disk=planning.runs._disk_spec(run))
+                                   eval_spec=planning.runs._eval_spec(run), store=planning.runs._store_spec(run))
                   for s in setups]
         return own, others
 
@@ -484,7 +498,7 @@ def test_a_state_over_the_pinned_pool_is_refused_naming_the_limit(model, shared,
     tx, programs = shared
     monkeypatch.setenv(pinned.PREALLOCATE_ENV, "true")
     monkeypatch.setenv(pinned.LIMIT_ENV, "0")
-    setup = planning.Setup("reversible", tx, B, offload=True, label="s")
+    setup = planning.Setup("reversible", tx, B, tier=_host(pageable=False), label="s")  # (a GPU's: pinned)
     own = planning.plan(model, setup, _spec(B), 1, limits={"host": (2**50, "t"), "device": (2**40, "t")},
                            platform="gpu", programs=programs)
     assert not own.fits and own.tiers["pinned"]["pool"] == 0

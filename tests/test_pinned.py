@@ -13,7 +13,7 @@ import pytest
 
 from revtrain import pinned
 from revtrain.placement import HOST_MEMORY, PAGEABLE_MEMORY, make_mesh
-from revtrain.residency import HostResidency
+from revtrain.tiers.host import HostTier as HostResidency
 
 from helpers import REPO
 

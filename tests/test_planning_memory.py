@@ -10,6 +10,8 @@ from revtrain.optstate import tree_nbytes
 from revtrain.planning import memory
 from revtrain.planning.setups import Setup
 from revtrain.planning.shapes import layer_param_shapes
+from revtrain.placement import make_mesh
+from revtrain.tiers.host import HostTier
 
 B, T = 4, 16
 NO_LIMIT = {"host": (2**50, "test"), "device": (2**50, "test")}
@@ -35,7 +37,8 @@ def test_the_host_tier_counts_the_layers_the_engine_holds_in_flight():
     model = ReversibleTransformerLM(T, num_layers=3, d_model=32, num_heads=2, dropout_rate=0.0)
     tx = optax.adamw(1e-3)
     lw, lo, weights, opt = _layer_bytes(model, tx)
-    setup = Setup("reversible", tx, B, offload=True, host_kind="unpinned_host", label="s")
+    setup = Setup("reversible", tx, B, tier=HostTier(make_mesh(jax.devices()[:1])), label="s")
+    assert setup.tier.memory_kind == "unpinned_host"  # (the CPU backend's pageable kind)
     assert (streaming.DEPTH, streaming.CPU_DEPTH) == (2, 0)
     tpu = memory.floor(model, setup, _spec(), 1, limits=NO_LIMIT, platform="tpu")
     assert tpu.tiers["device"]["weights"] == 4 * lw and tpu.tiers["device"]["optimizer_state"] == 4 * lo

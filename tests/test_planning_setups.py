@@ -25,7 +25,8 @@ def test_a_standard_run_is_offered_the_reversible_trainer_and_its_leaner_forms()
         "ReversibleTrainer + offload + Adafactor", "ReversibleTrainer + offload + 2 microbatches",
         "StandardTrainer, batch 4", "ReversibleTrainer + offload, batch 4"]
     assert got[1].settings == ("train.trainer = @ReversibleTrainer", "ReversibleTrainer.offload = True")
-    assert got[1].offload and not got[1].disk and got[2].disk and not got[2].offload
+    assert (got[1].tier.name, got[2].tier.name) == ("host", "disk")  # (each a tier object the plan asks)
+    assert got[1].tier.state_memory == "host" and got[2].tier.state_memory is None
     assert got[4].deferred and got[4].microbatches == 2  # (microbatches: the deferred update)
     assert all(s.budget_peak == 0 for s in got)
 
@@ -43,6 +44,7 @@ def test_each_trainer_describes_its_own_choice():
     trainer = ReversibleTrainer(_model(), tx, mesh, scan_layers=False)
     rev = setups.setup_of(trainer, 8)
     std = setups.setup_of(StandardTrainer(_model(), tx, mesh), 8)
-    assert (rev.trainer, rev.batch_size, rev.offload, rev.disk, rev.rebuild) == ("reversible", 8, False, False, "exact")
+    assert (rev.trainer, rev.batch_size, rev.tier, rev.rebuild) == ("reversible", 8, trainer.residency, "exact")
+    assert rev.tier.state_memory == "device"
     assert rev.optimizer is trainer.tx  # (the trainer's own optimizer: the plan's state shapes are its)
     assert (std.trainer, std.remat) == ("standard", False)

@@ -1,4 +1,4 @@
-"""Residency (`revtrain.residency`): where a layer's weights and optimizer state live between uses, one class
+"""Residency (`revtrain.tiers`): where a layer's weights and optimizer state live between uses, one class
 per tier. What each says (streamed, offloaded, memory kind, label, its words), the specs of a replicated and a
 sharded state, placing a layer and its shape-only restore template in each tier, fetching a layer and keeping
 an activation, `HostStack`, the errors, and which tier the reversible trainer picks for each ``offload``.
@@ -15,11 +15,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from revtrain.disk_tier import DiskTier
+from revtrain.tiers.disk_store import DiskStore as DiskTier
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DATA_AXIS, HOST_MEMORY, PAGEABLE_MEMORY, host_memory_supported, make_mesh
-from revtrain.residency import TIERS, DiskResidency, HostResidency, HostStack, Residency, for_offload
-from revtrain.streaming import HostStore
+from revtrain.tiers import HostStack, from_gin, names
+from revtrain.tiers.device import DeviceTier as Residency
+from revtrain.tiers.disk import DiskTier as DiskResidency
+from revtrain.tiers.host import HostTier as HostResidency
+from revtrain.tiers.host_store import HostStore
 from revtrain.trainers import ReversibleTrainer, StandardTrainer, TrainerError
 
 
@@ -32,7 +35,7 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
     """device: no memory kind, not offloaded, no store; host: its own `HostStore` in the pageable
     ``unpinned_host`` (where every device has that space, as the CPU does), streamed; disk: the `DiskTier` is
     its store and its disk, no memory kind."""
-    assert TIERS == ("device", "host", "disk")
+    assert names()[:3] == ("device", "host", "disk")
     assert host_memory_supported(mesh, PAGEABLE_MEMORY)
     device = Residency(mesh)
     host = HostResidency(mesh)
@@ -42,7 +45,7 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
     assert [r.offloaded for r in (device, host, disk)] == [False, True, True]
     assert [r.streamed for r in (device, host, disk)] == [False, True, True]
     assert device.store is None and isinstance(host.store, HostStore) and host.store.memory_kind == PAGEABLE_MEMORY
-    assert device.disk is None and host.disk is None and disk.disk is disk.store
+    assert [r.state_memory for r in (device, host, disk)] == ["device", "host", None]  # (what the plans ask)
     assert [r.label for r in (device, host, disk)] == ["", " + offload", " + offload='disk'"]
     assert [r.releases for r in (device, host, disk)] == [False, True, False]
     assert device.describe() == "device memory, replicated"
@@ -51,13 +54,13 @@ def test_each_tier_says_where_the_state_lives(mesh, tmp_path):
     assert Residency(mesh, sharded=True).describe() == "device memory, split over the devices"
 
 
-def test_for_offload_picks_the_tier_and_refuses_others(mesh, tmp_path):
-    assert type(for_offload(mesh, False)) is Residency
-    assert type(for_offload(mesh, True, sharded=True)) is HostResidency and for_offload(mesh, True, True).sharded
-    disk = for_offload(mesh, "disk", directory=str(tmp_path / "layers"))
+def test_from_gin_picks_the_tier_and_refuses_others(mesh, tmp_path):
+    assert type(from_gin(False, mesh)) is Residency
+    assert type(from_gin(True, mesh, sharded=True)) is HostResidency and from_gin(True, mesh, True).sharded
+    disk = from_gin("disk", mesh, directory=str(tmp_path / "layers"))
     assert type(disk) is DiskResidency and disk.store.directory == str(tmp_path / "layers")
     with pytest.raises(ValueError, match="ReversibleTrainer.offload must be False, True or 'disk', got 'ssd'"):
-        for_offload(mesh, "ssd")
+        from_gin("ssd", mesh)
 
 
 def test_specs_replicate_or_split_the_large_leaves(mesh):

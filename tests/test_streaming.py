@@ -20,6 +20,7 @@ import optax
 import pytest
 
 from revtrain import streaming
+from revtrain.tiers import host_store
 from revtrain.placement import DEVICE_MEMORY, PAGEABLE_MEMORY, global_batch, make_mesh
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.reversible import ReversibleTrainer
@@ -50,8 +51,8 @@ def _run(offload, directory, devices=1, shard_state=False, steps=10):
         ts, metrics = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
         losses.append(float(metrics["loss"]))
     if offload == "disk":
-        from revtrain import disk_tier
-        state = [(disk_tier.read_tree(r.path, r.layout, "params"), disk_tier.read_tree(r.path, r.layout, "opt"))
+        from revtrain.tiers import disk_format
+        state = [(disk_format.read_tree(r.path, r.layout, "params"), disk_format.read_tree(r.path, r.layout, "opt"))
                  for r in ts.params]
     else:
         state = list(zip(ts.params, ts.opt_state))
@@ -118,7 +119,7 @@ def test_the_host_store_reads_numpy_leaves_onto_the_device(tmp_path):
     from revtrain.placement import placer
     mesh = make_mesh(jax.devices()[:1])
     params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    tree, = streaming.HostStore(None, DEVICE_MEMORY).read([(streaming.HostLayer(params, ()), "params")], placer(mesh))
+    tree, = host_store.HostStore(None, DEVICE_MEMORY).read([(host_store.HostLayer(params, ()), "params")], placer(mesh))
     assert tree["w"].sharding.memory_kind == DEVICE_MEMORY and np.array_equal(np.asarray(tree["w"]), params["w"])
 
 

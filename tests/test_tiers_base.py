@@ -38,15 +38,18 @@ def test_the_defaults_are_an_unstreamed_tier_of_arrays(mesh):
     """Without a store: not streamed or offloaded, no layers in flight, no I/O, no store of its own, checkpointed
     by Orbax, fetched and sampled as the trainer does, the memory plan's words both False."""
     tier = _Plain(mesh)
-    assert (tier.tier, tier.streamed, tier.offloaded, tier.disk, tier.memory_kind) == ("plain", False, False, None,
-                                                                                      None)
+    assert (tier.tier, tier.streamed, tier.offloaded, tier.memory_kind) == ("plain", False, False, None)
     assert tier.describe() == "somewhere, replicated"
     assert _Plain(mesh, True).describe() == "somewhere, split over the devices"
     assert tier.trainer_label("ReversibleTrainer", " + shard_state") == "ReversibleTrainer + shard_state"
     assert tier.layers_in_flight() == 0 and tier.io_per_step(100, 200, 10) == (0, 0)
     assert tier.capacity() is None and tier.space_need(100, 3, 1) == (0, 0) and tier.bandwidth() is None
     assert tier.refusal() is None and tier.own_directory() is None and _Plain.leftovers("/nonexistent") is None
-    assert tier.setup_terms() == {"offload": False, "disk": False, "host_kind": ""}
+    assert (tier.state_memory, tier.keeps_on_host) == ("device", False)
+    assert tier.store_parts(100, 200, 3, 1, True) is None and tier.step_io(100, 200, 10) is None
+    peer = tier.peer("host")  # (another tier on the same mesh and sharding)
+    assert (peer.name, peer.mesh, peer.sharded, peer.state_memory, peer.keeps_on_host) == ("host", mesh, False,
+                                                                                           "host", True)
     assert tier.checkpoint_form == "orbax" and not _Plain.holds_state(None)
     assert tier.sample_layers([], None) is None
     x = np.ones(3, np.float32)

@@ -20,5 +20,5 @@ def test_the_device_tier_keeps_the_state_in_device_memory():
     assert p["w"].sharding.memory_kind == "device" and np.array_equal(np.asarray(p["w"]), params["w"])
     tp, _ = tier.layer_template(0, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, opt)))
     assert tp["w"].sharding == p["w"].sharding
-    assert tier.setup_terms() == {"offload": False, "disk": False, "host_kind": ""}
+    assert (tier.state_memory, tier.keeps_on_host, tier.store_parts(1, 2, 3, 1, False)) == ("device", False, None)
     assert tier.layers_in_flight() == 0 and tier.io_per_step(10, 20, 1) == (0, 0) and not tier.host_pool

@@ -44,10 +44,13 @@ def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
 
 def test_the_disk_tiers_words_hooks_and_plan_terms(tier, tmp_path):
     assert (tier.name, tier.gin_value, tier.uses_directory) == ("disk", "disk", True)
-    assert tier.describe() == f"layer files in {tmp_path / 'tier'}, replicated" and tier.disk is tier.store
+    assert tier.describe() == f"layer files in {tmp_path / 'tier'}, replicated"
     label = tier.trainer_label("ReversibleTrainer", " + shard_state")
     assert label == "ReversibleTrainer + shard_state + offload='disk'"
-    assert tier.setup_terms() == {"offload": False, "disk": True, "host_kind": ""}
+    assert (tier.state_memory, tier.keeps_on_host) == (None, False)  # (in its files: layers in flight only)
+    beyond = disk_need(100 + 200, 3, 1)[1]
+    assert tier.store_parts(100, 200, 3, 1, False) == {"weights": 200, "optimizer_state": 400, "checkpoint": beyond}
+    assert tier.store_parts(100, 200, 3, 1, True)["gradients"] == 200  # (the deferred update's buffer files)
     assert tier.layers_in_flight() == 2 and tier.io_per_step(100, 200, 10) == (390, 300)
     assert tier.space_need(100, 3, 1) == disk_need(100, 3, 1)
     assert tier.capacity()[0] > 0 and tier.own_directory() == str(tmp_path / "tier")

@@ -26,10 +26,11 @@ def test_the_host_tier_keeps_the_state_in_pageable_host_memory_and_streams_it():
     kept = tier.keep(jax.device_put(np.ones(3, np.float32)))
     assert kept.sharding.memory_kind == HOST_MEMORY and tier.bring(kept).sharding.memory_kind == "device"
     assert tier.layers_in_flight() == 2 + tier.store.read_ahead
-    assert tier.setup_terms() == {"offload": True, "disk": False, "host_kind": PAGEABLE_MEMORY}
+    assert (tier.state_memory, tier.keeps_on_host, tier.memory_kind) == ("host", True, PAGEABLE_MEMORY)
+    assert tier.store_parts(100, 200, 3, 1, False) is None and tier.step_io(100, 200, 10) is None
     assert tier.io_per_step(100, 200, 10) == (390, 300) and tier.capacity() is None
 
 
 def test_the_pageable_switch_makes_the_state_pinned():
     tier = HostTier(make_mesh(jax.devices()[:1]), pageable=False)
-    assert tier.memory_kind == "pinned_host" and tier.setup_terms()["host_kind"] == "pinned_host"
+    assert tier.memory_kind == "pinned_host" and tier.state_memory == "host"

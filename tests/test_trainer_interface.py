@@ -44,10 +44,10 @@ def test_standard_trainer_answers_with_the_defaults(model):
     assert trainer.update_text() == "whole model"
     assert trainer.memory_knobs() == ["train.trainer = @ReversibleTrainer"]
     assert trainer.memory_knobs(evaluation=True) == []
-    assert _setup(trainer) == {"trainer": "standard", "batch_size": 4, "microbatches": 1, "offload": False,
-                               "disk": False, "shard_state": False, "deferred": False, "remat": True,
+    assert _setup(trainer) == {"trainer": "standard", "batch_size": 4, "microbatches": 1,
+                               "tier": trainer.residency, "shard_state": False, "deferred": False, "remat": True,
                                "rebuild": "exact", "label": "StandardTrainer (scan + remat)", "settings": (),
-                               "budget_peak": 0, "host_kind": ""}
+                               "budget_peak": 0}
 
 
 def test_reversible_trainer_describes_its_features(model, tmp_path):
@@ -56,21 +56,20 @@ def test_reversible_trainer_describes_its_features(model, tmp_path):
     assert (fused.rebuild, fused.memory_budget, fused.disk_stats) == ("fused", None, {})
     assert fused.update_text() == "deferred (2 microbatches)"
     assert fused.memory_knobs() == ["ReversibleTrainer.offload = True"] and fused.memory_knobs(True) == []
-    assert _setup(fused) == {"trainer": "reversible", "batch_size": 4, "microbatches": 2, "offload": False,
-                             "disk": False, "shard_state": False, "deferred": True, "remat": False,
-                             "rebuild": "fused", "label": "ReversibleTrainer", "settings": (), "budget_peak": 0,
-                             "host_kind": ""}
+    assert _setup(fused) == {"trainer": "reversible", "batch_size": 4, "microbatches": 2,
+                             "tier": fused.residency, "shard_state": False, "deferred": True, "remat": False,
+                             "rebuild": "fused", "label": "ReversibleTrainer", "settings": (), "budget_peak": 0}
     disk = ReversibleTrainer(model, optax.adamw(1e-3), mesh, offload="disk", scan_layers=False,
                              offload_dir=str(tmp_path / "offload"))
     assert disk.update_text() == "fused per layer"
     assert disk.memory_knobs() == []  # offloaded already
     assert _setup(disk)["label"] == "ReversibleTrainer + offload='disk'"
-    assert (_setup(disk)["disk"], _setup(disk)["offload"]) == (True, False)
+    assert _setup(disk)["tier"] is disk.residency and disk.residency.state_memory is None
     for scan in (False, True):  # the host tier: streamed by the engine under either executor setting
         host = ReversibleTrainer(model, optax.adamw(1e-3), mesh, offload=True, scan_layers=scan)
-        assert (_setup(host)["offload"], _setup(host)["disk"]) == (True, False)
+        assert _setup(host)["tier"].state_memory == "host"
         assert _setup(host)["label"] == "ReversibleTrainer + offload"
-        assert _setup(host)["host_kind"] == "unpinned_host"  # the CPU backend's pageable kind
+        assert _setup(host)["tier"].memory_kind == "unpinned_host"  # the CPU backend's pageable kind
 
 
 def test_models_name_their_memory_knobs(model):

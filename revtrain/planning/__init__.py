@@ -2,7 +2,8 @@
 
 * the **memory plan** (`memory`: each memory tier's peak by part, from shapes and compiled programs; `floor`:
   from shapes alone; `setups`: the trainer choices it compares; `report`: its refusal and table; `runs`: the
-  plans of a built run and the check ``revtrain train`` runs before placing the state), docs/memory.md;
+  plans of a built run and the check ``revtrain train`` runs before placing the state; `choose_tier`: the
+  tier ``ReversibleTrainer.offload = 'auto'`` picks), docs/memory.md;
 * the **memory budget** (`budget`: each block's backward mode, the fastest step within a device budget),
   docs/budget.md.
 
@@ -17,10 +18,10 @@ from revtrain.planning.memory import (FLOOR_METHOD, PARTS, RUNTIME_BYTES, SAVE_E
                                       SAVE_STATE_FRACTION, STANDARD_EXTRA_FRACTION, MemoryPlan, MemoryPlanError,
                                       floor, plan)
 from revtrain.planning.report import refusal, table
-from revtrain.planning.runs import check_everywhere, choices, floor_run, plan_budget, plan_run
+from revtrain.planning.runs import AUTO_ORDER, check_everywhere, choices, choose_tier, floor_run, plan_budget, plan_run
 from revtrain.planning.shapes import layer_param_shapes
 
-__all__ = ["FLOOR_METHOD", "PARTS", "RUNTIME_BYTES", "SAVE_EXTRA_MAX_BYTES", "SAVE_STATE_FRACTION",
+__all__ = ["AUTO_ORDER", "FLOOR_METHOD", "PARTS", "RUNTIME_BYTES", "SAVE_EXTRA_MAX_BYTES", "SAVE_STATE_FRACTION",
            "STANDARD_EXTRA_FRACTION", "MemoryPlan", "MemoryPlanError", "PlanPrograms", "Setup", "alternatives",
-           "check_everywhere", "choices", "floor", "floor_run", "gib", "layer_param_shapes", "optimizer_text", "plan",
+           "check_everywhere", "choices", "choose_tier", "floor", "floor_run", "gib", "layer_param_shapes", "optimizer_text", "plan",
            "plan_budget", "plan_run", "refusal", "setup_of", "table"]

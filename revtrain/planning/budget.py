@@ -214,12 +214,12 @@ def _simulate(an: StepCosts, modes: list, head: Cost, base: int, exact: bool = F
         costs.append((f, b))
         flops += f.flops + b.flops
         peak = max(peak, live + f.extra)
-        live += mode.forward_bytes(act(i), act(i + 1), an.offload)  # the output; the input kept or not
+        live += mode.forward_bytes(act(i), act(i + 1), an.keeps_on_host)  # the output; the input kept or not
     peak = max(peak, live + head.extra)
     live += act(below)  # the head's input cotangent beside the input (y)
     for i in range(below - 1, -1, -1):
         mode, (_, b) = modes[i], costs[i]
-        before, after = mode.backward_bytes(act(i), act(i + 1), an.offload)  # (the mode's own terms)
+        before, after = mode.backward_bytes(act(i), act(i + 1), an.keeps_on_host)  # (the mode's own terms)
         live += before
         peak = max(peak, live + b.extra)
         live += after
@@ -245,9 +245,10 @@ class Candidates:
         self.measured: set = set()  # plans whose table entry is from their compiled programs (`measure`)
         held = self.an.state
         self.base = tree_nbytes(self.an.batch) + tree_nbytes(held.layer_state) + SLACK_BYTES
-        if not trainer.on_disk:  # (the disk tier's weights and optimizer state: in flight, counted per call)
+        where = trainer.residency.state_memory
+        if where is not None:  # (a store's own weights and optimizer state: in flight, counted per call)
             self.base += device_bytes((held.params, held.opt_state))
-        if trainer.deferred and not trainer.offload and not trainer.on_disk:
+        if trainer.deferred and where == "device":
             self.base += device_bytes(held.params)  # the gradient buffers, beside the weights
         for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
             self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))

@@ -106,11 +106,12 @@ def program_state(trainer, held):
     users = {tie.user for tie in trainer.model.ties}
     on_device = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind("device")), tree)
+    where = trainer.residency.state_memory  # (the tier's: "device", "host", or None: its own store's refs)
     for i, layer in enumerate(trainer.model.layers):
-        if trainer.offload:  # the host store's: fetched to the device
+        if where == "host":  # the host store's: fetched to the device
             params[i], opt[i] = on_device(params[i]), on_device(opt[i])
-        if trainer.on_disk or i in users:
-            like = rep if trainer.on_disk else jax.tree.leaves(params[i])[0].sharding
+        if where is None or i in users:
+            like = rep if where is None else jax.tree.leaves(params[i])[0].sharding
             tree = layer.param_shapes if i in users else shapes[i]  # (a user's: its tied leaves in it)
             params[i], opt[i] = place(tree, like), place(jax.eval_shape(trainer.tx.init, tree), like)
     return types.SimpleNamespace(params=params, opt_state=opt, layer_state=list(held.layer_state))
@@ -158,8 +159,9 @@ class StepCosts:
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
         self._asked = None  # while `prepare` collects: the programs asked for, lowered
         self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
-        self.offload = t.offload  # kept inputs in host memory (the host tier)
-        self.on_disk, self.streamed = t.on_disk, t.residency.streamed
+        self.keeps_on_host = t.residency.keeps_on_host  # kept inputs wait in host memory (the host tier)
+        self.own_store = t.residency.state_memory is None  # the state in the tier's own store (its files)
+        self.streamed = t.residency.streamed
         layers = t.model.layers
         self.moved = [tree_nbytes((self.abstract.params[i], self.abstract.opt_state[i])) for i in range(len(layers))]
         # A streamed tier: beside a program's own layer, one layer being written and one fetched ahead (the
@@ -203,7 +205,7 @@ class StepCosts:
                 flops = float(cost.get("flops", 0.0))
             except Exception:  # noqa: BLE001 (a backend without cost analysis)
                 flops = 0.0
-            if self.on_disk:  # its layer read from its file, the one before being written, the next read ahead
+            if self.own_store:  # its layer read from its file, the one before being written, the next read ahead
                 extra = moved + self.in_flight + max(extra, self.in_flight)
             elif self.streamed:  # its layer, the one before being written back and those fetched ahead, beside it
                 extra += moved + (1 + self.trainer.residency.store.depth) * self.in_flight
@@ -362,6 +364,10 @@ class PlanPrograms:
         self.trainer, self.own = trainer, own
         self.cache: dict = {}
         self._layer_programs: dict = {}
+        # The walks of plans that differ in their tier only (``offload = 'auto'``): None, each plan walks its own
+        # programs; a dict, the first walk of a choice is every tier's (the tiers differ in where the state
+        # lives, not in the programs).
+        self.shared_walks: dict | None = None
 
     def is_own(self, setup) -> bool:
         """Whether ``setup`` is the run's own trainer's choice (its programs are the run's)."""

@@ -33,14 +33,16 @@ from shapes alone, after the model is built and before the trainer places its st
   between steps; each layer's evaluation program on the evaluation batch), so that the total is the
   peak over the phases of a run (docs/memory.md, "Accuracy").
 
-With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.disk_tier`) memory holds only the layers
+The plan asks the setup's tier object (`Setup.tier`, `revtrain.tiers.Tier`) where the state waits
+(`Tier.state_memory`) and what its own store holds (`Tier.store_parts`, `Tier.step_io`, `Tier.capacity`).
+With the disk tier (``ReversibleTrainer.offload = 'disk'``, `revtrain.tiers.disk`) memory holds only the layers
 in flight (the one computing, the one read ahead, the one being written: three layers' weights and optimizer
 state, or two and one program's temporaries, whichever is more), and a third tier, **disk**, holds two
 steps' layer files (a step writes new files beside the ones it reads) plus the kept checkpoints the tier has
-moved past (`disk_tier.disk_need`), and with the deferred update two gradients' worth of buffer files
+moved past (`DiskTier.store_parts`), and with the deferred update two gradients' worth of buffer files
 (memory: two layers' buffers in flight and a tied leaf's other use), against the free space of the offload
 directory. The plan also gives the bytes a step reads and writes, the disk's sequential bandwidth
-(`disk_tier.bandwidth`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
+(`DiskTier.step_io`: measured once, cached) and the step time that I/O alone takes (`MemoryPlan.io`).
 Where the backend has no pageable host memory (a GPU: only ``device`` and ``pinned_host``; or the CPU with the
 test switch, `revtrain.pinned`), the host tier's state lives in pinned memory, and a **pinned** tier counts it:
 the state, the kept inputs, the deferred update's buffers and the layer being written back, plus on a GPU what
@@ -84,7 +86,7 @@ from revtrain import limits
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.optstate import tree_nbytes
-from revtrain.planning.setups import Setup, rounds
+from revtrain.planning.setups import Setup, rounds, tier_of
 from revtrain.planning.costs import PlanPrograms
 from revtrain.planning.shapes import Shapes, local_batch, shapes_of, state_bytes, tied_bytes
 from revtrain.trainers.modes import REBUILDS, default_mode
@@ -210,7 +212,7 @@ class MemoryPlan:
 
 def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
          programs: PlanPrograms | None = None, platform: str | None = None, whole_step: bool = True,
-         global_devices: int | None = None, eval_spec: dict | None = None, disk: dict | None = None) -> MemoryPlan:
+         global_devices: int | None = None, eval_spec: dict | None = None, store: dict | None = None) -> MemoryPlan:
     """The memory plan of ``model`` trained with ``setup``, from shapes (nothing large is allocated).
 
     Args:
@@ -226,9 +228,9 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
       whole_step: compile `StandardTrainer`'s whole step for its temporaries (False: the analytic bound).
       global_devices: devices of every process (default ``num_devices``): the batch is split over them.
       eval_spec: ``{key: jax.ShapeDtypeStruct}`` of a global evaluation batch (None: no evaluation counted).
-      disk: the disk tier's ``{"directory", "keep", "every", "checkpoints"}`` (offload directory,
-        ``train.keep_checkpoints``, ``train.checkpoint_every``, the checkpoints' directory: space the run holds
-        already) for a ``setup.disk`` plan (default: ``./offload``, 3, 0, none).
+      store: for a tier with a store of its own (`Tier.store_parts`), ``{"keep", "every", "checkpoints"}``
+        (``train.keep_checkpoints``, ``train.checkpoint_every``, the checkpoints' directory: space the run holds
+        already; default 3, 0, none); the store's directory is the tier's.
 
     Returns:
       a `MemoryPlan`.
@@ -238,30 +240,32 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     n = max(num_devices, 1)
     one_tier = platform == "cpu"  # (the CPU backend: device memory is host memory)
     shapes = shapes_of(model, setup, batch_spec, n, global_devices)
-    walk = _walk_programs(model, setup, shapes, programs, global_devices or n)
+    walk = _shared_walk(model, setup, shapes, programs, global_devices or n)
     state = state_bytes(setup, shapes.pshapes, shapes.oshapes, n)
     if setup.trainer == "standard":
         step = _standard_step(model, setup, shapes, walk, state, programs, whole_step)
     else:
         step = _reversible_step(setup, walk, state, shapes)
     tiers = _place(model, setup, step, state, n, one_tier)
-    _phases(tiers, state_bytes=0 if step.on_disk else (state[0] + state[1]) * n, largest_layer=max(state[3]), n=n,
-            state_tier="host" if one_tier or step.offload else "device",
+    where = tier_of(setup).state_memory
+    _phases(tiers, state_bytes=0 if where is None else (state[0] + state[1]) * n, largest_layer=max(state[3]), n=n,
+            state_tier="host" if one_tier or where == "host" else "device",
             evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
     io = None
-    if step.on_disk:
-        io = _disk_tier_and_io(model, setup, shapes, state, tiers, disk)
-    elif step.offload:
+    if where is None:
+        io = _store_tier_and_io(model, setup, shapes, state, tiers, store)
+    elif where == "host":
         _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
-    return _against_limits(setup, tiers, limits, one_tier, disk, step.method, shapes.pshapes, io=io)
+    return _against_limits(setup, tiers, limits, one_tier, store, step.method, shapes.pshapes, io=io)
 
 
 def _host_tier_pinned(setup: Setup, tiers: dict, state: tuple, step: "_Step", n: int, platform: str,
                       one_tier: bool) -> None:
-    """The pinned host memory of the host tier (``offload``): the whole state where it lives there
-    (`_pinned_state_tier`), else on an accelerator only the transfers in flight (`_pinned_tier`)."""
+    """The pinned host memory of a tier whose state waits in host memory: the whole state where it lives there
+    (its `Tier.memory_kind` pinned: `_pinned_state_tier`), else on an accelerator only the transfers in flight
+    (`_pinned_tier`)."""
     from revtrain import pinned
-    if (setup.host_kind or pinned.state_kind(platform)) == pinned.PINNED:
+    if (tier_of(setup).memory_kind or pinned.state_kind(platform)) == pinned.PINNED:
         _pinned_state_tier(tiers, state, step, n, platform, one_tier)
     elif not one_tier:
         _pinned_tier(setup, tiers, state)
@@ -270,7 +274,7 @@ def _host_tier_pinned(setup: Setup, tiers: dict, state: tuple, step: "_Step", n:
 def _pinned_state_tier(tiers: dict, state: tuple, step: "_Step", n: int, platform: str, one_tier: bool) -> None:
     """Adds the **pinned** tier of a state that lives in pinned host memory: every local device's share of the
     weights and optimizer state, the kept inputs (`HostResidency.keep`), the deferred update's buffers and the
-    layer being written back beside its old copy (`streaming.HostStore.write`); on a GPU the pool beyond them
+    layer being written back beside its old copy (`revtrain.tiers.host_store.HostStore.write`); on a GPU the pool beyond them
     (`pinned.pool_bytes`: the limit where preallocated, the doubling regions where grown). The pool and the
     layer written back are host RAM too (added to host; the rest is there already)."""
     from revtrain import pinned
@@ -348,19 +352,29 @@ def _walk_programs(model, setup: Setup, shapes: Shapes, programs: PlanPrograms, 
     return walk
 
 
+def _shared_walk(model, setup: Setup, shapes: Shapes, programs: PlanPrograms, global_devices: int) -> _Walk:
+    """`_walk_programs`, or, where ``programs.shared_walks`` is a dict, the walk of an earlier plan of the same
+    choice on another tier (the programs are the same; ``offload = 'auto'`` compiles them once)."""
+    walks = programs.shared_walks
+    if walks is None:
+        return _walk_programs(model, setup, shapes, programs, global_devices)
+    key = (id(model), dataclasses.replace(setup, tier=None, label="", settings=()))
+    if key not in walks:
+        walks[key] = _walk_programs(model, setup, shapes, programs, global_devices)
+    return walks[key]
+
+
 @dataclasses.dataclass
 class _Step:
     """A step's transient parts (bytes: one device's gradients, activations, temporaries), how the
-    temporaries were found (``method``), the saved inputs among the activations (``saved_std``) and where
-    the state lives (``offload``: host memory; ``on_disk``: layer files)."""
+    temporaries were found (``method``) and the saved inputs among the activations (``saved_std``); where the
+    state lives is the setup's tier's (`tier_of`)."""
 
     grads: int
     acts: int
     temp: int
     method: str
     saved_std: int = 0
-    offload: bool = False
-    on_disk: bool = False
 
 
 def _standard_step(model, setup: Setup, shapes: Shapes, walk: _Walk, state: tuple, programs: PlanPrograms,
@@ -397,11 +411,11 @@ def _reversible_step(setup: Setup, walk: _Walk, state: tuple, shapes: Shapes) ->
     temp = max(walk.temps)
     method = "compiled one-layer programs (forward, backward, head)"
     if setup.budget_peak:  # the budget plan's step (backprop residuals, kept inputs) as a floor
-        on_device = ((0 if setup.offload else weights + opt + grads) + acts
-                     - (walk.saved_std if setup.offload else 0))
+        on_host = tier_of(setup).state_memory == "host"
+        on_device = ((0 if on_host else weights + opt + grads) + acts - (walk.saved_std if on_host else 0))
         temp = max(temp, setup.budget_peak - on_device)
         method += "; the memory budget's plan of the step (revtrain.planning.budget) as a floor"
-    return _Step(grads, acts, temp, method, walk.saved_std, setup.offload, setup.disk)
+    return _Step(grads, acts, temp, method, walk.saved_std)
 
 
 def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: bool) -> dict:
@@ -413,14 +427,15 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
     device = dict.fromkeys(PARTS, 0)
     host = dict.fromkeys(PARTS, 0)
     host["runtime"] = RUNTIME_BYTES
-    if step.on_disk:
+    where = tier_of(setup).state_memory if setup.trainer == "reversible" else "device"
+    if where is None:
         # The layers in flight: the one computing and the one read ahead (on the device), the one being written
         # (its host copy). The saved inputs and the current activation stay on the device. A layer is read
         # only once the program before it has run (`streaming.StepStream`), so a program's temporaries (its
         # gradient among them: compiled) and the layer read ahead are never live together: in flight is the
         # more of three layers and two layers plus the temporaries.
         lw, lo = max(layer_bytes), max(layer_state) - max(layer_bytes)
-        if setup.shard_state:  # each device holds its piece of a layer read (`disk_tier.placer`)
+        if setup.shard_state:  # each device holds its piece of a layer read (`revtrain.placement.placer`)
             lw, lo = -(-lw // n), -(-lo // n)
         device["weights"], device["optimizer_state"] = 2 * lw, 2 * lo
         host["weights"], host["optimizer_state"] = lw, lo
@@ -429,7 +444,7 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
             host["gradients"] = lw  # (being written)
         device["activations"] = acts
         temp = max(0, temp - max(layer_state))
-    elif step.offload:
+    elif where == "host":
         # Host: every local device's share of the state (one copy with shard_state), saved inputs, and the
         # deferred gradient buffer (it lives where the state lives). Device: the layers in flight, one
         # layer's gradient (two buffers of the deferred update), the current activation, temporaries.
@@ -459,71 +474,48 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
     return {"device": {k: v for k, v in device.items() if k != "runtime"}, "host": host}
 
 
-def _disk_directory(disk: dict | None) -> tuple[dict, str]:
-    """The disk tier's spec (`plan`'s ``disk``; {} when None) and offload directory (default ``./offload``)."""
-    spec = disk or {}
-    return spec, spec.get("directory") or os.path.join(os.getcwd(), "offload")
-
-
-def _disk_tier(setup: Setup, shapes: Shapes, state: tuple, tiers: dict, disk: dict | None) -> tuple:
-    """Adds the disk tier to ``tiers``, from shapes alone (the plan's and the floor's alike): two steps' layer
-    files (whole layers), the kept checkpoints beyond them and the deferred update's buffer files (a layer's old
-    and new file at most, per microbatch). Returns ``(weights, optimizer state, per-layer bytes)`` of the
-    files."""
-    from revtrain import disk_tier
-    spec, _ = _disk_directory(disk)
+def _store_tier(setup: Setup, shapes: Shapes, state: tuple, tiers: dict, store: dict | None) -> tuple:
+    """Adds the tier's own store to ``tiers`` (under its name), from shapes alone (the plan's and the floor's
+    alike): what `Tier.store_parts` says it holds for whole layers. Returns ``(weights, optimizer state,
+    per-layer bytes)`` of the store."""
+    spec, tier = store or {}, tier_of(setup)
     weights, opt, layer_bytes = state[0], state[1], state[2]
-    if setup.shard_state:  # the files hold whole layers
+    if setup.shard_state:  # the store holds whole layers
         weights, opt = tree_nbytes(shapes.pshapes), tree_nbytes(shapes.oshapes)
-    _, beyond = disk_tier.disk_need(weights + opt, spec.get("keep", 3), spec.get("every", 0))
-    tiers["disk"] = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
-    if setup.deferred:
-        tiers["disk"]["gradients"] = 2 * weights
+    tiers[tier.name] = tier.store_parts(weights, opt, spec.get("keep", 3), spec.get("every", 0), setup.deferred)
     return weights, opt, layer_bytes
 
 
-def _disk_tier_and_io(model, setup: Setup, shapes: Shapes, state: tuple, tiers: dict, disk: dict | None) -> dict:
-    """Adds the disk tier to ``tiers`` (two steps' layer files, the kept checkpoints beyond them, the deferred
-    update's buffer files) and returns the step's reads and writes (`_io`)."""
-    from revtrain import disk_tier
-    _, directory = _disk_directory(disk)
-    weights, opt, layer_bytes = _disk_tier(setup, shapes, state, tiers, disk)
+def _store_tier_and_io(model, setup: Setup, shapes: Shapes, state: tuple, tiers: dict, store: dict | None) -> dict:
+    """Adds the tier's own store to ``tiers`` (`_store_tier`) and returns the step's reads and writes
+    (`Tier.step_io`)."""
+    weights, opt, layer_bytes = _store_tier(setup, shapes, state, tiers, store)
+    deferred = None
     if setup.deferred:
         owned = sum(layer_bytes[o] for o in {t.owner for t in model.ties})
-        read, write = disk_tier.deferred_io(weights, opt, layer_bytes[-1], owned, setup.microbatches,
-                                            rounds(setup.optimizer, model) + 1)
-        return _io(read, write, disk_tier.bandwidth(directory))
-    # Reads: every layer's weights in the forward (but the head's), every layer's state in the backward.
-    return _io(2 * weights + opt - layer_bytes[-1], weights + opt, disk_tier.bandwidth(directory))
+        deferred = (owned, setup.microbatches, rounds(setup.optimizer, model) + 1)
+    return tier_of(setup).step_io(weights, opt, layer_bytes[-1], deferred)
 
 
-def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bool, disk: dict | None, method: str,
+def _against_limits(setup: Setup, tiers: dict, limits: dict | None, one_tier: bool, store: dict | None, method: str,
                     pshapes: list, io: dict | None = None, floor: bool = False) -> MemoryPlan:
     """The `MemoryPlan` of ``tiers`` against ``limits`` (default: the process's host limit, the device's, the
-    disk tier's free space, the pinned host pool)."""
+    free space of the tier's own store (`Tier.capacity`), the pinned host pool)."""
     if limits is None:
         limits = {"host": host_limit()}
         if not one_tier:
             limits["device"] = device_limit()
     limits = dict(limits)
-    if "disk" in tiers and "disk" not in limits:
-        from revtrain import disk_tier
-        spec, directory = _disk_directory(disk)
-        limits["disk"] = disk_tier.disk_free(directory, [d for d in (spec.get("checkpoints"),) if d])
+    own = tier_of(setup).name  # (the tier's own store, counted under its name)
+    if own in tiers and own not in limits:
+        held = [d for d in ((store or {}).get("checkpoints"),) if d]
+        limits[own] = tier_of(setup).capacity(held)
     if "pinned" in tiers and "pinned" not in limits:
         limits["pinned"] = ((limits["host"][0], "pinned host memory is host RAM on the CPU backend") if one_tier
                             else pinned_limit())
     num_params = sum(int(np.prod(x.shape, dtype=np.int64)) for x in jax.tree.leaves(pshapes))
     return MemoryPlan(setup, tiers, {t: limits[t][0] for t in tiers}, {t: limits[t][1] for t in tiers}, method,
                       num_params, io, floor=floor)
-
-
-def _io(read: int, write: int, bandwidth: dict) -> dict:
-    """A disk-tier step's I/O: bytes read and written, the disk's bandwidth, the seconds I/O alone takes."""
-    r, w = bandwidth.get("read"), bandwidth.get("write")
-    seconds = read / r + write / w if r and w else None
-    return {"read_bytes": read, "write_bytes": write, "read_bandwidth": r, "write_bandwidth": w,
-            "seconds": seconds, "bandwidth_source": bandwidth.get("source", "")}
 
 
 # -- the floor: shapes alone ---------------------------------------------------------------------------------
@@ -533,7 +525,7 @@ FLOOR_METHOD = "from shapes alone, nothing compiled"
 
 def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dict | None = None,
           programs: PlanPrograms | None = None, platform: str | None = None, global_devices: int | None = None,
-          disk: dict | None = None) -> MemoryPlan:
+          store: dict | None = None) -> MemoryPlan:
     """The least `plan` says for ``setup``, from shapes alone: no program is compiled (a second or less).
 
     Each tier gets, in the places `plan` puts them (the host with offload, the layers in flight and the disk
@@ -559,7 +551,7 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     any program is compiled (docs/memory.md: the 1.44 B `StandardTrainer` refusal).
 
     Args:
-      model, setup, batch_spec, num_devices, limits, programs, platform, global_devices, disk: as for `plan`.
+      model, setup, batch_spec, num_devices, limits, programs, platform, global_devices, store: as for `plan`.
 
     Returns:
       a `MemoryPlan` with ``floor=True`` and ``method`` `FLOOR_METHOD` (no ``io``).
@@ -574,16 +566,16 @@ def floor(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: di
     if reversible:  # its activations, as `plan` counts them (traced)
         saved_std, largest = _traced_inputs(model, shapes, programs)
         step = _Step(max(state[2]) + (state[0] if setup.deferred else 0),
-                     saved_std + 2 * largest + tree_nbytes(shapes.batch), 0, FLOOR_METHOD, saved_std, setup.offload,
-                     setup.disk)
+                     saved_std + 2 * largest + tree_nbytes(shapes.batch), 0, FLOOR_METHOD, saved_std)
     else:
         step = _Step(tree_nbytes(shapes.pshapes), 0, int(STANDARD_EXTRA_FRACTION * state[0]), FLOOR_METHOD)
     tiers = _place(model, setup, step, state, n, one_tier)
-    if step.on_disk:  # the plan's disk tier whole: it needs shapes only
-        _disk_tier(setup, shapes, state, tiers, disk)
-    elif step.offload:
+    where = tier_of(setup).state_memory if reversible else "device"
+    if where is None:  # the plan's store whole: it needs shapes only
+        _store_tier(setup, shapes, state, tiers, store)
+    elif where == "host":
         _host_tier_pinned(setup, tiers, state, step, n, platform, one_tier)
-    return _against_limits(setup, tiers, limits, one_tier, disk, FLOOR_METHOD, shapes.pshapes, floor=True)
+    return _against_limits(setup, tiers, limits, one_tier, store, FLOOR_METHOD, shapes.pshapes, floor=True)
 
 
 def _traced_inputs(model, shapes: Shapes, programs: PlanPrograms) -> tuple[int, int]:

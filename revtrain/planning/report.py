@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from revtrain.limits import gib
 from revtrain.planning.memory import FLOOR_METHOD, RUNTIME_BYTES, TABLE_PARTS, MemoryPlan
+from revtrain.planning.setups import tier_of
 
 def short_tier(own: MemoryPlan) -> str:
     """The first tier of ``own`` that does not fit (the one its refusal names)."""
@@ -15,11 +16,11 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     """The one-line refusal: what does not fit, by how much, its parts, and the settings that would fit."""
     tier = short_tier(own)
     parts = ", ".join(f"{k.replace('_', ' ')} {gib(v)}" for k, v in own.tiers[tier].items() if v)
-    if tier == "disk":
-        return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}: two steps' layer "
-                "files and the kept checkpoints beyond them); free disk space, lower train.keep_checkpoints, set "
-                "train.checkpoint_every = 1 (the newest checkpoint then shares the live files) or put "
-                "ReversibleTrainer.offload_dir on a larger disk; train.memory_plan = False skips this check")
+    store = tier_of(own.setup)
+    if tier == store.name and store.state_memory is None:  # the tier's own store is short: its own words
+        held, advice = store.store_advice()
+        return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}: {held}); {advice}; "
+                "train.memory_plan = False skips this check")
     if tier == "pinned" and "pool" in own.tiers["pinned"]:  # the state in XLA's pinned pool (a GPU)
         from revtrain import pinned
         need = sum(v for k, v in own.tiers["pinned"].items() if k != "pool")

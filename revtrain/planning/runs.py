@@ -3,12 +3,13 @@ check ``revtrain train`` runs before placing the state, and the memory budget's 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 import numpy as np
 
-from revtrain.limits import device_limit, host_limit
+from revtrain.limits import device_limit, gib, host_limit
 from revtrain.planning.setups import Setup, alternatives, setup_of
 from revtrain.planning.costs import PlanPrograms
 from revtrain.planning.memory import MemoryPlan, MemoryPlanError, floor, plan
@@ -57,16 +58,16 @@ def plan_run(run, limits: dict | None = None, programs: PlanPrograms | None = No
                               "shapes (train.memory_plan = False skips it)")
     return plan(run.model, setup_of(run.trainer, run.cfg.batch_size), spec, local, limits=limits,
                 programs=programs if programs is not None else programs_of(run), global_devices=run.mesh.size,
-                eval_spec=_eval_spec(run), disk=_disk_spec(run))
+                eval_spec=_eval_spec(run), store=_store_spec(run))
 
 
-def _disk_spec(run) -> dict:
-    """The disk tier's directory (the trainer's, else ``./offload``), kept checkpoints and checkpoint period."""
-    tier = run.trainer.residency.disk  # (None: no disk tier)
-    directory = (tier.directory if tier is not None else None) or os.path.join(os.getcwd(), "offload")
-    workdir = tier.workdir if tier is not None else None
-    return {"directory": directory, "keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
-            "checkpoints": os.path.join(workdir, "checkpoints") if workdir else None}
+def _store_spec(run) -> dict:
+    """What a tier with a store of its own counts beyond its files (`Tier.store_parts`, `Tier.capacity`): the
+    run's kept checkpoints, checkpoint period and checkpoints' directory (under the workdir its tier was
+    attached to; space the run holds already)."""
+    workdir = run.trainer.residency.workdir
+    return {"keep": run.cfg.keep_checkpoints, "every": run.cfg.checkpoint_every,
+            "checkpoints": os.path.join(os.path.abspath(workdir), "checkpoints") if workdir else None}
 
 
 def _eval_spec(run) -> dict | None:
@@ -115,10 +116,10 @@ def choices(run, limits: dict | None = None, programs: PlanPrograms | None = Non
         if least and any(p.fits and set(p.setup.settings) < set(s.settings) for p in planned.values()):
             continue
         shapes_only = floor(run.model, s, spec, local, limits=limits, programs=programs,
-                            global_devices=run.mesh.size, disk=_disk_spec(run))
+                            global_devices=run.mesh.size, store=_store_spec(run))
         planned[i] = shapes_only if not shapes_only.fits else plan(
             run.model, s, spec, local, limits=limits, programs=programs, global_devices=run.mesh.size,
-            eval_spec=_eval_spec(run), disk=_disk_spec(run))
+            eval_spec=_eval_spec(run), store=_store_spec(run))
     return [own] + [planned[i] for i in sorted(planned)]
 
 
@@ -137,7 +138,7 @@ def floor_run(run, limits: dict | None = None, programs: PlanPrograms | None = N
         return plan_run(run, limits, programs)
     return floor(run.model, setup_of(run.trainer, run.cfg.batch_size), spec,
                  _local_devices(run.mesh), limits=limits, programs=programs, global_devices=run.mesh.size,
-                 disk=_disk_spec(run))
+                 store=_store_spec(run))
 
 
 def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | None:
@@ -166,8 +167,10 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         fits = [bool(f) for f in np.asarray(multihost_utils.process_allgather(np.int32(own.fits))).reshape(-1)]
-    if not own.fits:  # (a disk that is too small names no other trainer choice: none is planned)
-        others = [] if short_tier(own) == "disk" else choices(run, limits, programs, own, least=True)[1:]
+    if not own.fits:
+        store = run.trainer.residency  # (its own store too small: no other trainer choice is planned)
+        short = store.state_memory is None and short_tier(own) == store.name
+        others = [] if short else choices(run, limits, programs, own, least=True)[1:]
         raise MemoryPlanError(refusal(own, others))
     if not all(fits):
         bad = ", ".join(str(i) for i, f in enumerate(fits) if not f)
@@ -176,3 +179,65 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
     if log is not None:
         log(own.line())
     return own
+
+
+# ``ReversibleTrainer.offload = 'auto'``: the tiers it weighs, fastest first.
+AUTO_ORDER = ("device", "host", "disk")
+
+
+def choose_tier(run, limits: dict | None = None) -> str:
+    """Chooses the tier of a run whose trainer has ``offload = 'auto'`` (`TrainerBase.auto_tier`): the first of
+    `AUTO_ORDER` (device, host, disk: fastest first) whose memory plan fits this machine, made the trainer's
+    (`ReversibleTrainer.use_tier`) before its state is placed. Returns the one line that says which and why
+    (``"offload = 'auto': host tier (device tier: host needs at least 9.10 GiB of 8.00 GiB (...))"``).
+
+    Each tier is planned from shapes first (`floor`, nothing compiled) and only a tier whose floor fits with
+    compiled programs (`plan`); the programs are walked once, for the first tier planned, and every later
+    tier's plan reuses that walk (``PlanPrograms.shared_walks``: the tiers differ in where the state lives, not
+    in the programs), so choosing costs about one fixed tier's plan. The device tier's plan is the run's own:
+    its programs are those the run then calls. A tier that cannot run here (`Tier.refusal`, the host tier on a
+    backend without host memory) is passed over with its reason.
+
+    Args:
+      run: a built run (`revtrain.run.build`) whose trainer has ``auto_tier``.
+      limits: ``{tier: (bytes or None, source)}`` instead of the process's own (`host_limit`, `device_limit`).
+
+    Raises:
+      MemoryPlanError: no tier fits (one line: each tier and what it needs), or the task cannot say its batch's
+        shapes.
+    """
+    trainer = run.trainer
+    spec = run.task.input_spec(run.cfg.batch_size)
+    if spec is None:
+        raise MemoryPlanError(f"ReversibleTrainer.offload = 'auto' plans the tiers from the batch's shapes, and "
+                              f"{type(run.task).__name__} has no input_spec: set ReversibleTrainer.offload")
+    limits, local = limits or _limits(), _local_devices(run.mesh)
+    programs = programs_of(run)
+    programs.shared_walks = {}
+    own, base = programs.own, trainer.residency
+    passed = []
+    for name in AUTO_ORDER:
+        tier = base if name == base.name else base.peer(name)
+        why = tier.refusal()
+        if tier.state_memory == "host" and not _host_memory_supported(run.mesh):
+            why = why or "the backend has no host memory space"
+        if why:
+            passed.append(f"{name} tier: {why}")
+            continue
+        setup = own if tier is base else dataclasses.replace(
+            own, tier=tier, label=tier.trainer_label("ReversibleTrainer", " + shard_state" if own.shard_state else ""))
+        kw = dict(limits=limits, programs=programs, global_devices=run.mesh.size, store=_store_spec(run))
+        made = floor(run.model, setup, spec, local, **kw)
+        if made.fits:
+            made = plan(run.model, setup, spec, local, eval_spec=_eval_spec(run), **kw)
+        if made.fits:
+            if tier is not base:
+                trainer.use_tier(tier)
+            trainer.auto_tier = False
+            fits = ", ".join(f"{t} {gib(made.total(t))} of {gib(made.limits[t])}" for t in made.tiers
+                             if made.limits.get(t) is not None)
+            why = "; ".join(passed) if passed else f"its plan fits: {fits}"
+            return f"ReversibleTrainer.offload = 'auto': {name} tier ({why})"
+        passed.append(f"{name} tier: {made.shortfall()}")
+    raise MemoryPlanError("ReversibleTrainer.offload = 'auto': no tier fits this machine (" + "; ".join(passed)
+                          + "); a smaller model or batch would (revtrain plan lists the choices)")

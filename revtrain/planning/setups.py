@@ -23,9 +23,9 @@ class Setup:
       optimizer: the optax ``GradientTransformation`` (its state's shapes).
       batch_size: the global batch, in examples.
       microbatches: M (each device's share runs as M microbatches).
-      offload: reversible: weights, optimizer state and saved inputs in host memory (pageable, moved by the
-        streaming engine, `revtrain.streaming`).
-      disk: reversible: weights and optimizer state in layer files (``offload = 'disk'``).
+      tier: where weights and optimizer state live between uses: the tier object (`revtrain.tiers.Tier`; the
+        trainer's ``residency``), which the plan asks (`Tier.state_memory`, `Tier.store_parts`, ...). None:
+        the device tier on this process's devices (`tier_of`).
       shard_state: reversible: large leaves split over the devices (1/N each).
       deferred: reversible: the deferred update (a whole-model gradient buffer).
       remat: standard: ``scan_layers`` and ``remat_layers`` (only each layer's input is kept).
@@ -35,16 +35,13 @@ class Setup:
       settings: the gin bindings that select it, beyond the run's own.
       budget_peak: reversible with ``memory_budget``: the budget plan's expected peak device bytes of a step
         (`revtrain.planning.budget`; 0: none), a floor under the device parts of the step.
-      host_kind: with ``offload``, the memory kind of the host tier's state (``"pinned_host"`` or
-        ``"unpinned_host"``; ``""``: as the platform has it, `pinned.state_kind`: pinned on a GPU).
     """
 
     trainer: str
     optimizer: Any
     batch_size: int
     microbatches: int = 1
-    offload: bool = False
-    disk: bool = False
+    tier: Any = None
     shard_state: bool = False
     deferred: bool = False
     remat: bool = False
@@ -52,7 +49,20 @@ class Setup:
     label: str = ""
     settings: tuple = ()
     budget_peak: int = 0
-    host_kind: str = ""
+
+
+_DEVICE: list = []  # the device tier of a `Setup` that names none (made once)
+
+
+def tier_of(setup: Setup):
+    """The tier object ``setup`` plans (`Setup.tier`; the device tier on this process's devices when None)."""
+    if setup.tier is not None:
+        return setup.tier
+    if not _DEVICE:
+        from revtrain.placement import make_mesh
+        from revtrain.tiers import lookup
+        _DEVICE.append(lookup(False)(make_mesh(jax.local_devices())))
+    return _DEVICE[0]
 
 
 def setup_of(trainer, batch_size: int) -> Setup:
@@ -119,14 +129,19 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         settings=("train.trainer = @ReversibleTrainer",),
         deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
     out.append(base_rev)
-    if host_offload and not base_rev.offload:
-        label = "ReversibleTrainer + offload" if base_rev.disk else base_rev.label + " + offload"
-        out.append(dataclasses.replace(base_rev, offload=True, disk=False, label=label,
-                                       settings=base_rev.settings + ("ReversibleTrainer.offload = True",)))
+    tier = tier_of(base_rev)
+    # The other tiers (`Tier.peer`): the host's where the backend has host memory, then one with a store of its
+    # own (the disk's), which holds whole layers (no shard_state).
+    if host_offload and tier.state_memory != "host":
+        host = tier.peer("host")
+        label = ("ReversibleTrainer" if tier.state_memory is None else base_rev.label) + host.label
+        out.append(dataclasses.replace(base_rev, tier=host, label=label,
+                                       settings=base_rev.settings + (f"ReversibleTrainer.offload = {host.gin_value!r}",)))
     head = out[-1]  # the leanest so far: the next choices add to it
-    if not base_rev.disk and not base_rev.shard_state:  # the disk tier
-        out.append(dataclasses.replace(base_rev, offload=False, disk=True, label="ReversibleTrainer + offload='disk'",
-                                       settings=base_rev.settings + ("ReversibleTrainer.offload = 'disk'",)))
+    if tier.state_memory is not None and not base_rev.shard_state:
+        store = tier.peer("disk")
+        out.append(dataclasses.replace(base_rev, tier=store, label="ReversibleTrainer" + store.label,
+                                       settings=base_rev.settings + (f"ReversibleTrainer.offload = {store.gin_value!r}",)))
     if not _factored(setup.optimizer):  # (an Adafactor run is offered no "+ Adafactor")
         ada = optax.adafactor(1e-3)
         out.append(dataclasses.replace(head, optimizer=ada, label=head.label + " + Adafactor",

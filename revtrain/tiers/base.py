@@ -15,8 +15,11 @@ answers every question the rest of revtrain asks about that place. The questions
 * **Plan terms**, methods the planners call: the device copies of a layer the engine holds at once
   (`Tier.layers_in_flight`), the bytes one step moves between the store and the device (`Tier.io_per_step`),
   the space the store may use and needs (`Tier.capacity`, `Tier.space_need`), its bandwidth
-  (`Tier.bandwidth`), and why the tier cannot run here (`Tier.refusal`); `Tier.setup_terms` gives today's
-  memory plan its words until it takes the tier object.
+  (`Tier.bandwidth`), why the tier cannot run here (`Tier.refusal`), where the state waits between uses
+  (`Tier.state_memory`, `Tier.keeps_on_host`), the parts of its own store (`Tier.store_parts`) and a step's
+  I/O against the store's bandwidth (`Tier.step_io`). The memory plan and the budget planner are handed the
+  tier object (`revtrain.planning.Setup.tier`, the trainer's ``residency``) and ask these; a plan that
+  compares tiers makes the others on the same mesh (`Tier.peer`).
 * **Checkpoint and sampling forms**: how a checkpoint holds the state (`Tier.checkpoint_form`: ``"orbax"``
   for arrays, ``"links"`` for the disk tier's hard links), whether a state is this tier's
   (`Tier.holds_state`), and how generation reads the layers one at a time (`Tier.sample_layers`).
@@ -66,10 +69,16 @@ class Tier(abc.ABC):
     checkpoint_form = "orbax"  # how a checkpoint holds the state: "orbax" (arrays) or "links" (the files)
     uses_directory = False  # whether ``ReversibleTrainer.offload_dir`` names this tier's directory
     host_pool = False  # whether the state lives in host memory a GPU's runtime pins (`revtrain.pinned`'s pool)
+    memory_line = None  # a line naming the memory the state lives in (the host tier's), or None
+    # Plan terms: the memory the weights and optimizer state wait in between uses: "device", "host", or None
+    # (the tier's own store: only the layers in flight are in memory, `store_parts` counts the store).
+    state_memory: str | None = "device"
+    keeps_on_host = False  # whether a kept activation (`keep`) waits in host memory
 
     def __init__(self, mesh: Mesh, sharded: bool = False):
         self.mesh, self.sharded = mesh, sharded
         self.store = None  # the streaming engine's store (`revtrain.streaming.Store`) of a streamed tier
+        self.workdir = None  # the run's workdir, once `attach` names it
         self._kind = None
 
     # -- name and words --------------------------------------------------------------------------
@@ -105,12 +114,6 @@ class Tier(abc.ABC):
     def offloaded(self) -> bool:
         """True when the state lives outside device memory (the engine moves it in and out)."""
         return self.streamed
-
-    @property
-    def disk(self):
-        """The disk tier's store (`revtrain.tiers.disk_store.DiskStore`; None for the other tiers): what the
-        planners read today (they ask the plan terms once converted)."""
-        return None
 
     # -- a layer's state ---------------------------------------------------------------------------
     def put_layer(self, index: int, params, opt_state, pspec=None, ospec=None) -> tuple:
@@ -196,7 +199,9 @@ class Tier(abc.ABC):
 
     # -- the run's hooks -------------------------------------------------------------------------------
     def attach(self, workdir: str) -> None:
-        """The run's workdir is ``workdir`` (the disk tier names its default directory there)."""
+        """The run's workdir is ``workdir`` (kept as `workdir`; the disk tier names its default directory
+        there)."""
+        self.workdir = workdir
 
     def check_run(self) -> None:
         """Checks the tier's configuration before the run makes anything (raises
@@ -247,11 +252,39 @@ class Tier(abc.ABC):
         not a planned term (memory tiers: the device's copies)."""
         return None
 
-    def setup_terms(self) -> dict:
-        """The memory plan's words for this tier: `revtrain.memory_plan.Setup`'s ``offload`` (the state and
-        kept inputs in host memory), ``disk`` (the state in layer files) and ``host_kind``. (The planners take
-        the tier object itself next; until then this is where the two booleans are made.)"""
-        return {"offload": False, "disk": False, "host_kind": ""}
+    def store_parts(self, weights: int, opt: int, keep: int | None, every: int, deferred: bool) -> dict | None:
+        """The bytes the tier's own store holds at a step's peak, by part (``{"weights", "optimizer_state",
+        "checkpoint", "gradients"}``), for a state of ``weights`` and ``opt`` bytes (whole layers), ``keep``
+        checkpoints written every ``every`` steps, and ``deferred``: the deferred update's gradient buffers in
+        the store too. None for a tier without a store of its own (its state is counted in memory)."""
+        return None
+
+    def store_advice(self) -> tuple[str, str]:
+        """What a refusal says when the tier's own store is too small (`revtrain.planning.refusal`): what the
+        store holds, and what would make room (a tier with a store of its own overrides it)."""
+        return f"the {self.name} tier's store", f"give the {self.name} tier's store more room"
+
+    def step_io(self, weights: int, opt: int, head_weights: int, deferred: tuple | None = None) -> dict | None:
+        """A step's I/O between the tier's own store and memory: ``{"read_bytes", "write_bytes",
+        "read_bandwidth", "write_bandwidth" (B/s or None), "seconds" (I/O alone, or None unmeasured),
+        "bandwidth_source"}``; ``deferred``: ``(owned_bytes, microbatches, passes)`` of a deferred update (its
+        tied owners' bytes, microbatches, statistics passes + 1), else the fused update's `io_per_step`. None
+        for a tier without a store of its own (memory tiers: the device's copies are not a planned term)."""
+        return None
+
+    def peer(self, name: str) -> "Tier":
+        """The registered tier ``name`` on this tier's mesh and sharding, its files (if any) where the run
+        names them later: what a plan that compares tiers asks (`revtrain.planning.alternatives`,
+        ``offload = 'auto'``).
+
+        Raises:
+          ValueError: no tier is registered as ``name``.
+        """
+        from revtrain.tiers.registry import lookup
+        peer = lookup(name)(self.mesh, self.sharded)
+        if self.workdir is not None:
+            peer.attach(self.workdir)
+        return peer
 
     # -- checkpoint and sampling forms -------------------------------------------------------------------
     @classmethod

@@ -35,16 +35,13 @@ class DiskTier(Tier):
     gin_value = "disk"
     label = " + offload='disk'"
     checkpoint_form = "links"
+    state_memory = None  # (in its files: the layers in flight only)
     uses_directory = True
 
     def __init__(self, mesh: Mesh, sharded: bool = False, store: DiskStore | None = None,
                  directory: str | None = None):
         super().__init__(mesh, sharded)
         self.store = store if store is not None else DiskStore(directory)
-
-    @property
-    def disk(self) -> DiskStore:
-        return self.store
 
     def describe_place(self) -> str:
         return f"layer files in {self.store.directory or 'the offload directory'}"
@@ -77,6 +74,7 @@ class DiskTier(Tier):
 
     # -- the run's hooks --
     def attach(self, workdir: str) -> None:
+        super().attach(workdir)
         self.store.attach(workdir)
 
     def check_run(self) -> None:
@@ -117,8 +115,32 @@ class DiskTier(Tier):
     def _directory(self) -> str:
         return self.store.directory or os.path.join(os.getcwd(), "offload")
 
-    def setup_terms(self) -> dict:
-        return {"offload": False, "disk": True, "host_kind": ""}
+    def store_parts(self, weights: int, opt: int, keep: int | None, every: int, deferred: bool) -> dict:
+        """Two steps' layer files (a step writes its new files beside the ones it reads), the kept checkpoints
+        the tier has moved past (`disk_probes.disk_need`) and, with the deferred update, two gradients' worth of
+        buffer files (a layer's old and new file at most)."""
+        _, beyond = disk_probes.disk_need(weights + opt, keep, every)
+        parts = {"weights": 2 * weights, "optimizer_state": 2 * opt, "checkpoint": beyond}
+        if deferred:
+            parts["gradients"] = 2 * weights
+        return parts
+
+    def store_advice(self) -> tuple[str, str]:
+        return ("two steps' layer files and the kept checkpoints beyond them",
+                "free disk space, lower train.keep_checkpoints, set train.checkpoint_every = 1 (the newest checkpoint "
+                "then shares the live files) or put ReversibleTrainer.offload_dir on a larger disk")
+
+    def step_io(self, weights: int, opt: int, head_weights: int, deferred: tuple | None = None) -> dict:
+        """The layer files a step reads and writes (`io_per_step`; a deferred update's `disk_probes.deferred_io`)
+        against the directory's sequential bandwidth (`disk_probes.bandwidth`: measured once, cached)."""
+        if deferred is not None:
+            read, write = disk_probes.deferred_io(weights, opt, head_weights, *deferred)
+        else:
+            read, write = self.io_per_step(weights, opt, head_weights)
+        bandwidth = self.bandwidth()
+        r, w = bandwidth.get("read"), bandwidth.get("write")
+        return {"read_bytes": read, "write_bytes": write, "read_bandwidth": r, "write_bandwidth": w,
+                "seconds": read / r + write / w if r and w else None, "bandwidth_source": bandwidth.get("source", "")}
 
     # -- checkpoint and sampling forms --
     @classmethod

@@ -35,6 +35,8 @@ class HostTier(Tier):
     label = " + offload"
     releases = True
     host_pool = True
+    state_memory = "host"
+    keeps_on_host = True
 
     def __init__(self, mesh: Mesh, sharded: bool = False, pageable: bool | None = None):
         super().__init__(mesh, sharded)
@@ -94,5 +96,3 @@ class HostTier(Tier):
         """The layer computing, the one being written back and `Store.read_ahead` fetched ahead."""
         return 2 + self.store.read_ahead
 
-    def setup_terms(self) -> dict:
-        return {"offload": True, "disk": False, "host_kind": self.memory_kind}

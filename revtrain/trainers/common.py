@@ -398,6 +398,7 @@ class TrainerBase:
 
     name: str = ""
     residency = None  # where weights and optimizer state live between uses: each trainer sets its tier
+    auto_tier = False  # True until the memory plan chooses the tier (``ReversibleTrainer.offload = 'auto'``)
     specs = None  # how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`)
     memory_budget: int | None = None
     budget_plan = None
@@ -432,8 +433,8 @@ class TrainerBase:
 
     def memory_setup(self) -> dict:
         """How the memory plan describes this trainer: keyword arguments of `revtrain.planning.Setup` beyond
-        the optimizer, batch and microbatches (``trainer``, ``label``, and those of its features: ``offload``,
-        ``disk``, ``shard_state``, ``deferred``, ``remat``, ``rebuild``, ``budget_peak``); each trainer says its
+        the optimizer, batch and microbatches (``trainer``, ``label``, ``tier``: its tier object, and those of
+        its features: ``shard_state``, ``deferred``, ``remat``, ``rebuild``, ``budget_peak``); each trainer says its
         own (a plain dict, so the trainers need not import the plan)."""
         raise NotImplementedError(f"{type(self).__name__} does not describe itself to the memory plan")
 
@@ -481,19 +482,6 @@ class TrainerBase:
             return ts.stacked
         groups = tuple((i, 1) for i in range(len(self.model.layers)))
         return Stacked(groups, ts.params, ts.opt_state, ts.layer_state)
-
-    # The two booleans the planners (revtrain/memory_plan.py, revtrain/trainers/budget.py) still read, made by
-    # the tier object (`revtrain.tiers.base.Tier.setup_terms`); the planners ask the tier itself next, and then
-    # these go.
-    @property
-    def offload(self) -> bool:
-        """Read-only, from the tier (`residency`): whether the state and kept inputs live in host memory."""
-        return self.residency.setup_terms()["offload"]
-
-    @property
-    def on_disk(self) -> bool:
-        """Read-only, from the tier (`residency`): whether the state lives in layer files."""
-        return self.residency.setup_terms()["disk"]
 
     # -- evaluation ------------------------------------------------------------------------------
     @staticmethod

@@ -100,7 +100,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
       model, optimizer, mesh, seed: see ``TrainerBase``.
       offload: where weights and optimizer state live between uses (the tier, `revtrain.tiers.from_gin`):
         False, device memory; True, host memory (with the saved standard-layer inputs); ``'disk'``, one file
-        per layer in ``offload_dir`` (`revtrain.tiers.disk`); or a registered tier's name. A streamed tier is
+        per layer in ``offload_dir`` (`revtrain.tiers.disk`); ``'auto'``, the fastest tier whose memory plan
+        fits this machine (device, then host, then disk), chosen when the run is built
+        (`revtrain.planning.choose_tier`; until then the device tier, `auto_tier` True); or a registered tier's
+        name. A streamed tier is
         read ahead of each program and written back after each update by the streaming engine (`revtrain.streaming`), one layer at a time: the per-layer
         executor, whatever ``scan_layers`` says.
       offload_dir: the disk tier's directory (default: ``<workdir>/offload``, set by the train command).
@@ -160,6 +163,8 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     name = "reversible"
     REBUILD_MODES = tuple(REBUILDS)  # the rebuild flavours' names (`modes.REBUILDS`), the default first
 
+    AUTO = "auto"  # the ``offload`` value that lets the memory plan choose the tier (`use_tier`)
+
     def __init__(self, model, optimizer, mesh, seed: int = 0, offload: bool | str = False, scan_layers: bool = True,
                  shard_state: bool = False, rebuild: str = "exact", fuse_top: bool = False, microbatches: int = 1,
                  offload_dir: str | None = None, memory_budget=None, budget_objective: str = "time"):
@@ -183,17 +188,16 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.specs = StateSpecs(model, optimizer, mesh.size, shard_state)  # each layer's split over the devices
         self.scan_layers = scan_layers
         self._stream, self.disk_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
+        # ``offload = 'auto'``: the device tier until the plan chooses (`use_tier`, `revtrain.planning.choose_tier`).
+        self.auto_tier = isinstance(offload, str) and offload == self.AUTO
+        self.offload_dir = offload_dir
         try:
-            self.residency = from_gin(offload, mesh, shard_state, offload_dir)
+            tier = from_gin(False if self.auto_tier else offload, mesh, shard_state,
+                            None if self.auto_tier else offload_dir)
         except ValueError as e:
-            raise TrainerError(str(e)) from None
-        why = self.residency.refusal()
-        if why:
-            raise TrainerError(why)
-        if self.residency.streamed:
-            self._limit = self.residency.store.bounded(self._limit)  # the layers in flight, bounded
-        # The per-layer programs (`programs.LayerPrograms`): the step, the planners and check compile them here.
-        self.programs = LayerPrograms(optimizer, self.specs, self.rebuild_mode, self._compiled)
+            raise TrainerError(f"{e} (or 'auto': the memory plan chooses)") from None
+        self._unbounded, self._programs_tx = self._limit, optimizer  # (what `use_tier` builds on)
+        self.use_tier(tier)
         # The reversible layer under the head runs inside the head's program (``fuse_top``): alone, out of
         # any run it ends.
         num_layers = len(model.layers)
@@ -214,6 +218,31 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self.groups = self._layout()
         if shard_state:
             metrics_lib.log(self.specs.summary())
+
+    def use_tier(self, tier) -> None:
+        """Makes ``tier`` (a `revtrain.tiers.Tier` on this trainer's mesh) where the weights and optimizer state
+        live: the constructor's, or the one ``offload = 'auto'`` chose (`revtrain.planning.choose_tier`, before
+        the state is placed; `auto_tier` is then False). The programs compiled so far are dropped (a tier may
+        change the layout), and the tier's directory is ``offload_dir`` where it keeps
+        files.
+
+        Raises:
+          TrainerError: the tier cannot run here (`Tier.refusal`, one line).
+        """
+        why = tier.refusal()
+        if why:
+            raise TrainerError(why)
+        if self.auto_tier and tier.uses_directory and self.offload_dir is not None:
+            tier = type(tier)(self.mesh, self.shard_state, directory=self.offload_dir)
+        self.residency = tier
+        # the layers in flight, bounded for a streamed tier
+        self._limit = tier.store.bounded(self._unbounded) if tier.streamed else self._unbounded
+        # The per-layer programs (`programs.LayerPrograms`): the step, the planners and check compile them here.
+        self._cache.clear()
+        self.programs = LayerPrograms(self._programs_tx, self.specs, self.rebuild_mode, self._compiled)
+        if hasattr(self, "block_modes"):  # (a later choice: the layout follows the tier)
+            self._plans = {}
+            self.groups = self._layout()
 
     @property
     def num_top(self) -> int:
@@ -521,7 +550,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     # -- how the trainer describes itself (`TrainerBase`'s declared interface) ------------------------
     def memory_setup(self) -> dict:
         label = self.residency.trainer_label("ReversibleTrainer", " + shard_state" if self.shard_state else "")
-        return {"trainer": "reversible", "label": label, **self.residency.setup_terms(),
+        return {"trainer": "reversible", "label": label, "tier": self.residency,
                 "shard_state": self.shard_state,
                 "deferred": self.deferred, "rebuild": self.rebuild,
                 "budget_peak": self.budget_plan.peak if self.budget_plan is not None else 0}

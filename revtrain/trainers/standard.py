@@ -83,7 +83,7 @@ class StandardTrainer(TrainerBase):
         """The memory plan's description (`TrainerBase.memory_setup`): only each layer's input is kept with
         ``scan_layers`` and ``remat_layers``."""
         remat = self.scan_layers and self.remat_layers
-        return {"trainer": "standard", "remat": remat, "label": "StandardTrainer" + (" (scan + remat)" if remat else "")}
+        return {"trainer": "standard", "remat": remat, "tier": self.residency, "label": "StandardTrainer" + (" (scan + remat)" if remat else "")}
 
     def memory_knobs(self, evaluation: bool = False) -> list[str]:
         """A training step's memory is lower with the reversible trainer (`TrainerBase.memory_knobs`)."""
