@@ -34,7 +34,7 @@ REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
 # twice). A typed PRNG key in the state: test_a_key_in_the_state_is_checkpointed_and_resumed.
 REPRESENTATIVE = ("optax.apply_if_finite", "optax.contrib.mechanize")
 
-# The documented refusals (docs/recipe.md, "Refused, and not yet exact"): name -> reason. A refusal of any other
+# The documented refusals (docs/recipe.md, "Refused"): name -> reason. A refusal of any other
 # name fails its case.
 _VALUE = ("its update needs the loss (the keyword argument value) besides the gradients; neither trainer passes "
           "it (both trainers refuse it)")
@@ -61,23 +61,10 @@ REFUSED: dict = {
                              "several layers in one scan"),
 }
 
-# Open (issue 60): the cases that do not yet train bit for bit, as the whole-catalogue runs of 2026-12-06 found
-# them (JAX 0.10.2, optax 0.2.8), name -> what happens (likely all arithmetic: an ulp of an elementwise equation
-# or of a reduction's rounding, see docs/recipe.md). Each is xfail(strict=True): a fixed one fails as XPASS, so
-# this list cannot outlive its fixes; docs/recipe.md ("Refused, and not yet exact") gives the same list.
-KNOWN_FAILURES: dict = {
-    "optax.contrib.prodigy": "parameters differ on every tier (losses equal over 3 steps)",
-    "optax.contrib.dog": ("parameters differ by an ulp at step 3 (device tier; losses equal over 3 steps): its "
-                          "initial state is now the whole model's (optstate.LayerInit), what is left is the "
-                          "rounding of the update's two global norms (arithmetic, issue 60)"),
-    # first run on 2026-12-06 (this branch; the device tier only, the other tiers not yet run):
-    "optax.scale_by_adan": "parameters differ (losses equal over 3 steps) on the device tier, as optax.adan",
-    "optax.scale_by_belief": "parameters differ (losses equal over 3 steps) on the device tier, as optax.adabelief",
-    "optax.scale_by_sm3": "parameters differ (losses equal over 3 steps) on the device tier, as optax.sm3",
-    "optax.scale_by_stddev": ("parameters differ from step 2 on the device tier (losses equal over 3 steps; up to "
-                              "263 ulp: sqrt(nu - mu**2) cancels, so an ulp of either grows)"),
-    "optax.contrib.scale_by_madgrad": "loss differs by an ulp at step 3 on the device tier, as optax.contrib.madgrad",
-}
+# Cases known not to train bit for bit, name -> what happens, each xfail(strict=True) (a fixed one fails as XPASS,
+# so the list cannot outlive its fixes). Empty since the whole catalogue's run of 2026-12-06 (JAX 0.10.2, optax
+# 0.2.8: every name bit for bit on every tier, or refused; docs/recipe.md).
+KNOWN_FAILURES: dict = {}
 
 
 def _cases(names):
