@@ -210,13 +210,13 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
       a `Result`.
     """
     tx = trainer.tx
-    layerwise = getattr(trainer, "layerwise", None)
+    layerwise = trainer.layerwise
     try:
         if layerwise is None:
             layerwise = LayerwiseUpdate(tx, [jax.tree.map(np.asarray, p) for p in params])
     except CoupledUpdateError as e:
         return Result(steps, "", refused=f"ReversibleTrainer cannot run this optimizer one layer at a time: {e}")
-    deferred = getattr(trainer, "deferred", None)
+    deferred = trainer.deferred
     if deferred is None:
         deferred = not layerwise.separable or bool(model.ties)
     per_layer = _PerLayer(tx, layerwise, deferred)

@@ -45,7 +45,7 @@ def restores_optimizer_state(trainer) -> bool:
     optimizer state too: a schedule-free one (`is_schedule_free`) whose state lives in memory (device or host
     tier: `evaluation_state` computes its evaluation weights); a disk-tier state's weights are its files,
     evaluated as trained."""
-    tier = getattr(trainer, "residency", None)  # (a state in memory: the tier's ``state_memory`` names it)
+    tier = trainer.residency  # (a state in memory: the tier's ``state_memory`` names it)
     return (tier is None or tier.state_memory is not None) and is_schedule_free(trainer)
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from revtrain import loop
 from revtrain.errors import ConfigError
+from revtrain.tiers.disk_store import STEP_PREFIX
 
 
 def test_a_splits_scores_go_to_eval_or_eval_split():
@@ -16,7 +17,7 @@ def test_a_splits_scores_go_to_eval_or_eval_split():
 
 def test_an_unused_disk_tier_state_is_named_with_its_size(tmp_path):
     assert loop.unused_offload(str(tmp_path)) is None
-    step = tmp_path / "offload" / f"{loop.STEP_PREFIX}3"  # (the disk tier's step folders, as loop reads them)
+    step = tmp_path / "offload" / f"{STEP_PREFIX}3"  # (the disk tier's step folders, as loop reads them)
     step.mkdir(parents=True)
     (step / "layer_0").write_bytes(b"\0" * (3 * 2**20))
     (tmp_path / "offload" / "unrelated").mkdir()

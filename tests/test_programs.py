@@ -13,7 +13,6 @@ from revtrain.placement import DATA_AXIS, make_mesh
 from revtrain.trainers.common import example_keys, step_key
 from revtrain.trainers.modes import ProgramSpec
 from revtrain.trainers.programs import LayerPrograms
-from revtrain.trainers.reversible import ReversibleTrainer
 
 from helpers import tiny_model
 
@@ -90,10 +89,10 @@ def test_the_heads_loss_and_gradients_are_value_and_grad_of_its_loss():
 
 
 def test_every_per_layer_program_is_declared_with_its_calling_convention():
-    """Each mode's programs are declared in ``_PER_LAYER`` as a `ProgramSpec` naming a method of the trainer
+    """Each mode's programs are declared in ``LayerPrograms._PER_LAYER`` as a `ProgramSpec` naming a method of the programs object
     whose donated and state positions are within its arguments."""
-    assert ReversibleTrainer._PER_LAYER
-    for name, spec in ReversibleTrainer._PER_LAYER.items():
-        assert isinstance(spec, ProgramSpec) and callable(getattr(ReversibleTrainer, spec.method)), name
+    assert LayerPrograms._PER_LAYER
+    for name, spec in LayerPrograms._PER_LAYER.items():
+        assert isinstance(spec, ProgramSpec) and callable(getattr(LayerPrograms, spec.method)), name
         assert all(0 <= k < len(spec.in_specs) for k in (*spec.donate, *spec.state_in)), name
         assert all(0 <= k < len(spec.out_specs) for k in spec.state_out), name

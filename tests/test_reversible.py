@@ -48,11 +48,13 @@ def test_the_update_follows_the_optimizer_and_says_why():
 
 
 def test_it_describes_itself_to_the_memory_plan():
-    setup = _trainer().memory_setup()
-    assert setup == {"trainer": "reversible", "label": "ReversibleTrainer", "offload": False, "disk": False,
-                     "shard_state": False, "deferred": False, "rebuild": "exact", "budget_peak": 0, "host_kind": ""}
-    assert _trainer().memory_knobs() == ["ReversibleTrainer.offload = True"]
-    assert _trainer(offload=True).memory_knobs() == [] and _trainer(offload=True).memory_setup()["offload"]
+    trainer = _trainer()
+    setup = trainer.memory_setup()
+    assert setup == {"trainer": "reversible", "label": "ReversibleTrainer", "tier": trainer.residency,
+                     "shard_state": False, "deferred": False, "rebuild": "exact", "budget_peak": 0}
+    assert setup["tier"].name == "device" and trainer.memory_knobs() == ["ReversibleTrainer.offload = True"]
+    offloaded = _trainer(offload=True)
+    assert offloaded.memory_knobs() == [] and offloaded.memory_setup()["tier"].state_memory == "host"
 
 
 @pytest.mark.parametrize("kwargs, message", [

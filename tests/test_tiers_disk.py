@@ -34,7 +34,9 @@ def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
     assert np.array_equal(np.asarray(tier.fetch(p)["w"]), params["w"])
     reader = tier.sample_layers([p, p], placer(tier.mesh))
     try:
-        assert np.array_equal(np.asarray(reader.get(0)["w"]), params["w"]) and reader.read_bytes == 24
+        assert np.array_equal(np.asarray(reader.get(0)["w"]), params["w"])
+        assert np.array_equal(np.asarray(reader.get(1)["w"]), params["w"])
+        assert reader.read_bytes == 2 * 24  # (the weights only, each layer once; the reader reads ahead)
     finally:
         reader.close()
     state = types.SimpleNamespace(held=lambda: ([p], [o]))

@@ -400,6 +400,10 @@ class TrainerBase:
     residency = None  # where weights and optimizer state live between uses: each trainer sets its tier
     auto_tier = False  # True until the memory plan chooses the tier (``ReversibleTrainer.offload = 'auto'``)
     specs = None  # how each layer's state is split over the devices (`revtrain.trainers.specs.StateSpecs`)
+    # The per-layer optimizer step (a per-layer trainer's; None for a whole-model one): its split of the update
+    # (`layerwise.LayerwiseUpdate`) and whether it runs as the deferred update (`revtrain.check_optimizer`).
+    layerwise = None
+    deferred = None
     memory_budget: int | None = None
     budget_plan = None
     rebuild: str | None = None
