@@ -40,8 +40,8 @@ from jax.tree_util import SequenceKey, keystr, tree_flatten_with_path
 
 from revtrain.errors import ConfigError
 
-from revtrain.trainers.layerwise import (CoupledUpdateError, LayerwiseUpdate, all_finite, fence, fenced_update,
-                                         guarded_update)
+from revtrain.trainers.layerwise import (CoupledUpdateError, LayerwiseUpdate, all_finite, deferred_layer_update,
+                                         fence, guarded_update)
 from revtrain.trainers.specs import leaf_squares
 
 STEPS = 3  # optimizer steps compared (a step count's bias correction and a state's second use show by then)
@@ -183,16 +183,7 @@ class _PerLayer:
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
     def _update(self, i, g, s, p, globals_, ok):
-        scalars: list = []
-        if self.layerwise.separable:
-            updates, new_s, more = fenced_update(self.tx, g, s, p)
-            scalars.extend(more)
-        else:
-            updates, new_s = self.layerwise.update(i, g, s, p, globals_, scalars)
-        ok = fence(scalars, ok)
-        new_p = jax.tree.map(lambda a, u: a + u.astype(a.dtype), p, updates)  # optax.apply_updates
-        keep = lambda new, old: jax.tree.map(lambda x, y: jnp.where(ok, x, y), new, old)  # noqa: E731
-        return keep(new_p, p), keep(new_s, s)
+        return deferred_layer_update(self.tx, self.layerwise, i, g, s, p, globals_, ok)
 
 
 def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> Result:

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from revtrain.placement import DATA_AXIS, put_replicated, put_sharded
 from revtrain.trainers.common import (_Dispatch, batch_size_of, check_finite, example_keys, grad_norm,
                                       microbatch_where, per_device, reduce_grads, step_key, take_microbatch)
-from revtrain.trainers.layerwise import all_finite, fence, fenced_update
+from revtrain.trainers.layerwise import all_finite, deferred_layer_update, fence
 from revtrain.trainers.specs import leaf_squares
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.walk import walk
@@ -240,17 +240,7 @@ class DeferredUpdates:
     def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok):
         g = self._grads_of(index, acc, tie_in, scale, [])  # (the quotient is fenced there)
 
-        def update():  # under a cond on ``ok``, fenced, as every update is (`layerwise.guarded_update`)
-            scalars: list = []
-            if self.layerwise.separable:
-                updates, new_opt, more = fenced_update(self.tx, g, opt, params)
-                scalars.extend(more)
-            else:
-                updates, new_opt = self.layerwise.update(index, g, opt, params, globals_, scalars)
-            new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
-            return fence(scalars, (new_params, new_opt))
-
-        new_params, new_opt = lax.cond(ok, update, lambda: (params, opt))
+        new_params, new_opt = deferred_layer_update(self.tx, self.layerwise, index, g, opt, params, globals_, ok)
         zeros = jax.tree.map(jnp.zeros_like, acc)
         return new_params, new_opt, zeros, jax.tree.map(jnp.zeros_like, tie_in)
 

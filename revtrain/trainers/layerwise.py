@@ -445,6 +445,28 @@ def fence(scalars: list, value):
     return jax.tree.unflatten(tree, out)
 
 
+def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok):
+    """One layer's update of the deferred update's last pass: ``(new params, new optimizer state)``, the old ones
+    where ``ok`` (a bool scalar: every gradient and the loss finite) is False. Under a `lax.cond` on ``ok``, the
+    form of `guarded_update` (the whole-model update's: the same fusions, so the same rounding), the update
+    evaluated equation by equation (`fenced_update` for a separable optimizer, else ``layerwise.update`` of
+    layer ``index`` with the rounds' ``globals_``) and its scalars fenced.
+
+    Used by the reversible trainer's deferred update (`revtrain.trainers.deferred`) and by ``revtrain check``'s
+    per-layer optimizer step (`revtrain.check_optimizer`)."""
+    def update():
+        scalars: list = []
+        if layerwise.separable:
+            updates, new_opt, more = fenced_update(tx, grads, opt_state, params)
+            scalars.extend(more)
+        else:
+            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars)
+        new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
+        return fence(scalars, (new_params, new_opt))
+
+    return lax.cond(ok, update, lambda: (params, opt_state))
+
+
 def fenced_update(tx, grads, opt_state, params):
     """``tx.update(grads, opt_state, params)`` evaluated equation by equation: ``(updates, new state,
     scalars)``, the scalars to `fence` (what the update broadcasts over its leaves)."""
