@@ -19,13 +19,14 @@ number of processes when every process saved the same iterator position (revtrai
 process is at the same global batch).
 
 The state's tier says how a checkpoint holds it (`revtrain.tiers.base.Tier.checkpoint_form`): Orbax's arrays,
-or, for a disk-tier state (``ReversibleTrainer.offload = 'disk'``, `revtrain.tiers.disk_links`), the item
-``disk_state`` instead of ``state``: a hard link to each layer's file (complete and never written again),
-the layouts and the small layer state (`DiskStateHandler`): no bytes copied and nothing of the state in
-memory. It restores as layer files (a disk-tier trainer's template), into memory for the other tiers, as
-numpy weights alone (``optimizer_state=False``: ``revtrain check``), or as the weights' layer files, read by
-whoever uses them and never written (``optimizer_state=False, files=True``: ``revtrain eval``, ``sample`` and
-``export`` stream them layer by layer).
+or, for a tier with a form of its own, the tier's own Orbax item (`Tier.checkpoint_item`) instead of
+``state``, written and read by the tier's handler (`Tier.checkpoint_handler`; the disk tier's,
+`revtrain.tiers.disk_links`: a hard link to each layer's file, no bytes copied and nothing of the state in
+memory). Such a checkpoint restores through the tier that wrote it (`Tier.restored`): as its own refs for a
+template of that tier, into memory for the other tiers, as numpy weights alone (``optimizer_state=False``:
+``revtrain check``), or as the weights' refs, read by whoever uses them and never written
+(``optimizer_state=False, files=True``: ``revtrain eval``, ``sample`` and ``export`` stream them layer by
+layer). This module names no tier: it asks the registry (`revtrain.tiers.holder_of`, `revtrain.tiers.names`).
 
 Sharded state (``ReversibleTrainer.shard_state``): each leaf is saved with its own sharding, so every
 process writes only its devices' pieces (measured with 2 processes: about half of the state in each
@@ -55,7 +56,6 @@ from revtrain import metrics as metrics_lib
 from revtrain import tiers
 from revtrain.allocator import release_free_memory
 from revtrain.errors import InputError, RunFailure
-from revtrain.tiers import disk_format, disk_links
 from revtrain.limits import ASYNC_MAX_BYTES, STAGING_BYTES
 from revtrain.trainers.common import TrainState
 
@@ -181,44 +181,6 @@ class DataRestore(grain.checkpoint.CheckpointRestore):
     """Restores a Grain iterator's position (in place) with `DataHandler`."""
 
 
-class DiskStateHandler(ocp.CheckpointHandler):
-    """The ``disk_state`` item: a disk-tier state as hard links to its layer files (`disk_links.save_links`)."""
-
-    def save(self, directory, args=None):
-        disk_links.save_links(str(directory), args.refs, args.layer_state, args.step)
-
-    def restore(self, directory, args=None):
-        item = disk_links.load_links(str(directory))
-        if item["note"]:
-            metrics_lib.log(item["note"])
-        return item
-
-    def metadata(self, directory):
-        return None
-
-    def finalize(self, directory):
-        pass
-
-    def close(self):
-        pass
-
-
-@ocp.args.register_with_handler(DiskStateHandler, for_save=True)
-@dataclasses.dataclass
-class DiskStateSave(ocp.args.CheckpointArgs):
-    """Saves a disk-tier state: its layers' `disk_format.DiskLayer` refs, the layer states and the step."""
-
-    refs: list
-    layer_state: list
-    step: int
-
-
-@ocp.args.register_with_handler(DiskStateHandler, for_restore=True)
-@dataclasses.dataclass
-class DiskStateRestore(ocp.args.CheckpointArgs):
-    """Restores a disk-tier state's item (the files stay where they are)."""
-
-
 def _ignore_late_tensorstore_callbacks() -> None:
     """Keeps a failed restore or save to one error line.
 
@@ -282,20 +244,6 @@ def state_bytes(ts: TrainState) -> int:
                for sh in x.addressable_shards)
 
 
-def _shapes_of(layout) -> object:
-    """The params tree of a `disk_format.Layout` as ``jax.ShapeDtypeStruct`` leaves."""
-    leaves = [jax.ShapeDtypeStruct(layout.shapes[i], layout.dtypes[i]) for i in layout.region("params")]
-    return jax.tree.unflatten(layout.params_def, leaves)
-
-
-def _placed(tree, template):
-    """Numpy ``tree`` placed as ``template``'s leaves are (their shardings; as it is without one)."""
-    def one(x, t):
-        sharding = getattr(t, "sharding", None)
-        return jax.device_put(x, sharding) if sharding is not None else x
-    return jax.tree.map(one, tree, template)
-
-
 def _tree(ts: TrainState) -> dict:
     ts = ts.per_layer()  # one layout on disk, whichever executor made the state (stacked runs copied out)
     return {"params": ts.params, "opt_state": ts.opt_state, "layer_state": ts.layer_state}
@@ -333,8 +281,9 @@ class Checkpointer:
                                                enable_async_checkpointing=async_save, read_only=read_only,
                                                create=not read_only, cleanup_tmp_directories=not read_only)
         self._state_handler = _bounded_handler()
-        handlers = {"state": self._state_handler, "meta": ocp.JsonCheckpointHandler(),
-                    "data": DataHandler(), "disk_state": DiskStateHandler()}
+        handlers = {"state": self._state_handler, "meta": ocp.JsonCheckpointHandler(), "data": DataHandler()}
+        # (each registered tier's own checkpoint form: its item and handler, `Tier.checkpoint_handler`)
+        handlers.update({cls.checkpoint_item: cls.checkpoint_handler() for cls in tiers.own_forms()})
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
         _ignore_late_tensorstore_callbacks()  # a failed save or restore: one error line
         self._in_flight: int | None = None  # step of the newest save not known to be complete
@@ -358,12 +307,23 @@ class Checkpointer:
 
     def form(self, ts: TrainState) -> str:
         """How a checkpoint holds ``ts`` (a state or a restore template): its tier's ``checkpoint_form``
-        (``"orbax"`` or ``"links"``), this checkpointer's tier's when it has one, else that of the registered tier
-        whose own refs ``ts`` holds (`revtrain.tiers.holder_of`; a state of arrays: ``"orbax"``)."""
-        if self.tier is not None:
-            return self.tier.checkpoint_form
-        holder = tiers.holder_of(ts)
-        return holder.checkpoint_form if holder is not None else "orbax"
+        (``"orbax"`` or ``"links"``; `owner`)."""
+        owner = self.owner(ts)
+        return owner.checkpoint_form if owner is not None else "orbax"
+
+    def owner(self, ts: TrainState) -> type | None:
+        """The tier class that checkpoints ``ts`` (a state or a restore template) in a form of its own
+        (`revtrain.tiers.base.Tier.checkpoint_item`): this checkpointer's tier's when it has one, else the
+        registered tier whose own refs ``ts`` holds (`revtrain.tiers.holder_of`); None: Orbax's arrays."""
+        cls = type(self.tier) if self.tier is not None else tiers.holder_of(ts)
+        return cls if cls is not None and cls.checkpoint_item else None
+
+    def _written_by(self, step: int) -> type | None:
+        """The registered tier class whose own item the checkpoint of ``step`` holds, or None (Orbax's arrays)."""
+        for cls in tiers.own_forms():
+            if os.path.isdir(os.path.join(self.directory, str(step), cls.checkpoint_item)):
+                return cls
+        return None
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints, ascending."""
@@ -394,9 +354,9 @@ class Checkpointer:
           CheckpointWriteError: this save, or the previous asynchronous one, could not be written.
         """
         self.wait()
-        links = self.form(ts) == "links"
-        if links:  # hard links to the layer files: written at once (the tier removes them after the next step)
-            state = {"disk_state": DiskStateSave(list(ts.params), list(ts.layer_state), ts.step)}
+        owner = self.owner(ts)
+        if owner is not None:  # the tier's own form (e.g. hard links to its files): written at once (the tier may
+            state = {owner.checkpoint_item: owner.checkpoint_save(ts)}  # release what it links after the next step)
         else:
             tree = _tree(ts)
             _bound_save(self._state_handler, tree)
@@ -411,7 +371,7 @@ class Checkpointer:
             raise self._write_failed(ts.step, e) from e
         if started:
             self._in_flight = ts.step
-            if links:
+            if owner is not None:
                 self.wait()
             elif state_bytes(ts) > self.async_max_bytes:
                 self.wait()  # synchronous: the next step may donate every buffer (see the class note)
@@ -426,10 +386,10 @@ class Checkpointer:
         trainer regroups it on its first step). Restores the data iterator's position in place when given.
         ``optimizer_state=False`` reads the weights and layer state alone (the optimizer state's leaves are
         Orbax placeholders in the result, never read: ``revtrain check`` needs a third of the memory).
-        ``files=True`` with ``optimizer_state=False`` and a disk-tier checkpoint restored into a disk-tier
-        template: each layer's weights as its checkpoint file (`disk_format.DiskLayer`, opened read-only by
-        whoever reads it: the checkpoint's inodes are never written), nothing of them read here; the offload
-        directory is not touched. Otherwise ignored.
+        ``files=True`` with ``optimizer_state=False`` and a checkpoint in a tier's own form restored into a
+        template of that tier: each layer's weights as the checkpoint's ref (e.g. the disk tier's file, opened
+        read-only by whoever reads it: the checkpoint's inodes are never written), nothing of them read here;
+        the tier's store is not touched. Otherwise ignored.
 
         Raises:
           CheckpointError: no such step, or the checkpoint is unreadable or does not match the model.
@@ -437,16 +397,18 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None or step not in self._manager.all_steps():
             raise CheckpointError(f"no checkpoint for step {step} in {self.directory}")
-        disk_template = self.form(template) == "links"
-        if os.path.isdir(os.path.join(self.directory, str(step), "disk_state")):
-            return self._restore_disk(template, step, data_iterator, optimizer_state, files)
-        if disk_template and optimizer_state:
+        written_by = self._written_by(step)
+        if written_by is not None:
+            return self._restore_own(written_by, template, step, data_iterator, optimizer_state, files)
+        owner = self.owner(template)
+        if owner is not None and optimizer_state:
+            arrays = [repr(cls.gin_value) for cls in map(tiers.lookup, tiers.names())
+                      if not cls.checkpoint_item and cls.gin_value is not None]
             raise CheckpointError(f"the checkpoint at step {step} in {self.directory} holds its state in memory "
-                                  "tiers' format: resume it with ReversibleTrainer.offload = False or True (the "
-                                  "disk tier resumes its own checkpoints), or start a new --workdir")
-        if disk_template:  # weights alone into memory: the shapes of the templates' layouts
-            template = TrainState(template.step, [_shapes_of(r.layout) for r in template.params],
-                                  [None] * len(template.params), template.layer_state)
+                                  f"tiers' format: resume it with ReversibleTrainer.offload = {' or '.join(arrays)} "
+                                  f"(the {owner.name} tier resumes its own checkpoints), or start a new --workdir")
+        if owner is not None:  # weights alone into memory: the shapes the tier's refs hold
+            template = owner.array_template(template)
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
         if not optimizer_state:
             return self._restore_weights(abstract, step)
@@ -460,43 +422,18 @@ class Checkpointer:
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
             raise DamagedCheckpoint(step, damage_reason(e)) from e
 
-    def _restore_disk(self, template: TrainState, step: int, data_iterator, optimizer_state: bool,
-                      files: bool = False) -> TrainState:
-        """`restore` of a ``disk_state`` item: layer files (`disk_format.DiskLayer`) for a disk-tier template
-        (``optimizer_state=False``: the weights' files with ``files``, else the weights as numpy arrays; the
-        optimizer state not read), else read layer by layer into the template's placements."""
-        args = {"disk_state": DiskStateRestore(), "meta": ocp.args.JsonRestore()}
+    def _restore_own(self, owner: type, template: TrainState, step: int, data_iterator, optimizer_state: bool,
+                     files: bool = False) -> TrainState:
+        """`restore` of a checkpoint in the tier ``owner``'s own form (its `Tier.checkpoint_item`): the item
+        read by its handler, the state made by the tier (`Tier.restored`: see `restore`); the data iterator's
+        position restored only with the optimizer state (a resume)."""
+        args = {owner.checkpoint_item: owner.checkpoint_restore(), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None and optimizer_state:
             args["data"] = DataRestore(data_iterator)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
-            saved, n = out["disk_state"], len(template.held()[0])
-            entries = saved["index"]["layers"]
-            if len(entries) != n:
-                raise ValueError(f"{len(entries)} layer files for a model of {n} layers")
-            params, opt_state, layer_state = [], [], []
-            for g in range(n):
-                p_t, o_t = template.held()[0][g], template.held()[1][g]
-                on_file = isinstance(p_t, disk_format.DiskLayer)
-                layout = p_t.layout if on_file else disk_format.Layout.of(p_t, o_t if o_t is not None else ())
-                if on_file or o_t is not None:
-                    disk_links.check_layout(entries[g], layout, g)
-                path = os.path.join(saved["directory"], entries[g]["file"])
-                sums = entries[g].get(disk_format.CHECKSUM)  # (carried on, so later reads are checked too)
-                ref = disk_format.DiskLayer(layout, path, None if sums is None else tuple(int(x, 16) for x in sums))
-                if on_file and (optimizer_state or files):
-                    params.append(ref)
-                    opt_state.append(ref if optimizer_state else None)
-                elif not optimizer_state:
-                    params.append(disk_format.read_tree(path, layout, "params", sums=ref.sums))
-                    opt_state.append(None)
-                else:
-                    params.append(_placed(disk_format.read_tree(path, layout, "params", sums=ref.sums), p_t))
-                    opt_state.append(_placed(disk_format.read_tree(path, layout, "opt", sums=ref.sums), o_t))
-                s_t = template.layer_state[g]
-                leaves = [saved["layer_state"][f"l{g}_{k}"] for k in range(len(jax.tree.leaves(s_t)))]
-                layer_state.append(_placed(jax.tree.unflatten(jax.tree.structure(s_t), leaves), s_t))
-            return TrainState(int(out["meta"]["step"]), params, opt_state, layer_state)
+            ts = owner.restored(out[owner.checkpoint_item], template, optimizer_state, files)
+            return TrainState(int(out["meta"]["step"]), ts.params, ts.opt_state, ts.layer_state)
         except CheckpointError:
             raise
         except Exception as e:  # a missing or short file, a garbled index
@@ -551,8 +488,8 @@ class Checkpointer:
             checkpoint and stops the search (e.g. it was made by another model).
           on_skip: called with the `DamagedCheckpoint` of each skipped checkpoint instead of the line.
           optimizer_state: False: the weights and layer state alone (see `restore`).
-          files: with ``optimizer_state=False``, a disk-tier state's weights as its checkpoint files (see
-            `restore`).
+          files: with ``optimizer_state=False``, the weights as the checkpoint's refs of a tier with a form of
+            its own, e.g. the disk tier's files (see `restore`).
 
         Returns:
           ``(state, step)``.

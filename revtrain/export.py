@@ -197,14 +197,14 @@ def export_workdir(workdir: str, out: str, step: int | None = None, dtype: str =
         run = run_lib.build(cfg, workdir)
         ts, chosen = checkpointer.restore_newest(run.trainer.abstract_state(), step,
                                                  optimizer_state=restores_optimizer_state(run.trainer),
-                                                 files=True,  # a disk-tier state: its layer files, unread
+                                                 files=True,  # a tier's own refs (e.g. layer files), unread
                                                  accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()
     ts = evaluation_state(run.trainer, ts)  # a schedule-free run exports its evaluation weights
-    from revtrain.tiers.disk_format import LayerWeights
-    # Each layer's weights as numpy when its tensors are reached (read from its file for the disk tier), dropped
-    # once converted: the export holds one shard's tensors and one layer, not the model beside them.
-    write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, LayerWeights(ts.params)), dtype,
+    # Each layer's weights as numpy when its tensors are reached (as its tier reads them: `Tier.layer_weights`),
+    # dropped once converted: the export holds one shard's tensors and one layer, not the model beside them.
+    weights = run.trainer.residency.layer_weights(ts.params)
+    write_checkpoint(out, run.model.llama_spec, iter_model_tensors(run.model, weights), dtype,
                      tokenizer=run.task.tokenizer)
     return chosen

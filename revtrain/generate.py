@@ -28,10 +28,11 @@ How a sample is made (context ``T`` = the model's sequence length, window ``W = 
 Without offload, the whole generation is one compiled program per (model, prompt length, length, number of
 samples); the sampling settings are runtime values. An offloaded state (``ReversibleTrainer.offload``: host
 memory or layer files) is brought into device memory once and run the same way when its weights fit beside the
-run, else streamed: every byte runs layer by layer, each layer's weights copied from host memory or read from
-its file per use (`revtrain.disk_generate`). Samples are split over the ``"data"``
-mesh (all devices of all processes); their count is padded up to a multiple of the device count (the extra
-rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the same text.
+run, else streamed: every byte runs layer by layer, each layer's weights brought from its tier's store per use
+(`revtrain.generate_weights`; the tier's own reader, `revtrain.tiers.Tier.sample_layers`). Samples are split
+over the ``"data"`` mesh (all devices of all processes); their count is padded up to a multiple of the device
+count (the extra rows are dropped), and a sample's bytes depend only on its index, so 1 and N devices give the
+same text.
 
 References: key/value caching for autoregressive Transformer decoding as in Vaswani et al. 2017 (tensor2tensor
 fast decoding) and the Reformer's fast inference mode (Kitaev et al. 2020); nucleus sampling: Holtzman et
@@ -405,7 +406,7 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
     Args:
       trainer: a trainer whose model's layers all support decoding (`check_decodable`); with
         ``offload`` its weights are held in device memory when they fit, else streamed layer by layer
-        (`revtrain.disk_generate.choose`).
+        (`revtrain.generate_weights.choose`).
       ts: the `TrainState` (restored checkpoint, or the training loop's current state).
       prompt: at least one byte (bytes: a byte-level model), or at least one token id (an int sequence: a
         model of a tokenizer's ids); only its last ``context`` bytes / ids are used. ``opts.length`` counts
@@ -413,7 +414,7 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
       context: the model's sequence length (its learned positions).
       opts: sampling settings (checked here).
       plan: the training run's `revtrain.planning.MemoryPlan` (an offloaded state: the weights are held only
-        when they fit beside it; `revtrain.disk_generate.choose`).
+        when they fit beside it; `revtrain.generate_weights.choose`).
       weights: an offloaded state: ``"hold"`` or ``"stream"`` its weights whatever the plan says (None: the
         plan decides; one line says which and why).
 
@@ -440,17 +441,17 @@ def generate(trainer, ts, prompt: bytes, context: int, opts: Options, *, plan=No
     compile_seconds = 0.0
     stream = fetch = limit = None
     layerwise = False
-    if trainer.residency.offloaded:  # hold the weights (below) when they fit, else stream them layer by layer
-        from revtrain import disk_generate, streaming
-        choice = disk_generate.choose(ts.params, trainer.model, batch, context, plan=plan, mode=weights,
-                                      tier=trainer.residency.name)
+    tier = trainer.residency
+    if tier.offloaded:  # hold the weights (below) when they fit, else stream them layer by layer
+        from revtrain import generate_weights, streaming
+        choice = generate_weights.choose(ts.params, trainer.model, batch, context, tier, plan=plan, mode=weights)
         metrics_lib.log(choice.line)
-        layerwise = choice.mode == disk_generate.STREAM
-        stream = trainer.residency.sample_layers(ts.params, placer(mesh)) if layerwise else None
-        if stream is not None:  # the tier's own reader (the disk tier: each layer read from its file, the next ahead)
-            fetch = disk_generate.tied_fetch(trainer.model, stream.get)
+        layerwise = choice.mode == generate_weights.STREAM
+        stream = tier.sample_layers(ts.params, placer(mesh)) if layerwise else None
+        if stream is not None:  # the tier's own reader (e.g. each layer read from its file, the next ahead)
+            fetch = generate_weights.tied_fetch(trainer.model, stream.get)
             limit = streaming.Bounded(DispatchLimiter(mesh))  # the layers in flight, bounded
-        elif layerwise and trainer.residency.memory_kind != HOST_MEMORY:
+        elif layerwise and tier.memory_kind != HOST_MEMORY:
             # A pageable host store: each layer's weights copied to the device as it is used (a program moves
             # only pinned memory itself), as the training step's engine does.
             fetch = lambda i: trainer.layer_params(ts, i)  # noqa: E731

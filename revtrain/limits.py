@@ -1,7 +1,7 @@
 """The machine's limits and the save's constants: what this process may hold, read before it allocates.
 
-The floor under the memory plan (`revtrain.planning`), the checkpoint (`revtrain.checkpoint`) and
-sampling from the disk tier (`revtrain.disk_generate`): each asks here, none asks the others. What the process
+The floor under the memory plan (`revtrain.planning`), the checkpoint (`revtrain.checkpoint`) and sampling
+from an offloaded state (`revtrain.generate_weights`): each asks here, none asks the others. What the process
 may use on the host (`host_limit`) is the smaller of ``MemAvailable`` (/proc/meminfo) plus its own resident
 bytes and, for its memory cgroup and each of its ancestors with a limit (v1: ``memory.limit_in_bytes`` under
 /sys/fs/cgroup/memory; v2: ``memory.max``), the limit less what other processes of the group hold (their

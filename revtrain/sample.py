@@ -108,7 +108,7 @@ def _sample_checkpoint(workdir: str, prompt: bytes, opts: Options, step: int | N
                                                  # (weights alone: a third of the bytes; a schedule-free
                                                  # optimizer's state too: its evaluation weights need it)
                                                  optimizer_state=restores_optimizer_state(run.trainer),
-                                                 files=True,  # (a disk-tier state: its files, held or streamed)
+                                                 files=True,  # (a tier's own refs, e.g. layer files: held or streamed)
                                                  accept=run_lib.same_model(run, workdir))
     finally:
         checkpointer.close()

@@ -195,8 +195,8 @@ def test_checkpoint_is_hard_links_and_restores(tmp_path):
 
 def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
     """Each leaf's checksum is made as the file is written and checked on every read: a flipped byte is one line
-    naming the file, from a step's read, `LayerWeights` and a checkpoint's restore; a checkpoint without checksums
-    (written before them) restores unverified with a note."""
+    naming the file, from a step's read, the export's `layer_weights` and a checkpoint's restore; a checkpoint
+    without checksums (written before them) restores unverified with a note."""
     trainer, ts, _, _, _ = _train("disk", str(tmp_path / "tier"), steps=2)
     ref = ts.params[1]
     assert ref.sums is not None and len(ref.sums) == len(ref.layout.shapes)
@@ -216,7 +216,7 @@ def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
     with pytest.raises(disk_format.DamagedFile, match=why):
         disk_format.read_leaves(ref.path, ref.layout, "params", sums=ref.sums)
     with pytest.raises(disk_format.DamagedFile, match=why):
-        disk_format.LayerWeights(ts.params)[1]
+        trainer.residency.layer_weights(ts.params)[1]
     with pytest.raises(disk_format.DamagedFile, match=why):
         trainer.train_step(ts, global_batch({"inputs": _batches(1)[0], "targets": _batches(1)[0]}, trainer.mesh))
     damaged = r"at step 2 cannot be restored: DamagedFile: .*layer_00001.bin: weight leaf 1 "
@@ -292,7 +292,7 @@ def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys
     is; each rerun resumes from the step-2 checkpoint and ends with the uninterrupted run's losses and
     gradient norms and its final layer files byte for byte, the killed step's files (buffers included)
     removed. A streamed sample of the tied model is its held sample."""
-    from revtrain import cli, disk_generate
+    from revtrain import cli, generate_weights
     whole = tmp_path / "whole"
     result = _revtrain("train", *RECIPE, "--workdir", str(whole), timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -317,7 +317,7 @@ def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys
     samples = []
     for stream in (False, True):
         if stream:
-            monkeypatch.setattr(disk_generate, "host_limit", lambda: (1, "a test limit"))
+            monkeypatch.setattr(generate_weights, "host_limit", lambda: (1, "a test limit"))
         out = tmp_path / f"sample_{stream}.txt"
         assert cli.main(["sample", "--workdir", str(whole), "--temperature", "0", "--length", "12", "--prompt", "The ",
                          "--output", str(out)]) == 0
@@ -505,7 +505,7 @@ def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
     """``files=True``: the weights as the checkpoint's own files, nothing of them read; the streamed evaluation
     and the held / streamed samples equal those of the weights read into memory (today's readers) bit for bit,
     and no file of the checkpoint or of the tier changes."""
-    from revtrain import disk_generate, generate
+    from revtrain import generate, generate_weights
     trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=2)
     checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
     assert checkpointer.save(ts, None, {"x": 1})
@@ -526,8 +526,8 @@ def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
     device = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), offload=False)
     in_memory = type(ts)(2, [trainer.replicate(p) for p in params], [None] * len(params), files.layer_state)
     for o in (opts, seeded):
-        held = generate.generate(trainer, files, b"hello", T, o, weights=disk_generate.HOLD).samples
-        assert generate.generate(trainer, files, b"hello", T, o, weights=disk_generate.STREAM).samples == held
+        held = generate.generate(trainer, files, b"hello", T, o, weights=generate_weights.HOLD).samples
+        assert generate.generate(trainer, files, b"hello", T, o, weights=generate_weights.STREAM).samples == held
         assert generate.generate(device, in_memory, b"hello", T, o).samples == held
     # The checkpoint's and the tier's files are as they were; the layer files still have their two links.
     assert (_files_state(tmp_path / "run"), _files_state(tmp_path / "tier")) == before
@@ -537,7 +537,7 @@ def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
 
 def test_layer_cycle_reads_each_layer_per_pass_and_one_ahead(tmp_path):
     trainer, ts, _, params, _ = _train("disk", str(tmp_path / "tier"), steps=1)
-    from revtrain.disk_generate import LayerCycle
+    from revtrain.tiers.cycle import LayerCycle
     cycle = LayerCycle(trainer.residency.store, ts.params, None)
     order = [0, 1, 2, 3, 4, 5, 0, 1, 3, 4]  # (3 out of order: read on demand, the read ahead dropped)
     got = [cycle.get(i) for i in order]
@@ -550,31 +550,35 @@ def test_layer_cycle_reads_each_layer_per_pass_and_one_ahead(tmp_path):
 
 
 def test_the_plan_decides_to_hold_or_stream(tmp_path):
-    from revtrain import disk_generate
+    from revtrain import generate_weights
     trainer, ts, _, _, _ = _train("disk", str(tmp_path / "tier"), steps=1)
-    weights = disk_generate.weight_bytes(ts.params)
+    weights = generate_weights.weight_bytes(ts.params, trainer.residency)
     assert weights == sum(int(np.prod(x.shape)) * 4 for layer in trainer.model.layers
                           for x in jax.tree.leaves(layer.param_shapes))  # float32 weights
-    caches = disk_generate.cache_bytes(trainer.model, 2, T)
+    caches = generate_weights.cache_bytes(trainer.model, 2, T)
     assert caches > 0
-    roomy = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "test")})
-    assert roomy.mode == disk_generate.HOLD
+
+    def choose(**kw):  # (a sample of 2 rows from the disk tier's files)
+        return generate_weights.choose(ts.params, trainer.model, 2, T, trainer.residency, **kw)
+
+    roomy = choose(limits={"host": (2**40, "test")})
+    assert roomy.mode == generate_weights.HOLD
     assert "holds the disk tier's weights in device memory (host RAM on the CPU backend)" in roomy.line
-    tight = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (roomy.need - 1, "a test limit")})
-    assert tight.mode == disk_generate.STREAM and tight.need == roomy.need
+    tight = choose(limits={"host": (roomy.need - 1, "a test limit")})
+    assert tight.mode == generate_weights.STREAM and tight.need == roomy.need
     assert "streams the disk tier's weights layer by layer" in tight.line and "a test limit" in tight.line
     # Beside a training run: its planned peak is the base; an accelerator's device limit is the one that counts.
     class Plan:
         tiers = {"host": {}}
         def total(self, tier):
             return 10 * 2**30
-    planned = disk_generate.choose(ts.params, trainer.model, 2, T, plan=Plan(), limits={"host": (11 * 2**30, "t")})
+    planned = choose(plan=Plan(), limits={"host": (11 * 2**30, "t")})
     assert planned.need == 10 * 2**30 + weights + caches + max(r.layout.nbytes("params") for r in ts.params)
-    assert planned.mode == disk_generate.HOLD and "the run's planned peak 10.00 GiB" in planned.line
-    device = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "t"), "device": (1, "gpu")})
-    assert device.mode == disk_generate.STREAM and "device" in device.line
-    forced = disk_generate.choose(ts.params, trainer.model, 2, T, limits={"host": (2**40, "t")}, mode="stream")
-    assert forced.mode == disk_generate.STREAM and "as asked" in forced.line
+    assert planned.mode == generate_weights.HOLD and "the run's planned peak 10.00 GiB" in planned.line
+    device = choose(limits={"host": (2**40, "t"), "device": (1, "gpu")})
+    assert device.mode == generate_weights.STREAM and "device" in device.line
+    forced = choose(limits={"host": (2**40, "t")}, mode="stream")
+    assert forced.mode == generate_weights.STREAM and "as asked" in forced.line
 
 
 @pytest.fixture(scope="module")
@@ -594,7 +598,7 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
     for byte what the weights read into memory give, and a streamed sample is the held sample of training."""
     import shutil
 
-    from revtrain import cli, disk_generate, export, loop
+    from revtrain import cli, export, generate_weights, loop
     from revtrain.models.llama import iter_model_tensors
     shutil.rmtree(disk_run / "offload")  # no training runs; the checkpoint's hard links keep the bytes
     before = _files_state(disk_run / "checkpoints")
@@ -624,7 +628,7 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
         assert (out / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
     # A sample that streams (the plan's host limit made too small to hold the weights): the training's sample.
     trained = json.loads((disk_run / "metrics" / "samples.jsonl").read_text().splitlines()[-1])
-    monkeypatch.setattr(disk_generate, "host_limit", lambda: (1, "a test limit"))
+    monkeypatch.setattr(generate_weights, "host_limit", lambda: (1, "a test limit"))
     code = cli.main(["sample", "--workdir", str(disk_run), "--temperature", "0", "--length", "12",
                      "--prompt", trained["prompt"], "--output", str(tmp_path / "sample.txt")])
     assert code == 0

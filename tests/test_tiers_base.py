@@ -51,9 +51,20 @@ def test_the_defaults_are_an_unstreamed_tier_of_arrays(mesh):
     assert (peer.name, peer.mesh, peer.sharded, peer.state_memory, peer.keeps_on_host) == ("host", mesh, False,
                                                                                            "host", True)
     assert tier.checkpoint_form == "orbax" and not _Plain.holds_state(None)
+    assert tier.checkpoint_item is None and _Plain.checkpoint_handler() is None
+    with pytest.raises(NotImplementedError):
+        _Plain.checkpoint_save(None)
+    template = object()
+    assert _Plain.array_template(template) is template
     assert tier.sample_layers([], None) is None
     x = np.ones(3, np.float32)
     assert tier.keep(x) is x and tier.bring(x) is x and tier.fetch(x) is x
+    # Sampling and export: numpy and host arrays count as held outside the device; the export's view copies.
+    assert tier.outside_bytes({"a": x, "b": np.ones(2, np.float16)}) == 12 + 4
+    assert tier.outside_bytes({"a": jax.device_put(x)}) == 0
+    assert tier.sample_words() == ("from the plain tier's store", "moves {} to the device")
+    weights = tier.layer_weights([{"a": jax.device_put(x)}])
+    assert len(weights) == 1 and isinstance(weights[0]["a"], np.ndarray) and np.array_equal(weights[0]["a"], x)
 
 
 def test_a_streamed_tier_moves_each_layer_once_per_pass(mesh):

@@ -11,7 +11,8 @@ import pytest
 from revtrain.errors import ConfigError
 from revtrain.placement import make_mesh, placer
 from revtrain.tiers import DiskTier
-from revtrain.tiers.disk_format import DiskLayer
+from revtrain.tiers.disk_format import DamagedFile, DiskLayer
+from revtrain.trainers.common import TrainState
 from revtrain.tiers.disk_probes import disk_need
 
 
@@ -42,6 +43,40 @@ def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
     state = types.SimpleNamespace(held=lambda: ([p], [o]))
     assert DiskTier.holds_state(state) and tier.checkpoint_form == "links"
     assert not DiskTier.holds_state(types.SimpleNamespace(held=lambda: ([params], [None])))
+
+
+def test_sampling_and_export_ask_the_tier_what_its_files_hold(tier):
+    """What holding the weights adds is a file's weight bytes (an array in memory: its own); a streamed sample's
+    line names the files; the export's view reads each layer's weights from its file, checked, when asked (a
+    layer held in memory as numpy)."""
+    params = {"w": np.arange(6, dtype=np.float32)}
+    p, _ = tier.put_layer(0, params, {"m": np.zeros(6, np.float32)})
+    tier.end_init()
+    assert tier.outside_bytes(p) == 24 and tier.outside_bytes({"x": np.ones(2, np.float32)}) == 8
+    assert tier.sample_words() == ("from their files", "reads {} from disk")
+    weights = tier.layer_weights([p, {"x": np.ones(2, np.float32)}])
+    assert len(weights) == 2 and np.array_equal(weights[0]["w"], params["w"])
+    assert isinstance(weights[0]["w"], np.ndarray) and np.array_equal(weights[1]["x"], [1, 1])
+    with open(p.path, "r+b") as f:  # one byte of the weight flipped: the read names the file
+        f.seek(p.layout.offsets[0] + 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(DamagedFile, match="does not match"):
+        weights[0]
+
+
+def test_a_disk_tier_template_restores_an_orbax_checkpoints_weights_as_arrays(tier):
+    """The disk tier's checkpoint form is its own Orbax item (hard links); for a checkpoint of arrays its
+    template becomes the weights' shapes (no optimizer state)."""
+    assert DiskTier.checkpoint_item == "disk_state" and DiskTier.checkpoint_handler() is not None
+    shapes = {"w": jax.ShapeDtypeStruct((6,), np.float32)}
+    ref, _ = tier.layer_template(0, shapes, {"m": jax.ShapeDtypeStruct((6,), np.float32)})
+    template = TrainState(0, [ref], [ref], [{}])
+    arrays = DiskTier.array_template(template)
+    assert arrays.params[0]["w"].shape == (6,) and arrays.opt_state == [None] and arrays.layer_state == [{}]
+    plain = TrainState(0, [shapes], [None], [{}])
+    assert DiskTier.array_template(plain) is plain
 
 
 def test_the_disk_tiers_words_hooks_and_plan_terms(tier, tmp_path):

@@ -1,4 +1,4 @@
-"""revtrain/tiers/disk_format.py: one layer's file (layout, write, read, checksums) and `LayerWeights`. In
+"""revtrain/tiers/disk_format.py: one layer's file (layout, write, read, checksums). In
 process, milliseconds."""
 
 import os
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from revtrain.tiers import disk_format
-from revtrain.tiers.disk_format import ALIGN, DamagedFile, DiskLayer, DiskTierError, Layout, LayerWeights
+from revtrain.tiers.disk_format import ALIGN, DamagedFile, DiskLayer, DiskTierError, Layout
 
 
 def _layer():
@@ -47,13 +47,3 @@ def test_a_written_file_reads_back_with_its_checksums_and_a_flipped_byte_is_name
     os.truncate(path, 100)
     with pytest.raises(DiskTierError, match="shorter than its layout"):
         disk_format.read_leaves(path, layout, "params")
-
-
-def test_layer_weights_read_each_layer_when_asked(tmp_path):
-    params, opt = _layer()
-    layout = Layout.of(params, opt)
-    path = str(tmp_path / "layer.bin")
-    sums = disk_format.write_layer(path, layout, [params["b"], params["w"], *opt])
-    weights = LayerWeights([DiskLayer(layout, path, sums), {"x": np.ones(2, np.float32)}])
-    assert len(weights) == 2 and np.array_equal(weights[0]["w"], params["w"])
-    assert np.array_equal(weights[1]["x"], [1, 1])

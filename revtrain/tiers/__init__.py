@@ -13,15 +13,19 @@ The package, one job per module:
 * ``host_store``, ``disk_store``: their stores, the streaming engine's peers (`HostStore`, `DiskStore`;
   the engine itself, the scheduling of puts, dispatches and waits, is `revtrain.streaming`);
 * ``disk_format``: the disk tier's file format and checksums; ``disk_links``: its checkpoint form (hard
-  links); ``disk_probes``: its plan terms (space needed and free, bandwidth, a deferred step's I/O);
-* ``registry``: `register`, `from_gin`, `lookup`, `names` (the built-in three registered on first use).
+  links, and the Orbax handler that writes them); ``disk_probes``: its plan terms (space needed and free,
+  bandwidth, a deferred step's I/O);
+* ``cycle``: the sampling form of a tier whose store reads on its own thread (each layer read as generation
+  reaches it, the next ahead; the disk tier's, a registered tier's);
+* ``registry``: `register`, `from_gin`, `lookup`, `names`, `holder_of`, `own_forms`, `leftovers` (the
+  built-in three registered on first use).
 
 A new tier is one module with one `Tier` subclass and one line, ``revtrain.tiers.register("name", Class)``;
 ``ReversibleTrainer.offload = 'name'`` then selects it (tests/test_tiers_plugin.py adds one that way).
 """
 
 from revtrain.tiers.base import HostStack, StoreError, Tier
-from revtrain.tiers.registry import BUILTIN, from_gin, holder_of, leftovers, lookup, names, register
+from revtrain.tiers.registry import BUILTIN, from_gin, holder_of, leftovers, lookup, names, own_forms, register
 
 _CLASSES = {attr: module for _, module, attr in BUILTIN}
 
@@ -36,4 +40,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["DeviceTier", "DiskTier", "HostStack", "HostTier", "StoreError", "Tier", "from_gin", "holder_of",
-           "leftovers", "lookup", "names", "register"]
+           "leftovers", "lookup", "names", "own_forms", "register"]

@@ -20,9 +20,14 @@ answers every question the rest of revtrain asks about that place. The questions
   I/O against the store's bandwidth (`Tier.step_io`). The memory plan and the budget planner are handed the
   tier object (`revtrain.planning.Setup.tier`, the trainer's ``residency``) and ask these; a plan that
   compares tiers makes the others on the same mesh (`Tier.peer`).
-* **Checkpoint and sampling forms**: how a checkpoint holds the state (`Tier.checkpoint_form`: ``"orbax"``
-  for arrays, ``"links"`` for the disk tier's hard links), whether a state is this tier's
-  (`Tier.holds_state`), and how generation reads the layers one at a time (`Tier.sample_layers`).
+* **Checkpoint, sampling and export forms**: how a checkpoint holds the state (`Tier.checkpoint_form`:
+  ``"orbax"`` for arrays, ``"links"`` for the disk tier's hard links; a tier with a form of its own names its
+  Orbax item, `Tier.checkpoint_item`, and answers `Tier.checkpoint_handler`, `Tier.checkpoint_save`,
+  `Tier.checkpoint_restore` and `Tier.restored`, `Tier.array_template`), whether a state is this tier's
+  (`Tier.holds_state`), how generation reads the layers (the bytes holding them would add, `Tier.outside_bytes`;
+  one at a time, `Tier.sample_layers`; the words of the choice, `Tier.sample_words`) and how an export reads
+  each layer's weights as numpy (`Tier.layer_weights`). `revtrain.checkpoint`, `revtrain.generate` and
+  `revtrain.export` ask these and never name a tier.
 
 `Tier` implements placement for a state held as JAX arrays (the device tier's, shared by the host tier); a
 tier overrides what differs. A new tier is one module with one subclass and one `revtrain.tiers.register`
@@ -44,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.errors import RunFailure
-from revtrain.placement import DEVICE_MEMORY, replicated, shard_spec
+from revtrain.placement import DEVICE_MEMORY, placer, replicated, shard_spec
 
 
 class StoreError(RunFailure, OSError):
@@ -67,6 +72,9 @@ class Tier(abc.ABC):
     label = ""  # what a trainer's label adds for this tier
     releases = False  # a step lets go of each layer's old state once its new one is written
     checkpoint_form = "orbax"  # how a checkpoint holds the state: "orbax" (arrays) or "links" (the files)
+    # The Orbax item a checkpoint holds this tier's state in, when it has a form of its own (`checkpoint_handler`);
+    # None: Orbax's arrays in the ``state`` item (every array tier's).
+    checkpoint_item: str | None = None
     uses_directory = False  # whether ``ReversibleTrainer.offload_dir`` names this tier's directory
     host_pool = False  # whether the state lives in host memory a GPU's runtime pins (`revtrain.pinned`'s pool)
     memory_line = None  # a line naming the memory the state lives in (the host tier's), or None
@@ -131,8 +139,11 @@ class Tier(abc.ABC):
         return self.abstract(shapes, pspec), self.abstract(opt_shapes, ospec)
 
     def fetch(self, tree):
-        """One layer's params (as a state holds them) on the device, whole: gathered from the devices' pieces
-        when sharded."""
+        """One layer's params (as a state holds them) on the device, whole: a ref of the tier's store read
+        through it (`revtrain.streaming.Store.read`), arrays gathered from the devices' pieces when sharded."""
+        if self.store is not None and self.store.holds(tree):
+            [tree] = self.store.read([(tree, "params")], placer(self.mesh))
+            return tree
         if not self.sharded:
             return tree
         return jax.device_put(tree, replicated(self.mesh, DEVICE_MEMORY))
@@ -293,10 +304,100 @@ class Tier(abc.ABC):
         (a state of arrays is any array tier's: False)."""
         return False
 
-    def sample_layers(self, refs: list, place):
-        """A reader of a state's layers for layer-by-layer generation (``get(i)``, ``close()``,
-        ``read_bytes``), or None when the layers are fetched as the trainer fetches them (`fetch`)."""
+    @classmethod
+    def checkpoint_handler(cls):
+        """The Orbax ``CheckpointHandler`` of `checkpoint_item` (a tier with a checkpoint form of its own), or
+        None. `revtrain.checkpoint.Checkpointer` registers every registered tier's."""
         return None
+
+    @classmethod
+    def checkpoint_save(cls, ts):
+        """The Orbax save arguments of `checkpoint_item` for the `TrainState` ``ts`` (a state this tier holds,
+        `holds_state`); a tier with a form of its own implements it. The save is waited for at once (the tier
+        may release what it links after the next step)."""
+        raise NotImplementedError(f"the {cls.name} tier's checkpoints are Orbax's arrays")
+
+    @classmethod
+    def checkpoint_restore(cls):
+        """The Orbax restore arguments of `checkpoint_item` (see `checkpoint_save`)."""
+        raise NotImplementedError(f"the {cls.name} tier's checkpoints are Orbax's arrays")
+
+    @classmethod
+    def restored(cls, item, template, optimizer_state: bool = True, files: bool = False):
+        """The `TrainState` of the restored `checkpoint_item` ``item`` (what `checkpoint_restore` gave) in the
+        shapes and placements of ``template``: this tier's own refs where the template holds them (with
+        ``optimizer_state=False`` the weights' refs alone when ``files``, else the weights read), else read into
+        the template's arrays. The result's ``step`` is the template's (the caller sets the checkpoint's).
+
+        Raises:
+          ValueError: the item does not match the template (another model), or a file is missing or short.
+        """
+        raise NotImplementedError(f"the {cls.name} tier's checkpoints are Orbax's arrays")
+
+    @classmethod
+    def array_template(cls, template):
+        """``template`` (a `TrainState` restore template) with this tier's own refs replaced by the shapes of
+        the weights they hold (optimizer state: None): what an Orbax checkpoint's weights are read into for a
+        template of this tier. A template of arrays as it is."""
+        return template
+
+    def outside_bytes(self, ref) -> int:
+        """Bytes of one layer's weights ``ref`` (as a state holds them) kept outside device memory: what
+        holding them on the device adds. A ref of the tier's store: its weights' bytes there
+        (`revtrain.streaming.Store.nbytes`); arrays: the leaves not in device memory (a host store's, numpy)."""
+        if self.store is not None and self.store.holds(ref):
+            return self.store.nbytes(ref, "params")
+        return sum(int(x.nbytes) for x in jax.tree.leaves(ref)
+                   if not isinstance(x, jax.Array) or x.sharding.memory_kind != DEVICE_MEMORY)
+
+    def sample_layers(self, refs: list, place):
+        """A reader of a state's layers ``refs`` for layer-by-layer generation (``get(i)``, ``close()``,
+        ``read_bytes``; ``place``: numpy leaf -> placed array), or None when the layers are fetched as the
+        trainer fetches them (`fetch`). A tier whose store reads on its own thread (files; `Store.threaded`)
+        gets `revtrain.tiers.cycle.LayerCycle`: each layer read as generation reaches it, the next ahead."""
+        if self.store is None or not self.store.threaded:
+            return None
+        from revtrain.tiers.cycle import LayerCycle
+        return LayerCycle(self.store, refs, place)
+
+    def sample_words(self) -> tuple[str, str]:
+        """The words of a sample that streams this tier's weights (`revtrain.generate_weights.choose`): where
+        they come from, and what each token does with ``{}`` their size (``("from host memory", "copies {} to
+        the device")``)."""
+        return f"from the {self.name} tier's store", "moves {} to the device"
+
+    def layer_weights(self, refs: list) -> "LayerWeights":
+        """A list-like view of a state's layers ``refs`` (its ``params``) whose ``[i]`` is layer ``i``'s weights
+        as numpy arrays, made when asked and never kept (``revtrain export`` visits the layers in turn): read
+        through the tier's store where it holds the ref (`LayerWeights`)."""
+        return LayerWeights(refs, self.store)
+
+
+class LayerWeights:
+    """A list-like view of a state's layers whose ``[i]`` is layer ``i``'s weights as numpy arrays, made at that
+    moment and never cached: a ref of ``store`` read through it (`revtrain.streaming.Store.read`, e.g. the disk
+    tier's file, its checksums checked), a layer held in memory copied as numpy. A reader that visits the layers
+    in turn and drops each (``revtrain export``'s shards) holds one layer, not the model.
+
+    Args:
+      refs: one entry per layer, a ref of ``store`` or a tree of arrays.
+      store: the tier's `revtrain.streaming.Store`, or None.
+
+    Raises (on ``[i]``):
+      OSError: the store cannot read the layer (e.g. `revtrain.tiers.disk_format.DiskTierError`).
+    """
+
+    def __init__(self, refs: list, store=None):
+        self.refs, self.store = list(refs), store
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int):
+        ref = self.refs[i]
+        if self.store is not None and self.store.holds(ref):
+            [ref] = self.store.read([(ref, "params")], np.asarray)
+        return jax.tree.map(np.asarray, ref)
 
 
 class HostStack:

@@ -3,8 +3,11 @@
 Nothing of the weights or optimizer state stays in memory between the programs that use it: each layer is one
 file (`revtrain.tiers.disk_format`) in the store's directory (`revtrain.tiers.disk_store.DiskStore`, which the
 streaming engine reads ahead and writes behind), a checkpoint holds hard links to a step's files
-(`revtrain.tiers.disk_links`), and the plan asks the disk's space and bandwidth (`revtrain.tiers.disk_probes`).
-A state's params and optimizer state are the same `DiskLayer` per layer.
+(`revtrain.tiers.disk_links`), a sample that streams the weights reads each layer's file with the next read
+ahead on the store's reader thread (`revtrain.tiers.cycle`, as for any threaded store) and an export reads
+each file when it reaches the layer (`revtrain.tiers.base.LayerWeights`), and the plan asks the disk's space
+and bandwidth (`revtrain.tiers.disk_probes`). A state's params and optimizer state are the same `DiskLayer` per
+layer.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class DiskTier(Tier):
     gin_value = "disk"
     label = " + offload='disk'"
     checkpoint_form = "links"
+    checkpoint_item = "disk_state"  # (`revtrain.tiers.disk_links.ITEM`)
     state_memory = None  # (in its files: the layers in flight only)
     uses_directory = True
 
@@ -149,8 +153,37 @@ class DiskTier(Tier):
         params = ts.held()[0]
         return bool(params) and isinstance(params[0], DiskLayer)
 
-    def sample_layers(self, refs: list, place):
-        """Each layer read from its file as generation reaches it, the next read ahead
-        (`revtrain.disk_generate.LayerCycle`)."""
-        from revtrain.disk_generate import LayerCycle
-        return LayerCycle(self.store, refs, place)
+    @classmethod
+    def checkpoint_handler(cls):
+        """`revtrain.tiers.disk_links.LinksHandler`: hard links to the layer files."""
+        from revtrain.tiers import disk_links
+        return disk_links.LinksHandler()
+
+    @classmethod
+    def checkpoint_save(cls, ts):
+        from revtrain.tiers import disk_links
+        return disk_links.LinksSave(list(ts.params), list(ts.layer_state), ts.step)
+
+    @classmethod
+    def checkpoint_restore(cls):
+        from revtrain.tiers import disk_links
+        return disk_links.LinksRestore()
+
+    @classmethod
+    def restored(cls, item, template, optimizer_state: bool = True, files: bool = False):
+        """`revtrain.tiers.disk_links.restore_state`: the checkpoint's files for a disk-tier template, else its
+        files read into the template's arrays."""
+        from revtrain.tiers import disk_links
+        return disk_links.restore_state(item, template, optimizer_state, files)
+
+    @classmethod
+    def array_template(cls, template):
+        """Each layer's weights' shapes from its `DiskLayer`'s layout, no optimizer state."""
+        from revtrain.tiers import disk_links
+        if not cls.holds_state(template):
+            return template
+        return type(template)(template.step, [disk_links.weights_shapes(r.layout) for r in template.params],
+                              [None] * len(template.params), template.layer_state)
+
+    def sample_words(self) -> tuple[str, str]:
+        return "from their files", "reads {} from disk"

@@ -11,8 +11,8 @@ cgroup charges. A file, once complete, never changes: a checkpoint holds hard li
 with the file's `DiskLayer` and into a checkpoint's ``index.json``. Every read checks the leaves it reads, and
 `verify_file` checks a file whole, so a flipped byte is one line naming the file (`DamagedFile`).
 
-`LayerWeights` reads a state's layers one at a time for the export and sampling paths (a layer held in memory
-is used as it is), never caching: one layer in memory at a time.
+The export reads a state's layers one at a time through the store (`revtrain.tiers.base.LayerWeights`,
+checked as every read is), never caching: one layer in memory at a time.
 """
 
 from __future__ import annotations
@@ -276,28 +276,3 @@ def link_or_copy(source: str, target: str) -> None:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
-
-
-class LayerWeights:
-    """A list-like view of a state's layers whose ``[i]`` is layer ``i``'s weights as numpy arrays, read from
-    its file at that moment (a layer held in memory: its arrays as numpy), never cached: a reader that visits
-    the layers in turn and drops each (``revtrain export``'s shards) holds one layer, not the model.
-
-    Args:
-      refs: one entry per layer, a `DiskLayer` or a tree of arrays.
-
-    Raises (on ``[i]``):
-      DiskTierError: the file is missing, short or unreadable.
-    """
-
-    def __init__(self, refs: list):
-        self.refs = list(refs)
-
-    def __len__(self) -> int:
-        return len(self.refs)
-
-    def __getitem__(self, i: int):
-        ref = self.refs[i]
-        if isinstance(ref, DiskLayer):
-            return read_tree(ref.path, ref.layout, "params", sums=ref.sums)
-        return jax.tree.map(np.asarray, ref)

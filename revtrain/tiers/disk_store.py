@@ -13,8 +13,8 @@ flight: those computing, those put and read ahead, the one being written.
 **Files, never rewritten.** Step ``s`` writes every layer to ``<offload_dir>/step_<s>/layer_<i>.bin``, new
 files; the previous step's directory is removed only once every file of the new one is written and
 ``fdatasync``-ed. A file, once complete, never changes. So a checkpoint of a disk-tier state is a set of
-hard links to the step's files (`DiskStateHandler`, an Orbax item ``disk_state`` beside ``meta`` and
-``data``): no copy, no state in memory, milliseconds. A ``kill -9`` at any moment leaves every committed
+hard links to the step's files (`revtrain.tiers.disk_links.LinksHandler`, an Orbax item ``disk_state`` beside
+``meta`` and ``data``): no copy, no state in memory, milliseconds. A ``kill -9`` at any moment leaves every committed
 checkpoint intact (its inodes are never written again); the resumed run reads the checkpoint's files and
 writes its next step into the tier, exactly as the uninterrupted run would have (the programs are the
 device tier's: bit for bit the same numbers as ``offload = False`` and ``True``). Leftover step directories

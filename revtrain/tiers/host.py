@@ -92,6 +92,9 @@ class HostTier(Tier):
     def trainer_label(self, name: str, sharding: str = "") -> str:
         return name + self.label + sharding
 
+    def sample_words(self) -> tuple[str, str]:
+        return "from host memory", "copies {} to the device"
+
     def layers_in_flight(self) -> int:
         """The layer computing, the one being written back and `Store.read_ahead` fetched ahead."""
         return 2 + self.store.read_ahead

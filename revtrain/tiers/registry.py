@@ -50,6 +50,13 @@ def names() -> tuple[str, ...]:
     return tuple(_tiers())
 
 
+def own_forms() -> tuple[type, ...]:
+    """The registered tier classes whose checkpoints hold the state in a form of their own (an Orbax item of
+    their own, `Tier.checkpoint_item`), in registration order: what `revtrain.checkpoint` registers and looks
+    for."""
+    return tuple(cls for cls in _tiers().values() if cls.checkpoint_item)
+
+
 def lookup(value) -> type:
     """The tier class of a ``ReversibleTrainer.offload`` value (a class's `Tier.gin_value` or a name).
 
