@@ -44,13 +44,6 @@ class WriteFailed(RunFailure, RuntimeError):
     (reported as one line naming the newest checkpoint, which is kept; exit status 1)."""
 
 
-def unused_offload(workdir: str) -> str | None:
-    """One line when ``<workdir>/offload`` holds a disk-tier state that a run of another tier will not use,
-    else None: the disk tier's own note (`revtrain.tiers.disk.DiskTier.leftovers`; a run asks every tier but its
-    own, `revtrain.tiers.leftovers`)."""
-    return tiers.DiskTier.leftovers(workdir)
-
-
 def _writable(workdir: str) -> bool:
     """Creates ``workdir`` if needed; returns whether this call created it.
 
@@ -531,8 +524,8 @@ class _Training:
 
 
 def _step_record(run: Run, ts: TrainState, loss: float, sps: float, pc: int) -> dict:
-    """A logged step's rates, learning rate, bits per byte, devices, host memory and the disk tier's I/O (the
-    parts of its ``train.jsonl`` record beyond its metrics and peak)."""
+    """A logged step's rates, learning rate, bits per byte, devices, host memory and a streamed tier's store I/O
+    (the parts of its ``train.jsonl`` record beyond its metrics and peak)."""
     tokens_per_step = run.cfg.batch_size * run.model.tokens_per_example
     values = {"steps_per_sec": sps, "tokens_per_sec": sps * tokens_per_step}
     values["learning_rate"] = float(run.schedule(ts.step - 1)) if run.schedule else _ready_lr(ts)
@@ -544,7 +537,7 @@ def _step_record(run: Run, ts: TrainState, loss: float, sps: float, pc: int) -> 
             values["bytes_per_token"] = per_token
     values["devices"], values["processes"] = run.mesh.size, pc
     values["host_resident_bytes"], values["host_peak_bytes"] = host_resident()
-    values.update(run.trainer.disk_stats)  # the disk tier's last step's I/O
+    values.update(run.trainer.store_stats)  # a streamed tier's last step's I/O (`StepStream.stats`)
     return values
 
 
@@ -758,7 +751,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
             try:
                 ts, s = checkpointer.restore_newest(template, step if s is None else s,
                                                     optimizer_state=with_optimizer,  # (schedule-free: its z)
-                                                    files=True,  # a disk-tier state: its files, streamed
+                                                    files=True,  # a tier's own refs (e.g. layer files), streamed
                                                     accept=same_model(run, workdir))
             except ckpt_lib.DamagedCheckpoint as e:
                 if not all_steps:

@@ -179,8 +179,17 @@ def train_environment(need: int, environ=None) -> tuple[dict, str | None]:
     if own_limit and need > cap:
         return chosen, (f"the host tier's state needs {need / 2**30:.2f} GiB of pinned host memory, over XLA's "
                         f"pinned pool of {cap / 2**30:.0f} GiB ({source}); raise {LIMIT_ENV} to at least "
-                        f"{limit_gb_for(need)}, or use ReversibleTrainer.offload = 'disk'")
+                        f"{limit_gb_for(need)}" + "".join(f", or use ReversibleTrainer.offload = {v!r}"
+                                                          for v in _outside_memory()))
     return chosen, None
+
+
+def _outside_memory() -> list:
+    """The ``ReversibleTrainer.offload`` values of the registered tiers whose state waits in a store of their
+    own, not in memory (`revtrain.tiers.base.Tier.state_memory` None): what a refusal of the pool suggests."""
+    from revtrain import tiers
+    return [cls.gin_value for cls in map(tiers.lookup, tiers.names())
+            if cls.state_memory is None and cls.gin_value is not None]
 
 
 def describe(kind: str, platform: str, switched: bool = False, environ=None) -> str:

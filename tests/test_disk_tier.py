@@ -66,12 +66,12 @@ def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
     # Only the newest step's files are left; the state holds no arrays, only the layer files.
     assert sorted(os.listdir(tmp_path / "tier")) == ["step_00000003"]
     assert all(isinstance(r, disk_format.DiskLayer) for r in ts.params)
-    assert trainer.disk_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
+    assert trainer.store_stats["disk_write_bytes"] == sum(r.layout.nbytes() for r in ts.params)
     # Each layer read once in the forward (weights; not the head, nor with fuse_top the layer under it) and once in
     # the backward (weights and optimizer state): the read-ahead never reads a layer twice.
     forward = ts.params[:-2] if fuse_top else ts.params[:-1]
-    assert trainer.disk_stats["disk_read_bytes"] == (sum(r.layout.nbytes("params") for r in forward)
-                                                     + trainer.disk_stats["disk_write_bytes"])
+    assert trainer.store_stats["disk_read_bytes"] == (sum(r.layout.nbytes("params") for r in forward)
+                                                     + trainer.store_stats["disk_write_bytes"])
 
 
 @pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
@@ -159,8 +159,8 @@ def test_recipe_on_every_tier_bit_for_bit(tmp_path, text_batches):
     held = refs[0].layout.nbytes("params") if disk[4].residency.store.depth >= 1 else 0  # (the first buffer kept)
     read, write = disk_probes.deferred_io(weights, opt, refs[-1].layout.nbytes("params"), refs[0].layout.nbytes("params"),
                                         2, 2, held)
-    assert (disk[4].disk_stats["disk_read_bytes"], disk[4].disk_stats["disk_write_bytes"]) == (read, write)
-    assert (host[4].disk_stats["host_read_bytes"], host[4].disk_stats["host_write_bytes"]) == (read, write)
+    assert (disk[4].store_stats["disk_read_bytes"], disk[4].store_stats["disk_write_bytes"]) == (read, write)
+    assert (host[4].store_stats["host_read_bytes"], host[4].store_stats["host_write_bytes"]) == (read, write)
 
 
 def test_refusals(tmp_path):
@@ -641,11 +641,12 @@ def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tm
 def test_an_unused_disk_state_in_the_workdir_is_named(tmp_path):
     """A run of another tier in a workdir whose ``offload/`` holds an earlier disk-tier state (a resume after
     switching tiers) is told in one line what it holds and that removing it loses nothing; nothing otherwise."""
-    from revtrain import loop
-    assert loop.unused_offload(str(tmp_path)) is None
+    from revtrain import tiers
+    device = tiers.from_gin(False, make_mesh())  # (the run's own tier: the notes are every other tier's)
+    assert tiers.leftovers(str(tmp_path), device) == []
     (tmp_path / "offload" / "step_00000008").mkdir(parents=True)
     (tmp_path / "offload" / "step_00000008" / "layer_00000.bin").write_bytes(b"x" * 2**21)
-    line = loop.unused_offload(str(tmp_path))
+    [line] = tiers.leftovers(str(tmp_path), device)
     assert f"{tmp_path / 'offload'} holds 1 step(s) of an earlier disk-tier state (2 MiB)" in line
     assert "loses nothing" in line
 

@@ -5,8 +5,9 @@ other values of the old one's settings."""
 
 import pytest
 
-from revtrain import loop
+from revtrain import loop, tiers
 from revtrain.errors import ConfigError
+from revtrain.placement import make_mesh
 from revtrain.tiers.disk_store import STEP_PREFIX
 
 
@@ -16,12 +17,13 @@ def test_a_splits_scores_go_to_eval_or_eval_split():
 
 
 def test_an_unused_disk_tier_state_is_named_with_its_size(tmp_path):
-    assert loop.unused_offload(str(tmp_path)) is None
-    step = tmp_path / "offload" / f"{STEP_PREFIX}3"  # (the disk tier's step folders, as loop reads them)
+    device = tiers.from_gin(False, make_mesh())  # (loop asks every tier but the run's own: `tiers.leftovers`)
+    assert tiers.leftovers(str(tmp_path), device) == []
+    step = tmp_path / "offload" / f"{STEP_PREFIX}3"  # (the disk tier's step folders, as the tier reads them)
     step.mkdir(parents=True)
     (step / "layer_0").write_bytes(b"\0" * (3 * 2**20))
     (tmp_path / "offload" / "unrelated").mkdir()
-    line = loop.unused_offload(str(tmp_path))
+    [line] = tiers.leftovers(str(tmp_path), device)
     assert line.startswith(f"{tmp_path / 'offload'} holds 1 step(s) of an earlier disk-tier state (3 MiB)")
 
 

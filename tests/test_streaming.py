@@ -106,7 +106,7 @@ def test_the_host_store_is_pageable_and_programs_see_the_device(tmp_path):
         ts, _ = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
     assert kinds == {DEVICE_MEMORY}
     assert {x.sharding.memory_kind for x in jax.tree.leaves((ts.params, ts.opt_state))} == {PAGEABLE_MEMORY}
-    stats = trainer.disk_stats
+    stats = trainer.store_stats
     held = sum(x.nbytes for x in jax.tree.leaves((ts.params, ts.opt_state)))
     forward = sum(x.nbytes for x in jax.tree.leaves(ts.params[:-1]))
     assert stats["host_write_bytes"] == held  # every layer written back once
@@ -273,14 +273,14 @@ def test_fetches_overlap_compute(monkeypatch):
 
     for _ in range(2):
         step(0.0)
-    fetched = trainer.disk_stats["host_read_bytes"]
+    fetched = trainer.store_stats["host_read_bytes"]
     compute = statistics.median(step(0.0) for _ in range(3))
     per_byte[0] = compute / fetched  # the transfers' total: one step's compute
     plain, slowed, busy = [], [], []
     for _ in range(4):
         plain.append(step(0.0))
         slowed.append(step(compute / fetched))
-        busy.append(trainer.disk_stats["host_read_seconds"])
+        busy.append(trainer.store_stats["host_read_seconds"])
         assert busy[-1] >= compute  # the delay really was paid, on the link (the reader thread)
     # The transfers: the link's busy time (the delay and issuing the puts), against the compute of
     # the steps without the delay.

@@ -38,7 +38,7 @@ def _setup(trainer) -> dict:
 def test_standard_trainer_answers_with_the_defaults(model):
     mesh = make_mesh(jax.devices()[:1])
     trainer = StandardTrainer(model, optax.adamw(1e-3), mesh, scan_layers=True, remat_layers=True)
-    assert (trainer.memory_budget, trainer.budget_plan, trainer.rebuild, trainer.disk_stats) == (None, None, None, {})
+    assert (trainer.memory_budget, trainer.budget_plan, trainer.rebuild, trainer.store_stats) == (None, None, None, {})
     spec = {"inputs": jax.ShapeDtypeStruct((4, T), np.int32), "targets": jax.ShapeDtypeStruct((4, T), np.int32)}
     assert trainer.plan_budget(spec) is None
     assert trainer.update_text() == "whole model"
@@ -53,7 +53,7 @@ def test_standard_trainer_answers_with_the_defaults(model):
 def test_reversible_trainer_describes_its_features(model, tmp_path):
     mesh = make_mesh(jax.devices()[:1])
     fused = ReversibleTrainer(model, optax.adamw(1e-3), mesh, rebuild="fused", microbatches=2)
-    assert (fused.rebuild, fused.memory_budget, fused.disk_stats) == ("fused", None, {})
+    assert (fused.rebuild, fused.memory_budget, fused.store_stats) == ("fused", None, {})
     assert fused.update_text() == "deferred (2 microbatches)"
     assert fused.memory_knobs() == ["ReversibleTrainer.offload = True"] and fused.memory_knobs(True) == []
     assert _setup(fused) == {"trainer": "reversible", "batch_size": 4, "microbatches": 2,

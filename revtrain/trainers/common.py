@@ -388,7 +388,7 @@ class TrainerBase:
         without a budget): its ``peak`` and ``budget`` bound what a background checkpoint save may add.
       rebuild: the rebuild mode of the reversible blocks (a name of `revtrain.trainers.modes.REBUILDS`), or None
         for a trainer that rebuilds nothing.
-      disk_stats: the last step's I/O of a streamed tier (``host_read_bytes``, ``disk_read_bytes``, ...;
+      store_stats: the last step's I/O of a streamed tier's store (``host_read_bytes``, ``disk_read_bytes``, ...;
         `revtrain.streaming.StepStream.stats`) for the step's ``train.jsonl`` record; ``{}`` without one.
       residency: where weights and optimizer state live between uses (a tier object, `revtrain.tiers`), set
         by each trainer.
@@ -425,7 +425,7 @@ class TrainerBase:
         self._cache: dict = {}
         self._limit = DispatchLimiter(mesh)  # bounds in-flight programs on a multi-device CPU (placement.py)
         self.meter = None  # a revtrain.memory.MemoryMeter, set by whoever wants peak device bytes
-        self.disk_stats: dict = {}  # the last step's disk I/O (a trainer with disk files sets it each step)
+        self.store_stats: dict = {}  # a streamed tier's last step's store I/O (set each step by such a trainer)
 
     # -- the declared interface: what the loop, the memory plan, check and the CLI ask ----------------
     def plan_budget(self, batch_spec: dict):

@@ -187,7 +187,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         self._acc_key, self._acc_clean = None, False
         self.specs = StateSpecs(model, optimizer, mesh.size, shard_state)  # each layer's split over the devices
         self.scan_layers = scan_layers
-        self._stream, self.disk_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
+        self._stream, self.store_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
         # ``offload = 'auto'``: the device tier until the plan chooses (`use_tier`, `revtrain.planning.choose_tier`).
         self.auto_tier = isinstance(offload, str) and offload == self.AUTO
         self.offload_dir = offload_dir
@@ -355,7 +355,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         stream, self._stream = self._stream, None
         refs = stream.finish()
         self._limit.clear()
-        self.disk_stats = stream.stats()
+        self.store_stats = stream.stats()
         return self.residency.store.state(refs)
 
     def _eval_grouped(self, grouped: Stacked) -> Stacked:
