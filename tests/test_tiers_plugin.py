@@ -155,6 +155,23 @@ def test_a_registered_tier_trains_bit_for_bit_like_the_host_tier(tmp_path):
                                                     jax.tree.leaves(host_state[0][0])))
 
 
+def test_a_registered_tier_samples_and_exports_through_the_interfaces_defaults(tmp_path):
+    """Sampling and export ask the tier, and the zip tier answers with `Tier`'s defaults through its store: a
+    streamed greedy sample (each layer read on the store's reader thread, the next ahead) and a held one are the
+    host tier's, and the export's view of each layer is its weights, bit for bit."""
+    from revtrain import generate
+    _, host_state, host, host_ts = _train(True)
+    _, _, trainer, ts = _train("zip", str(tmp_path / "zip"))
+    opts = generate.Options(length=6, temperature=0.0)
+    expected = generate.generate(host, host_ts, b"hello", T, opts, weights="stream").samples
+    for weights in ("stream", "hold"):
+        assert generate.generate(trainer, ts, b"hello", T, opts, weights=weights).samples == expected
+    view = trainer.residency.layer_weights(ts.params)
+    assert len(view) == len(host_state)
+    for g, (params, _) in enumerate(host_state):
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(view[g]), jax.tree.leaves(params)))
+
+
 def test_the_registry_names_a_registered_tier():
     """`tiers.names` lists the zip tier after the built-in three; an unknown value's error names it; a name
     cannot be taken twice."""
