@@ -193,6 +193,24 @@ def test_checkpoint_is_hard_links_and_restores(tmp_path):
     checkpointer.close()
 
 
+def test_an_orbax_checkpoint_gives_a_disk_tier_its_weights_and_refuses_its_resume(tmp_path):
+    """A checkpoint of a memory tier (Orbax's arrays) read for a disk-tier trainer: its weights alone, into memory,
+    bit for bit (the template's files become the weights' shapes, `Tier.array_template`); a resume (the optimizer
+    state too) is refused in one line naming the array tiers' values (from the registry)."""
+    _, ts, _, params, _ = _train(False, steps=1)
+    checkpointer = ckpt_lib.Checkpointer(str(tmp_path / "run"))
+    assert checkpointer.save(ts, None, {"x": 1})
+    checkpointer.wait()
+    disk = ReversibleTrainer(_model(), optax.adamw(1e-3), make_mesh(), seed=0, offload="disk", scan_layers=False,
+                             offload_dir=str(tmp_path / "tier"))
+    weights = checkpointer.restore(disk.abstract_state(), optimizer_state=False)
+    assert weights.step == 1 and _same(weights.params, params) and weights.opt_state == [None] * len(params)
+    with pytest.raises(ckpt_lib.CheckpointError,
+                       match=r"resume it with ReversibleTrainer.offload = False or True \(the disk tier resumes its own"):
+        checkpointer.restore(disk.abstract_state())
+    checkpointer.close()
+
+
 def test_checksums_find_a_flipped_byte_on_read(tmp_path, capfd):
     """Each leaf's checksum is made as the file is written and checked on every read: a flipped byte is one line
     naming the file, from a step's read, the export's `layer_weights` and a checkpoint's restore; a checkpoint
