@@ -172,6 +172,7 @@ def test_parse_budget_refuses(value):
         parse_budget(value)
 
 
+@pytest.mark.slow  # make test: a budget on every tier bit for bit, revtrain check in test_long
 def test_check_is_exact_on_a_run_mixing_all_four_modes(text_batches):
     """`revtrain check`'s reversible walk with a budget's modes (backprop, checkpoint, remat, rebuild): every
     rebuild 0.0 and every layer's gradient equal to backprop one layer at a time (0.0)."""

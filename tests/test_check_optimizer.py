@@ -75,6 +75,7 @@ def test_state_of_layer_matches_the_whole_state_by_path():
     assert int(leaves[0]) == 7
 
 
+@pytest.mark.slow  # make test: the FAIL line's step, layer and leaf below
 def test_revtrain_check_fails_on_an_optimizer_whose_layer_step_differs(capfd):
     """The command: the gradients pass (the model is exact), the optimizer step fails, exit 1, naming the
     layer (the test-only optimizer above, bound in gin)."""

@@ -54,7 +54,8 @@ def _same(a, b):
     return all(np.array_equal(u, v) for p, q in zip(a, b) for u, v in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
 
 
-@pytest.mark.parametrize("fuse_top", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test: test_recipe_on_every_tier_bit_for_bit, test_streaming's ten steps on every tier
+@pytest.mark.parametrize("fuse_top", [False, True])
 def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
     """The disk tier's losses, weights and evaluation are the device tier's, bit for bit (the host tier's too:
     tests/test_streaming.py, every tier over ten steps), and it reads and writes each layer once a step."""
@@ -74,7 +75,8 @@ def test_bit_equal_to_the_device_tier(tmp_path, fuse_top):
                                                      + trainer.store_stats["disk_write_bytes"])
 
 
-@pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test: a budget on every tier (test_budget), the recipe on every tier
+@pytest.mark.parametrize("deferred", [False, True])
 def test_bit_equal_under_a_plan_mixing_all_three_modes(tmp_path, deferred):
     """The disk tier's read-ahead follows a budget's plan: 1 block rematerialised, 1 rebuilt, 2 backprop'd
     inside the head's program give the device tier's losses and weights bit for bit (also with the deferred
@@ -344,6 +346,7 @@ def test_recipe_killed_in_a_step_resumes_bit_exact(tmp_path, monkeypatch, capsys
     assert samples[0] == samples[1] and len(samples[0]) > 4
 
 
+@pytest.mark.slow  # make test: checksums find a flipped byte; a damaged newest checkpoint is skipped (test_reliability)
 def test_a_flipped_byte_sets_the_checkpoint_aside_and_the_run_resumes_from_the_one_before(tmp_path, capfd):
     """One byte flipped in a weight leaf of the newest checkpoint's layer file: the rerun says so in one line
     naming the file, sets that checkpoint aside, resumes from the one before and ends with the uninterrupted
@@ -519,6 +522,7 @@ def _files_state(directory):
     return out
 
 
+@pytest.mark.slow  # make test: the hard-linked checkpoint's restore
 def test_readers_restore_the_checkpoint_files_read_only(tmp_path):
     """``files=True``: the weights as the checkpoint's own files, nothing of them read; the streamed evaluation
     and the held / streamed samples equal those of the weights read into memory (today's readers) bit for bit,
@@ -610,6 +614,7 @@ def disk_run(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.slow  # make test: the plan's hold-or-stream choice, the plugin tier's sample and export
 def test_eval_export_and_sample_of_a_disk_tier_run_stream_its_files(disk_run, tmp_path, monkeypatch, capsys):
     """``revtrain eval``, ``export`` and ``sample`` of a disk-tier checkpoint read its files (read-only), after the
     run's offload directory is gone: the evaluation equals the run's own to the last digit, the export is byte

@@ -111,7 +111,8 @@ def depth12(text_batches):
 
 
 # (the scanned executor's bitwise run is in the slow tier: test_recipe, test_modern and test_budget keep it fast)
-@pytest.mark.parametrize("executor", [pytest.param("reversible", marks=pytest.mark.slow), "per_layer"])
+@pytest.mark.slow  # make test: depth 2 in test_smoke/test_reversible, the default and Llama models below
+@pytest.mark.parametrize("executor", ["reversible", "per_layer"])
 def test_reversible_equals_backprop_depth12_adam(depth12, executor):
     """Every parameter leaf within 1e-5 (max |difference| / max |value|) after 5 Adam steps."""
     std, rev = depth12["standard"], depth12[executor]
@@ -166,7 +167,8 @@ def test_trainer_rebuilds_every_block_input_exactly(depth12):
                 assert np.array_equal(x[s], r[s]), f"step {step}, block {i}, stream {s}: rebuild not bitwise"
 
 
-@pytest.mark.parametrize("scan_layers", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test: a plan of all four modes in test_disk_tier/test_budget
+@pytest.mark.parametrize("scan_layers", [False, True])
 def test_a_plan_mixing_all_four_modes_is_bitwise_backprop_depth12(depth12, scan_layers):
     """Depth 12, the budget planner's plan (1, 2, 3) (`budget.Candidates.modes`): the top block backprop'd, the 2
     under it checkpointed in the head's program, the lowest 3 recomputed, 6 rebuilt. Losses and every parameter
@@ -397,8 +399,10 @@ def standard_runs():
     return {}
 
 
-# default_clip_microbatches covers clip and microbatches together in make test; each alone in the slow tier
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("default_clip", "default_microbatches")
+# default_clip_microbatches covers clip and microbatches together in make test, llama_adamw the Llama; each alone
+# and the Llama clipped in the slow tier
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("default_clip", "default_microbatches",
+                                                                                   "llama_clip")
                                   else c for c in _BITWISE_CASES])
 def test_default_and_llama_models_are_bitwise_backprop(text_batches, standard_runs, case):
     """The default run's model and the Llama model, 10 steps: losses and every parameter leaf of

@@ -222,6 +222,7 @@ def burst_run(tmp_path_factory, byte_lm_data_dir):
     return code, out, workdir
 
 
+@pytest.mark.slow  # make test: one signal's save and stop in this file
 def test_a_burst_from_timeout_saves_and_stops_like_one_signal(burst_run):
     """The burst is one request: the step is saved and the run exits 0 (not the stop-at-once path)."""
     code, out, workdir = burst_run
@@ -369,7 +370,7 @@ def test_a_signal_before_the_final_evaluation_is_not_lost(tmp_path, byte_lm_data
     assert _eval_steps(workdir) == [2]
 
 
-@pytest.mark.parametrize("what, target", [("sample", "revtrain.generate.training_sample"),
+@pytest.mark.parametrize("what, target", [pytest.param("sample", "revtrain.generate.training_sample", marks=pytest.mark.slow),
                                           ("evaluation", "revtrain.loop._eval_and_write")])
 def test_a_failed_periodic_sample_or_evaluation_keeps_its_step(what, target, tmp_path, byte_lm_data_dir, capfd,
                                                                monkeypatch):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from revtrain.allocator import bound_retention, release_free_memory
 
@@ -45,6 +46,7 @@ def _train(workdir, steps):
     return int(result.stdout.split("VMHWM")[-1])
 
 
+@pytest.mark.slow  # make test: the plan's host terms (test_planning_*, test_memory_plan)
 def test_train_save_resume_peak_within_floor(tmp_path):
     first = _train(tmp_path / "run", 3)  # init, steps, a save at step 2 and the final one, evaluation
     second = _train(tmp_path / "run", 4)  # restore, a step, its save, evaluation

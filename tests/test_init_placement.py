@@ -153,7 +153,9 @@ def test_the_build_makes_no_parameter_on_the_device(family, meter):
 
 @pytest.mark.parametrize("family, offload, tx", [
     ("ReversibleTransformerLM", True, "sgd"), ("ReversibleTransformerLM", "disk", "adam"),
-    ("gin-composed (modern, tied head)", True, "sgd"), ("RevNet", True, "sgd"), ("Llama", True, "sgd"),
+    ("gin-composed (modern, tied head)", True, "sgd"),
+    pytest.param("RevNet", True, "sgd", marks=pytest.mark.slow),  # (make test-all; make test: the other families)
+    ("Llama", True, "sgd"),
     ("Llama", "disk", "sgd"), ("ViT", True, "adam")])
 def test_offloaded_init_holds_one_layer_on_the_device(family, offload, tx, meter, tmp_path):
     model = FAMILIES[family]()

@@ -139,7 +139,7 @@ def runs(text_batches):
 
 
 # (clipped: make test-all; make test clips a whole-model chain in test_exactness's default_clip_microbatches)
-@pytest.mark.parametrize("name", ["reversible", "offload", pytest.param("clipped", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["reversible", pytest.param("offload", marks=pytest.mark.slow), pytest.param("clipped", marks=pytest.mark.slow)])
 def test_an_optimizer_with_nested_programs_trains_bit_for_bit(runs, name):
     """`jitted_adamw` (a non-inlined jit, a custom derivative and a cond, all over the whole tree) is accepted
     by ReversibleTrainer as a separable optimizer (the fused update), and with and without offload its losses

@@ -281,6 +281,7 @@ def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.slow  # make test: the plan command in test_planning_runs, the train record in test_cli
 def test_plan_command_and_host_fields_in_train_jsonl(tmp_path, capsys):
     tiny = ["--gin", "LlamaModel.d_model = 32", "--gin", "LlamaModel.num_layers = 2", "--gin", "LlamaModel.d_ff = 64"]
     result = revtrain_here(capsys, "plan", "--config", LLAMA, *SHORT, *tiny)
@@ -327,8 +328,8 @@ def test_plan_command_and_host_fields_in_train_jsonl(tmp_path, capsys):
 MODERN = ["--config", str(REPO / "configs" / "enwik_modern.gin"), "--gin", "NUM_LAYERS = 2", "--gin", "D_MODEL = 32",
           "--gin", "train.batch_size = 8", "--gin", "STEPS = 6", "--gin", "WARMUP = 1",
           "--gin", "ReversibleTrainer.budget_objective = 'flops'"]  # (the same plan on every machine)
-BUDGET_ROWS = [("tied", ["RMSNormLanguageModelHead.tie_embedding = True"], "ReversibleTrainer",
-                "0 backprop, 0 checkpoint, 2 remat, 0 rebuild"),
+BUDGET_ROWS = [pytest.param("tied", ["RMSNormLanguageModelHead.tie_embedding = True"], "ReversibleTrainer",
+                "0 backprop, 0 checkpoint, 2 remat, 0 rebuild", marks=pytest.mark.slow),
                pytest.param("disk tier",
                             ["ReversibleTrainer.offload = 'disk'", "ReversibleTrainer.scan_layers = False"],
                             "ReversibleTrainer + offload='disk'", "2 backprop, 0 checkpoint, 0 remat, 0 rebuild",
@@ -430,6 +431,7 @@ TINY_RUN = [*SHORT, "--gin", "evaluate.batch_size = 2", "--gin", "LlamaModel.d_m
             "--gin", "LlamaModel.num_layers = 4", "--gin", "LlamaModel.d_ff = 256"]
 
 
+@pytest.mark.slow  # make test: the refusals below (settings that fit, a memory cgroup, a budget below the least)
 def test_a_state_over_the_limit_is_refused_from_shapes_with_the_compiled_line(byte_lm_data_dir, monkeypatch,
                                                                                compiles):
     """A StandardTrainer run whose weights, optimizer state and gradients exceed the limit given to

@@ -172,6 +172,7 @@ def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, 
     assert worst_leaf(std_params, params)[0] == 0.0, worst_leaf(std_params, params)
 
 
+@pytest.mark.slow  # make test: the planner's head terms above
 def test_the_planner_measures_a_top_mode_by_its_own_forward():
     """The budget planner's head program with ``k`` blocks inside is compiled in the mode asked for
     (`costs.StepCosts.head`, ``top``): two blocks asked in checkpoint mode are the very program of two
@@ -185,7 +186,7 @@ def test_the_planner_measures_a_top_mode_by_its_own_forward():
     assert an.head(2, top=modes.CHECKPOINT).extra < an.head(2).extra  # (one block's residuals at a time)
 
 
-@pytest.mark.slow  # make test keeps the mode's training test below
+@pytest.mark.slow  # make test-all, with the mode's training test below (an opt-in mode)
 def test_backprop_bf16_holds_less_than_backprop_in_the_head_program():
     """`modes.Bf16Backprop`'s memory term, from the class alone: the planner's head program (`costs.StepCosts.head`)
     with one and with two blocks in that mode holds fewer bytes than with backprop's, and each block it adds
@@ -199,6 +200,7 @@ def test_backprop_bf16_holds_less_than_backprop_in_the_head_program():
     assert low[1] - low[0] < full[1] - full[0], (low, full)
 
 
+@pytest.mark.slow  # an opt-in mode, in make test-all
 def test_backprop_bf16_trains_like_backprop_on_real_text(text_batches):
     """Depth 4, the top two blocks in `modes.Bf16Backprop` (set by `set_block_modes`, the rest rebuilt): the
     loss falls over 8 Adam steps on real text, each step's loss within 1e-3 of backprop's (same blocks in

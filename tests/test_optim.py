@@ -36,6 +36,7 @@ def test_decay_mask_decays_matrices_only():
             np.testing.assert_allclose(jax.tree.leaves(updates[name])[0], want, rtol=1e-6)
 
 
+@pytest.mark.slow  # make test: the mask's binding below, masked optimizers in the catalogue's representatives
 def test_masked_adamw_per_layer_equals_backprop(text_batches):
     """The mask applies per layer in the reversible trainer as on the whole model in StandardTrainer: the
     same parameters bit for bit after 3 steps (ReversibleTransformerLM, float32, highest precision), and

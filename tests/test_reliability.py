@@ -333,6 +333,7 @@ def background(tmp_path_factory, compilation_cache, byte_lm_data_dir):
         scenario.join(timeout=120)
 
 
+@pytest.mark.slow  # a cold compile of its own; make test: the signal tests of test_faults
 def test_a_signal_during_the_first_compile_stops_at_once(background):
     """SIGTERM while XLA compiles the first step (the main thread inside C++ for a long time): out within
     seconds, one line, and the new workdir gone."""

@@ -69,6 +69,7 @@ def test_bad_settings_are_refused_naming_the_setting(kwargs, message):
     assert str(e.value).splitlines()[0].startswith(message)  # (gin adds where it called the class below)
 
 
+@pytest.mark.slow  # make test: test_smoke's two steps of both trainers
 def test_two_steps_equal_the_standard_trainers_bit_for_bit(text_batches):
     """AdamW, dropout 0.1, two steps on real text (the smoke test's model, data and programs: its compiles are
     the session cache's): the scanned reversible trainer's losses, parameters and every layer's Adam moments

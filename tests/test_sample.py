@@ -331,7 +331,8 @@ def _modern_model(tie: bool):
         gin.clear_config()
 
 
-@pytest.mark.parametrize("tie", [pytest.param(False, marks=pytest.mark.slow), True])  # (tied: issue 40's crash)
+@pytest.mark.slow  # make test: test_greedy_sample_follows_full_forward_past_the_context, the smoke test's sample
+@pytest.mark.parametrize("tie", [False, True])  # (tied: issue 40's crash)
 def test_every_tie_offload_executor_combination_samples_the_full_forward(tie, text_batches):
     """After two training steps (the tied table then differs from its initial value), greedy samples of the
     default model are the same bytes with and without offload (its weights held in device memory or streamed

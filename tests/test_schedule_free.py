@@ -50,6 +50,7 @@ def _states(workdir):
         gin.clear_config()
 
 
+@pytest.mark.slow  # make test: test_optimizer_catalogue's schedule-free evaluation on both trainers
 @pytest.mark.parametrize("tier", [pytest.param(t, marks=pytest.mark.slow) if t == "host" else t for t in TIERS])
 def test_eval_sample_and_export_use_the_evaluation_weights(tier, tmp_path, capsys, monkeypatch):
     from revtrain import sample

@@ -168,6 +168,7 @@ def test_default_model_sharded_equals_backprop_bit_for_bit(per_layer_results, ca
     assert run["differing"] == 0, run
 
 
+@pytest.mark.slow  # make test: shard_state's training and placement tests in this file
 def test_host_state_bytes_four_devices(results):
     """Default model, offload, 4 devices: each device holds at most 0.3x the replicated bytes."""
     ratio = results["bytes_sharded"] / results["bytes_replicated"]

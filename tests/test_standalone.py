@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
 from revtrain import cli
 from revtrain.data import tokenizer as tokenizer_lib
@@ -66,6 +67,7 @@ def _config(tmp_path: pathlib.Path) -> str:
     return str(config)
 
 
+@pytest.mark.slow  # make test: the standalone workdir's other tests in this file
 def test_a_fine_tuned_workdir_works_after_its_checkpoint_is_gone(capsys, tmp_path):
     """Fine-tune a checkpoint (with its tokenizer) on tokens, delete the checkpoint directory: eval, sample,
     export and check on the workdir all succeed, from the architecture and tokenizer the workdir kept; the
@@ -121,6 +123,7 @@ def test_a_fine_tuned_workdir_works_after_its_checkpoint_is_gone(capsys, tmp_pat
     assert imported["model.layers.1.mlp.up_proj.weight"].shape == (64, 32)
 
 
+@pytest.mark.slow  # make test: the standalone workdir's other tests in this file
 def test_a_checkpoint_without_a_tokenizer_is_not_given_a_new_bpe(capsys, tmp_path):
     """LlamaModel.path at a checkpoint with no tokenizer, TokenLMTask.tokenizer unset: one line asking for a
     tokenizer (or bytes), exit 2, no workdir; naming 'bytes' trains."""
