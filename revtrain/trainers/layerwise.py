@@ -83,6 +83,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.tree_util import SequenceKey
 
+from revtrain import optstate
 from revtrain.errors import InputError
 
 # An export (a layer value read by a global equation) may hold at most this many elements: the global
@@ -445,12 +446,14 @@ def fence(scalars: list, value):
     return jax.tree.unflatten(tree, out)
 
 
-def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok):
+def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok,
+                          value=None):
     """One layer's update of the deferred update's last pass: ``(new params, new optimizer state)``, the old ones
     where ``ok`` (a bool scalar: every gradient and the loss finite) is False. Under a `lax.cond` on ``ok``, the
     form of `guarded_update` (the whole-model update's: the same fusions, so the same rounding), the update
     evaluated equation by equation (`fenced_update` for a separable optimizer, else ``layerwise.update`` of
-    layer ``index`` with the rounds' ``globals_``) and its scalars fenced.
+    layer ``index`` with the rounds' ``globals_``) and its scalars fenced. ``value``: the step's loss (a float32
+    scalar), given to an optimizer that reads it (`LayerwiseUpdate.takes_value`), else None.
 
     Used by the reversible trainer's deferred update (`revtrain.trainers.deferred`) and by ``revtrain check``'s
     per-layer optimizer step (`revtrain.check_optimizer`)."""
@@ -460,19 +463,27 @@ def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, o
             updates, new_opt, more = fenced_update(tx, grads, opt_state, params)
             scalars.extend(more)
         else:
-            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars)
+            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars, value=value)
         new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
         return fence(scalars, (new_params, new_opt))
 
     return lax.cond(ok, update, lambda: (params, opt_state))
 
 
-def fenced_update(tx, grads, opt_state, params):
+def fenced_update(tx, grads, opt_state, params, value=None):
     """``tx.update(grads, opt_state, params)`` evaluated equation by equation: ``(updates, new state,
-    scalars)``, the scalars to `fence` (what the update broadcasts over its leaves)."""
-    closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
+    scalars)``, the scalars to `fence` (what the update broadcasts over its leaves). ``value`` (not None: a
+    float32 scalar, the step's loss): passed as ``tx.update``'s keyword argument ``value``
+    (`revtrain.optstate.takes_value`); None traces the update as before, without it."""
+    if value is None:
+        closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
+        args = jax.tree.leaves((grads, opt_state, params))
+    else:
+        closed, shapes = jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v), return_shape=True)(
+            grads, opt_state, params, value)
+        args = jax.tree.leaves((grads, opt_state, params, value))
     scalars: list = []
-    out = evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((grads, opt_state, params)), scalars)
+    out = evaluate(closed.jaxpr, closed.consts, args, scalars)
     updates, new_state = jax.tree.unflatten(jax.tree.structure(shapes), out)
     return updates, new_state, scalars
 
@@ -499,6 +510,12 @@ class LayerwiseUpdate:
       rounds: global reductions the update waits for (0: separable, each layer's update is ``tx.update`` of
         its own tree).
       num_layers: the number of layers.
+      takes_value: the update reads the keyword argument ``value``, the step's loss
+        (`revtrain.optstate.takes_value`: ``optax.polyak_sgd``, ``optax.contrib.momo``, ``reduce_on_plateau``,
+        ...). The loss is one more input of the traced update, a scalar that depends on no layer: like a
+        leaf every layer's state has (the step count), every layer program and every global program reads
+        it (`exports`, `combine` and `update` take it as ``value``). Such an update is never `separable`: it
+        runs as the deferred update, whose passes come after the step's loss is known.
 
     Raises:
       CoupledUpdateError: the update combines large values of several layers, or the whole optimizer
@@ -513,7 +530,12 @@ class LayerwiseUpdate:
         whole_state = jax.eval_shape(tx.init, shapes)
         self._state_def = [jax.tree.structure(s) for s in self._layer_state]
         self._update_def = [jax.tree.structure(p) for p in shapes]
-        closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
+        self.takes_value = optstate.takes_value(tx, shapes)
+        if self.takes_value:  # (the loss: one more input, last)
+            closed = flatten(jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v))(
+                shapes, whole_state, shapes, optstate.VALUE_SHAPE))
+        else:
+            closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
         self._jaxpr, self._consts = closed.jaxpr, closed.consts
 
         # Inputs: (grads, whole state, params), flattened. Map each to a layer leaf (kind, layer, index).
@@ -523,10 +545,13 @@ class LayerwiseUpdate:
         state_map = self._match_state(whole_paths)
         invars = self._jaxpr.invars
         ng, ns = len(grad_leaves), len(whole_paths)
-        if len(invars) != 2 * ng + ns:
+        if len(invars) != 2 * ng + ns + self.takes_value:
             raise CoupledUpdateError("the optimizer's update does not take one value per leaf")
-        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index) or ("s", None, path)
+        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index), ("s", None, path) or ("v", None, None)
         tags: dict = {}
+        if self.takes_value:  # the step's loss: a global input that depends on no layer, read anywhere
+            self._inputs[invars[-1]] = ("v", None, None)
+            tags[invars[-1]] = _Tag(None, _PRE)
         for k, (i, q) in enumerate(grad_leaves):
             self._inputs[invars[k]] = ("g", i, q)
             self._inputs[invars[ng + ns + k]] = ("p", i, q)
@@ -614,9 +639,12 @@ class LayerwiseUpdate:
         values every layer computes alike (round -1: the step count, the bias corrections) are the ones its
         own update computes. Not so for ``optax.noisy_sgd``: it splits its key into one key per leaf of the
         whole tree, so a layer's own update would split it over its own leaves and draw other noise; its
-        layers run their slices of the whole program (the deferred update, issue 60)."""
+        layers run their slices of the whole program (the deferred update, issue 60). Never for an update that
+        reads the step's loss (`takes_value`): the fused per-layer update runs inside each layer's backward
+        program, which has no loss to give it."""
         if self._separable is None:
-            self._separable = self.rounds == 0 and all(self._own_alike(i) for i in range(self.num_layers))
+            self._separable = (self.rounds == 0 and not self.takes_value
+                               and all(self._own_alike(i) for i in range(self.num_layers)))
         return self._separable
 
     def _needed_pre(self, i: int) -> list:
@@ -672,11 +700,19 @@ class LayerwiseUpdate:
         return out
 
     # -- evaluation --------------------------------------------------------------------------------
-    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple) -> dict:
+    def _value(self, value):
+        """The step's loss as the traced update's input (a float32 scalar; the loss as logged is one)."""
+        if value is None:
+            raise ValueError("this optimizer's update reads the step's loss: pass it as value")
+        return jnp.asarray(value, jnp.float32)
+
+    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple, value=None) -> dict:
         g, s, p = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(params)
         env = dict(zip(self._jaxpr.constvars, self._consts))
         for v, (kind, layer, q) in self._inputs.items():
-            if kind == "s" and layer is None:
+            if kind == "v":
+                env[v] = self._value(value)
+            elif kind == "s" and layer is None:
                 env[v] = s[self._index[i][q]]  # this layer's own copy of a global leaf
             elif layer == i:
                 env[v] = {"g": g, "p": p, "s": s}[kind][q]
@@ -703,18 +739,20 @@ class LayerwiseUpdate:
             vals = _bind(e, [env[x] if isinstance(x, jcore.Var) else x.val for x in e.invars], scalars)
             env.update(zip(e.outvars, vals))
 
-    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None) -> tuple:
+    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None,
+                value=None) -> tuple:
         """Pass ``k`` (``k < rounds``) of layer ``i``: the layer's values the ``k``-th global program reads.
 
         Args:
           grads, opt_state, params: layer ``i``'s (its gradient summed over devices and microbatches).
           globals_: the outputs of the global programs of rounds ``< k`` (``()`` for ``k == 0``).
           scalars: a list: the scalars to `fence` are appended to it.
+          value: the step's loss (a float32 scalar) when the update reads it (`takes_value`), else None.
 
         Returns:
           a tuple of small arrays (shapes fixed per layer).
         """
-        env = self._layer_env(i, grads, opt_state, params, globals_)
+        env = self._layer_env(i, grads, opt_state, params, globals_, value)
         wanted = self._exports[k][i]
         self._run(env, wanted, i, k, scalars)
         return tuple(env[v] for v in wanted)
@@ -724,14 +762,17 @@ class LayerwiseUpdate:
         s = jax.tree.leaves(opt_state)
         return tuple(s[self._index[i][path]] for path in self._global_paths)
 
-    def combine(self, k: int, exports: list, global_leaves: tuple, globals_: tuple) -> tuple:
+    def combine(self, k: int, exports: list, global_leaves: tuple, globals_: tuple, value=None) -> tuple:
         """The ``k``-th global program: every global value of round ``<= k`` that a layer reads (the
         previous ones passed through; the others are computed inside, recomputed by a later round that needs
         them), from each layer's exports of round ``k`` and earlier (``exports[r][i]``), the
-        `global_leaves` of any layer's optimizer state and ``globals_`` (rounds ``< k``)."""
+        `global_leaves` of any layer's optimizer state, ``globals_`` (rounds ``< k``) and ``value`` (the step's
+        loss when the update reads it, `takes_value`; else None)."""
         env = dict(zip(self._jaxpr.constvars, self._consts))
         for v, (kind, layer, q) in self._inputs.items():
-            if kind == "s" and layer is None:
+            if kind == "v":
+                env[v] = self._value(value)
+            elif kind == "s" and layer is None:
                 env[v] = global_leaves[self._global_paths.index(q)]
         env.update(zip(self._globals[:len(globals_)], globals_))
         for r in range(k + 1):
@@ -741,11 +782,12 @@ class LayerwiseUpdate:
         self._run(env, wanted, None, k)
         return tuple(env[v] for v in wanted)
 
-    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None):
+    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None, value=None):
         """The final pass of layer ``i``: ``(updates, new optimizer state)``, what ``tx.update`` on the
         whole model gives for this layer (``optax.apply_updates`` adds the updates to the params). With
-        ``scalars`` (a list), the scalars to `fence` are appended to it."""
-        env = self._layer_env(i, grads, opt_state, params, globals_)
+        ``scalars`` (a list), the scalars to `fence` are appended to it; ``value``: the step's loss when the
+        update reads it (`takes_value`), else None."""
+        env = self._layer_env(i, grads, opt_state, params, globals_, value)
         wanted = self._out_updates[i] + self._out_state[i]
         self._run(env, wanted, i, self.rounds, scalars)
 
@@ -790,14 +832,16 @@ class LayerwiseUpdate:
         return tuple(sig), outs, ex
 
 
-def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
+def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params, value=None):
     """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
-    `fenced_update` (``scalars``: what to `fence`)."""
-    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params)
+    `fenced_update` (``scalars``: what to `fence`; ``value``: the step's loss for an optimizer that reads it,
+    else None)."""
+    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params, value)
     return optax.apply_updates(params, updates), new_opt_state, scalars
 
 
-def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, across: str | None = None):
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, across: str | None = None,
+                   value=None):
     """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
     finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
 
@@ -819,6 +863,10 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
     the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
     or skip the update together.
+
+    ``value``: the step's loss (a float32 scalar, as the trainer logs it) for an optimizer whose update reads
+    it (`revtrain.optstate.takes_value`: ``optax.polyak_sgd``, ``optax.contrib.momo``, ``reduce_on_plateau``);
+    None for every other optimizer, whose program is then the one it always was.
     """
     finite = all_finite(grads)
     if ok is not None:
@@ -827,7 +875,7 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
         finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
 
     def update():
-        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params, value)
         return fence(scalars, (new_params, new_opt))
 
     new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))
