@@ -640,8 +640,8 @@ class LayerwiseUpdate:
         own update computes. Not so for ``optax.noisy_sgd``: it splits its key into one key per leaf of the
         whole tree, so a layer's own update would split it over its own leaves and draw other noise; its
         layers run their slices of the whole program (the deferred update, issue 60). Never for an update that
-        reads the step's loss (`takes_value`): the fused per-layer update runs inside each layer's backward
-        program, which has no loss to give it."""
+        reads the step's loss (`takes_value`): the fused per-layer update, inside each layer's backward
+        program, is not given the loss; the deferred update's passes run after it is known."""
         if self._separable is None:
             self._separable = (self.rounds == 0 and not self.takes_value
                                and all(self._own_alike(i) for i in range(self.num_layers)))
