@@ -140,6 +140,7 @@ class _Kept(optax.GradientTransformationExtraArgs):
     def __init__(self, init, update, inner):
         self.inner = inner
         self._revtrain_keeps_states = True
+        self._revtrain_needs: dict = {}  # `_analysed`'s results, by the parameters' shapes
 
 
 # optax's update functions that need more than the gradients: what each keyword argument is, for the refusal
@@ -181,6 +182,40 @@ def _shapes(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
+def _analysed(tx: optax.GradientTransformation, params) -> tuple[str | None, bool]:
+    """``(update_refusal, takes_value)`` of ``tx`` on the shapes of ``params`` (see both), from at most two
+    traces of ``tx.update``; kept on an optimizer made by `keep_states` (each trainer and its per-layer split
+    ask for the same shapes: traced once)."""
+    shapes = _shapes(params)
+    key = (jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
+    cache = getattr(tx, "_revtrain_needs", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    e = _traced_update_error(tx, shapes, value=False)
+    takes = False
+    missing = _missing_keywords(e) if e is not None else None
+    if missing is not None and missing[1] == ["value"]:
+        e = _traced_update_error(tx, shapes, value=True)  # (the loss is given: does it run with it?)
+        takes = e is None
+        missing = _missing_keywords(e) if e is not None else None
+    if e is None:
+        why = None
+    elif missing is None:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        why = f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
+    else:
+        owner, names = missing
+        what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
+        why = (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
+               f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
+               "gradients and the step's loss (value) only; choose an optimizer that needs no more "
+               "(docs/recipe.md, \"Refused\")")
+    if cache is not None:
+        cache[key] = (why, takes)
+    return why, takes
+
+
 def takes_value(tx: optax.GradientTransformation, params) -> bool:
     """Whether ``tx.update`` needs the keyword argument ``value``, the loss at the current parameters, and
     runs with it and the gradients alone (``optax.contrib.momo``, ``momo_adam``, ``optax.polyak_sgd``,
@@ -188,10 +223,7 @@ def takes_value(tx: optax.GradientTransformation, params) -> bool:
     shapes of ``params`` without ``value`` it fails for the missing keyword ``value`` only, and with ``value``
     (a float32 scalar) it traces. Both trainers then pass the step's loss, exactly as they log it, as
     ``value``; an optimizer that does not need it gets none, so its programs are unchanged."""
-    shapes = _shapes(params)
-    e = _traced_update_error(tx, shapes, value=False)
-    missing = _missing_keywords(e) if e is not None else None
-    return missing is not None and missing[1] == ["value"] and _traced_update_error(tx, shapes, value=True) is None
+    return _analysed(tx, params)[1]
 
 
 def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
@@ -204,31 +236,12 @@ def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
     ``grad`` and ``value_fn``) and ``optax.contrib.sophia``'s Hutchinson estimator (``obj_fn``) evaluate the
     whole model's loss again, at other parameters, within the step, which a layer-by-layer update cannot do.
     Found by tracing ``tx.update`` on the shapes of ``params`` (``jax.eval_shape``: nothing is computed),
-    with ``value`` when it needs only that, and reading the ``TypeError`` Python raises for a missing
+    with ``value`` when it lacks only that, and reading the ``TypeError`` Python raises for a missing
     keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other error of the
     traced update is refused with optax's own first line (an update that cannot run on this model's
     parameters at all).
     """
-    shapes = _shapes(params)
-    e = _traced_update_error(tx, shapes, value=False)
-    if e is None:
-        return None
-    missing = _missing_keywords(e)
-    if missing is not None and missing[1] == ["value"]:
-        e = _traced_update_error(tx, shapes, value=True)  # (the loss is given: does it run with it?)
-        if e is None:
-            return None
-        missing = _missing_keywords(e)
-    if missing is None:
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else type(e).__name__
-        return f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
-    owner, names = missing
-    what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
-    return (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
-            f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
-            "gradients and the step's loss (value) only; choose an optimizer that needs no more "
-            "(docs/recipe.md, \"Refused\")")
+    return _analysed(tx, params)[0]
 
 
 class LayerInit:

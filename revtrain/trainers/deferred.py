@@ -27,7 +27,8 @@ back as the backward does):
    logged ``grad_norm``) and whether it is finite; a tiny global program per round combines the exports;
 2. **update**: each layer's optimizer step from its own gradient, weights, optimizer state and the globals
    (``tx.update`` on the layer for a separable optimizer; the layer's slice of the whole-model program
-   otherwise), skipped everywhere when any gradient or the loss is not finite; the gradient buffer is
+   otherwise; an update that reads the step's loss, optax's ``value``, gets the loss as logged in both
+   passes and in the global programs), skipped everywhere when any gradient or the loss is not finite; the gradient buffer is
    zeroed for the next step in the same program.
 
 Both passes are plain ``jax.jit`` programs on the global arrays (no ``shard_map``): with ``shard_state``,
