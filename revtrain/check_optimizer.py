@@ -95,10 +95,12 @@ class Result:
                 f"(max |difference| {d.max_abs:.1e})")
 
 
-def _state_of_layer(whole_state, layer_state, i: int) -> list:
+def _state_of_layer(whole_state, layer_state, i: int, earlier: list = ()) -> list:
     """The leaves of ``whole_state`` (``tx.init`` of the list of every layer's params) that are layer ``i``'s
     state, in the order of ``layer_state``'s leaves: a leaf whose whole path is the layer's path with the
-    list index ``i`` inserted, or (a leaf every layer's state has: the step count) the same path."""
+    list index ``i`` inserted, or (a leaf every layer's state has: the step count) the same path. A vector of
+    every layer's elements at that path (``optax.flatten``'s moments: longer than the layer's own vector)
+    gives layer ``i``'s segment, after the same leaves of the ``earlier`` layers' states (layers ``0 .. i-1``)."""
     by_path = {}
     for path, leaf in tree_flatten_with_path(whole_state)[0]:
         by_path.setdefault((None, tuple(path)), leaf)
@@ -106,9 +108,15 @@ def _state_of_layer(whole_state, layer_state, i: int) -> list:
             if isinstance(key, SequenceKey):
                 by_path.setdefault((key.idx, tuple(path[:pos] + path[pos + 1:])), leaf)
     out = []
-    for path, _ in tree_flatten_with_path(layer_state)[0]:
+    for path, mine in tree_flatten_with_path(layer_state)[0]:
         path = tuple(path)
-        out.append(by_path[(i, path)] if (i, path) in by_path else by_path[(None, path)])
+        leaf = by_path[(i, path)] if (i, path) in by_path else by_path[(None, path)]
+        if (i, path) not in by_path and np.ndim(mine) == 1 and np.ndim(leaf) == 1 and \
+                np.shape(leaf)[0] > np.shape(mine)[0]:  # a segment of a vector of every layer's elements
+            start = sum(np.shape(dict((tuple(p), x) for p, x in tree_flatten_with_path(e)[0])[path])[0]
+                        for e in earlier)
+            leaf = leaf[start:start + np.shape(mine)[0]]
+        out.append(leaf)
     return out
 
 
@@ -235,7 +243,8 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
         for i in range(len(layer_params)):
             for what, mine, theirs, tree in (
                     ("params", jax.tree.leaves(layer_params[i]), jax.tree.leaves(whole_params[i]), layer_params[i]),
-                    ("state", jax.tree.leaves(layer_states[i]), _state_of_layer(whole_state, layer_states[i], i),
+                    ("state", jax.tree.leaves(layer_states[i]), _state_of_layer(whole_state, layer_states[i], i,
+                                                                                  layer_states[:i]),
                      layer_states[i])):
                 paths = [p for p, _ in tree_flatten_with_path(tree)[0]]
                 found = _first_difference(mine, theirs, paths)

@@ -47,9 +47,6 @@ REFUSED: dict = {
     "optax.contrib.scale_by_muon": ("optax's own update fails on a list of layers with its default "
                                     "weight_dimension_numbers (None): a pytree structure error in both trainers, "
                                     "refused in one line (optax.contrib.muon, which brings its own, trains)"),
-    "optax.flatten": ("ReversibleTrainer: it concatenates every leaf of the model into one vector (one state vector "
-                      "for the whole model): whole tensors of several layers; the per-layer form of an elementwise "
-                      "inner optimizer (each layer's own concatenation) is not derived"),
     "optax.scale_by_lbfgs": ("ReversibleTrainer: its two-loop recursion is a scan over the history of whole-tree "
                              "differences, an inner product of the whole tree per iteration: whole tensors of "
                              "several layers in one scan"),

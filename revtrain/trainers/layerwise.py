@@ -92,6 +92,19 @@ MAX_EXPORT_SIZE = 4096
 
 _PRE = -1  # the round of a global value that depends on no layer (computed anywhere, e.g. the step count)
 
+# The "layer" of a segmented vector: every layer's leaves raveled and concatenated in the whole tree's order
+# (``optax.flatten``), layer i's elements one contiguous segment. See `LayerwiseUpdate` ("Segments").
+_SEG = "segments"
+
+# Primitives that compute each element of their result from the same element of each operand (a scalar
+# operand: the same scalar for every element): on a segmented vector, each segment's results are those of
+# the same equation on that segment alone.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "atan2", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div", "eq",
+    "erf", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision",
+    "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub", "tanh", "xor"})
+
 
 class CoupledUpdateError(InputError, ValueError):
     """The optimizer combines large values of several layers: it cannot be applied one layer at a time."""
@@ -99,6 +112,11 @@ class CoupledUpdateError(InputError, ValueError):
 
 def _size(v) -> int:
     return int(np.prod(v.aval.shape, dtype=np.int64)) if hasattr(v.aval, "shape") else 1
+
+
+def _size_of(x) -> int:
+    """Elements of an array or ``jax.ShapeDtypeStruct``."""
+    return int(np.prod(x.shape, dtype=np.int64))
 
 
 # Call-like primitives: an equation that runs one nested program on its operands, as if inlined. JAX names
@@ -522,9 +540,10 @@ class LayerwiseUpdate:
         state cannot be matched to the layers' states.
     """
 
-    def __init__(self, tx, layer_params: list):
+    def __init__(self, tx, layer_params: list, _own: bool = False):
         self.tx = tx
         shapes = [_shapes(p) for p in layer_params]
+        self._layer_shapes_in = shapes
         n = self.num_layers = len(shapes)
         self._layer_state = [jax.eval_shape(tx.init, p) for p in shapes]
         whole_state = jax.eval_shape(tx.init, shapes)
@@ -557,16 +576,33 @@ class LayerwiseUpdate:
             self._inputs[invars[ng + ns + k]] = ("p", i, q)
             tags[invars[k]] = tags[invars[ng + ns + k]] = _Tag(i, 0)
         self._global_paths = [q for layer, q in state_map if layer is None]
+        # Segments: a vector of every layer's elements, segment i layer i's (its sizes in ``self._segments``).
+        sizes = tuple(sum(_size_of(x) for x in jax.tree.leaves(p)) for p in shapes)
+        self._segments, segmented = sizes, set()
         for k, (layer, q) in enumerate(state_map):
             self._inputs[invars[ng + k]] = ("s", layer, q)
             tags[invars[ng + k]] = _Tag(layer, 0) if layer is not None else _Tag(None, _PRE)
+            if layer == _SEG:
+                segmented.add(invars[ng + k])
         for v in self._jaxpr.constvars:
             tags[v] = _Tag(None, _PRE)
 
         # Label every equation (see the module note).
         self._eqn_tag: list[_Tag] = []
         exports: list[dict] = [dict() for _ in range(n)]  # layer -> {var: round}
+        producer = {}
         for eqn in self._jaxpr.eqns:
+            seg = self._segment_tags(eqn, tags, segmented, producer)
+            for o in eqn.outvars:
+                producer[o] = eqn
+            if seg is not None:
+                tag, out_tags = seg
+                self._eqn_tag.append(tag)
+                for o, t in zip(eqn.outvars, out_tags):
+                    tags[o] = t
+                    if t.layer == _SEG:
+                        segmented.add(o)
+                continue
             ins = [tags[v] for v in eqn.invars if isinstance(v, jcore.Var)]
             layers = {t.layer for t in ins if t.layer is not None}
             late = [t.round for t in ins if t.layer is None and t.round > _PRE]
@@ -601,8 +637,8 @@ class LayerwiseUpdate:
             self._out_updates[i].append(outs[k])
         self._out_state = [[None] * len(jax.tree.leaves(s)) for s in self._layer_state]
         for k, (layer, q) in enumerate(state_map):
-            for i in ([layer] if layer is not None else range(n)):
-                self._out_state[i][q if layer is not None else self._index[i][q]] = outs[ng + k]
+            for i in ([layer] if layer not in (None, _SEG) else range(n)):
+                self._out_state[i][q if layer not in (None, _SEG) else self._index[i][q]] = outs[ng + k]
         for i in range(n):
             if any(v is None for v in self._out_state[i]):
                 raise CoupledUpdateError(f"the optimizer state of layer {i} does not match the whole model's")
@@ -632,6 +668,14 @@ class LayerwiseUpdate:
         self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
         self._signatures: dict = {}
         self._layer_shapes, self._separable = shapes, None  # (`separable` is computed on first use)
+        if segmented and not _own and not self.separable:
+            # A segmented vector is evaluated only as each layer's own update (the separable form): a layer's
+            # slice of the whole program would need each equation re-shaped to its segment.
+            raise CoupledUpdateError(
+                "the optimizer concatenates every layer's tensors into one vector and its update of that vector is "
+                "not each layer's own (a reduction over it, or values its layers' own updates compute otherwise), "
+                "so no layer's update can be computed without the others on the device; train it with "
+                "StandardTrainer")
 
     @property
     def separable(self) -> bool:
@@ -668,7 +712,7 @@ class LayerwiseUpdate:
         key = ("own", jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
         if key not in self._signatures:
             try:
-                self._signatures[key] = LayerwiseUpdate(self.tx, [shapes])._needed_pre(0)
+                self._signatures[key] = LayerwiseUpdate(self.tx, [shapes], _own=True)._needed_pre(0)
             except CoupledUpdateError:
                 self._signatures[key] = None
         return self._signatures[key] == self._needed_pre(i)
@@ -691,13 +735,94 @@ class LayerwiseUpdate:
                     if q is not None and jax.tree.leaves(self._layer_state[key.idx])[q].shape == leaf.shape:
                         found = (key.idx, q)
                         break
-            if found is None and all(path in p for p in per_layer):
+            if found is None and all(path in p for p in per_layer) and self._segmented_leaf(path, leaf):
+                found = (_SEG, path)  # (``optax.flatten``: one state vector of every layer's elements)
+            elif found is None and all(path in p for p in per_layer):
                 found = (None, path)
             if found is None:
                 raise CoupledUpdateError(f"cannot match the optimizer state leaf {jax.tree_util.keystr(path)} "
                                          "to a layer")
             out.append(found)
         return out
+
+    # -- segments: a vector of every layer's elements (``optax.flatten``) --------------------------------
+    def _segmented_leaf(self, path, leaf) -> bool:
+        """Whether the whole state's leaf at ``path`` is a segmented vector: a vector with one element per
+        parameter element of the whole model, each layer's state having a vector of its own parameters'
+        size at the same path (``optax.flatten(adam)``'s moments)."""
+        sizes = [sum(_size_of(x) for x in jax.tree.leaves(p)) for p in self._layer_shapes_in]
+        if getattr(leaf, "ndim", len(leaf.shape)) != 1 or leaf.shape[0] != sum(sizes):
+            return False
+        for i, own in enumerate(self._layer_state):
+            mine = dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(own)[0]).get(path)
+            if mine is None or tuple(mine.shape) != (sizes[i],):
+                return False
+        return True
+
+    def _segment_tags(self, eqn, tags: dict, segmented: set, producer: dict):
+        """The tags of an equation that makes, transforms or splits a segmented vector: ``(equation's tag,
+        [each output's tag])``, or None for any other equation (labelled as usual).
+
+        * ``concatenate`` (axis 0) of the raveled leaves of one kind of input (the gradients, or the
+          parameters), every leaf of every layer in the whole tree's order: a segmented vector, each layer's
+          segment what its own update concatenates.
+        * an element-wise equation (`_ELEMENTWISE`) of segmented vectors and scalars that depend on no layer
+          (round -1: the step count, the bias corrections): a segmented vector.
+        * ``split`` (axis 0) of a segmented vector, each piece inside one layer's segment: that layer's value.
+
+        Raises:
+          CoupledUpdateError: any other equation reads a segmented vector (a reduction over it: one value of
+            several layers' elements, computed in another order per layer).
+        """
+        reads = [v for v in eqn.invars if isinstance(v, jcore.Var) and v in segmented]
+        name = eqn.primitive.name
+        if not reads:
+            if name == "concatenate" and self._layer_concatenation(eqn, tags, producer):
+                return _Tag(_SEG, 0), [_Tag(_SEG, 0)]
+            return None
+        total = sum(self._segments)
+        others = [v for v in eqn.invars if isinstance(v, jcore.Var) and v not in segmented]
+        if name in _ELEMENTWISE and all(getattr(o.aval, "shape", None) == (total,) for o in eqn.outvars) and all(
+                _size(v) <= 1 and tags[v].layer is None and tags[v].round == _PRE for v in others) and all(
+                _size(v) <= 1 for v in eqn.invars if not isinstance(v, jcore.Var)):
+            return _Tag(_SEG, 0), [_Tag(_SEG, 0)] * len(eqn.outvars)
+        if name == "split" and eqn.params.get("axis", 0) == 0:
+            starts, ends = np.cumsum((0,) + self._segments[:-1]), np.cumsum(self._segments)
+            out, at = [], 0
+            for o in eqn.outvars:
+                size = _size(o)
+                layer = [i for i in range(self.num_layers) if starts[i] <= at and at + size <= ends[i]]
+                if not layer:
+                    break
+                out.append(_Tag(layer[0], 0))
+                at += size
+            else:
+                return _Tag(_SEG, 0), out
+        raise CoupledUpdateError(
+            f"the optimizer combines whole tensors of several layers ({name} of a vector of every layer's "
+            "elements), so no layer's update can be computed without the others on the device; train it with "
+            "StandardTrainer")
+
+    def _layer_concatenation(self, eqn, tags: dict, producer: dict) -> bool:
+        """Whether ``eqn`` (a ``concatenate``) is ``optax.flatten``'s: on axis 0, of the raveled (``reshape``d to
+        a vector) input leaves of one kind, every leaf of every layer in the whole tree's order."""
+        if eqn.params.get("dimension", 0) != 0:
+            return False
+        kinds, order = set(), []
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Var) or len(v.aval.shape) != 1:
+                return False
+            e = producer.get(v)
+            src = v if v in self._inputs else e.invars[0] if e is not None and e.primitive.name == "reshape" else None
+            if not isinstance(src, jcore.Var) or src not in self._inputs:  # (a vector leaf: itself)
+                return False
+            kind, layer, q = self._inputs[src]
+            if kind not in ("g", "p") or not isinstance(layer, int):
+                return False
+            kinds.add(kind)
+            order.append((layer, q))
+        every = [(i, q) for i in range(self.num_layers) for q in range(len(jax.tree.leaves(self._layer_shapes_in[i])))]
+        return len(kinds) == 1 and order == every
 
     # -- evaluation --------------------------------------------------------------------------------
     def _value(self, value):
