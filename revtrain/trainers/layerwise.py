@@ -56,6 +56,12 @@ the whole ``cond`` did. Every program that applies an update evaluates it throug
 (`evaluate`, `_bind`), the whole-model update of StandardTrainer too, so the per-layer updates still equal
 the whole model's bit for bit (`fence`).
 
+Segments. ``optax.flatten`` concatenates every layer's raveled leaves into one vector and keeps its inner
+optimizer's state on that vector. Such a vector is labelled as segments (`_SEG`, `LayerwiseUpdate._segment_tags`):
+layer i's elements are one contiguous piece, element-wise equations keep the pieces apart, and the ``split``
+back gives each layer its own. An update whose segmented values are only made, transformed element-wise and
+split is separable (each layer's own update computes its segment); any other use is refused.
+
 Per-layer optimizer state: each layer keeps ``tx.init(layer params)``, as the fused update always did. A
 leaf of the whole state that belongs to no layer (the step count) exists in every layer's state, and every
 copy is updated alike; the whole state's leaves are matched to the layers' by path (the whole state's path
