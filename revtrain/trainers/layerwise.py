@@ -757,7 +757,7 @@ class LayerwiseUpdate:
         parameter element of the whole model, each layer's state having a vector of its own parameters'
         size at the same path (``optax.flatten(adam)``'s moments)."""
         sizes = [sum(_size_of(x) for x in jax.tree.leaves(p)) for p in self._layer_shapes_in]
-        if getattr(leaf, "ndim", len(leaf.shape)) != 1 or leaf.shape[0] != sum(sizes):
+        if len(leaf.shape) != 1 or leaf.shape[0] != sum(sizes):
             return False
         for i, own in enumerate(self._layer_state):
             mine = dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(own)[0]).get(path)
@@ -783,7 +783,7 @@ class LayerwiseUpdate:
         reads = [v for v in eqn.invars if isinstance(v, jcore.Var) and v in segmented]
         name = eqn.primitive.name
         if not reads:
-            if name == "concatenate" and self._layer_concatenation(eqn, tags, producer):
+            if name == "concatenate" and self._layer_concatenation(eqn, producer):
                 return _Tag(_SEG, 0), [_Tag(_SEG, 0)]
             return None
         total = sum(self._segments)
@@ -809,7 +809,7 @@ class LayerwiseUpdate:
             "elements), so no layer's update can be computed without the others on the device; train it with "
             "StandardTrainer")
 
-    def _layer_concatenation(self, eqn, tags: dict, producer: dict) -> bool:
+    def _layer_concatenation(self, eqn, producer: dict) -> bool:
         """Whether ``eqn`` (a ``concatenate``) is ``optax.flatten``'s: on axis 0, of the raveled (``reshape``d to
         a vector) input leaves of one kind, every leaf of every layer in the whole tree's order."""
         if eqn.params.get("dimension", 0) != 0:
