@@ -16,7 +16,8 @@ runs the optimizer itself, both ways, from the same parameters and the same grad
 
 Each of `STEPS` steps feeds both the same seeded gradients (normal, 1e-2 times the magnitude of the
 parameter leaf, so every leaf moves; an optimizer's exactness does not depend on where its gradients come
-from) and compares, for every layer, the new parameters (the applied update) and every leaf of the new
+from) and, to an optimizer whose update reads the step's loss (``value``: ``optax.polyak_sgd``,
+``optax.contrib.momo``, ``reduce_on_plateau``), the same seeded loss (`seeded_value`), and compares, for every layer, the new parameters (the applied update) and every leaf of the new
 optimizer state bit for bit. The first step, layer and leaf that differ are reported with their largest
 difference; the check then fails (exit 1). Where the update cannot run one layer at a time at all
 (`layerwise.CoupledUpdateError`: the reversible trainer refuses it), nothing is compared and the line says so.
@@ -94,10 +95,12 @@ class Result:
                 f"(max |difference| {d.max_abs:.1e})")
 
 
-def _state_of_layer(whole_state, layer_state, i: int) -> list:
+def _state_of_layer(whole_state, layer_state, i: int, earlier: list = ()) -> list:
     """The leaves of ``whole_state`` (``tx.init`` of the list of every layer's params) that are layer ``i``'s
     state, in the order of ``layer_state``'s leaves: a leaf whose whole path is the layer's path with the
-    list index ``i`` inserted, or (a leaf every layer's state has: the step count) the same path."""
+    list index ``i`` inserted, or (a leaf every layer's state has: the step count) the same path. A vector of
+    every layer's elements at that path (``optax.flatten``'s moments: longer than the layer's own vector)
+    gives layer ``i``'s segment, after the same leaves of the ``earlier`` layers' states (layers ``0 .. i-1``)."""
     by_path = {}
     for path, leaf in tree_flatten_with_path(whole_state)[0]:
         by_path.setdefault((None, tuple(path)), leaf)
@@ -105,9 +108,15 @@ def _state_of_layer(whole_state, layer_state, i: int) -> list:
             if isinstance(key, SequenceKey):
                 by_path.setdefault((key.idx, tuple(path[:pos] + path[pos + 1:])), leaf)
     out = []
-    for path, _ in tree_flatten_with_path(layer_state)[0]:
+    for path, mine in tree_flatten_with_path(layer_state)[0]:
         path = tuple(path)
-        out.append(by_path[(i, path)] if (i, path) in by_path else by_path[(None, path)])
+        leaf = by_path[(i, path)] if (i, path) in by_path else by_path[(None, path)]
+        if (i, path) not in by_path and np.ndim(mine) == 1 and np.ndim(leaf) == 1 and \
+                np.shape(leaf)[0] > np.shape(mine)[0]:  # a segment of a vector of every layer's elements
+            start = sum(np.shape(dict((tuple(p), x) for p, x in tree_flatten_with_path(e)[0])[path])[0]
+                        for e in earlier)
+            leaf = leaf[start:start + np.shape(mine)[0]]
+        out.append(leaf)
     return out
 
 
@@ -119,6 +128,13 @@ def _first_difference(mine, theirs, paths) -> tuple[str, float] | None:
         if not np.array_equal(a, b, equal_nan=bool(np.issubdtype(a.dtype, np.inexact))):
             return keystr(path), float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
     return None
+
+
+def seeded_value(seed: int, step: int) -> np.float32:
+    """A stand-in for the step's loss (the keyword argument ``value`` of an update that reads it): a float32
+    scalar in [1, 5), from ``numpy.random.default_rng((seed, step))``; a different one each step, so that an
+    optimizer that tracks the loss (``reduce_on_plateau``'s best value) sees it change."""
+    return np.float32(1.0 + 4.0 * np.random.default_rng((seed, step)).random())
 
 
 def seeded_grads(params: list, seed: int, step: int) -> list:
@@ -157,8 +173,9 @@ class _PerLayer:
             self._programs[key] = jax.jit(fn)
         return self._programs[key]
 
-    def step(self, grads: list, states: list, params: list) -> tuple[list, list]:
-        """``(new params, new states)``, one per layer."""
+    def step(self, grads: list, states: list, params: list, value=None) -> tuple[list, list]:
+        """``(new params, new states)``, one per layer (``value``: the step's loss for an optimizer that reads
+        it, else None)."""
         ok = jnp.asarray(True)
         n = len(params)
         if not self.deferred:
@@ -168,22 +185,23 @@ class _PerLayer:
         lw, globals_, history = self.layerwise, (), []
         for k in range(lw.rounds):
             stats = [self._jit(("stats", k, lw.signature(i)),
-                               lambda g, s, p, gl, k=k, i=i: self._stats(k, i, g, s, p, gl))(
-                grads[i], states[i], params[i], globals_) for i in range(n)]
+                               lambda g, s, p, gl, v, k=k, i=i: self._stats(k, i, g, s, p, gl, v))(
+                grads[i], states[i], params[i], globals_, value) for i in range(n)]
             history.append([s[0] if k == 0 else s for s in stats])  # (round 0's also hold squares and flags)
-            combine = self._jit(("combine", k), lambda ex, leaves, gl, k=k: lw.combine(k, ex, leaves, gl))
-            globals_ = combine(history, lw.global_leaves(0, states[0]), globals_)
-        out = [self._jit(("update", lw.signature(i)), lambda g, s, p, gl, ok, i=i: self._update(i, g, s, p, gl, ok))(
-            grads[i], states[i], params[i], globals_, ok) for i in range(n)]
+            combine = self._jit(("combine", k), lambda ex, leaves, gl, v, k=k: lw.combine(k, ex, leaves, gl, v))
+            globals_ = combine(history, lw.global_leaves(0, states[0]), globals_, value)
+        out = [self._jit(("update", lw.signature(i)),
+                         lambda g, s, p, gl, ok, v, i=i: self._update(i, g, s, p, gl, ok, v))(
+            grads[i], states[i], params[i], globals_, ok, value) for i in range(n)]
         return [p for p, _ in out], [s for _, s in out]
 
-    def _stats(self, k, i, g, s, p, globals_):
+    def _stats(self, k, i, g, s, p, globals_, value):
         scalars: list = []
-        exports = self.layerwise.exports(k, i, g, s, p, globals_, scalars)
+        exports = self.layerwise.exports(k, i, g, s, p, globals_, scalars, value=value)
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
-    def _update(self, i, g, s, p, globals_, ok):
-        return deferred_layer_update(self.tx, self.layerwise, i, g, s, p, globals_, ok)
+    def _update(self, i, g, s, p, globals_, ok, value):
+        return deferred_layer_update(self.tx, self.layerwise, i, g, s, p, globals_, ok, value)
 
 
 def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> Result:
@@ -211,7 +229,7 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     if deferred is None:
         deferred = not layerwise.separable or bool(model.ties)
     per_layer = _PerLayer(tx, layerwise, deferred)
-    whole = jax.jit(lambda g, s, p, ok: guarded_update(tx, g, s, p, ok=ok)[:2])
+    whole = jax.jit(lambda g, s, p, ok, v: guarded_update(tx, g, s, p, ok=ok, value=v)[:2])
     whole_params, layer_params = list(params), list(params)
     init = jax.jit(tx.init)  # (one program per distinct tree, not one per leaf's zeros)
     whole_state = init(whole_params)
@@ -219,12 +237,14 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     names = [getattr(layer, "name", str(i)) for i, layer in enumerate(model.layers)]
     for step in range(1, steps + 1):
         grads = seeded_grads(layer_params, seed, step)
-        whole_params, whole_state = whole(grads, whole_state, whole_params, jnp.asarray(True))
-        layer_params, layer_states = per_layer.step(grads, layer_states, layer_params)
+        value = seeded_value(seed, step) if layerwise.takes_value else None  # (the step's loss, for one that reads it)
+        whole_params, whole_state = whole(grads, whole_state, whole_params, jnp.asarray(True), value)
+        layer_params, layer_states = per_layer.step(grads, layer_states, layer_params, value)
         for i in range(len(layer_params)):
             for what, mine, theirs, tree in (
                     ("params", jax.tree.leaves(layer_params[i]), jax.tree.leaves(whole_params[i]), layer_params[i]),
-                    ("state", jax.tree.leaves(layer_states[i]), _state_of_layer(whole_state, layer_states[i], i),
+                    ("state", jax.tree.leaves(layer_states[i]), _state_of_layer(whole_state, layer_states[i], i,
+                                                                                  layer_states[:i]),
                      layer_states[i])):
                 paths = [p for p, _ in tree_flatten_with_path(tree)[0]]
                 found = _first_difference(mine, theirs, paths)

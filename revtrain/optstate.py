@@ -140,6 +140,7 @@ class _Kept(optax.GradientTransformationExtraArgs):
     def __init__(self, init, update, inner):
         self.inner = inner
         self._revtrain_keeps_states = True
+        self._revtrain_needs: dict = {}  # `_analysed`'s results, by the parameters' shapes
 
 
 # optax's update functions that need more than the gradients: what each keyword argument is, for the refusal
@@ -148,39 +149,100 @@ _EXTRA_ARGUMENTS = {"value": "the loss at the current parameters", "grad": "its 
                     "obj_fn": "the loss as a function of the parameters, for a Hessian-vector product"}
 
 
+# The step's loss as an update's ``value`` is traced as this (the loss every trainer logs: a float32 scalar).
+VALUE_SHAPE = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def _traced_update_error(tx: optax.GradientTransformation, shapes, value: bool) -> Exception | None:
+    """The exception ``tx.update`` raises when traced on ``shapes`` (``jax.eval_shape``: nothing computed),
+    given the keyword argument ``value`` (a float32 scalar) or not; None when it traces."""
+    def run(p, *v):
+        return tx.update(p, tx.init(p), p, **({"value": v[0]} if v else {}))
+    try:
+        jax.eval_shape(run, shapes, *((VALUE_SHAPE,) if value else ()))
+    except Exception as e:  # noqa: BLE001  (any failure of the traced update: the caller reads it)
+        return e
+    return None
+
+
+def _missing_keywords(e: Exception) -> tuple[str, list[str]] | None:
+    """``(owner, names)`` when ``e`` says an update lacks required keyword arguments (Python's ``TypeError``
+    "missing required keyword-only argument", or optax's ``ValueError`` "obj_fn must be provided"), else None."""
+    text = str(e).strip()
+    missing = re.match(r"^(\w+) must be provided", text)
+    if isinstance(e, TypeError) and "required keyword-only argument" in text:
+        owner = text.split("(", 1)[0].split(".<locals>", 1)[0].strip()
+        return owner, re.findall(r"'(\w+)'", text.split("argument", 1)[-1])
+    if isinstance(e, ValueError) and missing and missing.group(1) in _EXTRA_ARGUMENTS:
+        return text.split(" update function", 1)[0].rsplit(" ", 1)[-1], [missing.group(1)]
+    return None
+
+
+def _shapes(params):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def _analysed(tx: optax.GradientTransformation, params) -> tuple[str | None, bool]:
+    """``(update_refusal, takes_value)`` of ``tx`` on the shapes of ``params`` (see both), from at most two
+    traces of ``tx.update``; kept on an optimizer made by `keep_states` (each trainer and its per-layer split
+    ask for the same shapes: traced once)."""
+    shapes = _shapes(params)
+    key = (jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
+    cache = getattr(tx, "_revtrain_needs", None)
+    if cache is not None and key in cache:
+        return cache[key]
+    e = _traced_update_error(tx, shapes, value=False)
+    takes = False
+    missing = _missing_keywords(e) if e is not None else None
+    if missing is not None and missing[1] == ["value"]:
+        e = _traced_update_error(tx, shapes, value=True)  # (the loss is given: does it run with it?)
+        takes = e is None
+        missing = _missing_keywords(e) if e is not None else None
+    if e is None:
+        why = None
+    elif missing is None:
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        why = f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
+    else:
+        owner, names = missing
+        what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
+        why = (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
+               f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
+               "gradients and the step's loss (value) only; choose an optimizer that needs no more "
+               "(docs/recipe.md, \"Refused\")")
+    if cache is not None:
+        cache[key] = (why, takes)
+    return why, takes
+
+
+def takes_value(tx: optax.GradientTransformation, params) -> bool:
+    """Whether ``tx.update`` needs the keyword argument ``value``, the loss at the current parameters, and
+    runs with it and the gradients alone (``optax.contrib.momo``, ``momo_adam``, ``optax.polyak_sgd``,
+    ``optax.scale_by_polyak``, ``optax.contrib.reduce_on_plateau``, or any chain holding one): traced on the
+    shapes of ``params`` without ``value`` it fails for the missing keyword ``value`` only, and with ``value``
+    (a float32 scalar) it traces. Both trainers then pass the step's loss, exactly as they log it, as
+    ``value``; an optimizer that does not need it gets none, so its programs are unchanged."""
+    return _analysed(tx, params)[1]
+
+
 def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
     """Why ``tx`` cannot train in revtrain, in one line, or None.
 
-    An optax update that requires keyword arguments besides the gradients, state and parameters
-    (``optax.lbfgs``' zoom line search: ``value``, ``grad`` and ``value_fn``; ``optax.contrib.momo``,
-    ``momo_adam``, ``optax.polyak_sgd``, ``optax.contrib.reduce_on_plateau``: ``value``, the loss;
-    ``optax.contrib.sophia``'s Hutchinson estimator: ``obj_fn``) cannot run in revtrain's trainers: both call
-    ``tx.update(grads, state, params)`` only (a line search or a Hessian-vector product would evaluate the whole
-    model's loss again within the step, which a layer-by-layer update cannot do). Found by tracing ``tx.update``
-    on the shapes of ``params`` (``jax.eval_shape``: nothing is computed) and reading the ``TypeError`` Python
-    raises for a missing keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other
-    error of the traced update is refused with optax's own first line (an update that cannot run on this
-    model's parameters at all).
+    Both trainers give an update the gradients, the state, the parameters and, to an optimizer that needs
+    it (`takes_value`), the step's loss as the keyword argument ``value`` (``optax.contrib.momo``,
+    ``momo_adam``, ``optax.polyak_sgd``, ``scale_by_polyak``, ``optax.contrib.reduce_on_plateau``). An
+    update that requires any other keyword argument cannot run: ``optax.lbfgs``' zoom line search (``value``,
+    ``grad`` and ``value_fn``) and ``optax.contrib.sophia``'s Hutchinson estimator (``obj_fn``) evaluate the
+    whole model's loss again, at other parameters, within the step, which a layer-by-layer update cannot do.
+    Found by tracing ``tx.update`` on the shapes of ``params`` (``jax.eval_shape``: nothing is computed),
+    with ``value`` when it lacks only that, and reading the ``TypeError`` Python raises for a missing
+    keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other error of the
+    traced update is refused with optax's own first line (an update that cannot run on this model's
+    parameters at all).
     """
-    try:
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        jax.eval_shape(lambda p: tx.update(p, tx.init(p), p), shapes)
-    except Exception as e:  # noqa: BLE001  (any failure of the traced update: refused in one line)
-        text = str(e).strip()
-        missing = re.match(r"^(\w+) must be provided", text)
-        if isinstance(e, TypeError) and "required keyword-only argument" in text:
-            owner = text.split("(", 1)[0].split(".<locals>", 1)[0].strip()
-            names = re.findall(r"'(\w+)'", text.split("argument", 1)[-1])
-        elif isinstance(e, ValueError) and missing and missing.group(1) in _EXTRA_ARGUMENTS:
-            owner, names = text.split(" update function", 1)[0].rsplit(" ", 1)[-1], [missing.group(1)]
-        else:
-            first = text.splitlines()[0] if text else type(e).__name__
-            return f"the optimizer cannot update this model's parameters: {type(e).__name__}: {first}"
-        what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
-        return (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
-                f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
-                "gradients only; choose an optimizer that needs only the gradients (docs/recipe.md, \"Refused\")")
-    return None
+    return _analysed(tx, params)[0]
+
 
 class LayerInit:
     """Each layer's initial optimizer state as its part of ``tx.init`` of the whole model, for an optimizer whose

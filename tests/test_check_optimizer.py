@@ -51,6 +51,24 @@ def test_a_global_norm_clip_runs_the_deferred_rounds_and_matches():
     assert result.ok and result.form == "the deferred update, 1 global round(s)", result.line()
 
 
+def test_an_optimizer_that_reads_the_loss_gets_a_seeded_value_both_ways():
+    """``optax.contrib.momo`` reads the step's loss (``value``): both ways get `check_optimizer.seeded_value`, one
+    float32 a step, and its per-layer step (deferred: the loss and the inner products are global values) equals
+    the whole model's bit for bit."""
+    assert check_optimizer.seeded_value(0, 1) != check_optimizer.seeded_value(0, 2)
+    assert 1.0 <= check_optimizer.seeded_value(0, 1) < 5.0
+    result = _compare(optax.contrib.momo())
+    assert result.ok and result.form.startswith("the deferred update, "), result.line()
+
+
+def test_a_flattened_elementwise_optimizer_is_each_layers_own_and_matches_its_segment():
+    """``optax.flatten(adamw)`` keeps one moment vector of every layer's elements: each layer's own update (its
+    own concatenation) is its segment of the whole one, so it runs the fused update and every layer's new
+    parameters and moments equal the whole model's (its segment of each moment vector) bit for bit."""
+    result = _compare(optax.flatten(optax.adamw(1e-3)))
+    assert result.ok and result.form == "the fused update", result.line()
+
+
 def test_an_optimizer_whose_layer_step_differs_is_named_by_step_layer_and_leaf():
     result = _compare(leaf_count_sgd())
     d = result.difference

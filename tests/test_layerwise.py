@@ -180,6 +180,23 @@ def test_a_jitted_helper_that_combines_layers_is_refused():
         ReversibleTrainer(_model(), mixing_sgd(), make_mesh(jax.devices()[:1]))
 
 
+def test_a_concatenation_of_every_layer_is_split_into_segments():
+    """``optax.flatten`` concatenates every layer's raveled leaves into one vector (and keeps its moments as such
+    vectors): with an element-wise inner optimizer each layer's segment is computed as its own concatenation
+    would be, so the update is separable (each layer's own ``tx.update``, the fused update); with a reduction
+    over the vector (LAMB's trust ratio, a global-norm clip inside) it is refused, naming the vector."""
+    params = _model().param_shapes()
+    for inner in (optax.adamw(1e-3), optax.sgd(1e-3, momentum=0.9)):
+        lw = LayerwiseUpdate(optax.flatten(inner), params)
+        assert lw.rounds == 0 and lw.separable
+    mesh = make_mesh(jax.devices()[:1])
+    assert not ReversibleTrainer(_model(), optax.flatten(optax.adamw(1e-3)), mesh).deferred
+    for inner in (optax.lamb(1e-3), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))):
+        with pytest.raises(TrainerError, match=r"combines whole tensors of several layers \(\w+ of a vector of every "
+                                               r"layer's elements\)"):
+            ReversibleTrainer(_model(), optax.flatten(inner), mesh)
+
+
 def test_the_cli_refuses_a_coupling_optimizer_in_one_line(tmp_path, byte_lm_data_dir, capfd):
     """``revtrain train`` with a gin-bound optimizer of the user's module that combines layers inside a
     jitted helper: exit status 2, one error line, nothing trained."""

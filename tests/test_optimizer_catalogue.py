@@ -30,32 +30,23 @@ T, STEPS, LR = 128, 3, 1e-3
 REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
 
 # Representative optimizers run in make test (each through four trainers, so few): a global predicate over AdamW
-# (a global round on every tier) and a state that holds the parameters' own arrays (copied at init, never donated
-# twice). A typed PRNG key in the state: test_a_key_in_the_state_is_checkpointed_and_resumed.
-REPRESENTATIVE = ("optax.apply_if_finite", "optax.contrib.mechanize")
+# (a global round on every tier), a state that holds the parameters' own arrays (copied at init, never donated
+# twice) and an update that reads the step's loss (``value``: the Polyak step size divides it by the gradient's
+# squared norm, a global round). A typed PRNG key in the state: test_a_key_in_the_state_is_checkpointed_and_resumed.
+REPRESENTATIVE = ("optax.apply_if_finite", "optax.contrib.mechanize", "optax.polyak_sgd")
 
 # The documented refusals (docs/recipe.md, "Refused"): name -> reason. A refusal of any other
 # name fails its case.
-_VALUE = ("its update needs the loss (the keyword argument value) besides the gradients; neither trainer passes "
-          "it (both trainers refuse it)")
 _OBJ = ("its update needs the keyword argument obj_fn, the loss as a function of the parameters (a Hessian-vector "
         "product of the whole model's loss within the step; both trainers refuse it)")
 REFUSED: dict = {
     "optax.lbfgs": ("its zoom line search needs the keyword arguments value, grad and value_fn: the whole model's "
                     "loss evaluated at other parameters, several times a step (both trainers refuse it)"),
-    "optax.contrib.momo": _VALUE,
-    "optax.contrib.momo_adam": _VALUE,
-    "optax.polyak_sgd": _VALUE,
-    "optax.scale_by_polyak": _VALUE,
-    "optax.contrib.reduce_on_plateau": _VALUE,
     "optax.contrib.sophia": _OBJ,
     "optax.contrib.hutchinson_estimator_diag_hessian": _OBJ,
     "optax.contrib.scale_by_muon": ("optax's own update fails on a list of layers with its default "
                                     "weight_dimension_numbers (None): a pytree structure error in both trainers, "
                                     "refused in one line (optax.contrib.muon, which brings its own, trains)"),
-    "optax.flatten": ("ReversibleTrainer: it concatenates every leaf of the model into one vector (one state vector "
-                      "for the whole model): whole tensors of several layers; the per-layer form of an elementwise "
-                      "inner optimizer (each layer's own concatenation) is not derived"),
     "optax.scale_by_lbfgs": ("ReversibleTrainer: its two-loop recursion is a scan over the history of whole-tree "
                              "differences, an inner product of the whole tree per iteration: whole tensors of "
                              "several layers in one scan"),
@@ -178,6 +169,7 @@ def check(qualified, batches, tmp_path) -> str:
         assert got[0] == want[0], f"{qualified} ({tier}): losses differ from StandardTrainer's"
         for i, (a, b) in enumerate(zip(got[1], want[1])):
             assert a == b, f"{qualified} ({tier}): layer {i}'s parameters differ from StandardTrainer's"
+    assert qualified not in REFUSED, f"{qualified} trains bit for bit on every tier: REFUSED must not list it"
     return "exact"
 
 
@@ -310,17 +302,19 @@ def test_values_of_the_whole_tree_are_the_whole_models(text_batches):
     assert not LayerInit(trainer.tx, model.param_shapes()).needed
 
 
-def test_an_update_that_needs_more_than_gradients_is_refused_in_one_line(tmp_path, capsys):
-    """An optimizer whose update needs the loss (``optax.contrib.momo``: the keyword argument ``value``) or a line
-    search (``optax.lbfgs``: ``value``, ``grad``, ``value_fn``) is refused when a trainer is made, by both trainers
-    alike, in one line naming what it needs (the Python API: a `TrainerError`, an `InputError`); the CLI prints that
-    line and exits 2 before anything is trained."""
+def test_an_update_that_needs_more_than_the_loss_is_refused_in_one_line(tmp_path, capsys):
+    """An optimizer whose update needs more than the gradients and the step's loss (``optax.lbfgs``' line search:
+    ``value``, ``grad``, ``value_fn``; ``optax.contrib.sophia``'s Hessian-vector products: ``obj_fn``) is refused
+    when a trainer is made, by both trainers alike, in one line naming what it needs (the Python API: a
+    `TrainerError`, an `InputError`); the CLI prints that line and exits 2 before anything is trained. One that
+    needs only the loss (``value``: ``optax.contrib.momo``) is not refused."""
     from helpers import revtrain_here
     from test_optim import TINY
     from revtrain.trainers.common import TrainerError
     mesh = make_mesh(jax.devices()[:1])
     model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
-    for tx, owner, needs in [(optax.contrib.momo(), "momo", "argument value (the loss at the current parameters)"),
+    for tx, owner, needs in [(optax.contrib.sophia(1e-3), "hutchinson", "argument obj_fn (the loss as a function of "
+                              "the parameters, for a Hessian-vector product)"),
                              (optax.lbfgs(), "scale_by_zoom_linesearch", "arguments value (the loss at the current "
                               "parameters), grad (its gradient), value_fn (a function that evaluates the loss at "
                               "other parameters)")]:
@@ -330,16 +324,20 @@ def test_an_update_that_needs_more_than_gradients_is_refused_in_one_line(tmp_pat
                 cls(model, tx, mesh, seed=0)
             lines.add(_line(e.value))
         assert lines == {f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
-                         f"{needs}, and revtrain's trainers give an update the gradients only; choose an optimizer "
-                         "that needs only the gradients (docs/recipe.md, \"Refused\")"}, lines
+                         f"{needs}, and revtrain's trainers give an update the gradients and the step's loss (value) "
+                         "only; choose an optimizer that needs no more (docs/recipe.md, \"Refused\")"}, lines
+    for cls in (StandardTrainer, ReversibleTrainer):
+        assert cls(model, optax.contrib.momo(), mesh, seed=0).takes_value
     for trainer in ("StandardTrainer", "ReversibleTrainer"):
         got = revtrain_here(capsys, "train", *TINY, "--workdir", tmp_path / trainer, "--gin",
-                            "train.optimizer = @optax.contrib.momo_adam", "--gin", f"train.trainer = @{trainer}")
+                            "train.optimizer = @optax.lbfgs", "--gin", f"train.trainer = @{trainer}")
         assert got.returncode == 2, got.stderr
         last = got.stderr.strip().splitlines()[-1]
-        assert last.endswith("its update (optax's momo_adam) needs the keyword argument value (the loss at the "
-                             "current parameters), and revtrain's trainers give an update the gradients only; choose "
-                             "an optimizer that needs only the gradients (docs/recipe.md, \"Refused\")"), got.stderr
+        assert last.endswith("its update (optax's scale_by_zoom_linesearch) needs the keyword arguments value (the "
+                             "loss at the current parameters), grad (its gradient), value_fn (a function that "
+                             "evaluates the loss at other parameters), and revtrain's trainers give an update the "
+                             "gradients and the step's loss (value) only; choose an optimizer that needs no more "
+                             "(docs/recipe.md, \"Refused\")"), got.stderr
         assert "Traceback" not in got.stderr and not (tmp_path / trainer / "checkpoints").exists()
 
 
@@ -443,3 +441,59 @@ def test_a_ready_optimizer_without_its_learning_rate_says_how_to_bind_it():
     assert "missing 1 required positional argument: 'learning_rate'" in line
     assert "muon.learning_rate = 1e-3) and train.learning_rate = None" in line
     assert "without parentheses" in line and "\n" not in line
+
+
+_VALUE_RUN = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import jax, numpy as np, optax
+from jax.tree_util import keystr, tree_flatten_with_path
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.reversible import ReversibleTrainer
+from revtrain.trainers.standard import StandardTrainer
+assert len(jax.devices()) == 2
+mesh = make_mesh(jax.devices())
+rng = np.random.RandomState(0)
+batches = [{{k: rng.randint(0, 256, (8, {T})).astype(np.int32) for k in ("inputs", "targets")}} for _ in range(2)]
+runs = {{}}
+for name, cls, kwargs in [("standard", StandardTrainer, {{}}), ("device", ReversibleTrainer, {{}}),
+                          ("host", ReversibleTrainer, {{"offload": True}})]:
+    model = ReversibleTransformerLM({T}, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
+    tx = optax.chain(optax.adamw(1e-3), optax.contrib.reduce_on_plateau())
+    with jax.default_matmul_precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(model, tx, mesh, seed=0, microbatches=2, **kwargs)
+        assert trainer.takes_value
+        ts, losses, best = trainer.init(), [], []
+        for batch in batches:
+            ts, m = trainer.train_step(ts, global_batch(batch, mesh))
+            losses.append(np.asarray(m["loss"]).tobytes())
+            states = [trainer.residency.fetch(s) for s in ts.per_layer().opt_state]
+            best.append({{np.asarray(x).tobytes() for p, x in tree_flatten_with_path(states)[0]
+                         if "best_value" in keystr(p)}})
+        params = [[np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.layer_params(ts, i))] for i in range(2)]
+    # the first step's loss, as logged, is the best value reduce_on_plateau has seen (in every layer's state)
+    assert best[0] == {{losses[0]}}, (name, best[0], losses[0])
+    assert len(best[1]) == 1 and best[1] <= {{losses[0], losses[1]}}, name
+    runs[name] = (losses, params)
+assert runs["device"] == runs["standard"] and runs["host"] == runs["standard"]
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_step_loss_is_the_value_the_optimizer_reads():
+    """An optimizer that reads the step's loss (``reduce_on_plateau`` after AdamW: it keeps the best loss in its
+    state) gets the loss exactly as the trainer logs it, the mean over 2 microbatches and 2 devices: after the
+    first step every layer's ``best_value`` is that step's logged loss, bit for bit, in StandardTrainer and in
+    ReversibleTrainer (its deferred update) in device and host memory; the losses and parameters of both
+    trainers are equal bit for bit."""
+    import pathlib
+    import subprocess
+    import sys
+    from helpers import env
+    tests = str(pathlib.Path(__file__).resolve().parent)
+    r = subprocess.run([sys.executable, "-c", _VALUE_RUN.format(tests=tests, T=T)], capture_output=True, text=True,
+                       env=env(devices=2), timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

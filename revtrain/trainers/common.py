@@ -416,9 +416,12 @@ class TrainerBase:
         # optax's state as revtrain can keep it: typed PRNG keys as key data, no leaf that is a parameter's own
         # array (revtrain/optstate.py); ``optimizer``'s programs are otherwise unchanged
         self.tx = optstate.keep_states(optimizer)
-        why = optstate.update_refusal(self.tx, model.param_shapes())  # (lbfgs, momo: more than gradients)
+        why = optstate.update_refusal(self.tx, model.param_shapes())  # (lbfgs, sophia: more than the loss)
         if why:
             raise TrainerError(why)
+        # The update reads the step's loss (keyword argument ``value``: polyak_sgd, momo, reduce_on_plateau):
+        # each trainer passes it the loss as it logs it (every other optimizer's programs are unchanged).
+        self.takes_value = optstate.takes_value(self.tx, model.param_shapes())
         self.mesh = mesh
         self.seed = seed
         self.microbatches = microbatches

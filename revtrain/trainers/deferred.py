@@ -27,7 +27,8 @@ back as the backward does):
    logged ``grad_norm``) and whether it is finite; a tiny global program per round combines the exports;
 2. **update**: each layer's optimizer step from its own gradient, weights, optimizer state and the globals
    (``tx.update`` on the layer for a separable optimizer; the layer's slice of the whole-model program
-   otherwise), skipped everywhere when any gradient or the loss is not finite; the gradient buffer is
+   otherwise; an update that reads the step's loss, optax's ``value``, gets the loss as logged in both
+   passes and in the global programs), skipped everywhere when any gradient or the loss is not finite; the gradient buffer is
    zeroed for the next step in the same program.
 
 Both passes are plain ``jax.jit`` programs on the global arrays (no ``shard_map``): with ``shard_state``,
@@ -223,7 +224,7 @@ class DeferredUpdates:
         # ``g / norm``) into ``acc * (1 / (scale * norm))``, a few ulps away.
         return fence([scale], jax.tree.map(lambda v: v / scale, g))
 
-    def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_):
+    def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_, value):
         scalars: list = []
         g = self._grads_of(index, acc, tie_in, scale, scalars)
         if self.shard_state:
@@ -233,14 +234,15 @@ class DeferredUpdates:
             # One layer's gradient is whole on each device for this program, as its weights are in the
             # forward.
             g = jax.lax.with_sharding_constraint(g, NamedSharding(self.mesh, _R))
-        exports = (self.layerwise.exports(k, index, g, opt, params, globals_, scalars) if k < self.layerwise.rounds
-                   else ())
+        exports = (self.layerwise.exports(k, index, g, opt, params, globals_, scalars, value=value)
+                   if k < self.layerwise.rounds else ())
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
-    def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok):
+    def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok, value):
         g = self._grads_of(index, acc, tie_in, scale, [])  # (the quotient is fenced there)
 
-        new_params, new_opt = deferred_layer_update(self.tx, self.layerwise, index, g, opt, params, globals_, ok)
+        new_params, new_opt = deferred_layer_update(self.tx, self.layerwise, index, g, opt, params, globals_, ok,
+                                                    value)
         zeros = jax.tree.map(jnp.zeros_like, acc)
         return new_params, new_opt, zeros, jax.tree.map(jnp.zeros_like, tie_in)
 
@@ -262,31 +264,31 @@ class DeferredUpdates:
         if key in self._cache:
             return self._cache[key]
         if what == "stats":
-            def one(params, opt, acc, tie_in, scale, globals_):
-                return self._layer_stats(k, start, params, opt, acc, tie_in, scale, globals_)
+            def one(params, opt, acc, tie_in, scale, globals_, value):
+                return self._layer_stats(k, start, params, opt, acc, tie_in, scale, globals_, value)
 
             if count == 1:
                 fn = one
             else:
-                def fn(params, opt, acc, tie_in, scale, globals_):
+                def fn(params, opt, acc, tie_in, scale, globals_, value):
                     def body(_, j):
                         slices = _slice((params, opt, acc), j)
-                        return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_)
+                        return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_, value)
                     return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
             jitted = jax.jit(fn)
         else:
-            def one(params, opt, acc, tie_in, scale, globals_, ok):
-                return self._layer_update(start, params, opt, acc, tie_in, scale, globals_, ok)
+            def one(params, opt, acc, tie_in, scale, globals_, ok, value):
+                return self._layer_update(start, params, opt, acc, tie_in, scale, globals_, ok, value)
 
             if count == 1:
                 fn = one
             else:
-                def fn(params, opt, acc, tie_in, scale, globals_, ok):
+                def fn(params, opt, acc, tie_in, scale, globals_, ok, value):
                     # Each slice is read (and carried) after the previous slice's write: one copy of the stacks.
                     def body(carry, j):
                         stacks, (p, o, a) = carry
                         j = kept_loop_index(j)  # run fusion by fusion, as the whole-model program (`kept_loop_index`)
-                        new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok)[:3]
+                        new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok, value)[:3]
                         stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks, new)
                         return (stacks, _slice(stacks, jnp.minimum(j + 1, count - 1))), None
                     stacks = (params, opt, acc)
@@ -302,7 +304,7 @@ class DeferredUpdates:
     def _combine_fn(self, k: int, groups):
         key = ("combine", k, groups)
         if key not in self._cache:
-            def fn(exports, global_leaves, globals_):
+            def fn(exports, global_leaves, globals_, value):
                 per_layer = []  # exports[r][i] per layer: a stacked run's are unstacked here
                 for ex in exports:
                     layers = []
@@ -312,7 +314,7 @@ class DeferredUpdates:
                 leaves = global_leaves  # the first layer's (of a run: its first slice)
                 if groups[0][1] > 1:
                     leaves = tuple(x[0] for x in leaves)
-                return self.layerwise.combine(k, per_layer, leaves, globals_)
+                return self.layerwise.combine(k, per_layer, leaves, globals_, value)
             self._cache[key] = _Dispatch(jax.jit(fn), self)
         return self._cache[key]
 
@@ -356,11 +358,14 @@ class DeferredUpdates:
         def tie_in(g):
             return tie_acc if g in owners else ()
 
-        globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale)
+        # The step's loss, as logged, for an optimizer whose update reads it (``value``: polyak_sgd, momo,
+        # reduce_on_plateau); None (no input at all) for every other optimizer, whose programs are unchanged.
+        value = loss if self.layerwise.takes_value else None
+        globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale, value)
         ok = self._all_ok(finite, loss)
         for g in range(len(groups)):
             new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
-                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok)
+                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok, value)
             params[g], opt_state[g] = new_params, new_opt  # (a streamed layer written back; its buffer dropped)
             del new_params, new_opt
             if not streamed:  # the zeroed buffer is the next step's
@@ -413,10 +418,11 @@ class DeferredUpdates:
             current = new_states
         return current, sums
 
-    def _statistics(self, groups, params, opt_state, acc, tie_in, scale):
+    def _statistics(self, groups, params, opt_state, acc, tie_in, scale, value=None):
         """The statistics passes (`layerwise.LayerwiseUpdate.rounds`, at least one): each layer's exports for
         the optimizer's global reductions, combined into the globals; the first pass also gives each layer's
-        squares and finite flag. Returns ``(globals, squares, finite)``."""
+        squares and finite flag. ``value``: the step's loss for an optimizer that reads it, else None.
+        Returns ``(globals, squares, finite)``."""
         rounds = self.layerwise.rounds
         exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
         shared = None  # the first layer's leaves every layer has (the step count), kept from its first read
@@ -426,14 +432,14 @@ class DeferredUpdates:
                 p, opt = params[g], opt_state[g]  # (read in a streamed schedule's order: weights, state, buffer)
                 if shared is None:
                     shared = self.layerwise.global_leaves(0, opt)
-                out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_)
+                out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_, value)
                 del p, opt
                 if k == 0:
                     out, sq[g], finite[g] = out
                 ex.append(out)
             exports.append(ex)
             if k < rounds:
-                globals_ = self._combine_fn(k, groups)(exports, shared, globals_)
+                globals_ = self._combine_fn(k, groups)(exports, shared, globals_, value)
         return globals_, sq, finite
 
     def _borrowed(self, params, owners: dict):

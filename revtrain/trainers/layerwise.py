@@ -56,6 +56,12 @@ the whole ``cond`` did. Every program that applies an update evaluates it throug
 (`evaluate`, `_bind`), the whole-model update of StandardTrainer too, so the per-layer updates still equal
 the whole model's bit for bit (`fence`).
 
+Segments. ``optax.flatten`` concatenates every layer's raveled leaves into one vector and keeps its inner
+optimizer's state on that vector. Such a vector is labelled as segments (`_SEG`, `LayerwiseUpdate._segment_tags`):
+layer i's elements are one contiguous piece, element-wise equations keep the pieces apart, and the ``split``
+back gives each layer its own. An update whose segmented values are only made, transformed element-wise and
+split is separable (each layer's own update computes its segment); any other use is refused.
+
 Per-layer optimizer state: each layer keeps ``tx.init(layer params)``, as the fused update always did. A
 leaf of the whole state that belongs to no layer (the step count) exists in every layer's state, and every
 copy is updated alike; the whole state's leaves are matched to the layers' by path (the whole state's path
@@ -83,6 +89,7 @@ from jax import lax
 from jax.extend import core as jcore
 from jax.tree_util import SequenceKey
 
+from revtrain import optstate
 from revtrain.errors import InputError
 
 # An export (a layer value read by a global equation) may hold at most this many elements: the global
@@ -91,6 +98,19 @@ MAX_EXPORT_SIZE = 4096
 
 _PRE = -1  # the round of a global value that depends on no layer (computed anywhere, e.g. the step count)
 
+# The "layer" of a segmented vector: every layer's leaves raveled and concatenated in the whole tree's order
+# (``optax.flatten``), layer i's elements one contiguous segment. See `LayerwiseUpdate` ("Segments").
+_SEG = "segments"
+
+# Primitives that compute each element of their result from the same element of each operand (a scalar
+# operand: the same scalar for every element): on a segmented vector, each segment's results are those of
+# the same equation on that segment alone.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "atan2", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div", "eq",
+    "erf", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision",
+    "rem", "round", "rsqrt", "select_n", "sign", "sin", "sqrt", "square", "sub", "tanh", "xor"})
+
 
 class CoupledUpdateError(InputError, ValueError):
     """The optimizer combines large values of several layers: it cannot be applied one layer at a time."""
@@ -98,6 +118,11 @@ class CoupledUpdateError(InputError, ValueError):
 
 def _size(v) -> int:
     return int(np.prod(v.aval.shape, dtype=np.int64)) if hasattr(v.aval, "shape") else 1
+
+
+def _size_of(x) -> int:
+    """Elements of an array or ``jax.ShapeDtypeStruct``."""
+    return int(np.prod(x.shape, dtype=np.int64))
 
 
 # Call-like primitives: an equation that runs one nested program on its operands, as if inlined. JAX names
@@ -445,12 +470,14 @@ def fence(scalars: list, value):
     return jax.tree.unflatten(tree, out)
 
 
-def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok):
+def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok,
+                          value=None):
     """One layer's update of the deferred update's last pass: ``(new params, new optimizer state)``, the old ones
     where ``ok`` (a bool scalar: every gradient and the loss finite) is False. Under a `lax.cond` on ``ok``, the
     form of `guarded_update` (the whole-model update's: the same fusions, so the same rounding), the update
     evaluated equation by equation (`fenced_update` for a separable optimizer, else ``layerwise.update`` of
-    layer ``index`` with the rounds' ``globals_``) and its scalars fenced.
+    layer ``index`` with the rounds' ``globals_``) and its scalars fenced. ``value``: the step's loss (a float32
+    scalar), given to an optimizer that reads it (`LayerwiseUpdate.takes_value`), else None.
 
     Used by the reversible trainer's deferred update (`revtrain.trainers.deferred`) and by ``revtrain check``'s
     per-layer optimizer step (`revtrain.check_optimizer`)."""
@@ -460,19 +487,27 @@ def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, o
             updates, new_opt, more = fenced_update(tx, grads, opt_state, params)
             scalars.extend(more)
         else:
-            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars)
+            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars, value=value)
         new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
         return fence(scalars, (new_params, new_opt))
 
     return lax.cond(ok, update, lambda: (params, opt_state))
 
 
-def fenced_update(tx, grads, opt_state, params):
+def fenced_update(tx, grads, opt_state, params, value=None):
     """``tx.update(grads, opt_state, params)`` evaluated equation by equation: ``(updates, new state,
-    scalars)``, the scalars to `fence` (what the update broadcasts over its leaves)."""
-    closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
+    scalars)``, the scalars to `fence` (what the update broadcasts over its leaves). ``value`` (not None: a
+    float32 scalar, the step's loss): passed as ``tx.update``'s keyword argument ``value``
+    (`revtrain.optstate.takes_value`); None traces the update as before, without it."""
+    if value is None:
+        closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
+        args = jax.tree.leaves((grads, opt_state, params))
+    else:
+        closed, shapes = jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v), return_shape=True)(
+            grads, opt_state, params, value)
+        args = jax.tree.leaves((grads, opt_state, params, value))
     scalars: list = []
-    out = evaluate(closed.jaxpr, closed.consts, jax.tree.leaves((grads, opt_state, params)), scalars)
+    out = evaluate(closed.jaxpr, closed.consts, args, scalars)
     updates, new_state = jax.tree.unflatten(jax.tree.structure(shapes), out)
     return updates, new_state, scalars
 
@@ -499,21 +534,33 @@ class LayerwiseUpdate:
       rounds: global reductions the update waits for (0: separable, each layer's update is ``tx.update`` of
         its own tree).
       num_layers: the number of layers.
+      takes_value: the update reads the keyword argument ``value``, the step's loss
+        (`revtrain.optstate.takes_value`: ``optax.polyak_sgd``, ``optax.contrib.momo``, ``reduce_on_plateau``,
+        ...). The loss is one more input of the traced update, a scalar that depends on no layer: like a
+        leaf every layer's state has (the step count), every layer program and every global program reads
+        it (`exports`, `combine` and `update` take it as ``value``). Such an update is never `separable`: it
+        runs as the deferred update, whose passes come after the step's loss is known.
 
     Raises:
       CoupledUpdateError: the update combines large values of several layers, or the whole optimizer
         state cannot be matched to the layers' states.
     """
 
-    def __init__(self, tx, layer_params: list):
+    def __init__(self, tx, layer_params: list, _own: bool = False):
         self.tx = tx
         shapes = [_shapes(p) for p in layer_params]
+        self._layer_shapes_in = shapes
         n = self.num_layers = len(shapes)
         self._layer_state = [jax.eval_shape(tx.init, p) for p in shapes]
         whole_state = jax.eval_shape(tx.init, shapes)
         self._state_def = [jax.tree.structure(s) for s in self._layer_state]
         self._update_def = [jax.tree.structure(p) for p in shapes]
-        closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
+        self.takes_value = optstate.takes_value(tx, shapes)
+        if self.takes_value:  # (the loss: one more input, last)
+            closed = flatten(jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v))(
+                shapes, whole_state, shapes, optstate.VALUE_SHAPE))
+        else:
+            closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
         self._jaxpr, self._consts = closed.jaxpr, closed.consts
 
         # Inputs: (grads, whole state, params), flattened. Map each to a layer leaf (kind, layer, index).
@@ -523,25 +570,45 @@ class LayerwiseUpdate:
         state_map = self._match_state(whole_paths)
         invars = self._jaxpr.invars
         ng, ns = len(grad_leaves), len(whole_paths)
-        if len(invars) != 2 * ng + ns:
+        if len(invars) != 2 * ng + ns + self.takes_value:
             raise CoupledUpdateError("the optimizer's update does not take one value per leaf")
-        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index) or ("s", None, path)
+        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index), ("s", None, path) or ("v", None, None)
         tags: dict = {}
+        if self.takes_value:  # the step's loss: a global input that depends on no layer, read anywhere
+            self._inputs[invars[-1]] = ("v", None, None)
+            tags[invars[-1]] = _Tag(None, _PRE)
         for k, (i, q) in enumerate(grad_leaves):
             self._inputs[invars[k]] = ("g", i, q)
             self._inputs[invars[ng + ns + k]] = ("p", i, q)
             tags[invars[k]] = tags[invars[ng + ns + k]] = _Tag(i, 0)
         self._global_paths = [q for layer, q in state_map if layer is None]
+        # Segments: a vector of every layer's elements, segment i layer i's (its sizes in ``self._segments``).
+        sizes = tuple(sum(_size_of(x) for x in jax.tree.leaves(p)) for p in shapes)
+        self._segments, segmented = sizes, set()
         for k, (layer, q) in enumerate(state_map):
             self._inputs[invars[ng + k]] = ("s", layer, q)
             tags[invars[ng + k]] = _Tag(layer, 0) if layer is not None else _Tag(None, _PRE)
+            if layer == _SEG:
+                segmented.add(invars[ng + k])
         for v in self._jaxpr.constvars:
             tags[v] = _Tag(None, _PRE)
 
         # Label every equation (see the module note).
         self._eqn_tag: list[_Tag] = []
         exports: list[dict] = [dict() for _ in range(n)]  # layer -> {var: round}
+        producer = {}
         for eqn in self._jaxpr.eqns:
+            seg = self._segment_tags(eqn, tags, segmented, producer)
+            for o in eqn.outvars:
+                producer[o] = eqn
+            if seg is not None:
+                tag, out_tags = seg
+                self._eqn_tag.append(tag)
+                for o, t in zip(eqn.outvars, out_tags):
+                    tags[o] = t
+                    if t.layer == _SEG:
+                        segmented.add(o)
+                continue
             ins = [tags[v] for v in eqn.invars if isinstance(v, jcore.Var)]
             layers = {t.layer for t in ins if t.layer is not None}
             late = [t.round for t in ins if t.layer is None and t.round > _PRE]
@@ -576,8 +643,8 @@ class LayerwiseUpdate:
             self._out_updates[i].append(outs[k])
         self._out_state = [[None] * len(jax.tree.leaves(s)) for s in self._layer_state]
         for k, (layer, q) in enumerate(state_map):
-            for i in ([layer] if layer is not None else range(n)):
-                self._out_state[i][q if layer is not None else self._index[i][q]] = outs[ng + k]
+            for i in ([layer] if layer not in (None, _SEG) else range(n)):
+                self._out_state[i][q if layer not in (None, _SEG) else self._index[i][q]] = outs[ng + k]
         for i in range(n):
             if any(v is None for v in self._out_state[i]):
                 raise CoupledUpdateError(f"the optimizer state of layer {i} does not match the whole model's")
@@ -607,6 +674,14 @@ class LayerwiseUpdate:
         self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
         self._signatures: dict = {}
         self._layer_shapes, self._separable = shapes, None  # (`separable` is computed on first use)
+        if segmented and not _own and not self.separable:
+            # A segmented vector is evaluated only as each layer's own update (the separable form): a layer's
+            # slice of the whole program would need each equation re-shaped to its segment.
+            raise CoupledUpdateError(
+                "the optimizer concatenates every layer's tensors into one vector and its update of that vector is "
+                "not each layer's own (a reduction over it, or values its layers' own updates compute otherwise), "
+                "so no layer's update can be computed without the others on the device; train it with "
+                "StandardTrainer")
 
     @property
     def separable(self) -> bool:
@@ -614,9 +689,12 @@ class LayerwiseUpdate:
         values every layer computes alike (round -1: the step count, the bias corrections) are the ones its
         own update computes. Not so for ``optax.noisy_sgd``: it splits its key into one key per leaf of the
         whole tree, so a layer's own update would split it over its own leaves and draw other noise; its
-        layers run their slices of the whole program (the deferred update, issue 60)."""
+        layers run their slices of the whole program (the deferred update, issue 60). Never for an update that
+        reads the step's loss (`takes_value`): the fused per-layer update, inside each layer's backward
+        program, is not given the loss; the deferred update's passes run after it is known."""
         if self._separable is None:
-            self._separable = self.rounds == 0 and all(self._own_alike(i) for i in range(self.num_layers))
+            self._separable = (self.rounds == 0 and not self.takes_value
+                               and all(self._own_alike(i) for i in range(self.num_layers)))
         return self._separable
 
     def _needed_pre(self, i: int) -> list:
@@ -640,7 +718,7 @@ class LayerwiseUpdate:
         key = ("own", jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
         if key not in self._signatures:
             try:
-                self._signatures[key] = LayerwiseUpdate(self.tx, [shapes])._needed_pre(0)
+                self._signatures[key] = LayerwiseUpdate(self.tx, [shapes], _own=True)._needed_pre(0)
             except CoupledUpdateError:
                 self._signatures[key] = None
         return self._signatures[key] == self._needed_pre(i)
@@ -663,7 +741,9 @@ class LayerwiseUpdate:
                     if q is not None and jax.tree.leaves(self._layer_state[key.idx])[q].shape == leaf.shape:
                         found = (key.idx, q)
                         break
-            if found is None and all(path in p for p in per_layer):
+            if found is None and all(path in p for p in per_layer) and self._segmented_leaf(path, leaf):
+                found = (_SEG, path)  # (``optax.flatten``: one state vector of every layer's elements)
+            elif found is None and all(path in p for p in per_layer):
                 found = (None, path)
             if found is None:
                 raise CoupledUpdateError(f"cannot match the optimizer state leaf {jax.tree_util.keystr(path)} "
@@ -671,12 +751,99 @@ class LayerwiseUpdate:
             out.append(found)
         return out
 
+    # -- segments: a vector of every layer's elements (``optax.flatten``) --------------------------------
+    def _segmented_leaf(self, path, leaf) -> bool:
+        """Whether the whole state's leaf at ``path`` is a segmented vector: a vector with one element per
+        parameter element of the whole model, each layer's state having a vector of its own parameters'
+        size at the same path (``optax.flatten(adam)``'s moments)."""
+        sizes = [sum(_size_of(x) for x in jax.tree.leaves(p)) for p in self._layer_shapes_in]
+        if len(leaf.shape) != 1 or leaf.shape[0] != sum(sizes):
+            return False
+        for i, own in enumerate(self._layer_state):
+            mine = dict((tuple(p), x) for p, x in jax.tree_util.tree_flatten_with_path(own)[0]).get(path)
+            if mine is None or tuple(mine.shape) != (sizes[i],):
+                return False
+        return True
+
+    def _segment_tags(self, eqn, tags: dict, segmented: set, producer: dict):
+        """The tags of an equation that makes, transforms or splits a segmented vector: ``(equation's tag,
+        [each output's tag])``, or None for any other equation (labelled as usual).
+
+        * ``concatenate`` (axis 0) of the raveled leaves of one kind of input (the gradients, or the
+          parameters), every leaf of every layer in the whole tree's order: a segmented vector, each layer's
+          segment what its own update concatenates.
+        * an element-wise equation (`_ELEMENTWISE`) of segmented vectors and scalars that depend on no layer
+          (round -1: the step count, the bias corrections): a segmented vector.
+        * ``split`` (axis 0) of a segmented vector, each piece inside one layer's segment: that layer's value.
+
+        Raises:
+          CoupledUpdateError: any other equation reads a segmented vector (a reduction over it: one value of
+            several layers' elements, computed in another order per layer).
+        """
+        reads = [v for v in eqn.invars if isinstance(v, jcore.Var) and v in segmented]
+        name = eqn.primitive.name
+        if not reads:
+            if name == "concatenate" and self._layer_concatenation(eqn, producer):
+                return _Tag(_SEG, 0), [_Tag(_SEG, 0)]
+            return None
+        total = sum(self._segments)
+        others = [v for v in eqn.invars if isinstance(v, jcore.Var) and v not in segmented]
+        if name in _ELEMENTWISE and all(getattr(o.aval, "shape", None) == (total,) for o in eqn.outvars) and all(
+                _size(v) <= 1 and tags[v].layer is None and tags[v].round == _PRE for v in others) and all(
+                _size(v) <= 1 for v in eqn.invars if not isinstance(v, jcore.Var)):
+            return _Tag(_SEG, 0), [_Tag(_SEG, 0)] * len(eqn.outvars)
+        if name == "split" and eqn.params.get("axis", 0) == 0:
+            starts, ends = np.cumsum((0,) + self._segments[:-1]), np.cumsum(self._segments)
+            out, at = [], 0
+            for o in eqn.outvars:
+                size = _size(o)
+                layer = [i for i in range(self.num_layers) if starts[i] <= at and at + size <= ends[i]]
+                if not layer:
+                    break
+                out.append(_Tag(layer[0], 0))
+                at += size
+            else:
+                return _Tag(_SEG, 0), out
+        raise CoupledUpdateError(
+            f"the optimizer combines whole tensors of several layers ({name} of a vector of every layer's "
+            "elements), so no layer's update can be computed without the others on the device; train it with "
+            "StandardTrainer")
+
+    def _layer_concatenation(self, eqn, producer: dict) -> bool:
+        """Whether ``eqn`` (a ``concatenate``) is ``optax.flatten``'s: on axis 0, of the raveled (``reshape``d to
+        a vector) input leaves of one kind, every leaf of every layer in the whole tree's order."""
+        if eqn.params.get("dimension", 0) != 0:
+            return False
+        kinds, order = set(), []
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Var) or len(v.aval.shape) != 1:
+                return False
+            e = producer.get(v)
+            src = v if v in self._inputs else e.invars[0] if e is not None and e.primitive.name == "reshape" else None
+            if not isinstance(src, jcore.Var) or src not in self._inputs:  # (a vector leaf: itself)
+                return False
+            kind, layer, q = self._inputs[src]
+            if kind not in ("g", "p") or not isinstance(layer, int):
+                return False
+            kinds.add(kind)
+            order.append((layer, q))
+        every = [(i, q) for i in range(self.num_layers) for q in range(len(jax.tree.leaves(self._layer_shapes_in[i])))]
+        return len(kinds) == 1 and order == every
+
     # -- evaluation --------------------------------------------------------------------------------
-    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple) -> dict:
+    def _value(self, value):
+        """The step's loss as the traced update's input (a float32 scalar; the loss as logged is one)."""
+        if value is None:
+            raise ValueError("this optimizer's update reads the step's loss: pass it as value")
+        return jnp.asarray(value, jnp.float32)
+
+    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple, value=None) -> dict:
         g, s, p = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(params)
         env = dict(zip(self._jaxpr.constvars, self._consts))
         for v, (kind, layer, q) in self._inputs.items():
-            if kind == "s" and layer is None:
+            if kind == "v":
+                env[v] = self._value(value)
+            elif kind == "s" and layer is None:
                 env[v] = s[self._index[i][q]]  # this layer's own copy of a global leaf
             elif layer == i:
                 env[v] = {"g": g, "p": p, "s": s}[kind][q]
@@ -703,18 +870,20 @@ class LayerwiseUpdate:
             vals = _bind(e, [env[x] if isinstance(x, jcore.Var) else x.val for x in e.invars], scalars)
             env.update(zip(e.outvars, vals))
 
-    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None) -> tuple:
+    def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None,
+                value=None) -> tuple:
         """Pass ``k`` (``k < rounds``) of layer ``i``: the layer's values the ``k``-th global program reads.
 
         Args:
           grads, opt_state, params: layer ``i``'s (its gradient summed over devices and microbatches).
           globals_: the outputs of the global programs of rounds ``< k`` (``()`` for ``k == 0``).
           scalars: a list: the scalars to `fence` are appended to it.
+          value: the step's loss (a float32 scalar) when the update reads it (`takes_value`), else None.
 
         Returns:
           a tuple of small arrays (shapes fixed per layer).
         """
-        env = self._layer_env(i, grads, opt_state, params, globals_)
+        env = self._layer_env(i, grads, opt_state, params, globals_, value)
         wanted = self._exports[k][i]
         self._run(env, wanted, i, k, scalars)
         return tuple(env[v] for v in wanted)
@@ -724,14 +893,17 @@ class LayerwiseUpdate:
         s = jax.tree.leaves(opt_state)
         return tuple(s[self._index[i][path]] for path in self._global_paths)
 
-    def combine(self, k: int, exports: list, global_leaves: tuple, globals_: tuple) -> tuple:
+    def combine(self, k: int, exports: list, global_leaves: tuple, globals_: tuple, value=None) -> tuple:
         """The ``k``-th global program: every global value of round ``<= k`` that a layer reads (the
         previous ones passed through; the others are computed inside, recomputed by a later round that needs
         them), from each layer's exports of round ``k`` and earlier (``exports[r][i]``), the
-        `global_leaves` of any layer's optimizer state and ``globals_`` (rounds ``< k``)."""
+        `global_leaves` of any layer's optimizer state, ``globals_`` (rounds ``< k``) and ``value`` (the step's
+        loss when the update reads it, `takes_value`; else None)."""
         env = dict(zip(self._jaxpr.constvars, self._consts))
         for v, (kind, layer, q) in self._inputs.items():
-            if kind == "s" and layer is None:
+            if kind == "v":
+                env[v] = self._value(value)
+            elif kind == "s" and layer is None:
                 env[v] = global_leaves[self._global_paths.index(q)]
         env.update(zip(self._globals[:len(globals_)], globals_))
         for r in range(k + 1):
@@ -741,11 +913,12 @@ class LayerwiseUpdate:
         self._run(env, wanted, None, k)
         return tuple(env[v] for v in wanted)
 
-    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None):
+    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None, value=None):
         """The final pass of layer ``i``: ``(updates, new optimizer state)``, what ``tx.update`` on the
         whole model gives for this layer (``optax.apply_updates`` adds the updates to the params). With
-        ``scalars`` (a list), the scalars to `fence` are appended to it."""
-        env = self._layer_env(i, grads, opt_state, params, globals_)
+        ``scalars`` (a list), the scalars to `fence` are appended to it; ``value``: the step's loss when the
+        update reads it (`takes_value`), else None."""
+        env = self._layer_env(i, grads, opt_state, params, globals_, value)
         wanted = self._out_updates[i] + self._out_state[i]
         self._run(env, wanted, i, self.rounds, scalars)
 
@@ -790,14 +963,16 @@ class LayerwiseUpdate:
         return tuple(sig), outs, ex
 
 
-def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params):
+def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params, value=None):
     """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
-    `fenced_update` (``scalars``: what to `fence`)."""
-    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params)
+    `fenced_update` (``scalars``: what to `fence`; ``value``: the step's loss for an optimizer that reads it,
+    else None)."""
+    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params, value)
     return optax.apply_updates(params, updates), new_opt_state, scalars
 
 
-def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, across: str | None = None):
+def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, across: str | None = None,
+                   value=None):
     """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
     finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
 
@@ -819,6 +994,10 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
     ``across``: a mesh axis over which the leaves are split (sharded state: each device holds a piece of
     the gradients); the flag is then true only when every device's pieces are finite, so all devices keep
     or skip the update together.
+
+    ``value``: the step's loss (a float32 scalar, as the trainer logs it) for an optimizer whose update reads
+    it (`revtrain.optstate.takes_value`: ``optax.polyak_sgd``, ``optax.contrib.momo``, ``reduce_on_plateau``);
+    None for every other optimizer, whose program is then the one it always was.
     """
     finite = all_finite(grads)
     if ok is not None:
@@ -827,7 +1006,7 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
         finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
 
     def update():
-        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params)
+        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params, value)
         return fence(scalars, (new_params, new_opt))
 
     new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))

@@ -145,8 +145,9 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
     Any optax optimizer: a separable one (each layer's update needs only that layer: Adam, AdamW, Lion,
     SGD, LAMB, Adafactor) keeps the fused per-layer update; one whose whole-model update combines layers
     (``optax.clip_by_global_norm`` in a chain, ``optax.apply_if_finite``) runs deferred, exactly as on the
-    whole model (`layerwise.LayerwiseUpdate`). So do microbatches, tied parameters (`Model.ties`) and, with
-    ``shard_state``, an update that needs whole leaves.
+    whole model (`layerwise.LayerwiseUpdate`). So do microbatches, tied parameters (`Model.ties`), an update
+    that reads the step's loss (optax's keyword argument ``value``: ``polyak_sgd``, ``momo``,
+    ``reduce_on_plateau``; given the loss as logged) and, with ``shard_state``, an update that needs whole leaves.
 
     Raises:
       TrainerError: the optimizer's update combines whole tensors of several layers (it cannot run one layer

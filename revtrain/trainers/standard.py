@@ -188,8 +188,11 @@ class StandardTrainer(TrainerBase):
             loss, grads, stats, new_states, total = self._accumulated(params, states, batch, skey)
             correct = stats["correct"]
         finite = jnp.stack([all_finite(g) for g in grads])
+        # An optimizer that reads the step's loss (``value``) gets the loss as logged: the mean over the
+        # microbatches and devices.
         new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
-                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)))
+                                                ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)),
+                                                value=loss.astype(jnp.float32) if self.takes_value else None)
         metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": optax.global_norm(grads)}
         return new_params, new_opt, new_states, metrics, finite
 
