@@ -30,10 +30,11 @@ T, STEPS, LR = 128, 3, 1e-3
 REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
 
 # Representative optimizers run in make test (each through four trainers, so few): a global predicate over AdamW
-# (a global round on every tier), a state that holds the parameters' own arrays (copied at init, never donated
-# twice) and an update that reads the step's loss (``value``: the Polyak step size divides it by the gradient's
-# squared norm, a global round). A typed PRNG key in the state: test_a_key_in_the_state_is_checkpointed_and_resumed.
-REPRESENTATIVE = ("optax.apply_if_finite", "optax.contrib.mechanize", "optax.polyak_sgd")
+# (a global round on every tier) and an update that reads the step's loss (``value``: the Polyak step size divides
+# it by the gradient's squared norm, a global round). A typed PRNG key in the state:
+# test_a_key_in_the_state_is_checkpointed_and_resumed; a state that holds the parameters' own arrays (copied at init,
+# never donated twice: ``optax.contrib.mechanize``, ``prodigy``, ...) and the rest in make test-all.
+REPRESENTATIVE = ("optax.apply_if_finite", "optax.polyak_sgd")
 
 # The documented refusals (docs/recipe.md, "Refused"): name -> reason. A refusal of any other
 # name fails its case.
@@ -273,6 +274,7 @@ def test_resume_with_another_optimizer(tmp_path, byte_lm_data_dir, capfd):
         + ") (did you mean 'optax.contrib.prodigy'?)"), got.stderr
 
 
+@pytest.mark.slow  # noisy_sgd and dog also run in the whole catalogue
 def test_values_of_the_whole_tree_are_the_whole_models(text_batches):
     """Two optimizers whose layers must see values of the whole tree: ``optax.noisy_sgd`` splits its key over every
     leaf of the model (a layer's own update would split it over its own), so its layers run their slices of the
@@ -341,6 +343,7 @@ def test_an_update_that_needs_more_than_the_loss_is_refused_in_one_line(tmp_path
         assert "Traceback" not in got.stderr and not (tmp_path / trainer / "checkpoints").exists()
 
 
+@pytest.mark.slow  # make test-all
 def test_plan_names_the_optimizer(capsys):
     """``revtrain plan`` names the run's optimizer in its first line, and an Adafactor run is offered no
     "+ Adafactor" row (the choice it already is)."""
