@@ -5,7 +5,7 @@ Both planners (`revtrain.planning.memory`, `revtrain.planning.budget`) ask the t
 them on the abstract arguments the step passes (`StepCosts`: the global batch, the state's shardings and memory
 kinds), and read ``memory_analysis()`` (temporaries, results) and ``cost_analysis()`` (FLOPs); the budget's
 ``'time'`` objective runs each on zeros and times it (`time_call`). The compiled programs are the run's own:
-its first step finds them compiled. A trainer choice without a trainer (the memory plan's alternatives) gets
+its first step finds them compiled, and its first evaluation its evaluation programs (`eval_temporaries`). A trainer choice without a trainer (the memory plan's alternatives) gets
 the same programs from `LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a
 program of its own.
 """
@@ -130,6 +130,17 @@ def lower_program(program, args):
         return program.lower(*args)
 
 
+def compile_all(lowered: list) -> list:
+    """Each of ``lowered`` (lowered programs) compiled, all at once on every core (XLA compiles without holding
+    the interpreter); the compiled programs in that order."""
+    if len(lowered) < 2:
+        return [_compiled_quietly(x) for x in lowered]
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
+            min(len(lowered), os.cpu_count() or 1), thread_name_prefix="revtrain-plan-compile") as pool:
+        warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
+        return list(pool.map(lambda x: x.compile(), lowered))
+
+
 def _compiled_quietly(lowered):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -227,14 +238,7 @@ class StepCosts:
             asked, self._asked = self._asked, None
             for key in set(self.blocks) - blocks:  # (the zeros seen while collecting)
                 del self.blocks[key]
-        if not asked:
-            return
-        workers = min(len(asked), os.cpu_count() or 1)
-        with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
-                workers, thread_name_prefix="revtrain-plan-compile") as pool:
-            warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
-            for key, compiled in zip(asked, pool.map(lambda lowered: lowered.compile(), asked.values())):
-                self._ready[key] = compiled
+        self._ready.update(zip(asked, compile_all(list(asked.values()))))
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
     RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
@@ -329,24 +333,70 @@ def step_temporaries(trainer, batch_spec: dict) -> list:
     """The temporaries (bytes) of every program one step of ``trainer`` runs, in its layout and block modes
     (``trainer.groups``, ``trainer.block_modes``): each group's forward and backward (a stacked run's scans at
     its length) and the head's program with the blocks inside it. The programs compiled are the ones the
-    step calls (`StepCosts`)."""
+    step calls (`StepCosts`), compiled all at once (`StepCosts.prepare`)."""
     costs = step_costs(trainer, batch_spec)
     modes = list(trainer.block_modes)
     n, inside = len(modes), count_in_head(modes)
+
+    def walk() -> list:
+        temps = []
+        for start, count in trainer.layout(modes):
+            if start >= n - inside:
+                break
+            forward_kind, backward_kind, _ = modes[start].program_kinds
+            if count > 1:
+                f, b = costs.run_costs(start, backward_kind, count)
+            else:
+                f, b = costs.forward(start, forward_kind), costs.backward(start, backward_kind)
+            temps += [f.temp, b.temp]
+        checkpointed = sum(1 for m in modes[n - inside:] if m is CHECKPOINT)
+        top = modes[-1] if inside > checkpointed else BACKPROP
+        temps.append(costs.head(inside - checkpointed, checkpointed, top).temp)
+        return temps
+
+    costs.prepare(walk)
+    return walk()
+
+
+def eval_temporaries(trainer, eval_spec: dict) -> list:
+    """``(temporaries, activations)`` (bytes per device) of every program `TrainerBase.eval_step` runs on a
+    state of ``trainer`` (a `ReversibleTrainer`) in its layout (``trainer.groups``) and batches shaped like
+    ``eval_spec`` (the global evaluation batch, ``weights`` included): each group's evaluation program (a
+    stacked run's scan) and the head's, bottom first; ``activations``: its input and output (the head's input
+    alone). The programs are the trainer's own (`TrainerBase.eval_programs`), compiled on the arguments the
+    evaluation passes them (the layers as its programs take them, `program_state`), all at once: the run's first
+    evaluation finds them compiled. Kept with the trainer's programs (``trainer.programs.readings``): a later plan
+    compiles nothing again."""
+    key = ("eval", shape_key(eval_spec))
+    readings = trainer.programs.readings
+    if key in readings:
+        return readings[key]
+    data = NamedSharding(trainer.mesh, P(DATA_AXIS))
+    place = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), tree)
+    batch = place(eval_spec)
+    a = program_state(trainer, trainer.abstract_state())
+    groups = tuple(trainer.groups)
+    fns, head = trainer.eval_programs(groups)
+    x, lowered, acts = batch[trainer.model.input_key], [], []
+    for (start, count), fn in zip(groups[:-1], fns):
+        stack = (lambda tree: tree) if count == 1 else (lambda tree: stacked(tree, count))  # noqa: E731
+        args = (stack(a.params[start]), stack(a.layer_state[start]), x)
+        lowered.append(lower_program(fn, args))
+        y = place(fn.eval_shape(*args))
+        acts.append(tree_nbytes(x) + tree_nbytes(y))
+        x = y
+    n = len(trainer.model.layers) - 1
+    lowered.append(lower_program(head, (a.params[n], a.layer_state[n], x, batch)))
+    acts.append(tree_nbytes(x))
     temps = []
-    for start, count in trainer.layout(modes):
-        if start >= n - inside:
-            break
-        forward_kind, backward_kind, _ = modes[start].program_kinds
-        if count > 1:
-            f, b = costs.run_costs(start, backward_kind, count)
-        else:
-            f, b = costs.forward(start, forward_kind), costs.backward(start, backward_kind)
-        temps += [f.temp, b.temp]
-    checkpointed = sum(1 for m in modes[n - inside:] if m is CHECKPOINT)
-    top = modes[-1] if inside > checkpointed else BACKPROP
-    temps.append(costs.head(inside - checkpointed, checkpointed, top).temp)
-    return temps
+    for compiled in compile_all(lowered):
+        try:
+            temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+        except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
+            temps.append(0)
+    readings[key] = list(zip(temps, (b // trainer.mesh.size for b in acts)))  # (activations split over "data")
+    return readings[key]
 
 
 class PlanPrograms:
@@ -413,6 +463,10 @@ class PlanPrograms:
         if key not in self.cache:
             self.cache[key] = step_temporaries(self.trainer, batch_spec)
         return self.cache[key]
+
+    def own_eval_temporaries(self, eval_spec: dict) -> list:
+        """`eval_temporaries` of the run's own trainer (``eval_spec``: its global evaluation batch's shapes)."""
+        return eval_temporaries(self.trainer, eval_spec)
 
     def whole_step(self, model, setup, params, opt, states, batch) -> int:
         """``temp_size_in_bytes`` of `StandardTrainer`'s whole step (`StandardTrainer.step_program`) compiled
