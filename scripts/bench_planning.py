@@ -7,7 +7,8 @@ refusal, and the memory plan's share of a ``train`` start.
 
 ``budget``: seconds of ``ReversibleTrainer.memory_budget = BUDGET`` planned with ``budget_objective = 'time'``
 as ``train`` plans it before placing the state (the trainer's own planner on the run's batch shapes).
-``refusal``: seconds until a budget below the least any plan needs is refused (the same planner).
+``refusal``: seconds until a budget below the least any plan needs is refused (the same planner). Both
+give wall and CPU seconds (``cpu_s``: every thread's) and the compiles, traces and lowerings.
 ``start``: a ``train`` start's planning, first step and first evaluation in one process, warm (imports done,
 the data read once): seconds of the memory plan (``--plan``), then of the state's init and the first step
 (compiling the run's programs), then of one evaluation batch (compiling the evaluation programs), ``--repeat``
@@ -53,16 +54,17 @@ def _budget(args) -> dict:
     planning = _planning()
     jax.monitoring.register_event_duration_secs_listener(_listen)
     _taken()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     line, refused = "", None
     try:
         plan = planning.plan_budget(run)
         line = plan.line()
     except Exception as e:  # noqa: BLE001  (the refusal's line)
         refused = str(e).splitlines()[0]
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     gin_lib.clear_config()
-    return {"seconds": round(seconds, 2), "line": line, "refused": refused, "events": _taken()}
+    return {"seconds": round(seconds, 2), "cpu_s": round(cpu, 2), "line": line, "refused": refused,
+            "events": _taken()}
 
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
