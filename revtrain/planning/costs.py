@@ -5,9 +5,9 @@ Both planners (`revtrain.planning.memory`, `revtrain.planning.budget`) ask the t
 them on the abstract arguments the step passes (`StepCosts`: the global batch, the state's shardings and memory
 kinds), and read ``memory_analysis()`` (temporaries, results) and ``cost_analysis()`` (FLOPs); the budget's
 ``'time'`` objective runs each on zeros and times it (`time_call`). The compiled programs are the run's own:
-its first step finds them compiled, and its first evaluation its evaluation programs (`eval_temporaries`). A trainer choice without a trainer (the memory plan's alternatives) gets
-the same programs from `LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a
-program of its own.
+its first step finds them compiled, and its first evaluation its evaluation programs (`eval_temporaries`). A
+trainer choice without a trainer (the memory plan's alternatives) gets the same programs from
+`LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a program of its own.
 """
 
 from __future__ import annotations

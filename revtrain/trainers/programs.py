@@ -15,9 +15,10 @@ the optimizer, the layers' split (`StateSpecs`), the rebuild flavour and a compi
 (the trainer's: ``jit(shard_map(...))`` over its mesh, each call through its dispatch limiter). Its public
 methods give the programs a step runs (`per_layer`, `top_head`, `run`): the trainer's step, the memory plan and
 the budget planner (`revtrain.planning`) take them from here, so a program compiled for a plan is the one the
-run calls. `on_mesh` makes one for a trainer choice that has no trainer (the memory plan's alternatives). The
-gradient halves (`head_grads`, `top_head_grads`, `reverse_grads`, `recompute_grads`) are static: ``revtrain
-check`` calls them on their own.
+run calls. `on_mesh` makes one for a trainer choice that has no trainer (the memory plan's alternatives, ``revtrain
+check``). The gradient-only programs (``head_grads``, ``rebuild_grads``, ``recompute_grads``,
+`top_head_grads_program`) are the per-layer programs without the update: ``revtrain check`` compares their
+gradients with backprop's.
 """
 
 from __future__ import annotations
