@@ -76,7 +76,11 @@ def _rel(a, b) -> float:
 class _Checker:
     """Runs the two gradient computations of one model on one batch (inside shard_map over "data").
 
-    Every program is compiled once per distinct layer (structurally identical layers compare equal, see
+    The reversible trainer's passes are its own programs: the program interface's (`LayerPrograms.on_mesh`
+    of the model on the mesh, one per rebuild mode), its forward programs and its gradient-only programs
+    (``head_grads``, ``rebuild_grads``, ``recompute_grads``, `LayerPrograms.top_head_grads_program`: the
+    trainer's per-layer programs without the update); only the backprop reference is declared here. Every
+    program is compiled once per distinct layer (structurally identical layers compare equal, see
     `revtrain.layers.base.Layer`) and takes the layer's index as an argument (its dropout keys), so a model
     of 48 identical blocks compiles each pass's block program once, as the trainer does. ``progress(text)``
     is called after each layer of each pass ("forward", "reversible backward (exact rebuild)", "backprop").
@@ -88,6 +92,15 @@ class _Checker:
         self.skey = step_key(seed, 0)
         self.progress = progress or (lambda text: None)
         self._compile = compile_on(mesh)  # (the program interface's compile function, `LayerPrograms.compile`)
+        self._programs: dict = {}
+
+    def programs(self, rebuild: str = "exact") -> LayerPrograms:
+        """The trainer's programs of this model on the mesh with the rebuild mode ``rebuild`` (made once; the
+        gradient-only programs never read the optimizer: ``optax.identity()`` stands for it)."""
+        if rebuild not in self._programs:
+            import optax
+            self._programs[rebuild] = LayerPrograms.on_mesh(self.model, optax.identity(), self.mesh, rebuild)
+        return self._programs[rebuild]
 
     def _sharded(self, key, fn, in_specs, out_specs):
         """``fn`` compiled over the mesh (``jit(shard_map(fn))``, once per ``key``), as the trainer's programs
@@ -103,16 +116,14 @@ class _Checker:
             self.progress(f"{what}: {done} of {total} layers")
 
     def _forward_program(self, layer, mode=REBUILDS["exact"]):
-        """The trainer's forward of ``layer`` in ``mode`` (a `modes.BackwardMode`; a fenced rebuild's forward
-        is `apply_fenced`, whose residuals the program outputs and this drops, as the trainer's does)."""
+        """The trainer's forward program of ``layer`` in ``mode`` (a `modes.BackwardMode` or a rebuild mode's
+        name; a fenced rebuild's residuals dropped, as the trainer drops them): ``(params, state, x, index) ->
+        y``."""
         if isinstance(mode, str):
             mode = REBUILDS[mode]
-        if mode.outputs_residuals(layer):
-            program = self._sharded(("forward_fenced", layer), lambda p, s, x, i: mode.forward(
-                layer, p, s, x, self._keys(i, x))[::2], (_R, _R, _D, _R), (_D, _D))
-            return lambda *args: program(*args)[0]
-        return self._sharded(("forward", layer), lambda p, s, x, i: layer.apply(p, s, x, self._keys(i, x), True)[0],
-                             (_R, _R, _D, _R), _D)
+        programs = self.programs(mode.name if mode.rebuilds else "exact")
+        program = programs.per_layer(mode.program_kinds[0], layer)
+        return lambda p, s, x, i: program(p, s, x, self.skey, i)[0]
 
     def forward_inputs(self, params, states, batch):
         """The input of every layer in the forward pass (host numpy copies) and the head's input."""
@@ -154,29 +165,28 @@ class _Checker:
                 saved[i] = x
             seen.append(jax.tree.map(np.asarray, x) if mode.rebuilds else None)
             x = self._forward_program(layer, mode)(params[i], states[i], x, np.int32(i))
-        head_layer = layers[-1]
+        head_layer, programs = layers[-1], self.programs(rebuild)
         if top:
             tops, top_modes = tuple(layers[below:n - 1]), tuple(modes[below:n - 1])
-            head = self._sharded(("top_head", tops, top_modes, head_layer), lambda tp, ts, p, s, x, b, i: LayerPrograms.top_head_grads(
-                tops, head_layer, tp, ts, p, s, x, b, [self._keys(i + k, x) for k in range(len(tops))],
-                self._keys(i + len(tops), x), top_modes=top_modes)[1:4], (_R, _R, _R, _R, _D, _D, _R), (_R, _R, _D))
+            head = programs.top_head_grads_program(tops, head_layer, top_modes)
             top_grads, grads, dy = head(tuple(params[below:n - 1]), tuple(states[below:n - 1]), params[-1],
-                                        states[-1], x, batch, np.int32(below))
+                                        states[-1], x, batch, self.skey,
+                                        tuple(np.int32(below + k) for k in range(top)), np.int32(n - 1))
             yield n - 1, None, None, grads
             for k in range(top - 1, -1, -1):
                 yield below + k, None, None, top_grads[k]
             del top_grads
         else:
-            head = self._sharded(("head", head_layer), lambda p, s, x, b, i: LayerPrograms.head_grads(
-                head_layer, p, s, x, b, self._keys(i, x))[1:3], (_R, _R, _D, _D, _R), (_R, _D))
-            grads, dy = head(params[-1], states[-1], x, batch, np.int32(n - 1))
+            head = programs.per_layer("head_grads", head_layer)
+            grads, dy = head(params[-1], states[-1], x, batch, self.skey, np.int32(n - 1))
             yield n - 1, None, None, grads
         y = x
         for i in range(below - 1, -1, -1):
             layer, mode = layers[i], modes[i]
-            fn = self._sharded(("grads", layer, mode.name), lambda p, s, start, dy, i, layer=layer, mode=mode:
-                               mode.grads(layer, p, s, start, dy, self._keys(i, start)),
-                               (_R, _R, _D, _D, _R), (_D, _D, _R))
+            if mode.rebuilds and mode is not programs.rebuild_mode:  # (every rebuilt block's is the trainer's)
+                raise ValueError(f"block {i}: rebuild mode {mode.name} is not the check's {rebuild}")
+            program = programs.per_layer("rebuild_grads" if mode.rebuilds else "recompute_grads", layer)
+            fn = lambda p, s, start, dy, i, program=program: program(p, s, start, dy, self.skey, i)  # noqa: E731
             if mode.rebuilds:
                 y, dy, grads = fn(params[i], states[i], y, dy, np.int32(i))
                 item = (i, seen[i], jax.tree.map(np.asarray, y), grads)

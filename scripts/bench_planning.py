@@ -7,12 +7,14 @@ refusal, and the memory plan's share of a ``train`` start.
 
 ``budget``: seconds of ``ReversibleTrainer.memory_budget = BUDGET`` planned with ``budget_objective = 'time'``
 as ``train`` plans it before placing the state (the trainer's own planner on the run's batch shapes).
-``refusal``: seconds until a budget below the least any plan needs is refused (the same planner).
-``start``: a ``train`` start's planning and first step in one process, warm (imports done, the data read
-once): seconds of the memory plan (``--plan``), then of the state's init and the first step (compiling the
-run's programs), ``--repeat`` times over freshly built runs, each with the programs traced, lowered and
-compiled in it (count, seconds: JAX's compile events); the plan's added time is ``--plan``'s plan + first
-step less ``--no-plan``'s first step. Prints one JSON record (with the load average).
+``refusal``: seconds until a budget below the least any plan needs is refused (the same planner). Both
+give wall and CPU seconds (``cpu_s``: every thread's) and the compiles, traces and lowerings.
+``start``: a ``train`` start's planning, first step and first evaluation in one process, warm (imports done,
+the data read once): seconds of the memory plan (``--plan``), then of the state's init and the first step
+(compiling the run's programs), then of one evaluation batch (compiling the evaluation programs), ``--repeat``
+times over freshly built runs, each with the programs traced, lowered and compiled in it (count, seconds: JAX's
+compile events; ``total_cpu_s``: the process's CPU seconds, every thread's); the plan's added time is
+``--plan``'s ``total_s`` (or ``total_cpu_s``) less ``--no-plan``'s. Prints one JSON record (with the load average).
 """
 
 from __future__ import annotations
@@ -52,16 +54,17 @@ def _budget(args) -> dict:
     planning = _planning()
     jax.monitoring.register_event_duration_secs_listener(_listen)
     _taken()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     line, refused = "", None
     try:
         plan = planning.plan_budget(run)
         line = plan.line()
     except Exception as e:  # noqa: BLE001  (the refusal's line)
         refused = str(e).splitlines()[0]
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     gin_lib.clear_config()
-    return {"seconds": round(seconds, 2), "line": line, "refused": refused, "events": _taken()}
+    return {"seconds": round(seconds, 2), "cpu_s": round(cpu, 2), "line": line, "refused": refused,
+            "events": _taken()}
 
 
 _EVENTS = {"/jax/core/compile/backend_compile_duration": "compile",
@@ -95,8 +98,12 @@ def _start(args) -> dict:
         from revtrain.placement import global_batch
         spec = run.task.input_spec(run.cfg.batch_size)
         batch = global_batch({k: np.zeros(v.shape, v.dtype) for k, v in spec.items()}, run.mesh)
+        espec = run.task.input_spec(run.ecfg.batch_size)  # (an evaluation batch: its weights too)
+        eval_batch = {k: np.zeros(v.shape, v.dtype) for k, v in espec.items()}
+        eval_batch["weights"] = np.ones(espec["targets"].shape, np.float32)
+        eval_batch = global_batch(eval_batch, run.mesh)
         _taken()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if args.plan:
             planning.check_everywhere(run)
         t1 = time.perf_counter()
@@ -105,8 +112,12 @@ def _start(args) -> dict:
         ts, metrics = run.trainer.train_step(ts, batch)
         jax.block_until_ready(metrics)
         t2 = time.perf_counter()
+        step_events = _taken()
+        jax.block_until_ready(run.trainer.eval_step(ts, eval_batch))
+        t3, c3 = time.perf_counter(), time.process_time()
         out.append({"plan_s": round(t1 - t0, 3), "init_and_first_step_s": round(t2 - t1, 3),
-                    "plan_events": plan_events, "step_events": _taken()})
+                    "first_eval_s": round(t3 - t2, 3), "total_s": round(t3 - t0, 3), "total_cpu_s": round(c3 - c0, 3),
+                    "plan_events": plan_events, "step_events": step_events, "eval_events": _taken()})
         gin_lib.clear_config()
     return {"runs": out}
 

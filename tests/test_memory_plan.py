@@ -105,7 +105,7 @@ def test_save_between_steps_and_evaluation_parts(model, shared, monkeypatch):
     assert host["checkpoint"] == max(0, save - step) > 0
     evaluated = planning.plan(model, setup, _spec(B), 1, limits=NO_LIMIT, platform="cpu",
                                  eval_spec=_spec(64), programs=programs).tiers["host"]
-    evaluation = planning.memory._evaluation_bytes(model, planning.PlanPrograms(), _spec(64), 1, None)
+    evaluation = planning.memory._evaluation_bytes(model, setup, planning.PlanPrograms(), _spec(64), 1, None)
     # At least one device's evaluation batch and a layer's input and output (two float32 streams each).
     assert evaluation >= 2 * 64 * T * 4 + 2 * (2 * 64 * T * D * 4)
     assert evaluated["evaluation"] == max(0, evaluation - step - host["checkpoint"])

@@ -9,22 +9,30 @@ from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT
 
 
 def _measured():
-    """The head's measured points: k backprop blocks (0..2) and h checkpoint blocks (1..3)."""
-    return {(0, 0): Cost(100, 10.0, 1.0), (1, 0): Cost(150, 20.0, 1.5), (2, 0): Cost(210, 31.0, 2.1),
-            (0, 1): Cost(120, 14.0, 1.2), (0, 2): Cost(130, 18.0, 1.4), (0, 3): Cost(145, 19.0, 1.5)}
+    """The head's measured points (`budget.head_points`): alone, one backprop block, one checkpoint block."""
+    return {(0, 0): Cost(100, 10.0, 1.0), (1, 0): Cost(150, 20.0, 1.5), (0, 1): Cost(120, 14.0, 1.2)}
 
 
-def test_backprop_blocks_past_the_measured_add_what_the_second_added():
+def test_the_table_compiles_three_heads():
+    assert budget.head_points(6) == budget.head_points(1) == [(0, 0), (1, 0), (0, 1)]
+    assert budget.head_points(0) == [(0, 0)]
+
+
+def test_backprop_blocks_past_the_measured_add_what_the_last_measured_added():
     head = budget._head_cost(_measured(), 4, 0)
-    assert (head.extra, head.flops, round(head.seconds, 6)) == (210 + 2 * 60, 31.0 + 2 * 11.0, 3.3)
+    assert (head.extra, head.flops, round(head.seconds, 6)) == (100 + 4 * 50, 10.0 + 4 * 10.0, 3.0)
+    later = {**_measured(), (6, 0): Cost(430, 70.0, 4.0)}  # (a plan's head compiled since: interpolated)
+    head = budget._head_cost(later, 4, 0)
+    assert (head.extra, head.flops, round(head.seconds, 6)) == (150 + 3 * 56, 20.0 + 3 * 10.0, 3.0)
 
 
-def test_checkpoint_blocks_past_three_grow_from_two_to_three_and_count_their_flops_each():
-    """Bytes and seconds grow as from h = 2 to 3; FLOPs are h times one checkpoint block's (a scan's body is
-    counted once by cost_analysis)."""
-    head = budget._head_cost(_measured(), 0, 5)
-    assert head.extra == 145 + 2 * 15 and round(head.seconds, 6) == round(1.5 + 2 * 0.1, 6)
-    assert head.flops == 10.0 + 5 * 4.0
+def test_checkpoint_blocks_grow_by_their_input_when_stacked_and_count_their_flops_each():
+    """Five checkpoint blocks: each past the measured one adds ``held`` bytes (a stacked run keeps its input)
+    or, not stacked, what the measured one added; seconds as the measured one added; FLOPs five times one
+    block's (a scan's body is counted once by cost_analysis)."""
+    head = budget._head_cost(_measured(), 0, 5, held=4)
+    assert (head.extra, round(head.seconds, 6), head.flops) == (120 + 4 * 4, round(1.2 + 4 * 0.2, 6), 10.0 + 5 * 4.0)
+    assert budget._head_cost(_measured(), 0, 5).extra == 120 + 4 * 20
 
 
 def test_backprop_and_checkpoint_together_are_the_optimistic_estimate():

@@ -72,3 +72,29 @@ def test_the_memory_plan_asks_the_trainer_only_for_its_own_choice():
     other = programs.layer_programs(trainer.model, trainer.tx, "fused")
     assert other is not trainer.programs and other.rebuild_mode.name == "fused"
     assert programs.layer_programs(trainer.model, trainer.tx, "fused") is other  # (made once)
+
+
+def _first_eval(trainer):
+    batch = {k: np.zeros(v.shape, v.dtype) for k, v in _spec().items()}
+    batch["weights"] = np.ones((B, T), np.float32)
+    jax.block_until_ready(trainer.eval_step(trainer.init(), global_batch(batch, trainer.mesh)))
+
+
+def test_a_plan_compiles_the_evaluation_programs_the_run_calls_and_they_compile_no_more():
+    """`eval_temporaries` compiles the trainer's own evaluation programs (the embedding's, the two blocks'
+    scan, the head's) on the evaluation batch's shapes: the first evaluation of a planned trainer lowers
+    three programs fewer than an unplanned one's, and the plan's figures are those programs' (one pair per
+    program: temporaries, activations per device)."""
+    lowered = _Lowerings()
+    spec = {**_spec(), "weights": jax.ShapeDtypeStruct((B, T), np.float32)}
+    _first_eval(_trainer())  # (the small programs every evaluation shares, compiled once)
+    unplanned = lowered.during(lambda: _first_eval(_trainer()))
+    trainer = _trainer()
+    found = []
+    assert lowered.during(lambda: found.extend(costs.eval_temporaries(trainer, spec))) == 3
+    assert len(found) == 3 and all(t >= 0 for t, _ in found), found
+    acts = [a for _, a in found]
+    assert acts == [B * T * 4 + 2 * B * T * 32 * 4, 2 * 2 * B * T * 32 * 4, 2 * B * T * 32 * 4], acts  # (token ids
+    # in, both residual streams out; the streams through the run; the head reads both)
+    assert lowered.during(lambda: _first_eval(trainer)) == unplanned - 3
+    assert costs.eval_temporaries(trainer, spec) == found  # (kept with the programs)

@@ -13,18 +13,21 @@ within the budget with the fastest step (``budget_objective``: measured seconds,
 Every mode gives the same gradients (the depth-12 bitwise test against `StandardTrainer` mixes all three),
 so the budget trades only speed against memory.
 
-**Costs.** For each distinct block (structurally identical blocks share one answer) the trainer's own
-per-layer programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call adds to
-what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
-optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for
-its FLOPs. The head's program is compiled with 0, 1 and 2 backprop blocks and with 1, 2 and 3
-checkpoint blocks; k backprop and h checkpoint blocks are extrapolated linearly from those (the residuals
-of k identical blocks, the inputs of h; both together optimistically, see `_head_cost`), and the chosen
-(k, h) is then compiled and checked. With ``objective='time'`` each of those programs is also run on zeros
-and timed (`time_call`), and with the scanned executor so are the scans of each scanning mode at two blocks (their seconds per
-block stand for a run of any length): FLOPs rank the modes wrongly where a program's speed is not its
-FLOPs' (a block inside the head's program, or one per-layer call, runs slower per FLOP than a scan's
-body on XLA:CPU; see docs/budget.md).
+**Costs.** The trainer's own programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a
+call adds to what is live (temporaries, results not aliased to donated arguments, and with offload the weights
+and optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for its
+FLOPs. The table of every plan compiles few programs (`head_points`; issue 59, "planning in seconds"): the head's
+program alone, with one backprop block and with one checkpoint block; each distinct block's per-layer forward
+and backward of each mode, or, with the scanned executor, each scanning mode's scans at two blocks (a block
+alone is estimated from them too). k backprop and h checkpoint blocks are extrapolated linearly (the residuals
+of k identical blocks; a stacked run of checkpoint blocks adds its input per block; both together
+optimistically, see `_head_cost`); a scan's bytes grow with its length by what its results grow (traced,
+`StepCosts.run_growth`). A plan that may be chosen, or be the least, is then compiled as it runs
+(`Candidates.measure`: the run's own programs), and its head becomes one more point the others are estimated
+from. With ``objective='time'`` each program read is also run on zeros and timed (`time_call`; scans' seconds
+per block stand for a run of any length), after the least is known: FLOPs rank the modes wrongly where a
+program's speed is not its FLOPs' (a block inside the head's program, or one per-layer call, runs slower per
+FLOP than a scan's body on XLA:CPU; see docs/budget.md).
 
 **The plan.** Blocks in the head's program must be the ones directly under the head, so a plan is
 ``(k, h, r)``: the top k reversible blocks backprop'd, the h under them checkpointed, the lowest r of the
@@ -35,10 +38,11 @@ the head runs, where the step peaks). The peak of each ``(k, h, r)`` is simulate
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks and one more, their extra
-bytes extrapolated to the run's length: a scan's buffers grow with it), counted where each scan starts.
-The plan chosen and the least plan are then compiled as they run (`Candidates.measure`: the head's program
-with its blocks, each run at its own length), so the peak a budget is checked against is never an estimate.
+A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks, their extra bytes grown to the
+run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen and the least
+plan are then compiled as they run (`Candidates.measure`: the head's program with its blocks, each run at its
+own length), so the peak a budget is checked against is never an estimate; the search for the fastest
+compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled.
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,
@@ -69,6 +73,9 @@ from revtrain.trainers.modes import BACKPROP, BUDGET_MODES, CHECKPOINT, REMAT, c
 # Beyond the state, batch and activations a step holds small arrays (metrics, finite flags, squares, keys):
 # planned as this much (the meter saw 258 bytes over a plan without it at depth 6).
 SLACK_BYTES = 1 << 16
+# The plans `choose` compiles as they run looking for the fastest that fits (each compile of a head with many
+# blocks in it takes seconds): past these, the fastest of those compiled.
+MEASURED_CHOICES = 8
 
 
 def gib(nbytes: float) -> str:
@@ -139,78 +146,109 @@ class BudgetPlan:
 _FIELDS = ("extra", "flops", "seconds")
 
 
-def _head_cost(costs: dict, k: int, h: int) -> Cost:
-    """The head's cost with k backprop and h checkpoint blocks, from the measured ones in ``costs`` (keys
-    ``(k, h)``: k <= 2 with h = 0, and h = 1, 2, 3 with k = 0).
+def head_points(max_top: int) -> list:
+    """The head's programs the table of plans compiles, as ``(k, h)``: the head alone, with one backprop block
+    and with one checkpoint block. Every other head is extrapolated from these (`_head_cost`), and the one a
+    plan chosen runs is then compiled as it runs."""
+    return [(0, 0)] if max_top == 0 else [(0, 0), (1, 0), (0, 1)]
 
-    Backprop blocks alone: each block past the measured adds what the last measured one added. Checkpoint
-    blocks alone: likewise from h = 2 to 3 (a stacked run is one scan from two blocks on). FLOPs: h times
-    one checkpoint block's (``cost_analysis`` counts a scan's body once). Both: an optimistic estimate (the
-    larger of the two programs' bytes, their seconds and FLOPs added), which `choose` replaces by the
-    compiled program's before choosing such a plan (one program holds one of their peaks at a time, and
-    where they meet is the compiler's)."""
+
+def _head_cost(costs: dict, k: int, h: int, held: int | None = None) -> Cost:
+    """The head's cost with k backprop and h checkpoint blocks, from the measured ones in ``costs`` (keys
+    ``(k, h)``: `head_points`, ``(0, 0)``, ``(1, 0)``, ``(0, 1)``, and those of plans compiled since, with
+    k = 0 or h = 0).
+
+    Backprop blocks alone, and checkpoint blocks alone: linear between the measured points of their kind and
+    the bare head, past the last one each block adding what the last segment added per block (`_along`: k
+    identical blocks' residuals, h blocks' inputs), except that ``held`` (bytes), when given, is what each
+    checkpoint block past the last adds: the input a stacked run of them keeps (one scan, recomputing one
+    block at a time; a block alone holds its recompute's temporaries too). FLOPs: h times one checkpoint
+    block's (`_checkpoint_flops`). Both: an optimistic estimate (the larger of the two programs' bytes, their
+    seconds and FLOPs added), which `choose` replaces by the compiled program's before choosing such a plan
+    (one program holds one of their peaks at a time, and where they meet is the compiler's)."""
     if (k, h) in costs:
-        return _scan_flops(costs, k, h, costs[(k, h)])
+        return _checkpoint_flops(costs, k, h, costs[(k, h)])
     back = _backprop_head(costs, k)
     if h == 0:
         return back
-    hm = max(m for (kk, m) in costs if kk == 0 and m <= h)  # the most checkpoint blocks measured, up to h
-    ck = _grown(costs[(0, hm - 1)], costs[(0, hm)], h - hm) if h > hm else costs[(0, hm)]
-    ck = _scan_flops(costs, 0, h, ck)
+    ck = _checkpoint_flops(costs, 0, h, _along({m: c for (kk, m), c in costs.items() if kk == 0}, h, held))
     if k == 0:
         return ck
     none = costs[(0, 0)]
     return Cost(max(back.extra, ck.extra), back.flops + ck.flops - none.flops, back.seconds + ck.seconds - none.seconds)
 
 
-def _grown(a: Cost, b: Cost, times: int) -> Cost:
-    """``b`` plus ``times`` steps of (b - a), each step at least 0."""
-    return Cost(*[getattr(b, f) + times * max(0, getattr(b, f) - getattr(a, f)) for f in _FIELDS])
+def _along(points: dict, x: int, growth: int | None = None) -> Cost:
+    """The `Cost` at ``x`` from the measured ``points`` (``{x_i: Cost}``, 0 among them): linear between the
+    two measured around it; past the last, the last segment's growth per block (each field at least 0), its
+    bytes ``growth`` per block instead when given."""
+    if x in points:
+        return points[x]
+    xs = sorted(points)
+    above = [p for p in xs if p > x]
+    if above:
+        a, b = max(p for p in xs if p < x), above[0]
+        t = (x - a) / (b - a)
+        vals = [getattr(points[a], f) + t * (getattr(points[b], f) - getattr(points[a], f)) for f in _FIELDS]
+    else:
+        a, b = xs[-2], xs[-1]
+        vals = [getattr(points[b], f) + (x - b) * max(0, getattr(points[b], f) - getattr(points[a], f)) / (b - a)
+                for f in _FIELDS]
+        if growth is not None:
+            vals[0] = points[b].extra + (x - b) * growth
+    return Cost(int(vals[0]), *vals[1:])
 
 
 def _backprop_head(costs: dict, k: int) -> Cost:
-    """The head with ``k`` backprop blocks: measured up to 2, then each block adds what the second did."""
-    return costs[(k, 0)] if k <= 2 else _grown(costs[(1, 0)], costs[(2, 0)], k - 2)
+    """The head with ``k`` backprop blocks (`_along` the measured ``(k, 0)``)."""
+    return _along({kk: c for (kk, m), c in costs.items() if m == 0}, k)
 
 
-def _scan_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
+def _checkpoint_flops(costs: dict, k: int, h: int, cost: Cost) -> Cost:
     """``cost`` of the head with ``k`` backprop and ``h`` checkpoint blocks with the FLOPs of the ``h``
-    counted h times (their scan's body is counted once by ``cost_analysis``)."""
+    counted h times (two or more are one stacked run, whose body ``cost_analysis`` counts once): one block's
+    from the measured ``(0, 1)`` less the bare head."""
     if h < 2:
         return cost
     one = costs[(0, 1)].flops - costs[(0, 0)].flops
     return dataclasses.replace(cost, flops=_backprop_head(costs, k).flops + h * one)
 
 
-def _simulate(an: StepCosts, modes: list, head: Cost, base: int, exact: bool = False) -> tuple[int, float, float]:
-    """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head), call by
-    call; the seconds of a block in a scanned run (the layout these modes give) are the run's per block.
-    ``exact``: a run's bytes from its scans compiled at its own length (else extrapolated, `run_extra`)."""
+def _simulate(c: "Candidates", modes: list, head: Cost, exact: bool = False) -> tuple[int, float, float]:
+    """(peak device bytes, FLOPs, seconds) of one step with ``modes`` (per layer but the head) for the
+    `Candidates` ``c``, call by call. A block in a scanned run of the layout these modes give is costed from
+    the run's scans (its seconds per block, its bytes at the run's call), and so, estimating, is a block alone
+    that a run of its mode would scan (`Candidates.scanned`); other blocks from their own programs.
+    ``exact``: a run's bytes and seconds from its scans compiled at its own length, a block alone from its own
+    programs (else from the scans at `StepCosts.RUN_LENGTH` blocks: seconds per block, bytes grown to the run's
+    length, `StepCosts.run_extra`)."""
+    an = c.an
     n = len(modes)
     below = n - count_in_head(modes)
     act = lambda i: tree_nbytes(an.inputs[i])  # noqa: E731  (layer i's input; i = n: the head's)
-    live, peak, flops, seconds = base, base, head.flops, head.seconds
+    live, peak, flops, seconds = c.base, c.base, head.flops, head.seconds
     runs = {}  # block -> (its run's start, count): blocks in a scanned run of the layout these modes give
-    if an.trainer.scan_layers and not an.trainer.deferred:
+    if c.scanned:
         runs = {j: (start, count) for start, count in an.trainer.layout(modes) if count > 1
                 for j in range(start, start + count)}
     costs = []
     for i in range(below):
         mode = modes[i]
         fk, bk, _ = mode.program_kinds
-        f, b = an.forward(i, fk), an.backward(i, bk)
-        if i in runs:  # inside a run's scans: their seconds per block; the whole run's call at its first block
-            start, count = runs[i]
-            fr, br = an.run_costs(i, bk)
-            seconds += fr.seconds + br.seconds
+        alone = i not in runs and (exact or (i, bk) not in c.scanned)
+        if alone:
+            f, b = an.forward(i, fk), an.backward(i, bk)
+        else:  # a run's call at its first block (the forward scan starts at the lowest, the backward at the top)
+            start, count = runs.get(i, (i, 1))
             if exact:
-                fe, be = (c.extra for c in an.run_costs(i, bk, count))
+                fr, br = an.run_costs(i, bk, count)
+                fe, be = fr.extra, br.extra
             else:
+                fr, br = an.run_costs(i, bk, an.RUN_LENGTH)
                 fe, be = an.run_extra(i, bk, count)
-            f = dataclasses.replace(f, extra=fe if i == start else 0)  # (the forward scan starts at the lowest,
-            b = dataclasses.replace(b, extra=be if i == start + count - 1 else 0)  # the backward at the top)
-        else:
-            seconds += f.seconds + b.seconds
+            f = Cost(fe if i == start else 0, fr.flops, fr.seconds)  # (FLOPs: a scan's body is counted once)
+            b = Cost(be if i == start + count - 1 else 0, br.flops, br.seconds)
+        seconds += f.seconds + b.seconds
         costs.append((f, b))
         flops += f.flops + b.flops
         peak = max(peak, live + f.extra)
@@ -254,7 +292,21 @@ class Candidates:
             self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
         if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
             self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
+        # (block, per-layer backward kind) where a run of blocks in that kind's mode scans (every reversible
+        # block in it): estimating, such a block alone is costed from its mode's scans.
+        self.scanned: set = set()
+        if trainer.scan_layers and not trainer.deferred:
+            for mode in (trainer.rebuild_mode, REMAT):
+                modes = [mode if i in self.reversible else m for i, m in enumerate(self.modes(0, 0, 0))]
+                self.scanned.update((j, mode.program_kinds[1]) for start, count in trainer.layout(modes) if count > 1
+                                    for j in range(start, start + count))
         self.heads = {}
+        # What each checkpoint block past the measured adds to the head's program where they are one stacked
+        # run (`_head_cost`): its input. None: each is a group of its own (growing as measured).
+        self.held = None
+        if self.max_top >= 2 and any(count > 1 for start, count in trainer.layout(self.modes(0, 2, 0))
+                                     if start >= n - 2):
+            self.held = tree_nbytes(self.an.inputs[n - 1])
         self.an.prepare(self._set_heads, self._evaluate_all)  # (every program the table reads, compiled at once)
         self._set_heads()
         self.table = self._evaluate_all()
@@ -270,9 +322,8 @@ class Candidates:
                 for r in range(len([j for j in self.reversible if j < n - k - h]) + 1)}
 
     def _heads(self) -> dict:
-        """The head's measured programs, ``{(k, h): Cost}`` (see `_head_cost`)."""
-        points = [(k, 0) for k in range(min(self.max_top, 2) + 1)] + [(0, h) for h in range(1, min(self.max_top, 3) + 1)]
-        return {kh: self.an.head(*kh) for kh in points}
+        """The head's measured programs, ``{(k, h): Cost}`` (`head_points`; see `_head_cost`)."""
+        return {kh: self.an.head(*kh) for kh in head_points(self.max_top)}
 
     def time(self) -> None:
         """Times the programs (``timed`` from now on) and re-evaluates the table with their seconds: a
@@ -281,6 +332,7 @@ class Candidates:
             self.an.timed = True  # (the memory plan reads the same programs: timed ones cost it nothing)
             self.an.blocks.clear()  # (looked up again: each program is timed on its first look-up)
             self.heads = self._heads()
+            self.heads.update({(k, h): self.an.head(k, h) for k, h, _ in self.measured if k == 0 or h == 0})
             self.table = {plan: self.evaluate(*plan, measured=plan in self.measured) for plan in self.table}
 
     def modes(self, k: int, h: int, r: int) -> list:
@@ -302,13 +354,18 @@ class Candidates:
         self.measured.add(plan)
         self.an.prepare(lambda: self.evaluate(*plan, measured=True))  # (its programs compiled at once)
         self.table[plan] = self.evaluate(*plan, measured=True)
+        k, h, _ = plan
+        if (k == 0 or h == 0) and (k, h) not in self.heads:  # its head: one more point the others are estimated from
+            self.heads[(k, h)] = self.an.head(k, h)
+            self.table = {p: self.table[p] if p in self.measured else self.evaluate(*p) for p in self.table}
         return True
 
     def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
         """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: every program of the plan
         compiled as it runs (the head's with those blocks, each scanned run at its length), none extrapolated."""
-        head = _scan_flops(self.heads, k, h, self.an.head(k, h)) if measured else _head_cost(self.heads, k, h)
-        return _simulate(self.an, self.modes(k, h, r), head, self.base, exact=measured)
+        head = (_checkpoint_flops(self.heads, k, h, self.an.head(k, h)) if measured
+                else _head_cost(self.heads, k, h, self.held))
+        return _simulate(self, self.modes(k, h, r), head, exact=measured)
 
 
 def candidates(trainer, batch_spec: dict) -> Candidates:
@@ -344,9 +401,8 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     least = c.table[lowest][0]
     if budget >= least and timed:
         c.time()
-    table = c.table  # (a plan compiled below replaces its estimate here for the next budget too)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
-    most = min(table.values(), key=cost)[0]
+    most = min(c.table.values(), key=cost)[0]
     if budget < least:
         k, h, r = lowest
         how = ("every block rebuilt" if k == h == r == 0 else
@@ -354,10 +410,15 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
         raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
                            f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
                            f"{least:,} bytes or shrink the batch")
-    while True:  # the fastest plan that fits, its estimate checked against its compiled programs
-        plan = min((p for p, v in table.items() if v[0] <= budget), key=lambda p: cost(table[p]))
+    # The fastest plan that fits, its estimate checked against its compiled programs (each compiled plan
+    # replaces its estimate in ``c.table``, for the next budget too, and may refine the others').
+    for _ in range(MEASURED_CHOICES):
+        plan = min((p for p, v in c.table.items() if v[0] <= budget), key=lambda p: cost(c.table[p]))
         if not c.measure(plan):
             break
+    else:  # (estimates that kept missing: the fastest of the plans compiled, the least among them, that fits)
+        plan = min((p for p in c.measured if c.table[p][0] <= budget), key=lambda p: cost(c.table[p]))
+    table = c.table
     peak, flops, seconds = table[plan]
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],

@@ -5,9 +5,9 @@ Both planners (`revtrain.planning.memory`, `revtrain.planning.budget`) ask the t
 them on the abstract arguments the step passes (`StepCosts`: the global batch, the state's shardings and memory
 kinds), and read ``memory_analysis()`` (temporaries, results) and ``cost_analysis()`` (FLOPs); the budget's
 ``'time'`` objective runs each on zeros and times it (`time_call`). The compiled programs are the run's own:
-its first step finds them compiled. A trainer choice without a trainer (the memory plan's alternatives) gets
-the same programs from `LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a
-program of its own.
+its first step finds them compiled, and its first evaluation its evaluation programs (`eval_temporaries`). A
+trainer choice without a trainer (the memory plan's alternatives) gets the same programs from
+`LayerPrograms.on_mesh` on one device (`PlanPrograms`); nothing here declares a program of its own.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Cost:
     temp: int = 0  # the program's own temporaries (``temp_size_in_bytes``): the memory plan's term
 
 
-TIMED_CALLS = 2  # timed calls of each program after one warm-up call (their minimum is taken)
+TIMED_CALLS = 1  # timed calls of each program after one warm-up call (their minimum is taken)
 
 
 def _zeros_like_args(compiled, args):
@@ -130,6 +130,17 @@ def lower_program(program, args):
         return program.lower(*args)
 
 
+def compile_all(lowered: list) -> list:
+    """Each of ``lowered`` (lowered programs) compiled, all at once on every core (XLA compiles without holding
+    the interpreter); the compiled programs in that order."""
+    if len(lowered) < 2:
+        return [_compiled_quietly(x) for x in lowered]
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
+            min(len(lowered), os.cpu_count() or 1), thread_name_prefix="revtrain-plan-compile") as pool:
+        warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
+        return list(pool.map(lambda x: x.compile(), lowered))
+
+
 def _compiled_quietly(lowered):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -155,6 +166,7 @@ class StepCosts:
         # The step's key as the step passes it: an uncommitted array (`common.step_key`), no sharding of its own.
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
         self.cache: dict = {}
+        self.growth: dict = {}  # (backward kind, layer) -> a run's bytes per block more (`run_growth`)
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
         self._asked = None  # while `prepare` collects: the programs asked for, lowered
@@ -180,7 +192,8 @@ class StepCosts:
 
     def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
         """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
-        (a scanned run's), its seconds given per block; ``timeable=False``: never timed (its bytes alone)."""
+        (a scanned run's), its seconds given per block; ``timeable=False``: not timed by this read (its bytes
+        alone; a later timed read times it, compiled once)."""
         timed = self.timed and timeable
         if self._asked is not None:  # (`prepare` collects: nothing is read yet)
             if key not in self.cache and key not in self._ready and key not in self._asked:
@@ -195,7 +208,7 @@ class StepCosts:
             if compiled is None:
                 compiled = compile_program(program, args)
             seconds = time_call(compiled, args) / blocks if timed else 0.0
-            if not timed and timeable:
+            if not timed:  # (kept: a program read for its bytes may be timed later, as a plan's own)
                 self.compiled[key] = (compiled, args, blocks)
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
@@ -227,44 +240,59 @@ class StepCosts:
             asked, self._asked = self._asked, None
             for key in set(self.blocks) - blocks:  # (the zeros seen while collecting)
                 del self.blocks[key]
-        if not asked:
-            return
-        workers = min(len(asked), os.cpu_count() or 1)
-        with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
-                workers, thread_name_prefix="revtrain-plan-compile") as pool:
-            warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
-            for key, compiled in zip(asked, pool.map(lambda lowered: lowered.compile(), asked.values())):
-                self._ready[key] = compiled
+        self._ready.update(zip(asked, compile_all(list(asked.values()))))
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
-    RUN_LENGTH = 2  # a scanned run is timed at this length, its seconds per block used for any length
+    RUN_LENGTH = 2  # a run's scans are compiled and timed at this length for the table of plans (`run_extra`)
 
-    def run_costs(self, i: int, backward_kind: str, n: int = RUN_LENGTH) -> tuple:
+    def run_costs(self, i: int, backward_kind: str, n: int, timed: bool = True) -> tuple:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
-        the mode whose per-layer backward is ``backward_kind`` (seconds per block)."""
+        the mode whose per-layer backward is ``backward_kind`` (seconds per block); ``timed=False``: read for
+        their bytes only (not timed by this read)."""
         t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
         stack = lambda tree: stacked(tree, n)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
         fwd, bwd = self.RUN_KINDS[backward_kind]
         f = self._read(("fwd_run", fwd, layer, n), t.programs.run(fwd, layer, n),
-                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, n == self.RUN_LENGTH)
+                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, timed)
         start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
         b = self._read(("bwd_run", bwd, layer, n), t.programs.run(bwd, layer, n),
-                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n,
-                       n == self.RUN_LENGTH)
+                       (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n, timed)
         return f, b
 
     def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
         """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
-        compiled at `RUN_LENGTH` and one block more, extrapolated linearly (a scan's buffers grow with its
-        length: the stacked states it updates, a remat run's kept inputs)."""
-        n = self.RUN_LENGTH
-        f2, b2 = self.run_costs(i, backward_kind, n)
-        if count <= n:
-            return f2.extra, b2.extra
-        f3, b3 = self.run_costs(i, backward_kind, n + 1)
-        grow = lambda a, b: a.extra + (count - n) * max(0, b.extra - a.extra)  # noqa: E731
-        return grow(f2, f3), grow(b2, b3)
+        its scans compiled at `RUN_LENGTH` blocks, grown by `run_growth` per block more (or less: ``count``
+        1 stands for a block alone)."""
+        f, b = self.run_costs(i, backward_kind, self.RUN_LENGTH)
+        fg, bg = self.run_growth(i, backward_kind)
+        more = count - self.RUN_LENGTH
+        return max(0, f.extra + more * fg), max(0, b.extra + more * bg)
+
+    def run_growth(self, i: int, backward_kind: str) -> tuple:
+        """``(forward, backward)`` bytes a scan of blocks like ``i`` adds per block more: what its results grow
+        by, from their shapes at `RUN_LENGTH` and one block more (traced, nothing compiled): the stacked
+        states and flags it returns, a remat run's kept inputs; a backward scan's updated weights and optimizer
+        state are its donated stacks' (XLA writes them in place), so they are not counted. Its temporaries do
+        not grow (one block's body at a time: compiled at 2 and 3 blocks, the default model's scans' temporaries
+        were equal)."""
+        layer = self.trainer.model.layers[i]
+        key = (backward_kind, layer)
+        if key not in self.growth:
+            t, a, n = self.trainer, self.abstract, self.RUN_LENGTH
+            fwd, bwd = self.RUN_KINDS[backward_kind]
+            results = []
+            for count in (n, n + 1):
+                stack = lambda tree: stacked(tree, count)  # noqa: E731
+                params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
+                start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
+                f = t.programs.run(fwd, layer, count).eval_shape(params, states, self.inputs[i], self.skey, np.int32(i))
+                b = t.programs.run(bwd, layer, count).eval_shape(params, opt, states, start, self.inputs[i + 1],
+                                                                self.skey, np.int32(i))
+                results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes((params, opt))))
+            (f2, b2), (f3, b3) = results
+            self.growth[key] = (max(0, f3 - f2), max(0, b3 - b2))
+        return self.growth[key]
 
     def forward(self, i: int, kind: str) -> Cost:
         """The cost of block ``i``'s own forward program ``kind`` (a `LayerPrograms` per-layer kind)."""
@@ -329,24 +357,70 @@ def step_temporaries(trainer, batch_spec: dict) -> list:
     """The temporaries (bytes) of every program one step of ``trainer`` runs, in its layout and block modes
     (``trainer.groups``, ``trainer.block_modes``): each group's forward and backward (a stacked run's scans at
     its length) and the head's program with the blocks inside it. The programs compiled are the ones the
-    step calls (`StepCosts`)."""
+    step calls (`StepCosts`), compiled all at once (`StepCosts.prepare`)."""
     costs = step_costs(trainer, batch_spec)
     modes = list(trainer.block_modes)
     n, inside = len(modes), count_in_head(modes)
+
+    def walk() -> list:
+        temps = []
+        for start, count in trainer.layout(modes):
+            if start >= n - inside:
+                break
+            forward_kind, backward_kind, _ = modes[start].program_kinds
+            if count > 1:
+                f, b = costs.run_costs(start, backward_kind, count)
+            else:
+                f, b = costs.forward(start, forward_kind), costs.backward(start, backward_kind)
+            temps += [f.temp, b.temp]
+        checkpointed = sum(1 for m in modes[n - inside:] if m is CHECKPOINT)
+        top = modes[-1] if inside > checkpointed else BACKPROP
+        temps.append(costs.head(inside - checkpointed, checkpointed, top).temp)
+        return temps
+
+    costs.prepare(walk)
+    return walk()
+
+
+def eval_temporaries(trainer, eval_spec: dict) -> list:
+    """``(temporaries, activations)`` (bytes per device) of every program `TrainerBase.eval_step` runs on a
+    state of ``trainer`` (a `ReversibleTrainer`) in its layout (``trainer.groups``) and batches shaped like
+    ``eval_spec`` (the global evaluation batch, ``weights`` included): each group's evaluation program (a
+    stacked run's scan) and the head's, bottom first; ``activations``: its input and output (the head's input
+    alone). The programs are the trainer's own (`TrainerBase.eval_programs`), compiled on the arguments the
+    evaluation passes them (the layers as its programs take them, `program_state`), all at once: the run's first
+    evaluation finds them compiled. Kept with the trainer's programs (``trainer.programs.readings``): a later plan
+    compiles nothing again."""
+    key = ("eval", shape_key(eval_spec))
+    readings = trainer.programs.readings
+    if key in readings:
+        return readings[key]
+    data = NamedSharding(trainer.mesh, P(DATA_AXIS))
+    place = lambda tree: jax.tree.map(  # noqa: E731
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), tree)
+    batch = place(eval_spec)
+    a = program_state(trainer, trainer.abstract_state())
+    groups = tuple(trainer.groups)
+    fns, head = trainer.eval_programs(groups)
+    x, lowered, acts = batch[trainer.model.input_key], [], []
+    for (start, count), fn in zip(groups[:-1], fns):
+        stack = (lambda tree: tree) if count == 1 else (lambda tree: stacked(tree, count))  # noqa: E731
+        args = (stack(a.params[start]), stack(a.layer_state[start]), x)
+        lowered.append(lower_program(fn, args))
+        y = place(fn.eval_shape(*args))
+        acts.append(tree_nbytes(x) + tree_nbytes(y))
+        x = y
+    n = len(trainer.model.layers) - 1
+    lowered.append(lower_program(head, (a.params[n], a.layer_state[n], x, batch)))
+    acts.append(tree_nbytes(x))
     temps = []
-    for start, count in trainer.layout(modes):
-        if start >= n - inside:
-            break
-        forward_kind, backward_kind, _ = modes[start].program_kinds
-        if count > 1:
-            f, b = costs.run_costs(start, backward_kind, count)
-        else:
-            f, b = costs.forward(start, forward_kind), costs.backward(start, backward_kind)
-        temps += [f.temp, b.temp]
-    checkpointed = sum(1 for m in modes[n - inside:] if m is CHECKPOINT)
-    top = modes[-1] if inside > checkpointed else BACKPROP
-    temps.append(costs.head(inside - checkpointed, checkpointed, top).temp)
-    return temps
+    for compiled in compile_all(lowered):
+        try:
+            temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
+        except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
+            temps.append(0)
+    readings[key] = list(zip(temps, (b // trainer.mesh.size for b in acts)))  # (activations split over "data")
+    return readings[key]
 
 
 class PlanPrograms:
@@ -413,6 +487,10 @@ class PlanPrograms:
         if key not in self.cache:
             self.cache[key] = step_temporaries(self.trainer, batch_spec)
         return self.cache[key]
+
+    def own_eval_temporaries(self, eval_spec: dict) -> list:
+        """`eval_temporaries` of the run's own trainer (``eval_spec``: its global evaluation batch's shapes)."""
+        return eval_temporaries(self.trainer, eval_spec)
 
     def whole_step(self, model, setup, params, opt, states, batch) -> int:
         """``temp_size_in_bytes`` of `StandardTrainer`'s whole step (`StandardTrainer.step_program`) compiled

@@ -250,7 +250,7 @@ def plan(model, setup: Setup, batch_spec: dict, num_devices: int, *, limits: dic
     where = tier_of(setup).state_memory
     _phases(tiers, state_bytes=0 if where is None else (state[0] + state[1]) * n, largest_layer=max(state[3]), n=n,
             state_tier="host" if one_tier or where == "host" else "device",
-            evaluation=_evaluation_bytes(model, programs, eval_spec, n, global_devices) if eval_spec else 0)
+            evaluation=_evaluation_bytes(model, setup, programs, eval_spec, n, global_devices) if eval_spec else 0)
     io = None
     if where is None:
         io = _store_tier_and_io(model, setup, shapes, state, tiers, store)
@@ -592,13 +592,19 @@ def _traced_inputs(model, shapes: Shapes, programs: PlanPrograms) -> tuple[int, 
     return saved_std, max(tree_nbytes(a) for a in inputs)
 
 
-def _evaluation_bytes(model, programs: PlanPrograms, spec: dict, n: int, global_devices: int | None) -> int:
+def _evaluation_bytes(model, setup: Setup, programs: PlanPrograms, spec: dict, n: int,
+                      global_devices: int | None) -> int:
     """Bytes one device holds beyond the state while it evaluates (layer by layer, in evaluation mode): the
-    largest compiled per-layer evaluation program's temporaries, its input and output, and one device's
-    evaluation batch (``spec``: the global evaluation batch's shapes)."""
+    largest compiled evaluation program's temporaries, the largest layer's input and output, and one device's
+    evaluation batch (``spec``: the global evaluation batch's shapes). The run's own reversible trainer's
+    programs are those its evaluation calls (`PlanPrograms.own_eval_temporaries`: its layout on the global
+    batch, found compiled by the run's first evaluation); another choice's are each layer's on one device."""
     lead = jax.tree.leaves(spec)[0].shape[0]
     batch = local_batch(spec, max(lead // max(global_devices or n, 1), 1))
     keys = jax.ShapeDtypeStruct((jax.tree.leaves(batch)[0].shape[0], 2), jnp.uint32)
+    if setup.trainer == "reversible" and programs.is_own(setup):
+        temps, acts = zip(*programs.own_eval_temporaries(spec))
+        return max(temps) + max(acts) + tree_nbytes(batch)
     x, temps, acts = batch[model.input_key], [0], [0]
     for layer in model.layers:
         p, s = layer.param_shapes, layer.state_shapes

@@ -71,9 +71,14 @@ def _store_spec(run) -> dict:
 
 
 def _eval_spec(run) -> dict | None:
-    """The shapes of the run's evaluation batch (``evaluate.batch_size``), or None without them."""
+    """The shapes of the run's global evaluation batch (``evaluate.batch_size``) as `Task.eval_batches` gives
+    it: ``input_spec`` and its ``weights`` (float32, shaped like ``targets``: 0 for padding), or None without
+    them."""
     ecfg = getattr(run, "ecfg", None)
-    return run.task.input_spec(ecfg.batch_size) if ecfg is not None else None
+    spec = run.task.input_spec(ecfg.batch_size) if ecfg is not None else None
+    if spec is not None and "targets" in spec and "weights" not in spec:
+        spec = {**spec, "weights": jax.ShapeDtypeStruct(spec["targets"].shape, np.float32)}
+    return spec
 
 
 def _local_devices(mesh) -> int:

@@ -545,6 +545,18 @@ class TrainerBase:
     def layer_state(self, ts: TrainState, i: int):
         return ts.layer_state[i]
 
+    def eval_programs(self, groups) -> tuple[list, object]:
+        """The compiled programs `eval_step` calls on a state in the layout ``groups`` (``((start, count),
+        ...)``, the head's group last): one per group but the head's (a layer's `eval_forward`, or a stacked
+        run's scan of it; ``(params, layer state, x) -> y``, ``x`` and ``y`` split over ``"data"``), and the
+        head's (``(params with its tied leaves, layer state, x, batch) -> {"loss_sum", "weight",
+        "correct"}`` summed over devices). The memory plan compiles these on shapes
+        (`revtrain.planning.costs.eval_temporaries`), so that the run's first evaluation finds them compiled."""
+        last = self.model.layers[-1]
+        head = self._compiled("eval_head", last, self._eval_head,
+                              (self.specs.params(last), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
+        return self._eval_fns(groups), head
+
     def _eval_fns(self, groups) -> list:
         """The compiled evaluation function of each group but the head (built once per layout)."""
         key = ("eval_plan", groups)
@@ -578,9 +590,7 @@ class TrainerBase:
         check_batch(batch, self.num_devices)
         grouped = self._eval_grouped(self.grouped(ts))
         x = batch[self.model.input_key]
-        for g, fn in enumerate(self._eval_fns(grouped.groups)):  # with offload each program moves its weights
+        fns, head = self.eval_programs(grouped.groups)
+        for g, fn in enumerate(fns):  # with offload each program moves its weights
             x = fn(grouped.params[g], grouped.layer_state[g], x)
-        last = self.model.layers[-1]
-        head = self._compiled("eval_head", last, self._eval_head,
-                              (self.specs.params(last), P(), P(DATA_AXIS), P(DATA_AXIS)), P())
         return head(self.tied_params(grouped, len(grouped.groups) - 1), grouped.layer_state[-1], x, batch)

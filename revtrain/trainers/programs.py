@@ -15,9 +15,10 @@ the optimizer, the layers' split (`StateSpecs`), the rebuild flavour and a compi
 (the trainer's: ``jit(shard_map(...))`` over its mesh, each call through its dispatch limiter). Its public
 methods give the programs a step runs (`per_layer`, `top_head`, `run`): the trainer's step, the memory plan and
 the budget planner (`revtrain.planning`) take them from here, so a program compiled for a plan is the one the
-run calls. `on_mesh` makes one for a trainer choice that has no trainer (the memory plan's alternatives). The
-gradient halves (`head_grads`, `top_head_grads`, `reverse_grads`, `recompute_grads`) are static: ``revtrain
-check`` calls them on their own.
+run calls. `on_mesh` makes one for a trainer choice that has no trainer (the memory plan's alternatives, ``revtrain
+check``). The gradient-only programs (``head_grads``, ``rebuild_grads``, ``recompute_grads``,
+`top_head_grads_program`) are the per-layer programs without the update: ``revtrain check`` compares their
+gradients with backprop's.
 """
 
 from __future__ import annotations
@@ -241,6 +242,43 @@ class LayerPrograms:
         new_params, new_opt, finite = guarded_update(self.tx, grads, opt_state, params, across=self.specs.across)
         return dx, new_params, new_opt, finite, self.specs.squares(layer, grads)
 
+    # -- gradient-only programs (``revtrain check``: a pass's gradients, no update) ---------------------
+    def _head_grads_only(self, layer, params, state, x, batch, skey, index):
+        """The head's gradients and input cotangent ``(grads, dx)`` (`head_grads`), without the update."""
+        keys = example_keys(skey, index, batch_size_of(x))
+        _, grads, dx, *_ = self.head_grads(layer, self.specs.whole(layer, params), state, x, batch, keys,
+                                           self.specs.grads(layer))
+        return grads, dx
+
+    def _rebuild_grads_only(self, layer, params, state, y, dy, skey, index):
+        """``(x, dx, grads)`` of a rebuilt block from its output ``y`` (`block_grads` in the rebuild mode),
+        without the update."""
+        return self.block_grads(self.rebuild_mode, layer, params, state, y, dy, example_keys(skey, index,
+                                                                                         batch_size_of(y)))
+
+    def _recompute_grads_only(self, layer, params, state, x, dy, skey, index):
+        """``(x, dx, grads)`` of a block recomputed from its kept input ``x`` (`block_grads` rematerialised),
+        without the update; ``dx`` is None for token ids."""
+        return self.block_grads(REMAT, layer, params, state, x, dy, example_keys(skey, index, batch_size_of(x)))
+
+    def _top_head_grads_only(self, layers, top_params, top_states, head_params, head_state, x, batch, skey,
+                             top_index, head_index):
+        """`_top_grads` without the updates: ``(top grads (a tuple), head grads, dx)``."""
+        return self._top_grads(layers, top_params, top_states, head_params, head_state, x, batch, skey, top_index,
+                               head_index)[1:4]
+
+    def top_head_grads_program(self, tops, head, modes=None):
+        """The compiled `_top_head_grads_only` of the blocks ``tops`` (a tuple of layers, bottom first, one
+        block each) in the head's program, each in its mode of ``modes`` (None: backprop), and ``head``:
+        ``(top params, top states, head params, head state, x, batch, skey, top indices, head index) ->
+        (top grads, head grads, dx)``."""
+        modes = tuple(modes or (BACKPROP,) * len(tops))
+        counts = (1,) * len(tops)
+        top_specs, head_specs = self._top_specs(tops, head, counts)
+        in_specs = (top_specs[0], _R, head_specs[0], _R, _D, _D, _R, _R, _R)
+        return self.compile("top_head_grads", (tops, head, modes, counts), self._top_head_grads_only, in_specs,
+                            (top_specs[0], head_specs[0], _D), key=("top_head_grads", tops, head, modes))
+
     # -- the scanned runs (inside shard_map over "data"; stacked trees have a leading layer axis) -----
     def _forward_run(self, layer, params, states, x, skey, start):
         """The forward of ``count`` identical layers: one ``lax.scan``; returns ``(x, new states)``."""
@@ -336,6 +374,11 @@ class LayerPrograms:
                                (0, 1, 3, 4), (0, 1), (2, 3)),
         "recompute": ProgramSpec("_recompute_and_update", (_R, _R, _R, _D, _D, _R, _R), (_D, _R, _R, _R, _R),
                                  (0, 1, 4), (0, 1), (1, 2)),
+        # gradients only (``revtrain check``): ``(params, state, start, [dy | batch], skey, index)``
+        "head_grads": ProgramSpec("_head_grads_only", (_R, _R, _D, _D, _R, _R), (_R, _D), (), (0,), (0,)),
+        "rebuild_grads": ProgramSpec("_rebuild_grads_only", (_R, _R, _D, _D, _R, _R), (_D, _D, _R), (), (0,), (2,)),
+        "recompute_grads": ProgramSpec("_recompute_grads_only", (_R, _R, _D, _D, _R, _R), (_D, _D, _R), (), (0,),
+                                       (2,)),
     }
 
     def _with_specs(self, specs: tuple, positions: tuple, state_specs: tuple) -> tuple:
