@@ -50,6 +50,7 @@ from typing import Callable
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from revtrain import metrics as metrics_lib
@@ -204,20 +205,36 @@ def _ignore_late_tensorstore_callbacks() -> None:
 
 
 # Bytes a save hands to tensorstore at once (Orbax's ``save_concurrent_bytes``; at 256 MiB a 309 M Llama's final
-# save rose 0.3 GiB above its steps). Orbax refuses a leaf of at least its limit, so a save's limit is raised to
-# just above its largest leaf where that is larger (`_bound_save`).
+# save rose 0.3 GiB above its steps). Orbax refuses a read or write of at least its limit (``ValueError``
+# "Requested more bytes than we reserved space for"; beside other reads in flight Python 3.11's asyncio may report
+# it as "Lock is not acquired"), so a save's or a restore's limit is raised to just above its largest leaf where
+# that is larger (`_bound_to_leaves`).
 SAVE_STAGING_BYTES = 64 * 2**20
 
 
-def _bound_save(handler, tree) -> None:
-    """Sets ``handler``'s save limit for ``tree``: `SAVE_STAGING_BYTES`, or one byte more than the largest
-    addressable shard of its leaves (Orbax raises ``ValueError`` for a write of at least its limit)."""
+def _shard_bytes(x) -> int:
+    """Bytes of the largest piece of ``x`` one process reads or writes: an array's largest addressable shard, a
+    ``jax.ShapeDtypeStruct``'s shard under its sharding (the whole leaf without one)."""
+    if isinstance(x, jax.Array):
+        return max((sh.data.nbytes for sh in x.addressable_shards), default=0)
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    sharding = getattr(x, "sharding", None)
+    if sharding is not None:
+        shape = sharding.shard_shape(tuple(shape))
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _bound_to_leaves(handler, tree, attribute: str, limit: int) -> None:
+    """Sets ``handler``'s Orbax limit ``attribute`` (``_save_concurrent_bytes`` or ``_restore_concurrent_bytes``)
+    for ``tree`` (arrays or ``jax.ShapeDtypeStruct`` leaves): ``limit``, or one byte more than the largest piece of
+    a leaf (`_shard_bytes`) where that is larger."""
     inner = getattr(getattr(handler, "_impl", handler), "_handler_impl", None)
-    if inner is None or not hasattr(inner, "_save_concurrent_bytes"):
+    if inner is None or not hasattr(inner, attribute):
         return
-    largest = max((sh.data.nbytes for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)
-                   for sh in x.addressable_shards), default=0)
-    inner._save_concurrent_bytes = max(SAVE_STAGING_BYTES, largest + 1)
+    largest = max((_shard_bytes(x) for x in jax.tree.leaves(tree)), default=0)
+    setattr(inner, attribute, max(limit, largest + 1))
 
 
 def _bound_staging(handler):
@@ -359,7 +376,7 @@ class Checkpointer:
             state = {owner.checkpoint_item: owner.checkpoint_save(ts)}  # release what it links after the next step)
         else:
             tree = _tree(ts)
-            _bound_save(self._state_handler, tree)
+            _bound_to_leaves(self._state_handler, tree, "_save_concurrent_bytes", SAVE_STAGING_BYTES)
             state = {"state": ocp.args.StandardSave(tree)}
             del tree
         args = {**state, "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
@@ -412,6 +429,7 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
         if not optimizer_state:
             return self._restore_weights(abstract, step)
+        _bound_to_leaves(self._state_handler, abstract, "_restore_concurrent_bytes", STAGING_BYTES)
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
             args["data"] = DataRestore(data_iterator)
@@ -445,6 +463,7 @@ class Checkpointer:
         same PyTree one). The result's ``opt_state`` has None for every layer."""
         item = {"params": abstract["params"], "layer_state": abstract["layer_state"]}
         handler = _bound_staging(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=1))
+        _bound_to_leaves(handler, item, "_restore_concurrent_bytes", STAGING_BYTES)
         try:
             meta = self.meta(step)
             with ocp.Checkpointer(handler) as reader:
