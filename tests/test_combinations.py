@@ -16,7 +16,7 @@ A crash (exit 1, a traceback) or a mismatch fails the cell (issue 53 found three
 beside the host tier's scanned executor, beside tied embeddings). Cells on one device run in this process (`helpers.revtrain_here`:
 no interpreter to start, programs compiled once); those with ``shard_state`` run on 2 simulated devices in a
 subprocess, beside references on 2 devices. `make test` runs `FAST`, a subset of the pairwise cells in which
-every value of `FAST_KNOBS` (the tier, the optimizer) appears; `make test-all` runs every pairwise cell and, in each
+every value of `FAST_KNOBS` (the optimizer) appears; `make test-all` runs every pairwise cell and, in each
 cell that trains, a ``kill -9`` after the step-2 checkpoint and a rerun that must reach the uninterrupted run's
 losses and final weights (this file is also the killed run's script: ``python tests/test_combinations.py
 WORKDIR STEP -- REVTRAIN_ARGS...``).
@@ -158,11 +158,11 @@ def _marks(cell: dict, slow: bool) -> list:
     return [pytest.mark.slow] if slow else []
 
 
-# The fast tier: every tier with a second optimizer (two cells, one reference run). The other knobs' values have
-# their own tests in make test (a budget on every tier: test_budget; the rebuild flavours: test_modes, test_rebuild;
-# microbatches and clipping: test_exactness; tied embeddings: test_recipe; shard_state: test_shard); their pairs
-# run in make test-all.
-FAST_KNOBS = ("offload", "optimizer")
+# The fast tier: the second optimizer's cell (on the host tier, as the generator picks it). The other knobs' values
+# have their own tests in make test (every tier: test_streaming, test_disk_tier's recipe; a budget on every tier:
+# test_budget; the rebuild flavours: test_modes, test_rebuild; microbatches and clipping: test_exactness; tied
+# embeddings: test_recipe; shard_state: test_shard); their pairs run in make test-all.
+FAST_KNOBS = ("optimizer",)
 FAST = every_value([c for c in CELLS if devices_of(c) == 1], {n: k for n, k in KNOBS.items() if n in FAST_KNOBS},
                    refs=lambda c: [_reference_key(c), (name_of(c), devices_of(c))])
 

@@ -309,6 +309,7 @@ def lm_backprop(text_batches):
         return batches, train_model(StandardTrainer, _lm_model(), optax.adam(1e-3), batches)
 
 
+@pytest.mark.slow  # make test: the Llama (GQA, rotary, SwiGLU) bit for bit in test_exactness
 @pytest.mark.parametrize("kwargs", [{"scan_layers": True},
                                     pytest.param({"scan_layers": False}, marks=pytest.mark.slow),
                                     pytest.param({"offload": True}, marks=pytest.mark.slow)],

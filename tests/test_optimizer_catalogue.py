@@ -29,12 +29,12 @@ T, STEPS, LR = 128, 3, 1e-3
 # wrappers' counts); any other required argument means the name is not an optimizer with defaults.
 REQUIRED = {"max_consecutive_errors": 2, "every_k_schedule": 2, "k": 2}
 
-# Representative optimizers run in make test (each through four trainers, so few): a global predicate over AdamW
-# (a global round on every tier) and an update that reads the step's loss (``value``: the Polyak step size divides
-# it by the gradient's squared norm, a global round). A typed PRNG key in the state:
-# test_a_key_in_the_state_is_checkpointed_and_resumed; a state that holds the parameters' own arrays (copied at init,
-# never donated twice: ``optax.contrib.mechanize``, ``prodigy``, ...) and the rest in make test-all.
-REPRESENTATIVE = ("optax.apply_if_finite", "optax.polyak_sgd")
+# The representative optimizer run in make test (through four trainers, so one): an update that reads the step's
+# loss (``value``: the Polyak step size divides it by the gradient's squared norm, a global round on every tier).
+# A global predicate over per-layer arithmetic: test_layerwise (apply_if_finite, MultiSteps); a typed PRNG key in
+# the state: test_a_key_in_the_state_is_checkpointed_and_resumed; a state that holds the parameters' own arrays
+# (copied at init, never donated twice: ``optax.contrib.mechanize``, ``prodigy``, ...) and the rest in make test-all.
+REPRESENTATIVE = ("optax.polyak_sgd",)
 
 # The documented refusals (docs/recipe.md, "Refused"): name -> reason. A refusal of any other
 # name fails its case.
@@ -244,6 +244,7 @@ def test_whole_catalogue(qualified, text_batches, tmp_path):
     check(qualified, text_batches(8, STEPS), tmp_path)
 
 
+@pytest.mark.slow  # make test-all (make test: the changed-config line of a resume, test_reliability)
 def test_resume_with_another_optimizer(tmp_path, byte_lm_data_dir, capfd):
     """A finished AdamW run resumed with NAdamW (the same state's structure) continues, and the changed-config
     line says that it matters: NAdamW trains on with its own weight decay (its default 0.0001, not AdamW's 0.01); resumed with
@@ -388,7 +389,8 @@ def test_schedule_free_evaluates_on_its_evaluation_weights(trainer_cls, text_bat
     assert evaluation_state(plain, state) is state
 
 
-@pytest.mark.parametrize("trainer_cls, offload", [(StandardTrainer, None), (ReversibleTrainer, "disk")])
+@pytest.mark.parametrize("trainer_cls, offload", [(StandardTrainer, None),
+                                                   pytest.param(ReversibleTrainer, "disk", marks=pytest.mark.slow)])
 def test_a_key_in_the_state_is_checkpointed_and_resumed(trainer_cls, offload, text_batches, tmp_path):
     """``optax.noisy_sgd`` keeps a typed PRNG key in its state: the trainers hold its key data, an Orbax
     checkpoint (and the disk tier's files) keep it, and a resumed step draws the same noise: 2 steps, a
