@@ -112,8 +112,8 @@ def peak(depth: int, size: int, clip: bool, m: int, offload: bool) -> dict:
     _ready(ts, metrics)
     out = {"peak_device_bytes": meter.stop(), "method": meter.method}
     if trainer.deferred:
-        out["gradient_buffer_bytes"] = sum(x.nbytes for x in jax.tree.leaves(trainer._acc))
-        out["gradient_buffer_memory_kind"] = jax.tree.leaves(trainer._acc)[0].sharding.memory_kind
+        out["gradient_buffer_bytes"] = sum(x.nbytes for x in jax.tree.leaves(trainer.deferred_update.buffers))
+        out["gradient_buffer_memory_kind"] = jax.tree.leaves(trainer.deferred_update.buffers)[0].sharding.memory_kind
     return out
 
 

@@ -44,6 +44,10 @@ brings layer i in; computing the update where the state lives) this is the first
 self-contained (a checkpoint, an evaluation or a sample never sees a pending update; resume stays
 bit-exact), and its cost is one extra read of the weights and optimizer state per layer (measured in
 docs/recipe.md). Checkpoints hold whole steps only: accumulation happens inside one ``train_step``.
+
+`DeferredUpdate` is an object the trainer owns (``ReversibleTrainer.deferred_update``), made from the inputs
+its constructor declares (the model, the optimizer and its split, the layers' specs, the trainer's per-layer
+programs, the tier, the mesh, the microbatches, a dispatch function); it reads nothing else of the trainer.
 """
 
 from __future__ import annotations
@@ -56,13 +60,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS, put_replicated, put_sharded
-from revtrain.trainers.common import (_Dispatch, batch_size_of, check_finite, example_keys, grad_norm,
-                                      microbatch_where, per_device, reduce_grads, step_key, take_microbatch)
+from revtrain.trainers.common import (batch_size_of, example_keys, grad_norm, microbatch_where, per_device,
+                                      reduce_grads, take_microbatch)
 from revtrain.trainers.layerwise import all_finite, deferred_layer_update, fence
 from revtrain.trainers.specs import leaf_squares
 from revtrain.trainers.modes import REMAT, ProgramSpec, forward_in_head
 from revtrain.trainers.walk import walk
-from revtrain.trainers.stacking import Stacked, kept_loop_index
+from revtrain.trainers.stacking import kept_loop_index
 from revtrain.trainers.stacking import slice_of as _slice
 
 _R, _D = P(), P(DATA_AXIS)
@@ -72,13 +76,57 @@ def _add(acc, grads):
     return jax.tree.map(jnp.add, acc, grads)
 
 
-class DeferredUpdates:
-    """Mixin of `ReversibleTrainer`: the accumulating backward programs and the update passes (see the
-    module note). Its interface to the host: the trainer's settings (``model``, ``tx``, ``layerwise``,
-    ``microbatches``, ``shard_state``, ``mesh``, ``seed``, ``rebuild_mode``), where and how the state lives
-    (``specs``: `StateSpecs`; ``residency``), the per-layer programs (`programs.LayerPrograms`:
-    ``_block_grads``, ``_per_layer_compiled``; ``_compiled`` and its ``_cache``) and the step's walk (``_working``,
-    ``_plan``, ``_streamed``, ``_stored``, ``_state``)."""
+class DeferredUpdate:
+    """The deferred update of a `ReversibleTrainer` (see the module note): its accumulating backward programs,
+    its gradient buffers and its statistics and update passes. The trainer owns one when its update is
+    deferred (``ReversibleTrainer.deferred_update``; made again with its programs when the tier changes) and
+    keeps what is not the update's: the layout of the state (``Stacked`` groups), the step's plan of
+    compiled calls (`walk.Plan`, whose backward and head programs it takes from `per_layer`, `run` and
+    `top_head`), a streamed tier's stream and the `TrainState`.
+
+    Args:
+      model: the `revtrain.models.Model` (its layers, ``ties``, ``input_key``).
+      tx: the optax ``GradientTransformation`` as the trainer keeps its state (`revtrain.optstate.keep_states`).
+      layerwise: ``tx``'s split over the layers (`layerwise.LayerwiseUpdate`): its global ``rounds``,
+        exports, combine programs and per-layer update.
+      specs: each layer's split over the ``"data"`` devices (`specs.StateSpecs`).
+      programs: the trainer's per-layer programs (`programs.LayerPrograms`): its ``compile`` and ``compiled``
+        (``jit(shard_map(...))`` over the mesh, cached by the trainer), ``block_grads`` and ``rebuild_mode``.
+      tier: where the weights and optimizer state live (a `revtrain.tiers` tier: ``streamed`` and what
+        `walk.walk` asks of it).
+      mesh: the 1-D ``"data"`` mesh.
+      microbatches: M, the microbatches of a step (int >= 1).
+      shard_state: whether large leaves are split over the devices (the statistics gather them whole).
+      dispatch: ``dispatch(jitted) -> callable``, how the update's plain ``jax.jit`` programs are called (the
+        trainer's dispatch limiter and memory meter, `common._Dispatch`).
+    """
+
+    def __init__(self, model, tx, layerwise, specs, programs, tier, mesh, microbatches: int, shard_state: bool,
+                 dispatch):
+        self.model, self.tx, self.layerwise, self.specs, self.programs = model, tx, layerwise, specs, programs
+        self.tier, self.mesh, self.microbatches, self.shard_state = tier, mesh, microbatches, shard_state
+        self.dispatch = dispatch
+        self._cache: dict = {}  # the update passes, global programs and microbatch helpers, by key
+        # The device tier's gradient buffers (`_buffers`): per group, the tied leaves' other uses, the layout
+        # they were made for, and whether they are zero.
+        self._acc, self._tie_acc, self._acc_key, self._acc_clean = None, None, None, False
+
+    @property
+    def buffers(self) -> list | None:
+        """The device tier's gradient buffers (one tree per group, shaped and placed like its weights: float
+        like the parameters), None before the first step or with a streamed tier (its store holds them)."""
+        return self._acc
+
+    @property
+    def passes(self) -> int:
+        """Streamed passes over the layers after the backward: the statistics rounds (at least one) and the
+        update."""
+        return max(self.layerwise.rounds, 1) + 1
+
+    def owners(self, groups) -> dict:
+        """The tied leaves' owners in the layout ``groups`` (``((start, count), ...)``; each owner a group of
+        its own): ``{group index: layer index}``."""
+        return {k: s for k, (s, c) in enumerate(groups) if c == 1 and any(t.owner == s for t in self.model.ties)}
 
     # -- the accumulating backward programs (inside shard_map over "data") --------------------------
     def _head_acc(self, layer, params, acc, state, x, batch, ctx, index, borrowed, tie_acc):
@@ -128,21 +176,26 @@ class DeferredUpdates:
         sums = (lax.psum(obj, DATA_AXIS), lax.psum(stats["correct"], DATA_AXIS), total)
         return dx, top_acc, new_top_states, head_acc, new_head_state, sums
 
-    def _top_head_acc_fn(self, tops, head, modes):
+    def top_head(self, tops, head, modes):
+        """The compiled accumulating program of the head through the blocks ``tops`` (a tuple of layers,
+        bottom first, one block each, run in ``modes``) in its program (`_top_head_acc`): ``(top params,
+        top buffers, top states, head params, head buffer, head state, x, batch, ctx, top indices, head
+        index) -> (dx, top buffers, new top states, head buffer, new head state, (loss, correct, weight))``;
+        the buffers are donated."""
         tspec, hspec = tuple(self.specs.layer(t)[0] for t in tops), self.specs.layer(head)[0]
         in_specs = (tspec, tspec, _R, hspec, hspec, _R, _D, _D, _R, _R, _R)
         out_specs = (_D, tspec, _R, hspec, _R, _R)
-        return self._per_layer_compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
+        return self.programs.compiled("top_head_acc", (tops, head, tuple(modes)), self._top_head_acc, in_specs,
                                         out_specs, (1, 4))
 
     def _reverse_acc(self, layer, params, acc, state, y, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(y))
-        x, dx, grads = self._block_grads(self.rebuild_mode, layer, params, state, y, dy, keys)
+        x, dx, grads = self.programs.block_grads(self.programs.rebuild_mode, layer, params, state, y, dy, keys)
         return x, dx, _add(acc, grads)
 
     def _recompute_acc(self, layer, params, acc, state, x, dy, ctx, index):
         keys = example_keys(ctx, index, batch_size_of(x))
-        _, dx, grads = self._block_grads(REMAT, layer, params, state, x, dy, keys)
+        _, dx, grads = self.programs.block_grads(REMAT, layer, params, state, x, dy, keys)
         return dx, _add(acc, grads)
 
     def _reverse_run_acc(self, layer, params, acc, states, y, dy, ctx, start):
@@ -173,33 +226,40 @@ class DeferredUpdates:
                                      (1,)),
     }
 
-    def _acc_fn(self, kind, layer):
+    def per_layer(self, kind: str, layer):
+        """The compiled accumulating program ``kind`` (``"head_acc"``, ``"reverse_acc"``, ``"recompute_acc"``:
+        `_head_acc`, `_reverse_acc`, `_recompute_acc`) of ``layer``, its weights and gradient buffer split
+        as the layer's state (``specs``), the buffer donated and returned with the gradient added."""
         name, in_specs, out_specs, donate = self._ACC[kind][:4]
         pspec = self.specs.layer(layer)[0]
         fill = lambda specs: tuple(pspec if s == "A" else s for s in specs)  # noqa: E731
-        return self._per_layer_compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate)
+        return self.programs.compiled(kind, layer, getattr(self, name), fill(in_specs), fill(out_specs), donate)
 
-    def _acc_run_fn(self, layer, count):
+    def run(self, layer, count: int):
+        """The compiled `_reverse_run_acc` of a stacked run of ``count`` layers like ``layer`` (rebuilt):
+        ``(params, buffers, states, y, dy, ctx, start) -> (x, dx, buffers)``, the buffer stack donated."""
         pspec = self.specs.group(layer, count)[0]
-        return self._compiled("reverse_run_acc", layer, self._reverse_run_acc, (pspec, pspec, _R, _D, _D, _R, _R),
-                              (_D, _D, pspec), donate=(1, 3, 4), key=("reverse_run_acc", layer, count))
+        return self.programs.compile("reverse_run_acc", layer, self._reverse_run_acc,
+                                     (pspec, pspec, _R, _D, _D, _R, _R), (_D, _D, pspec), donate=(1, 3, 4),
+                                     key=("reverse_run_acc", layer, count))
 
     # -- the gradient buffers ------------------------------------------------------------------------
-    def _buffers(self, grouped: Stacked):
-        """The zeroed gradient buffers of every group (where its weights live) and of the tied leaves' other
-        uses (beside their owners), made once per layout and zeroed again by each update pass."""
-        key = grouped.groups
-        if getattr(self, "_acc_key", None) != key or not self._acc_clean:
+    def _buffers(self, groups, params: list):
+        """The zeroed gradient buffers of every group of ``groups`` (shaped like its ``params`` and placed where
+        they live: the device) and of the tied leaves' other uses (beside their owners), made once per layout
+        and zeroed again by each update pass."""
+        key = groups
+        if self._acc_key != key or not self._acc_clean:
             kind = None  # (device memory: a streamed tier's buffers are its store's, `DeferredStream`)
             acc = []
-            for g, (start, count) in enumerate(grouped.groups):
-                zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), grouped.params[g])
+            for g, (start, count) in enumerate(groups):
+                zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params[g])
                 if self.shard_state:
                     acc.append(put_sharded(zeros, self.mesh, self.specs.group(self.model.layers[start], count)[0], kind))
                 else:
                     acc.append(put_replicated(zeros, self.mesh, kind))
             user = len(self.model.layers) - 1
-            owners = {s: grouped.params[k] for k, (s, c) in enumerate(grouped.groups) if c == 1}
+            owners = {s: params[k] for k, (s, c) in enumerate(groups) if c == 1}
             tied = self.model.tied_leaves(user, owners)
             self._acc = acc
             self._tie_acc = put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, kind)
@@ -298,7 +358,7 @@ class DeferredUpdates:
             pshard, oshard = self._shardings(layer, count)
             shardings = (pshard, oshard, pshard, NamedSharding(self.mesh, _R))
             jitted = jax.jit(fn, donate_argnums=(0, 1, 2, 3), out_shardings=shardings)
-        self._cache[key] = _Dispatch(jitted, self)
+        self._cache[key] = self.dispatch(jitted)
         return self._cache[key]
 
     def _combine_fn(self, k: int, groups):
@@ -315,45 +375,54 @@ class DeferredUpdates:
                 if groups[0][1] > 1:
                     leaves = tuple(x[0] for x in leaves)
                 return self.layerwise.combine(k, per_layer, leaves, globals_, value)
-            self._cache[key] = _Dispatch(jax.jit(fn), self)
+            self._cache[key] = self.dispatch(jax.jit(fn))
         return self._cache[key]
 
     # -- one step ------------------------------------------------------------------------------------
-    def _deferred_step(self, ts, batch: dict):
+    def step(self, plan, groups, params: list, opt_state: list, states: list, acc, batch: dict, skey):
         """One step with the deferred update (see the module note): every microbatch's forward and
         accumulating backward, then the statistics and update passes. The gradient buffers live where the
         weights do: on the device (made once and zeroed by each update pass, `_buffers`), or with a streamed
-        tier in its store beside each layer (`streaming.DeferredStream`: read ahead and written behind as the
-        weights are; memory holds the layers in flight and the tied leaves' other-use buffer)."""
-        grouped = self._working(ts)
-        plan = self._plan(grouped.groups)
-        groups = grouped.groups
-        skey = step_key(self.seed, ts.step)
+        tier in its store beside each layer (``acc``: `streaming.DeferredStream`'s views, read ahead and
+        written behind as the weights are; memory holds the layers in flight and the tied leaves' other-use
+        buffer).
+
+        Args:
+          plan: the step's compiled calls (`walk.Plan`, its accumulating programs from this object).
+          groups: the layout ``((start, count), ...)`` of ``params``, ``opt_state`` and ``states``.
+          params, opt_state: one entry per group (a stacked run's with a leading layer axis), as the tier
+            hands them: the device arrays (given up: the update donates them), or a stream's views.
+          states: the layers' states (one per group), as the step starts.
+          acc: a streamed tier's gradient buffer views (one per group), or None: the device buffers.
+          batch: the global batch (``{input key, targets[, weights]}``, split over ``"data"``).
+          skey: the step's key (uint32 ``[2]``, `common.step_key`).
+
+        Returns:
+          ``(params, opt_state, new states, metrics, finite)``: the lists updated in place (no layer updated
+          when any gradient or the loss is not finite), the layers' new states, ``{"loss", "accuracy",
+          "grad_norm"}`` (replicated float32 scalars; the loss the mean over the global batch, nats) and one
+          finite flag (bool array) per group for `common.check_finite`.
+        """
         user = len(self.model.layers) - 1
-        # The tied leaves' owners (each a group of its own): group -> layer.
-        owners = {k: s for k, (s, c) in enumerate(groups) if c == 1 and any(t.owner == s for t in self.model.ties)}
-        streamed = self.residency.streamed
-        rounds = self.layerwise.rounds
+        owners = self.owners(groups)  # the tied leaves' owners (each a group of its own): group -> layer
+        streamed = acc is not None
         if streamed:
-            params, opt_state, acc = self._streamed(grouped, plan, ts, deferred=(max(rounds, 1) + 1, sorted(owners)))
             shapes = self.model.param_shapes()
             tied = self.model.tied_leaves(user, {s: shapes[s] for s in owners.values()})
             tie_acc = put_replicated(tuple(np.zeros(x.shape, x.dtype) for x in tied), self.mesh, None)
         else:
-            params, opt_state = list(grouped.params), list(grouped.opt_state)
-            acc, tie_acc = self._buffers(grouped)
+            acc, tie_acc = self._buffers(groups, params)
             acc = list(acc)
             self._acc_clean = False  # until the update pass has zeroed them again
         held = {"tie": tie_acc}
         del tie_acc
-        states = grouped.layer_state
         current, (loss_sum, correct, total) = self._accumulate(plan, params, acc, states, batch, skey, owners, held)
         tie_acc = held.pop("tie")
         if self.microbatches == 1:  # the head's loss is the mean already, its gradient normalised
             loss, scale = loss_sum, None
         else:
-            loss, scale = self._over(loss_sum, total), total
-        metrics = {"loss": loss, "accuracy": self._over(correct, total)}
+            loss, scale = _over(loss_sum, total), total
+        metrics = {"loss": loss, "accuracy": _over(correct, total)}
 
         def tie_in(g):
             return tie_acc if g in owners else ()
@@ -362,7 +431,7 @@ class DeferredUpdates:
         # reduce_on_plateau); None (no input at all) for every other optimizer, whose programs are unchanged.
         value = loss if self.layerwise.takes_value else None
         globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale, value)
-        ok = self._all_ok(finite, loss)
+        ok = _all_ok(finite, loss)
         for g in range(len(groups)):
             new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
                 params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok, value)
@@ -373,16 +442,10 @@ class DeferredUpdates:
             if tie_in(g):
                 tie_acc = zeroed_tie
             del zeroed, zeroed_tie
-        if streamed:
-            del tie_acc
-            params, opt_state = self._stored(params, opt_state)
-        else:
+        if not streamed:
             self._acc, self._tie_acc, self._acc_clean = acc, tie_acc, True
         metrics["grad_norm"] = grad_norm(sq)
-        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
-        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
-                     self.model.layers)
-        return new_ts, metrics
+        return params, opt_state, current, metrics, finite
 
     def _accumulate(self, plan, params, acc, states, batch: dict, skey, owners: dict, held: dict):
         """Every microbatch's forward and accumulating backward (`walk`), each layer's gradient added to its
@@ -390,7 +453,7 @@ class DeferredUpdates:
         (loss sum, correct, weight))`` summed over the microbatches."""
         index, last, top = plan.index, len(plan.blocks) - 1, plan.top
         m_count = self.microbatches
-        local = batch_size_of(batch) // self.num_devices
+        local = batch_size_of(batch) // self.mesh.size
         current, sums = list(states), None
         for m in range(m_count):
             mb = batch if m_count == 1 else self._microbatch(batch, m)
@@ -413,8 +476,8 @@ class DeferredUpdates:
             def store(g, rest):
                 acc[g], = rest
 
-            walk(plan, self.residency, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
-            sums = held.pop("sums") if sums is None else self._add_sums(sums, held.pop("sums"))
+            walk(plan, self.tier, params, acc, current, new_states, mb[self.model.input_key], ctx, head, store)
+            sums = held.pop("sums") if sums is None else _add_sums(sums, held.pop("sums"))
             current = new_states
         return current, sums
 
@@ -462,22 +525,22 @@ class DeferredUpdates:
     def _where(self, m: int, local: int):
         key = ("where", m, local)
         if key not in self._cache:
-            self._cache[key] = self.replicate(microbatch_where(m, self.microbatches, local))
+            self._cache[key] = put_replicated(microbatch_where(m, self.microbatches, local), self.mesh)
         return self._cache[key]
 
-    @staticmethod
-    @jax.jit
-    def _add_sums(a, b):
-        return jax.tree.map(jnp.add, a, b)
 
-    @staticmethod
-    @jax.jit
-    def _over(a, b):
-        return a / b
+@jax.jit
+def _add_sums(a, b):
+    return jax.tree.map(jnp.add, a, b)
 
-    @staticmethod
-    @jax.jit
-    def _all_ok(finite, loss):
-        flags = [jnp.all(f) for f in finite] + [jnp.isfinite(loss)]
-        return jnp.all(jnp.stack(flags))
+
+@jax.jit
+def _over(a, b):
+    return a / b
+
+
+@jax.jit
+def _all_ok(finite, loss):
+    flags = [jnp.all(f) for f in finite] + [jnp.isfinite(loss)]
+    return jnp.all(jnp.stack(flags))
 

@@ -17,8 +17,10 @@ per-layer programs are `revtrain.trainers.programs` (what each compiled call com
 is `revtrain.trainers.walk`; where the state lives is the tier (`revtrain.tiers`: device, or host memory
 and layer files streamed by `revtrain.streaming`, bit for bit the device tier's numbers) and how it is
 split over the devices `revtrain.trainers.specs` (``shard_state``, ZeRO-3). The deferred update
-(microbatches, a whole-model optimizer such as ``optax.clip_by_global_norm``, tied parameters) is
-`revtrain.trainers.deferred`. Every step reports the global gradient norm (``grad_norm``) from per-layer
+(microbatches, a whole-model optimizer such as ``optax.clip_by_global_norm``, tied parameters) is an object
+the trainer owns, ``deferred_update`` (`revtrain.trainers.deferred.DeferredUpdate`), made from what it declares:
+the trainer keeps the layout, the plan, the tier's stream and the state, the object the accumulating programs,
+the gradient buffers and the update passes. Every step reports the global gradient norm (``grad_norm``) from per-layer
 sums of squares.
 
 Two executors (docs/design.md section 9). Per layer: one compiled call per layer and pass, as above. Scanned
@@ -33,6 +35,7 @@ Residual Network", NeurIPS 2017; Kitaev et al., "Reformer", ICLR 2020.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import gin
@@ -45,9 +48,9 @@ from revtrain import optstate
 from revtrain.placement import placer, replicated
 from revtrain.tiers import HostStack, from_gin
 from revtrain.streaming import train_programs
-from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, check_batch, check_finite, check_flags,
-                                      grad_norm, is_elementwise, step_key)
-from revtrain.trainers.deferred import DeferredUpdates
+from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, _Dispatch, check_batch, check_finite,
+                                      check_flags, grad_norm, is_elementwise, step_key)
+from revtrain.trainers.deferred import DeferredUpdate
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
 from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head, default_modes
 from revtrain.trainers.programs import LayerPrograms
@@ -93,7 +96,7 @@ def parse_budget(value, mesh=None) -> int:
 
 
 @gin.configurable
-class ReversibleTrainer(DeferredUpdates, TrainerBase):
+class ReversibleTrainer(TrainerBase):
     """Reversible backprop with fused per-layer optimizer updates and optional per-layer host offload.
 
     Args:
@@ -156,6 +159,11 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         tied parameters that cannot be shared exactly (the user is not the head, the owner is a reversible
         layer, or with ``fuse_top``).
 
+    Attributes:
+      deferred: whether the update is deferred (the reasons above; `update_text` names them).
+      deferred_update: the deferred update (`revtrain.trainers.deferred.DeferredUpdate`), None with the fused
+        per-layer one.
+
     The ``TrainState`` passed to ``train_step`` is consumed (its device buffers are donated). With
     ``scan_layers`` the states it returns hold the stacked layout (``TrainState.stacked``); their per-layer
     views are copies made on first access.
@@ -185,7 +193,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # The fused per-layer update when it is exact; else the deferred one (`revtrain.trainers.deferred`).
         self.deferred = (not self.layerwise.separable or microbatches > 1 or bool(model.ties)
                          or (shard_state and not is_elementwise(optimizer)))
-        self._acc_key, self._acc_clean = None, False
         self.specs = StateSpecs(model, optimizer, mesh.size, shard_state)  # each layer's split over the devices
         self.scan_layers = scan_layers
         self._stream, self.store_stats = None, {}  # a streamed tier's step in progress; its last step's I/O
@@ -241,6 +248,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         # The per-layer programs (`programs.LayerPrograms`): the step, the planners and check compile them here.
         self._cache.clear()
         self.programs = LayerPrograms(self._programs_tx, self.specs, self.rebuild_mode, self._compiled)
+        # The deferred update (`revtrain.trainers.deferred`), built on these programs, its calls through this
+        # trainer's dispatch limiter; None with the fused per-layer update.
+        self.deferred_update = (DeferredUpdate(self.model, self.tx, self.layerwise, self.specs, self.programs, tier,
+                                               self.mesh, self.microbatches, self.shard_state,
+                                               functools.partial(_Dispatch, trainer=self))
+                                if self.deferred else None)
         if hasattr(self, "block_modes"):  # (a later choice: the layout follows the tier)
             self._plans = {}
             self.groups = self._layout()
@@ -275,13 +288,6 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
             runs = [(start, count) for start, count in runs
                     if len({self.layerwise.signature(start + j) for j in range(count)}) == 1]
         return groups_of(len(self.model.layers), runs)
-
-    # The deferred update's programs (`DeferredUpdates`) are built on the same program interface.
-    def _block_grads(self, mode, layer, params, state, start, dy, keys):
-        return self.programs.block_grads(mode, layer, params, state, start, dy, keys)
-
-    def _per_layer_compiled(self, kind, layer, fn, in_specs, out_specs, donate):
-        return self.programs.compiled(kind, layer, fn, in_specs, out_specs, donate)
 
     def _scans(self, mode) -> bool:
         """Whether a run of identical blocks in ``mode`` is one ``lax.scan`` per pass: rebuilt runs always;
@@ -437,7 +443,7 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         key = (groups, tuple(self.block_modes))
         plan = self._plans.get(key)
         if plan is None:
-            layers, acc, blocks = self.model.layers, self.deferred, []
+            layers, acc, blocks = self.model.layers, self.deferred_update, []  # (acc: None, or the deferred update)
             # the groups in the head's program (singles, or stacked runs of checkpoint blocks)
             top = count_in_head([self.block_modes[start] for start, _ in groups[:-1]])
             below = len(groups) - 1 - top  # the groups with programs of their own
@@ -449,11 +455,12 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                                          self.programs.run("remat_backward_run", layer, count), np.int32(start)))
                 elif count > 1:
                     blocks.append(Block(StepKind.RUN, mode, self.programs.run("forward_run", layer, count),
-                                         self._acc_run_fn(layer, count) if acc else
+                                         acc.run(layer, count) if acc else
                                          self.programs.run("reverse_run", layer, count), np.int32(start)))
                 else:
                     blocks.append(Block(mode.kind, mode, self.programs.per_layer(forward_kind, layer),
-                                         self._acc_fn(acc_kind, layer) if acc else self.programs.per_layer(backward_kind, layer),
+                                         acc.per_layer(acc_kind, layer) if acc else
+                                         self.programs.per_layer(backward_kind, layer),
                                          np.int32(start)))
             for start, _ in groups[below:-1]:
                 blocks.append(Block(StepKind.TOP, self.block_modes[start], None, None, np.int32(start)))
@@ -461,10 +468,10 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
                 tops = tuple(layers[s] for s, _ in groups[below:-1])
                 modes = tuple(self.block_modes[s] for s, _ in groups[below:-1])
                 counts = tuple(c for _, c in groups[below:-1])
-                head = (self._top_head_acc_fn(tops, layers[-1], modes) if acc else
+                head = (acc.top_head(tops, layers[-1], modes) if acc else
                         self.programs.top_head(tops, layers[-1], modes, counts))
             else:
-                head = self._acc_fn("head_acc", layers[-1]) if acc else self.programs.per_layer("head", layers[-1])
+                head = acc.per_layer("head_acc", layers[-1]) if acc else self.programs.per_layer("head", layers[-1])
             blocks.append(Block(StepKind.HEAD, None, head, None, np.int32(groups[-1][0])))
             plan = self._plans[key] = Plan(blocks)
         return plan
@@ -528,6 +535,30 @@ class ReversibleTrainer(DeferredUpdates, TrainerBase):
         params, opt_state = self._stored(params, opt_state)
         groups = grouped.groups
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, new_states))
+        check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
+                     self.model.layers)
+        return new_ts, metrics
+
+    def _deferred_step(self, ts: TrainState, batch: dict):
+        """`train_step` with the deferred update (`deferred_update`, `revtrain.trainers.deferred`): the state in
+        this trainer's layout, with a streamed tier a `streaming.DeferredStream` (whose views hold the gradient
+        buffers too), the update's step, then the state written back and checked as the fused step's."""
+        grouped = self._working(ts)
+        plan = self._plan(grouped.groups)
+        groups = grouped.groups
+        update = self.deferred_update
+        acc = None
+        if self.residency.streamed:
+            params, opt_state, acc = self._streamed(grouped, plan, ts,
+                                                    deferred=(update.passes, sorted(update.owners(groups))))
+        else:
+            params, opt_state = list(grouped.params), list(grouped.opt_state)
+        states = grouped.layer_state
+        params, opt_state, current, metrics, finite = update.step(plan, groups, params, opt_state, states, acc, batch,
+                                                                  step_key(self.seed, ts.step))
+        del acc
+        params, opt_state = self._stored(params, opt_state)
+        new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
                      self.model.layers)
         return new_ts, metrics
