@@ -42,7 +42,9 @@ A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks, t
 run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen and the least
 plan are then compiled as they run (`Candidates.measure`: the head's program with its blocks, each run at its
 own length), so the peak a budget is checked against is never an estimate; the search for the fastest
-compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled.
+compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled; with ``'time'`` it
+stops at a compiled plan within `TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base
+(`Candidates.refuses`) is refused from programs compiled for their bytes alone (`StepCosts.reading_bytes`).
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,

@@ -219,7 +219,7 @@ class StepCosts:
                 compiled = compile_program(program, args, BYTES_ONLY_OPTIONS if self.bytes_only else None)
             timed = timed and not self.bytes_only
             seconds = time_call(compiled, args) / blocks if timed else 0.0
-            if not timed and not self.bytes_only:  # (kept: a program read for its bytes may be timed later, as a plan's own)
+            if not timed and not self.bytes_only:  # (kept: read for its bytes, it may be timed later as a plan's)
                 self.compiled[key] = (compiled, args, blocks)
             mem = compiled.memory_analysis()
             extra = int(mem.temp_size_in_bytes) + max(0, int(mem.output_size_in_bytes) - int(mem.alias_size_in_bytes))
