@@ -42,7 +42,9 @@ A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks, t
 run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen and the least
 plan are then compiled as they run (`Candidates.measure`: the head's program with its blocks, each run at its
 own length), so the peak a budget is checked against is never an estimate; the search for the fastest
-compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled.
+compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled; with ``'time'`` it
+stops at a compiled plan within `TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base
+(`Candidates.refuses`) is refused from programs compiled for their bytes alone (`StepCosts.reading_bytes`).
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,
@@ -76,6 +78,9 @@ SLACK_BYTES = 1 << 16
 # The plans `choose` compiles as they run looking for the fastest that fits (each compile of a head with many
 # blocks in it takes seconds): past these, the fastest of those compiled.
 MEASURED_CHOICES = 8
+# ``objective='time'``: a compiled plan within this fraction of every other plan's seconds is chosen without
+# compiling those (timings vary from start to start by a few percent: closer plans are a tie the clock decides).
+TIME_TOLERANCE = 0.05
 
 
 def gib(nbytes: float) -> str:
@@ -269,7 +274,7 @@ class Candidates:
     FLOPs and seconds: ``table[(k, h, r)] = (peak bytes, FLOPs, seconds)`` (seconds 0.0 unless ``timed``:
     the trainer's programs are then run on zeros and timed); `modes` gives a plan's modes."""
 
-    def __init__(self, trainer, batch_spec: dict):
+    def __init__(self, trainer, batch_spec: dict, budget: int | None = None):
         self.trainer, self.an = trainer, step_costs(trainer, batch_spec)  # (the trainer's programs, compiled once)
         layers = trainer.model.layers
         self.n = n = len(layers) - 1
@@ -307,9 +312,17 @@ class Candidates:
         if self.max_top >= 2 and any(count > 1 for start, count in trainer.layout(self.modes(0, 2, 0))
                                      if start >= n - 2):
             self.held = tree_nbytes(self.an.inputs[n - 1])
-        self.an.prepare(self._set_heads, self._evaluate_all)  # (every program the table reads, compiled at once)
-        self._set_heads()
-        self.table = self._evaluate_all()
+        with self.an.reading_bytes(self.refuses(budget)):  # (a budget below every plan: their bytes alone)
+            self.an.prepare(self._set_heads, self._evaluate_all)  # (every program the table reads, compiled at once)
+            self._set_heads()
+            self.table = self._evaluate_all()
+
+    def refuses(self, budget: int | None) -> bool:
+        """Whether ``budget`` (bytes, or None: not known) is below what every plan needs before any program is
+        compiled: the base every plan's peak starts from (`_simulate`: the batch, layer states, slack, and the
+        state, buffers and margins its tier and update keep). Such a budget is refused; its programs never run,
+        so they are compiled for their bytes alone (`StepCosts.reading_bytes`), the least named the same."""
+        return budget is not None and budget < self.base
 
     def _set_heads(self) -> None:
         self.heads = self._heads()
@@ -368,14 +381,23 @@ class Candidates:
         return _simulate(self, self.modes(k, h, r), head, exact=measured)
 
 
-def candidates(trainer, batch_spec: dict) -> Candidates:
+def _within_noise(c: Candidates, plan: tuple, budget: int) -> bool:
+    """Whether the compiled ``plan`` fits ``budget`` and its measured seconds are within `TIME_TOLERANCE` of
+    every plan's that fits (estimates included): the search for the fastest stops there."""
+    peak, _, seconds = c.table[plan]
+    fastest = min(v[2] for v in c.table.values() if v[0] <= budget)
+    return peak <= budget and seconds <= (1 + TIME_TOLERANCE) * fastest
+
+
+def candidates(trainer, batch_spec: dict, budget: int | None = None) -> Candidates:
     """The `Candidates` of ``trainer`` on batches shaped like ``batch_spec``, made once and kept with the
     trainer's programs (``trainer.programs.readings``, beside the `StepCosts` they are read from): a second
-    budget on the same trainer compiles and times nothing again."""
+    budget on the same trainer compiles and times nothing again. ``budget`` (bytes): the one planned first
+    (`Candidates.refuses`)."""
     key = ("budget",) + tuple(sorted((k, tuple(v.shape), str(v.dtype)) for k, v in batch_spec.items()))
     readings = trainer.programs.readings
     if key not in readings:
-        readings[key] = Candidates(trainer, batch_spec)
+        readings[key] = Candidates(trainer, batch_spec, budget)
     return readings[key]
 
 
@@ -390,14 +412,15 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
     """
     timed = objective == "time"
-    c = candidates(trainer, batch_spec)  # (timed once the budget is known to fit)
+    c = candidates(trainer, batch_spec, budget)  # (timed once the budget is known to fit)
     # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
     # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
     sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
-    while True:
-        lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
-        if not c.measure(lowest):
-            break
+    with c.an.reading_bytes(c.refuses(budget)):  # (refused whatever the least: no program of it will run)
+        while True:
+            lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
+            if not c.measure(lowest):
+                break
     least = c.table[lowest][0]
     if budget >= least and timed:
         c.time()
@@ -414,7 +437,7 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     # replaces its estimate in ``c.table``, for the next budget too, and may refine the others').
     for _ in range(MEASURED_CHOICES):
         plan = min((p for p, v in c.table.items() if v[0] <= budget), key=lambda p: cost(c.table[p]))
-        if not c.measure(plan):
+        if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
             break
     else:  # (estimates that kept missing: the fastest of the plans compiled, the least among them, that fits)
         plan = min((p for p in c.measured if c.table[p][0] <= budget), key=lambda p: cost(c.table[p]))

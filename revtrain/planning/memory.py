@@ -144,7 +144,7 @@ class MemoryPlan:
     sources: dict
     method: str
     num_params: int
-    io: dict | None = None  # the disk tier's step I/O (`_io`): bytes read, written, bandwidth, seconds
+    io: dict | None = None  # a store tier's step I/O (the disk's) (`_io`): bytes read, written, bandwidth, seconds
     floor: bool = False
 
     def total(self, tier: str) -> int:
@@ -180,7 +180,8 @@ class MemoryPlan:
         io = self.io
         if io is None:
             return ""
-        text = f"; disk I/O a step: reads {gib(io['read_bytes'])}, writes {gib(io['write_bytes'])}"
+        text = (f"; {tier_of(self.setup).name} I/O a step: reads {gib(io['read_bytes'])}, "
+                f"writes {gib(io['write_bytes'])}")
         if io["seconds"] is not None:
             text += (f" at {io['read_bandwidth'] / 1e9:.2f} / {io['write_bandwidth'] / 1e9:.2f} GB/s "
                      f"({io['bandwidth_source']}): at least {io['seconds']:.1f} s a step")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from revtrain.limits import gib
 from revtrain.planning.memory import FLOOR_METHOD, RUNTIME_BYTES, TABLE_PARTS, MemoryPlan
-from revtrain.planning.setups import tier_of
+from revtrain.planning.setups import store_tiers, tier_of
 
 def short_tier(own: MemoryPlan) -> str:
     """The first tier of ``own`` that does not fit (the one its refusal names)."""
@@ -24,9 +24,11 @@ def refusal(own: MemoryPlan, others: list[MemoryPlan]) -> str:
     if tier == "pinned" and "pool" in own.tiers["pinned"]:  # the state in XLA's pinned pool (a GPU)
         from revtrain import pinned
         need = sum(v for k, v in own.tiers["pinned"].items() if k != "pool")
+        values = [cls.gin_value for cls in store_tiers() if cls.gin_value is not None]  # (the disk tier's 'disk')
+        stores = (", or use " + " or ".join(f"ReversibleTrainer.offload = {v!r}" for v in values)) if values else ""
         return (f"the memory plan does not fit: {own.setup.label} {own.shortfall()} ({parts}); set "
                 f"{pinned.LIMIT_ENV}={pinned.limit_gb_for(need)} (revtrain train sizes the pool from the state "
-                "alone: kept inputs and deferred buffers come on top), or use ReversibleTrainer.offload = 'disk'; "
+                f"alone: kept inputs and deferred buffers come on top){stores}; "
                 "train.memory_plan = False skips this check")
     fitting = [p for p in others if p.fits]
     # The least that fits: a choice that adds settings to one that fits already is left out.

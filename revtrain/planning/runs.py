@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from revtrain.limits import device_limit, gib, host_limit
+from revtrain.tiers.registry import BUILTIN
 from revtrain.planning.setups import Setup, alternatives, setup_of
 from revtrain.planning.costs import PlanPrograms
 from revtrain.planning.memory import MemoryPlan, MemoryPlanError, floor, plan
@@ -187,7 +188,8 @@ def check_everywhere(run, log=None, limits: dict | None = None) -> MemoryPlan | 
 
 
 # ``ReversibleTrainer.offload = 'auto'``: the tiers it weighs, fastest first.
-AUTO_ORDER = ("device", "host", "disk")
+# The registry's built-in tiers, in its order (device, host, disk); a tier registered later is chosen by its name.
+AUTO_ORDER = tuple(name for name, _module, _cls in BUILTIN)
 
 
 def choose_tier(run, limits: dict | None = None) -> str:

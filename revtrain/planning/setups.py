@@ -65,6 +65,14 @@ def tier_of(setup: Setup):
     return _DEVICE[0]
 
 
+def store_tiers() -> list:
+    """The registered tier classes whose state waits in a store of their own, not in memory
+    (`revtrain.tiers.base.Tier.state_memory` None; the disk tier among the built-in ones), in registration
+    order: the planners ask the registry for them instead of naming one."""
+    from revtrain import tiers
+    return [cls for cls in map(tiers.lookup, tiers.names()) if cls.state_memory is None]
+
+
 def setup_of(trainer, batch_size: int) -> Setup:
     """The `Setup` of a built trainer (``run.trainer``) for a global batch of ``batch_size``: the trainer
     describes itself (`TrainerBase.memory_setup`)."""
@@ -130,16 +138,17 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
         deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
     out.append(base_rev)
     tier = tier_of(base_rev)
-    # The other tiers (`Tier.peer`): the host's where the backend has host memory, then one with a store of its
-    # own (the disk's), which holds whole layers (no shard_state).
+    # The other tiers (`Tier.peer`): the host's where the backend has host memory, then the first registered one
+    # with a store of its own (`store_tiers`: the disk's), which holds whole layers (no shard_state).
     if host_offload and tier.state_memory != "host":
         host = tier.peer("host")
         label = ("ReversibleTrainer" if tier.state_memory is None else base_rev.label) + host.label
         out.append(dataclasses.replace(base_rev, tier=host, label=label,
                                        settings=base_rev.settings + (f"ReversibleTrainer.offload = {host.gin_value!r}",)))
     head = out[-1]  # the leanest so far: the next choices add to it
-    if tier.state_memory is not None and not base_rev.shard_state:
-        store = tier.peer("disk")
+    stores = store_tiers()
+    if tier.state_memory is not None and not base_rev.shard_state and stores:
+        store = tier.peer(stores[0].name)
         out.append(dataclasses.replace(base_rev, tier=store, label="ReversibleTrainer" + store.label,
                                        settings=base_rev.settings + (f"ReversibleTrainer.offload = {store.gin_value!r}",)))
     if not _factored(setup.optimizer):  # (an Adafactor run is offered no "+ Adafactor")
