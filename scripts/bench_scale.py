@@ -73,7 +73,10 @@ OPTIMIZERS = {
 PHASES = ("init", "steps", "save", "restore", "eval")
 COMMON = ["WARMUP = 1", "train.batch_size = 2", "train.log_every = 1", "train.checkpoint_every = 2",
           "ByteLMTask.sequence_length = 128", "evaluate.max_batches = 1", "train.sample_every = 0",
-          "LlamaModel.form = 'standard'"]
+          "LlamaModel.form = 'standard'",
+          # one checkpoint kept (as configs/llama_1b.gin): at the default 3, a 1.44 B run's 16 GiB checkpoints (steps
+          # 2, 3, 4 and the final save at 5) filled this machine's disk in the resumed run's last save
+          "train.keep_checkpoints = 1"]
 POLL_S = 0.05
 DISK_PROBE_BYTES = 512 * 2**20  # the disk tier's points: the sequential bandwidth probe, written and read back
 
@@ -249,12 +252,14 @@ def run_config(size: str, sizes: dict, trainer: str, optimizer: str, timeout_s: 
         record = _records(workdir)[0]
         empty = {"events": [], "seconds": 0.0, "rc": 0}
         second = trace(train + ["--gin", "STEPS = 5"], workdir, timeout_s) if not quick else empty
-        if second["rc"] != 0:
-            return {**out, "status": "error", "phase": "resume", "rc": second["rc"], "stderr_tail": second["stderr_tail"]}
+        if second["rc"] != 0:  # (the phases measured up to the failure kept: a disk filled by the last save, say)
+            return {**out, "status": "error", "phase": "resume", "rc": second["rc"], "stderr_tail": second["stderr_tail"],
+                    "peak_bytes_before_the_error": phases(first, second, empty)["peak_bytes"]}
         evaluation = empty if quick else trace([sys.executable, "-m", "revtrain", "eval", "--workdir", workdir],
                                                workdir, timeout_s)
         if evaluation["rc"] != 0:
             return {**out, "status": "error", "phase": "eval", "rc": evaluation["rc"],
+                    "peak_bytes_before_the_error": phases(first, second, empty)["peak_bytes"],
                     "stderr_tail": evaluation["stderr_tail"]}
         params = int(re.search(r"([\d,]+) params", next(s for s in first["lines"] if _kind(s) == "initialized"))
                      .group(1).replace(",", ""))
