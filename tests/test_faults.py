@@ -262,7 +262,8 @@ def _steps(first: int, last: int) -> str:
     return ", ".join(str(s) for s in range(first, last + 1))
 
 
-@pytest.mark.parametrize("gaps", ["", pytest.param("0", marks=pytest.mark.slow)])  # two signals at once: slow tier
+@pytest.mark.slow  # make test: a signal before the final evaluation; test_reliability's signals
+@pytest.mark.parametrize("gaps", ["", "0"])  # (two signals at once: "0")
 def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_is_left(
         four_checkpoints, byte_lm_data_dir, gaps):
     """One SIGTERM (or two at once) while step 1 is scored: step 1 is finished and written, the others are
@@ -370,7 +371,8 @@ def test_a_signal_before_the_final_evaluation_is_not_lost(tmp_path, byte_lm_data
     assert _eval_steps(workdir) == [2]
 
 
-@pytest.mark.parametrize("what, target", [pytest.param("sample", "revtrain.generate.training_sample", marks=pytest.mark.slow),
+@pytest.mark.slow  # make test-all (make test: a signal before the final evaluation keeps its step)
+@pytest.mark.parametrize("what, target", [("sample", "revtrain.generate.training_sample"),
                                           ("evaluation", "revtrain.loop._eval_and_write")])
 def test_a_failed_periodic_sample_or_evaluation_keeps_its_step(what, target, tmp_path, byte_lm_data_dir, capfd,
                                                                monkeypatch):

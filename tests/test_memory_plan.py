@@ -257,6 +257,7 @@ def test_host_resident_reads_rss_and_peak():
     assert limits.host_limit()[0] > rss
 
 
+@pytest.mark.slow  # make test: the refusal naming the settings that fit
 def test_refused_inside_a_memory_cgroup_not_killed(tmp_path):
     """StandardTrainer on a 51 M-parameter Llama (measured peak 2.2 GiB) inside a 1 GiB memory cgroup: the
     plan refuses it in one line with exit status 2 before the state is placed (the kernel would kill it:

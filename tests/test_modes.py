@@ -150,7 +150,8 @@ def _block_modes(mode, rebuild_mode, n: int) -> list:
     return [modes.REMAT] + [mode] * (n - 1)
 
 
-# (make test: all four at depth 12 in test_exactness; backprop here, the default exact rebuild there too)
+# (make test-all: all four at depth 12 in test_exactness; make test: backprop here, a budget's plan of modes on
+# every tier in test_budget, the exact rebuild everywhere)
 @pytest.mark.parametrize("name", ["backprop", *(pytest.param(n, marks=pytest.mark.slow) for n in
                                                ("exact", "fused", "remat", "checkpoint"))])
 def test_each_exact_mode_trains_bitwise_like_the_standard_trainer(standard_run, name):

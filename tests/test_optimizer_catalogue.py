@@ -358,7 +358,7 @@ def test_plan_names_the_optimizer(capsys):
     assert "ReversibleTrainer + offload" in rows and not any("Adafactor" in r for r in rows), rows
 
 
-@pytest.mark.parametrize("trainer_cls", [StandardTrainer, ReversibleTrainer])
+@pytest.mark.parametrize("trainer_cls", [pytest.param(StandardTrainer, marks=pytest.mark.slow), ReversibleTrainer])
 def test_schedule_free_evaluates_on_its_evaluation_weights(trainer_cls, text_batches):
     """A schedule-free run is evaluated (and sampled) on ``optax.contrib.schedule_free_eval_params``:
     `revtrain.schedule_free.evaluation_state` gives (y - (1 - b1) z) / b1 of every layer, from the whole-model
@@ -389,6 +389,7 @@ def test_schedule_free_evaluates_on_its_evaluation_weights(trainer_cls, text_bat
     assert evaluation_state(plain, state) is state
 
 
+@pytest.mark.slow  # make test-all (a typed key in the state on every tier: noisy_sgd in the whole catalogue)
 @pytest.mark.parametrize("trainer_cls, offload", [(StandardTrainer, None),
                                                    pytest.param(ReversibleTrainer, "disk", marks=pytest.mark.slow)])
 def test_a_key_in_the_state_is_checkpointed_and_resumed(trainer_cls, offload, text_batches, tmp_path):

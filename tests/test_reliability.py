@@ -442,6 +442,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_eval_and_train(base, tmp_path
     assert records(workdir, "eval") == [2, 4]  # the evaluation of the damaged step 4 went with it
 
 
+@pytest.mark.slow  # make test: test_faults' signal before the final evaluation
 def test_a_second_signal_stops_at_once_naming_the_intact_checkpoint(base, tmp_path):
     """The first SIGINT asks for a stop after the step; a second one, sent while a checkpoint is being
     written, stops at once: exit 130, no traceback, no false write error, no temporary directory left."""

@@ -374,7 +374,7 @@ def test_every_tie_offload_executor_combination_samples_the_full_forward(tie, te
 
 
 @pytest.mark.parametrize("tie, offload, scan", [
-    c if c == (True, True, True) else pytest.param(*c, marks=pytest.mark.slow) for c in COMBINATIONS])
+    pytest.param(*c, marks=pytest.mark.slow) for c in COMBINATIONS])  # (make test: test_training_writes_samples)
 def test_sampling_during_training_and_after_for_every_combination(tie, offload, scan, tmp_path, byte_lm_data_dir,
                                                                   capsys):
     """``revtrain train`` with ``train.sample_every`` and no periodic checkpoint, then ``revtrain sample``, on

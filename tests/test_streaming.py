@@ -123,7 +123,7 @@ def test_the_host_store_reads_numpy_leaves_onto_the_device(tmp_path):
     assert tree["w"].sharding.memory_kind == DEVICE_MEMORY and np.array_equal(np.asarray(tree["w"]), params["w"])
 
 
-@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_step_replaces_the_state_layer_by_layer(monkeypatch, deferred):
     """With the cycle collector off: during a step the host-memory arrays alive never exceed one state plus
     two layers' (each layer's old state is let go once its new one is written, as donation consumes the

@@ -155,6 +155,7 @@ def test_a_registered_tier_trains_bit_for_bit_like_the_host_tier(tmp_path):
                                                     jax.tree.leaves(host_state[0][0])))
 
 
+@pytest.mark.slow  # make test: the registered tier trains bit for bit
 def test_a_registered_tier_samples_and_exports_through_the_interfaces_defaults(tmp_path):
     """Sampling and export ask the tier, and the zip tier answers with `Tier`'s defaults through its store: a
     streamed greedy sample (each layer read on the store's reader thread, the next ahead) and a held one are the

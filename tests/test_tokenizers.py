@@ -346,6 +346,7 @@ def _llama_config(tmp_path):
     return str(config)
 
 
+@pytest.mark.slow  # make test: test_llama's import and export
 def test_an_imported_checkpoint_tokenizes_with_its_own_tokenizer_and_exports_it(capsys, tmp_path, corpora,
                                                                                 user_tokenizer):
     """LlamaModel.path at a checkpoint holding a tokenizer.json, TokenLMTask.tokenizer unset: the run
