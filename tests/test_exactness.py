@@ -295,6 +295,7 @@ def test_offload_and_executors_are_bitwise_identical(text_batches):
             assert np.array_equal(x, y), key
 
 
+@pytest.mark.slow  # make test: test_streaming's schedule (each put two programs ahead) and its layer-by-layer step
 def test_offload_keeps_at_most_three_layers_on_device(text_batches):
     """The per-layer executor with offload streams (`revtrain.streaming`): every program gets its layer's
     weights and optimizer state on the device (fetched ahead by the engine) and between steps everything is

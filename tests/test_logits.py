@@ -22,7 +22,8 @@ def _train(workdir, extra):
     assert cli.main(args) == 0
 
 
-@pytest.mark.parametrize("tie, offload", [(False, False), pytest.param(True, True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test: the smoke test's evaluation of a trained run
+@pytest.mark.parametrize("tie, offload", [(False, False), (True, True)])
 def test_logits_of_a_trained_run_match_its_evaluation(tie, offload, tmp_path, byte_lm_data_dir, capsys, caplog):
     """The tied + offloaded run (host-memory weights: they failed under jit before) and a plain one (loaded
     with ``shard_state``, which once printed its summary line): the
