@@ -30,17 +30,17 @@ def pytest_unconfigure(config):
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
 
-# make test's longest files, longest first (seconds of one pytest process, measured with --durations=0 on
-# 2026-12-05: 118 .. 17; the other files take 11 s or less). `make test` hands files to its two processes in
-# collection order (``--dist loadfile --no-loadscope-reorder``): longest first, the short ones last fill the gap
-# between the two, where xdist's own order (most tests first) left a long file of few tests to the end while the
-# other process sat idle (about 50 s of 625 in a replay of the measured times).
-LONGEST_FIRST = ("test_disk_tier.py", "test_exactness.py", "test_combinations.py", "test_memory_plan.py",
-                 "test_faults.py", "test_modes.py", "test_streaming.py", "test_host_memory.py", "test_sample.py",
-                 "test_budget.py", "test_reliability.py", "test_standalone.py", "test_parallel.py", "test_modern.py",
-                 "test_optim.py", "test_cli.py", "test_shard.py", "test_revnet.py", "test_recipe.py",
-                 "test_layerwise.py", "test_logits.py", "test_exact_residual.py",
-                 "test_check_optimizer.py", "test_reversible.py")  # (29 and 26 s of CPU alone, 2026-12-06)
+# make test's longest files, longest first (CPU seconds of their make-test tests, `REVTRAIN_TEST_CPU`, in make test
+# on 2026-12-06 after the cut to make test-all: 87 .. 25; the other files take 22 s or less). `make test` hands
+# files to its two processes in collection order (``--dist loadfile --no-loadscope-reorder``): longest first, the
+# short ones last fill the gap between the two, where xdist's own order (most tests first) left a long file of few
+# tests to the end while the other process sat idle (about 50 s of 625 in a replay of the measured times).
+LONGEST_FIRST = ("test_disk_tier.py", "test_exactness.py", "test_streaming.py", "test_memory_plan.py",
+                 "test_smoke.py", "test_planning_runs.py", "test_modes.py", "test_optimizer_catalogue.py",
+                 "test_parallel.py", "test_sample.py", "test_planning_costs.py", "test_recipe.py", "test_shard.py",
+                 "test_layerwise.py", "test_check_optimizer.py", "test_cli.py", "test_budget.py",
+                 "test_exact_residual.py", "test_revnet.py", "test_planning_auto.py", "test_reliability.py",
+                 "test_combinations.py")
 
 
 def pytest_collection_modifyitems(config, items):
