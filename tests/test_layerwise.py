@@ -248,7 +248,7 @@ def _passes(tx, lw):
     """Jitted programs of the reversible trainer's deferred update for `LayerwiseUpdate` ``lw``: ``step(grads,
     states, params) -> (params, states)``, each layer's statistics and update its own program (fenced as
     `revtrain.trainers.deferred` fences them), the global rounds between."""
-    from revtrain.trainers.layerwise import fence, fenced_update
+    from revtrain.trainers.layerwise import deferred_layer_update, fence
     n = lw.num_layers
 
     def stats(k, i):
@@ -257,18 +257,8 @@ def _passes(tx, lw):
             return fence(scalars, lw.exports(k, i, g, o, p, globals_, scalars))
         return jax.jit(run)
 
-    def update(i):
-        def run(g, o, p, globals_, ok):
-            def update():
-                scalars: list = []
-                if lw.separable:
-                    u, new, more = fenced_update(tx, g, o, p)
-                    scalars.extend(more)
-                else:
-                    u, new = lw.update(i, g, o, p, globals_, scalars)
-                return fence(scalars, (optax.apply_updates(p, u), new))
-            return jax.lax.cond(ok, update, lambda: (p, o))  # (``ok`` an argument: a constant would fold)
-        return jax.jit(run)
+    def update(i):  # the trainer's own per-layer step (``ok`` an argument: a constant would fold)
+        return jax.jit(lambda g, o, p, globals_, ok: deferred_layer_update(tx, lw, i, g, o, p, globals_, ok))
 
     S = [[stats(k, i) for i in range(n)] for k in range(lw.rounds)]
     C = [jax.jit(lambda e, leaves, g, k=k: lw.combine(k, e, leaves, g)) for k in range(lw.rounds)]
