@@ -26,7 +26,12 @@ memory). Such a checkpoint restores through the tier that wrote it (`Tier.restor
 template of that tier, into memory for the other tiers, as numpy weights alone (``optimizer_state=False``:
 ``revtrain check``), or as the weights' refs, read by whoever uses them and never written
 (``optimizer_state=False, files=True``: ``revtrain eval``, ``sample`` and ``export`` stream them layer by
-layer). This module names no tier: it asks the registry (`revtrain.tiers.holder_of`, `revtrain.tiers.names`).
+layer). A tier without a form of its own whose state holds refs of its own store (a registered tier's,
+`Tier.holds_refs`) is saved as Orbax's arrays: the checkpointer's tier reads the state through its store into
+host numpy for the save (`Tier.checkpoint_arrays`) and puts a restored state back into the store layer by layer
+(`Tier.restore_template`, `Tier.restored_arrays`), so such a tier needs no checkpoint code of its own and its
+checkpoints resume with any array tier (and back). This module names no tier: it asks the registry
+(`revtrain.tiers.holder_of`, `revtrain.tiers.names`) and the checkpointer's tier.
 
 Sharded state (``ReversibleTrainer.shard_state``): each leaf is saved with its own sharding, so every
 process writes only its devices' pieces (measured with 2 processes: about half of the state in each
@@ -285,7 +290,9 @@ class Checkpointer:
       async_max_bytes: see ``async_save`` (default `limits.ASYNC_MAX_BYTES`).
       read_only: open for evaluation only (never deletes or creates anything).
       tier: the tier of the states saved and restored (`revtrain.tiers.base.Tier`: its ``checkpoint_form``
-        says how a checkpoint holds them); None: each state's own (`form`).
+        says how a checkpoint holds them; a tier whose states hold its store's refs reads and writes them for
+        Orbax's arrays form, `Tier.checkpoint_arrays`); None: each state's own (`form`; a state of such refs
+        cannot be saved without its tier).
     """
 
     def __init__(self, workdir: str, *, keep: int | None = 3, keep_period: int | None = None,
@@ -375,10 +382,13 @@ class Checkpointer:
         if owner is not None:  # the tier's own form (e.g. hard links to its files): written at once (the tier may
             state = {owner.checkpoint_item: owner.checkpoint_save(ts)}  # release what it links after the next step)
         else:
-            tree = _tree(ts)
+            arrays = self._arrays(ts)  # (a state of a store's refs: read into host numpy by its tier)
+            tree = _tree(arrays)
+            size = state_bytes(ts) if arrays is ts else sum(x.nbytes for x in jax.tree.leaves(tree)
+                                                           if isinstance(x, np.ndarray))
             _bound_to_leaves(self._state_handler, tree, "_save_concurrent_bytes", SAVE_STAGING_BYTES)
             state = {"state": ocp.args.StandardSave(tree)}
-            del tree
+            del tree, arrays
         args = {**state, "meta": ocp.args.JsonSave({**meta, "step": ts.step})}
         if data_iterator is not None:
             args["data"] = DataSave(data_iterator)
@@ -390,11 +400,27 @@ class Checkpointer:
             self._in_flight = ts.step
             if owner is not None:
                 self.wait()
-            elif state_bytes(ts) > self.async_max_bytes:
+            elif size > self.async_max_bytes:
                 self.wait()  # synchronous: the next step may donate every buffer (see the class note)
                 gc.collect()  # the write's views of the buffers sit in reference cycles: drop them now
                 release_free_memory()  # tensorstore's staging buffers, freed in its threads' arenas
         return started
+
+    def _arrays(self, ts: TrainState) -> TrainState:
+        """``ts`` as Orbax's arrays form saves it: through this checkpointer's tier (`Tier.checkpoint_arrays`:
+        a state of its store's refs read into host numpy), else as it is.
+
+        Raises:
+          CheckpointError: ``ts`` holds a registered tier's refs and this checkpointer has no tier (only the
+            tier's store reads them).
+        """
+        if self.tier is not None:
+            return self.tier.checkpoint_arrays(ts)
+        holder = tiers.holder_of(ts)
+        if holder is not None:
+            raise CheckpointError(f"a state of the {holder.name} tier's refs is saved through its tier: "
+                                  "Checkpointer(..., tier=trainer.residency)")
+        return ts
 
     def restore(self, template: TrainState, step: int | None = None, data_iterator=None, *,
                 optimizer_state: bool = True, files: bool = False) -> TrainState:
@@ -406,7 +432,10 @@ class Checkpointer:
         ``files=True`` with ``optimizer_state=False`` and a checkpoint in a tier's own form restored into a
         template of that tier: each layer's weights as the checkpoint's ref (e.g. the disk tier's file, opened
         read-only by whoever reads it: the checkpoint's inodes are never written), nothing of them read here;
-        the tier's store is not touched. Otherwise ignored.
+        the tier's store is not touched. Otherwise ignored. A whole restore for a tier whose states hold its
+        store's refs (this checkpointer's tier, `Tier.holds_refs`) reads the arrays into host numpy and puts them
+        into the store layer by layer (`Tier.restored_arrays`): a template of such a tier resumes through a
+        checkpointer given the tier, as `revtrain train`'s is.
 
         Raises:
           CheckpointError: no such step, or the checkpoint is unreadable or does not match the model.
@@ -429,6 +458,8 @@ class Checkpointer:
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _tree(template.per_layer_shapes()))
         if not optimizer_state:
             return self._restore_weights(abstract, step)
+        if self.tier is not None:  # (a tier whose states hold its store's refs: host numpy buffers)
+            abstract = self.tier.restore_template(abstract)
         _bound_to_leaves(self._state_handler, abstract, "_restore_concurrent_bytes", STAGING_BYTES)
         args = {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
         if data_iterator is not None:
@@ -436,9 +467,11 @@ class Checkpointer:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
             tree = out["state"]
-            return TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
+            ts = TrainState(int(out["meta"]["step"]), tree["params"], tree["opt_state"], tree["layer_state"])
+            del out, tree  # (``ts`` holds the arrays alone: `Tier.restored_arrays` lets go of each layer's)
         except Exception as e:  # Orbax raises many types for corrupt or mismatched files
             raise DamagedCheckpoint(step, damage_reason(e)) from e
+        return ts if self.tier is None else self.tier.restored_arrays(ts)  # (into its store, layer by layer)
 
     def _restore_own(self, owner: type, template: TrainState, step: int, data_iterator, optimizer_state: bool,
                      files: bool = False) -> TrainState:

@@ -56,6 +56,10 @@ def test_the_defaults_are_an_unstreamed_tier_of_arrays(mesh):
         _Plain.checkpoint_save(None)
     template = object()
     assert _Plain.array_template(template) is template
+    # Orbax's arrays form: a state of arrays is saved and restored as it is (no store reads or writes).
+    assert not tier.holds_refs
+    assert tier.checkpoint_arrays(template) is template and tier.restored_arrays(template) is template
+    assert tier.restore_template(template) is template
     assert tier.sample_layers([], None) is None
     x = np.ones(3, np.float32)
     assert tier.keep(x) is x and tier.bring(x) is x and tier.fetch(x) is x
@@ -72,6 +76,7 @@ def test_a_streamed_tier_moves_each_layer_once_per_pass(mesh):
     head's, weights and optimizer state in the backward, and writes each layer once."""
     tier = _Streamed(mesh)
     assert tier.streamed and tier.offloaded
+    assert tier.holds_refs  # (no memory kind of its own: its states hold the store's refs, not arrays)
     assert tier.io_per_step(100, 200, 10) == (2 * 100 + 200 - 10, 100 + 200)
 
 

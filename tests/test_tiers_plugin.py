@@ -1,8 +1,9 @@
 """A new tier is one file and one registration line: this file defines a tier that keeps each layer's weights and
 optimizer state as a compressed file (``numpy.savez_compressed``), registers it, and trains it through
 `ReversibleTrainer` bit for bit against the host tier. Nothing else in the repository knows about it: the
-trainer builds it from ``offload = 'zip'`` (`revtrain.tiers.from_gin`) and the streaming engine reads it ahead
-and writes it behind through its store, as it does the built-in tiers'."""
+trainer builds it from ``offload = 'zip'`` (`revtrain.tiers.from_gin`), the streaming engine reads it ahead
+and writes it behind through its store, as it does the built-in tiers', and a checkpoint saves and resumes it
+through `Tier`'s defaults (Orbax's arrays, read from and put back into its store)."""
 
 import os
 
@@ -11,9 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from revtrain import streaming, tiers
+from revtrain import checkpoint, streaming, tiers
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh, placer
+from revtrain.trainers.common import TrainState
 from revtrain.trainers.common import TrainerError
 from revtrain.trainers.reversible import ReversibleTrainer
 
@@ -114,25 +116,48 @@ tiers.register("zip", ZipTier)  # the registration line
 T = 16
 
 
-def _train(offload, directory=None, steps=2):
-    """``steps`` steps of AdamW on a 2-block model: (losses, each layer's params and optimizer state as numpy,
-    the trainer, the state)."""
-    mesh = make_mesh(jax.devices()[:1])
+def _trainer(offload, directory=None):
+    """A `ReversibleTrainer` of AdamW on a 2-block model with the tier ``offload`` (its files in ``directory``)."""
     model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.1)
-    trainer = ReversibleTrainer(model, optax.adamw(1e-3), mesh, seed=0, offload=offload, scan_layers=False,
-                                offload_dir=directory)
+    return ReversibleTrainer(model, optax.adamw(1e-3), make_mesh(jax.devices()[:1]), seed=0, offload=offload,
+                             scan_layers=False, offload_dir=directory)
+
+
+def _steps(trainer, ts, first, last):
+    """Steps ``first + 1`` to ``last`` of ``ts`` (at step ``first``), each on its own batch (the same batch for a
+    step in every run): (losses, the state)."""
     rng = np.random.default_rng(0)
-    ts, losses = trainer.init(), []
-    for _ in range(steps):
-        x = rng.integers(0, 256, (4, T)).astype(np.int32)
-        ts, metrics = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, mesh))
+    batches = [rng.integers(0, 256, (4, T)).astype(np.int32) for _ in range(last)]
+    losses = []
+    for x in batches[first:]:
+        ts, metrics = trainer.train_step(ts, global_batch({"inputs": x, "targets": x}, trainer.mesh))
         losses.append(float(metrics["loss"]))
-    if offload == "zip":
+    return losses, ts
+
+
+def _numpy(trainer, ts):
+    """Each layer's (params, optimizer state) of ``ts`` as numpy: a zip layer read through the tier's store."""
+    if trainer.residency.name == "zip":
         store = trainer.residency.store
         state = [tuple(store.read([(r, "params"), (r, "opt")], np.asarray)) for r in ts.params]
     else:
         state = list(zip(ts.params, ts.opt_state))
-    return losses, jax.tree.map(np.asarray, state), trainer, ts
+    return jax.tree.map(np.asarray, state)
+
+
+def _train(offload, directory=None, steps=2):
+    """``steps`` steps of AdamW on a 2-block model: (losses, each layer's params and optimizer state as numpy,
+    the trainer, the state)."""
+    trainer = _trainer(offload, directory)
+    losses, ts = _steps(trainer, trainer.init(), 0, steps)
+    return losses, _numpy(trainer, ts), trainer, ts
+
+
+def _equal(a, b) -> bool:
+    """Whether two trees have the same structure and every leaf the same bits."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).tobytes() == np.asarray(y).tobytes()
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_a_registered_tier_trains_bit_for_bit_like_the_host_tier(tmp_path):
@@ -183,3 +208,39 @@ def test_the_registry_names_a_registered_tier():
                           make_mesh(jax.devices()[:1]), offload="ssd")
     with pytest.raises(ValueError, match="taken"):
         tiers.register("zip", tiers.HostTier)
+
+
+def test_a_registered_tier_checkpoints_and_resumes_bit_for_bit(tmp_path):
+    """The zip tier has no checkpoint code: `Tier`'s default saves its state as Orbax's arrays, read through its
+    store one layer at a time (`Tier.checkpoint_arrays`), and puts a restored state back into its store layer by
+    layer (`Tier.restored_arrays`). A run checkpointed after step 2 and resumed by a new trainer (files in a
+    directory of its own) to step 4: the losses and every weight and optimizer-state leaf of an uninterrupted
+    4-step zip run, every bit; the host tier resumes the same checkpoint to the same bits. A checkpointer without
+    the tier refuses the state's refs in one line."""
+    first = _trainer("zip", str(tmp_path / "first"))
+    losses, ts = _steps(first, first.init(), 0, 2)
+    saved = _numpy(first, ts)
+    with pytest.raises(checkpoint.CheckpointError, match="the zip tier's refs is saved through its tier"):
+        checkpoint.Checkpointer(str(tmp_path / "run")).save(ts, None, {})
+    saver = checkpoint.Checkpointer(str(tmp_path / "run"), tier=first.residency)
+    assert saver.save(ts, None, {}) and saver.form(ts) == "orbax"
+    saver.close()
+    assert (tmp_path / "run" / "checkpoints" / "2" / "state").is_dir()  # Orbax's arrays: no item of the tier's
+    more, ts = _steps(first, ts, 2, 4)  # the uninterrupted run (the save read its files, changed nothing)
+    losses, state = losses + more, _numpy(first, ts)
+    second = _trainer("zip", str(tmp_path / "second"))
+    reader = checkpoint.Checkpointer(str(tmp_path / "run"), tier=second.residency)
+    restored = reader.restore(second.abstract_state())
+    reader.close()
+    assert restored.step == 2 and all(isinstance(r, ZipLayer) and r.path.startswith(str(tmp_path / "second"))
+                                      for r in restored.params + restored.opt_state)
+    assert _equal(_numpy(second, restored), saved)  # the step-2 state, put back into the new trainer's store
+    tail, ts = _steps(second, restored, 2, 4)
+    assert losses[2:] == tail
+    assert _equal(_numpy(second, ts), state)
+    # The checkpoint is Orbax's arrays, so the host tier resumes it too: the same steps 3 and 4.
+    host = _trainer(True)
+    reader = checkpoint.Checkpointer(str(tmp_path / "run"), tier=host.residency)
+    tail, ts = _steps(host, reader.restore(host.abstract_state()), 2, 4)
+    reader.close()
+    assert losses[2:] == tail and _equal(_numpy(host, ts), state)

@@ -23,11 +23,13 @@ answers every question the rest of revtrain asks about that place. The questions
 * **Checkpoint, sampling and export forms**: how a checkpoint holds the state (`Tier.checkpoint_form`:
   ``"orbax"`` for arrays, ``"links"`` for the disk tier's hard links; a tier with a form of its own names its
   Orbax item, `Tier.checkpoint_item`, and answers `Tier.checkpoint_handler`, `Tier.checkpoint_save`,
-  `Tier.checkpoint_restore` and `Tier.restored`, `Tier.array_template`), whether a state is this tier's
-  (`Tier.holds_state`), how generation reads the layers (the bytes holding them would add, `Tier.outside_bytes`;
-  one at a time, `Tier.sample_layers`; the words of the choice, `Tier.sample_words`) and how an export reads
-  each layer's weights as numpy (`Tier.layer_weights`). `revtrain.checkpoint`, `revtrain.generate` and
-  `revtrain.export` ask these and never name a tier.
+  `Tier.checkpoint_restore` and `Tier.restored`, `Tier.array_template`; a tier without one whose states hold
+  refs of its store, `Tier.holds_refs`, gets Orbax's arrays by default: `Tier.checkpoint_arrays` reads them
+  through the store for a save, `Tier.restore_template` and `Tier.restored_arrays` put a restored state back
+  into it), whether a state is this tier's (`Tier.holds_state`), how generation reads the layers (the bytes
+  holding them would add, `Tier.outside_bytes`; one at a time, `Tier.sample_layers`; the words of the choice,
+  `Tier.sample_words`) and how an export reads each layer's weights as numpy (`Tier.layer_weights`).
+  `revtrain.checkpoint`, `revtrain.generate` and `revtrain.export` ask these and never name a tier.
 
 `Tier` implements placement for a state held as JAX arrays (the device tier's, shared by the host tier); a
 tier overrides what differs. A new tier is one module with one subclass and one `revtrain.tiers.register`
@@ -60,7 +62,8 @@ class StoreError(RunFailure, OSError):
 class Tier(abc.ABC):
     """Where weights and optimizer state live between uses, and everything that follows from it (see the
     module note). Subclasses set `name`, `gin_value` and implement `describe_place`; the rest has defaults:
-    a state of JAX arrays, not streamed, checkpointed by Orbax.
+    a state of JAX arrays, not streamed, checkpointed by Orbax (a state of a store's refs too: read into arrays
+    through the store, `checkpoint_arrays`).
 
     Args:
       mesh: the data mesh.
@@ -333,6 +336,79 @@ class Tier(abc.ABC):
           ValueError: the item does not match the template (another model), or a file is missing or short.
         """
         raise NotImplementedError(f"the {cls.name} tier's checkpoints are Orbax's arrays")
+
+    @property
+    def holds_refs(self) -> bool:
+        """Whether a state of this tier holds its layers as refs of its store (`store`: the disk tier's files, a
+        registered tier's own objects) rather than as arrays: a streamed tier whose state has no memory kind of
+        its own. (A streamed state of arrays lives outside device memory, in a host memory kind: the host
+        tier's; without one it would be in device memory, which a streamed tier keeps it out of.) A tier may
+        override it."""
+        return self.streamed and self.memory_kind is None
+
+    def checkpoint_arrays(self, ts):
+        """The `TrainState` ``ts`` as Orbax's arrays form saves it (a tier without a form of its own,
+        `checkpoint_item` None): for a tier whose states hold refs of its store (`holds_refs`), each layer's
+        weights and optimizer state read through the store one layer at a time (`revtrain.streaming.Store.load`
+        for a threaded store, then `Store.read` with ``numpy.asarray`` as the placement) into host numpy, in
+        the per-layer layout, the layer state as it is; any other state as it is (Orbax writes arrays from where
+        they live).
+
+        Host memory: the whole state's weights and optimizer state once as numpy (nothing of it on the device),
+        held until the save has written it (`revtrain.checkpoint.Checkpointer.save` writes it synchronously when
+        it is larger than its ``async_max_bytes``); a state larger than host memory needs a form of its own (the
+        disk tier's hard links). A layer is read as the store reads it for a step (a file's checksums checked).
+
+        Raises:
+          OSError: the store cannot read a layer (e.g. `StoreError`).
+        """
+        if not self.holds_refs:
+            return ts
+        ts = ts.per_layer()
+        params, opt_state = [], []
+        for p, o in zip(ts.params, ts.opt_state, strict=True):
+            layer = [(p, "params"), (o, "opt")]
+            items = [(x, part) for x, part in layer if self.store.holds(x)]  # (one read of the layer's refs)
+            loaded = [self.store.load(x, part) for x, part in items] if self.store.threaded else None
+            read = dict(zip((part for _, part in items), self.store.read(items, np.asarray, loaded), strict=True))
+            p, o = (jax.tree.map(np.asarray, read.get(part, x)) for x, part in layer)
+            params.append(p), opt_state.append(o)
+        return type(ts)(ts.step, params, opt_state, ts.layer_state)
+
+    def restore_template(self, abstract: dict) -> dict:
+        """The Orbax restore template of a state of this tier saved in Orbax's arrays form: ``abstract``
+        (``{"params", "opt_state", "layer_state"}``, per-layer lists of ``jax.ShapeDtypeStruct`` from the tier's
+        `layer_template`) as it is, so each leaf is read straight into its placement; for a tier whose states
+        hold refs (`holds_refs`) the weights and optimizer state as host numpy buffers (``numpy.empty``: no page
+        touched until Orbax fills it, nothing on the device), which `restored_arrays` puts into the store."""
+        if not self.holds_refs:
+            return abstract
+        def buffer(x):
+            return np.empty(x.shape, x.dtype)
+        return {**abstract, "params": jax.tree.map(buffer, abstract["params"]),
+                "opt_state": jax.tree.map(buffer, abstract["opt_state"])}
+
+    def restored_arrays(self, ts):
+        """The `TrainState` ``ts`` restored from Orbax's arrays form (into `restore_template`) where this tier
+        keeps it: for a tier whose states hold refs (`holds_refs`), each layer put into the store as the
+        trainer's ``init`` puts it (`put_layer`, then `end_init`), one layer at a time, its numpy let go once
+        stored; else ``ts`` as it is (Orbax placed it). A resumed run then continues from the store's refs bit
+        for bit. ``ts``'s weights and optimizer state are consumed (set to None).
+
+        Host memory: the restore's peak is the whole state once as numpy (Orbax reads it whole), less each layer
+        as it is stored.
+
+        Raises:
+          OSError: the store cannot write a layer (e.g. `StoreError`).
+        """
+        if not self.holds_refs:
+            return ts
+        params, opt_state = list(ts.params), list(ts.opt_state)
+        ts.params = ts.opt_state = None  # (the lists above hold the numpy now: each layer let go once stored)
+        for g in range(len(params)):
+            params[g], opt_state[g] = self.put_layer(g, params[g], opt_state[g])
+        self.end_init()
+        return type(ts)(ts.step, params, opt_state, ts.layer_state)
 
     @classmethod
     def array_template(cls, template):
