@@ -1,7 +1,7 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [CONFIG=configs/enwik_modern.gin] [WORKDIR=runs/<the config's name>]
 #   make data [CONFIG=...]   (the data of CONFIG only)
-#   make smoke  (first: both trainers bit for bit, then train, eval and sample; about a minute)
+#   make smoke  (first: both trainers bit for bit, then train, eval and sample; under a minute)
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
@@ -41,9 +41,10 @@ train: data
 eval: venv
 	$(VENV)/bin/revtrain eval --workdir $(WORKDIR)
 
-# What a newcomer runs first, and what shows that a change did not break training (tests/test_smoke.py).
+# What a newcomer runs first, and what shows that a change did not break training (tests/test_smoke.py): its
+# two tests (both trainers bit for bit; train, eval and sample through the CLI) in two processes at once.
 smoke: data
-	$(PY) -m pytest -q tests/test_smoke.py
+	$(PY) -m pytest -q -n 2 tests/test_smoke.py
 
 # Two test processes (pytest-xdist; a file's tests stay in one process). make test leaves out the tests
 # marked slow (long multi-process scenarios); make test-all runs every test.

@@ -4,6 +4,7 @@ for the whole test session."""
 import os
 import shutil
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -60,16 +61,22 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``REVTRAIN_TEST_CPU=FILE``: each test's CPU seconds (setup, call and teardown; this process and the
-    subprocesses it ran), appended to FILE as JSON lines ``{"test": node id, "cpu_s": ...}``. On a machine
-    shared with other work a test's wall time says little (the `--durations` of one run swing by 2x or
-    more); its CPU seconds are what it costs a test process, and about its wall time on an idle core."""
+    subprocesses it ran), appended to FILE as JSON lines ``{"test": node id, "cpu_s": ..., "wall_s": ...,
+    "start": ..., "worker": ...}``: its wall seconds, when it started (seconds since the epoch) and the xdist
+    worker that ran it (``gw0``, ``gw1``; ``main`` without xdist), from which a run's schedule is read back
+    (`scripts/replay_test_schedule.py`). On a machine shared with other work a test's wall time says little (the
+    `--durations` of one run swing by 2x or more); its CPU seconds are what it costs a test process, and about
+    its wall time on an idle core."""
     path = os.environ.get("REVTRAIN_TEST_CPU")
-    start = _cpu_seconds() if path else 0.0
+    start, wall = (_cpu_seconds(), time.time()) if path else (0.0, 0.0)
     yield
     if path:
         import json
+        record = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 2),
+                  "wall_s": round(time.time() - wall, 2), "start": round(wall, 2),
+                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
         with open(path, "a") as f:
-            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 2)}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 SEQUENCE_LENGTH = 128

@@ -674,7 +674,7 @@ def test_an_unused_disk_state_in_the_workdir_is_named(tmp_path):
     assert "loses nothing" in line
 
 
-def test_an_offload_dir_in_use_by_another_run_is_refused(tmp_path):
+def test_an_offload_dir_in_use_by_another_run_is_refused(tmp_path, capfd):
     """Two runs writing layer files into one ``offload_dir`` would overwrite each other's: the second is refused
     in one line naming the directory and its holder, exit 2, and its new workdir is not left behind."""
     from revtrain.lifecycle import workdir as workdir_lib
@@ -682,8 +682,8 @@ def test_an_offload_dir_in_use_by_another_run_is_refused(tmp_path):
     shared.mkdir()
     holder = workdir_lib.WorkdirLock(str(shared), "train")  # (another open file: flock refuses this process too)
     try:
-        result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
-                           f"ReversibleTrainer.offload_dir = '{shared}'", "--workdir", str(tmp_path / "run"))
+        result = revtrain_here(capfd, "train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
+                               f"ReversibleTrainer.offload_dir = '{shared}'", "--workdir", str(tmp_path / "run"))
     finally:
         holder.release()
     assert result.returncode == 2, result.stderr[-2000:]
@@ -695,12 +695,12 @@ def test_an_offload_dir_in_use_by_another_run_is_refused(tmp_path):
     assert not (tmp_path / "run").exists() and os.listdir(shared) == [".lock"]
 
 
-def test_offload_dir_without_its_parent_is_refused(tmp_path):
+def test_offload_dir_without_its_parent_is_refused(tmp_path, capfd):
     """An ``offload_dir`` whose parent does not exist: one line, exit 2, nothing made (not even the workdir);
     one that is a file: refused too."""
     missing = tmp_path / "no" / "such"
-    result = _revtrain("train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
-                       f"ReversibleTrainer.offload_dir = '{missing}/offload'", "--workdir", str(tmp_path / "run"))
+    result = revtrain_here(capfd, "train", "--config", LLAMA, *DISK, "--gin", "STEPS = 2", "--gin",
+                           f"ReversibleTrainer.offload_dir = '{missing}/offload'", "--workdir", str(tmp_path / "run"))
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "ReversibleTrainer.offload_dir" in lines[0] and f"{missing} does not exist" in lines[0]

@@ -311,23 +311,33 @@ def _two_hosts(procs, holder):
             p.kill()
 
 
+def _selected(request, name: str) -> bool:
+    """Whether this session runs this module's test ``name`` (after ``-m``, ``-k`` and node ids)."""
+    return any(item.module is request.module and item.originalname == name for item in request.session.items)
+
+
 @pytest.fixture(scope="module", autouse=True)
-def background(tmp_path_factory, compilation_cache, byte_lm_data_dir):
+def background(request, tmp_path_factory, compilation_cache, byte_lm_data_dir):
     """Scenarios that are separate processes anyway start with the module, so that they run on the second
     core while this process compiles its own runs: a signal during a long first compile, and a two-process
-    run refused by the lock. Their tests check the results."""
+    run refused by the lock; each only where the session runs its test (make test leaves out the slow
+    compile's: its process costs about 15 s of CPU). Their tests check the results."""
     root = tmp_path_factory.mktemp("background")
-    compile_workdir = root / "compile"
-    compiling = _start(compile_workdir, *TINY, "--gin", "train.trainer = @StandardTrainer",
-                       "--gin", "ReversibleTransformerLM.num_layers = 16")
-    hosts_workdir = root / "hosts"
-    hosts_workdir.mkdir()
-    holder = workdir_lib.WorkdirLock(str(hosts_workdir), "test")
-    port = free_port()
-    hosts = [subprocess.Popen([sys.executable, "-c", _TWO_HOSTS, str(hosts_workdir), f"127.0.0.1:{port}", str(i)],
-                              stderr=subprocess.PIPE, text=True, env=env(isolated=True, **_CACHE)) for i in range(2)]
-    scenarios = {"compile": (_Scenario(_signal_during_compile, compiling, compile_workdir), compile_workdir),
-                 "hosts": (_Scenario(_two_hosts, hosts, holder), hosts_workdir)}
+    scenarios = {}
+    if _selected(request, "test_a_signal_during_the_first_compile_stops_at_once"):
+        compile_workdir = root / "compile"
+        compiling = _start(compile_workdir, *TINY, "--gin", "train.trainer = @StandardTrainer",
+                           "--gin", "ReversibleTransformerLM.num_layers = 16")
+        scenarios["compile"] = (_Scenario(_signal_during_compile, compiling, compile_workdir), compile_workdir)
+    if _selected(request, "test_two_hosts_are_refused_together_when_process_0_cannot_lock"):
+        hosts_workdir = root / "hosts"
+        hosts_workdir.mkdir()
+        holder = workdir_lib.WorkdirLock(str(hosts_workdir), "test")
+        port = free_port()
+        hosts = [subprocess.Popen([sys.executable, "-c", _TWO_HOSTS, str(hosts_workdir), f"127.0.0.1:{port}",
+                                   str(i)], stderr=subprocess.PIPE, text=True, env=env(isolated=True, **_CACHE))
+                 for i in range(2)]
+        scenarios["hosts"] = (_Scenario(_two_hosts, hosts, holder), hosts_workdir)
     yield scenarios
     for scenario, _ in scenarios.values():
         scenario.join(timeout=120)
