@@ -243,9 +243,6 @@ def test_the_schedule_puts_each_layer_ahead_and_waits_only_on_programs(tmp_path,
             assert any(e[3] == "grad" for e in backs)
 
 
-# A timing (medians of steps of a 6-block model of width 256 with and without a slowed link: about 30 s of CPU,
-# and a wall-clock comparison that a loaded machine can upset) is make test-all's.
-@pytest.mark.slow  # make test: the schedule test above (each put issued ahead, the host waits only on programs)
 def test_fetches_overlap_compute(monkeypatch):
     """A link made slow on purpose (a delay per byte fetched, `streaming.FETCH_HOOK`) so that a step's
     transfers take about as long as its compute: the step takes at most 1.25x the larger of the two and at
