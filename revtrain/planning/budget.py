@@ -52,9 +52,10 @@ one being written and one read ahead; a tied parameter's user (the head) with it
 
 Limits: measured seconds vary from start to start by a few percent, so two plans that
 close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is
-estimated from the fused update's programs plus its gradient buffer and a measured margin of its largest layer's
-weights (its update passes are not compiled here: the tied default model at depth 2 stepped 3,871 bytes over
-its least budget without it); tied parameters keep backprop off (the tie's owner would need the
+planned from its own accumulating programs (`revtrain.trainers.deferred.DeferredUpdate`: the run's backward and
+head, a rebuilt run's scan) plus its gradient buffers and a margin of its largest layer's weights for its update
+passes, which are not compiled here (planned from the fused update's programs instead, the tied default model at
+depth 2 stepped 15,943 bytes over the least its refusal named: the accumulating scan holds more); tied parameters keep backprop off (the tie's owner would need the
 head's program); a stack of different blocks is planned with the same (k, h, r) rule, k + h limited to the
 blocks under the head that equal the top one.
 
@@ -96,7 +97,8 @@ class BudgetPlan:
       budget: the budget, bytes.
       peak: the expected peak device bytes of a step (the meter's estimate rule).
       least: the least peak of any plan (bytes): the smallest budget that trains.
-      most: the peak of the fastest plan (every block it can backprop'd).
+      most: the peak of the fastest plan (every block it can backprop'd): compiled, or its estimate where the
+        search did not compile it (``most_measured``).
       flops: expected FLOPs of a step; ``rebuild_flops``: of the plan rebuilding every block.
       rebuild: the trainer's rebuild flavour (``"exact"``, ...).
     """
@@ -113,6 +115,7 @@ class BudgetPlan:
     objective: str = "flops"  # what the plan minimised (`OBJECTIVES`)
     seconds: float = 0.0  # ``objective='time'``: the step's expected seconds (its programs measured)
     rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
+    most_measured: bool = True  # whether ``most`` is the fastest plan's compiled peak (else its estimate)
 
     def counts(self) -> dict:
         """Reversible blocks per mode's plan name (`modes.BUDGET_MODES`, in that order): ``{"backprop": k,
@@ -139,7 +142,8 @@ class BudgetPlan:
                     f"every block; {self.flops:.3g} FLOPs")
         blocks = ", ".join(f"{count} {name}" for name, count in c.items())  # (the rebuild last: its flavour next)
         return (f"memory budget {gib(self.budget)}: blocks {blocks} ({self.rebuild}); expected peak "
-                f"{gib(self.peak)} (least {gib(self.least)}, fastest plan {gib(self.most)}); {cost}")
+                f"{gib(self.peak)} (least {gib(self.least)}, fastest plan {gib(self.most)}"
+                f"{'' if self.most_measured else ' estimated'}); {cost}")
 
     def record(self) -> dict:
         """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
@@ -295,12 +299,12 @@ class Candidates:
             self.base += device_bytes(held.params)  # the gradient buffers, beside the weights
         for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
             self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
-        if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
+        if trainer.deferred:  # a margin for the update passes, whose programs are not compiled here (see there)
             self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
         # (block, per-layer backward kind) where a run of blocks in that kind's mode scans (every reversible
         # block in it): estimating, such a block alone is costed from its mode's scans.
         self.scanned: set = set()
-        if trainer.scan_layers and not trainer.deferred:
+        if trainer.scan_layers:  # (the deferred update scans rebuilt runs only: `layout` says so)
             for mode in (trainer.rebuild_mode, REMAT):
                 modes = [mode if i in self.reversible else m for i, m in enumerate(self.modes(0, 0, 0))]
                 self.scanned.update((j, mode.program_kinds[1]) for start, count in trainer.layout(modes) if count > 1
@@ -425,7 +429,6 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     if budget >= least and timed:
         c.time()
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
-    most = min(c.table.values(), key=cost)[0]
     if budget < least:
         k, h, r = lowest
         how = ("every block rebuilt" if k == h == r == 0 else
@@ -442,8 +445,12 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     else:  # (estimates that kept missing: the fastest of the plans compiled, the least among them, that fits)
         plan = min((p for p in c.measured if c.table[p][0] <= budget), key=lambda p: cost(c.table[p]))
     table = c.table
+    # The fastest plan's peak from the table as the search left it (each plan compiled since replaced its
+    # estimate); an estimate still where that plan was not compiled (`BudgetPlan.most_measured`).
+    fastest = min(table, key=lambda p: cost(table[p]))
+    most = table[fastest][0]
     peak, flops, seconds = table[plan]
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
                       trainer.rebuild, [layer.reversible for layer in layers[:-1]], objective, seconds,
-                      table[none][2])
+                      table[none][2], fastest in c.measured)

@@ -199,6 +199,24 @@ class StepCosts:
                 self.abstract.params[i], self.abstract.layer_state[i], x, self.skey, np.int32(i))[0]
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
         self.inputs.append(x)
+        # The deferred update (`revtrain.trainers.deferred.DeferredUpdate`): the run's backward and head are its
+        # accumulating programs, each adding a layer's gradient to its buffer (shaped and placed like the
+        # weights, donated and returned), their key a microbatch's context with microbatches. Read here in
+        # place of the fused update's (the run compiles these; its update passes are not compiled here).
+        self.deferred = t.deferred_update
+        if self.deferred is not None:
+            shapes, users = t.model.param_shapes(), {tie.user for tie in t.model.ties}
+            place = lambda tree, like: jax.tree.map(  # noqa: E731
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
+            # (a tied user's weights as held, without its tied leaves: the head's program borrows them)
+            self.owned = [place(shapes[i], jax.tree.leaves(p)[0].sharding) if i in users else p
+                          for i, p in enumerate(self.abstract.params)]
+            where = jax.ShapeDtypeStruct((2,), jnp.int32)  # (`common.microbatch_where`)
+            self.ctx = self.skey if t.microbatches == 1 else (self.skey, where)
+
+    def _acc_moved(self, i: int) -> int:
+        """Bytes a streamed tier brings in for layer ``i``'s accumulating program: its weights and buffer."""
+        return 2 * tree_nbytes(self.owned[i])
 
     def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
         """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
@@ -286,6 +304,12 @@ class StepCosts:
         f = self._read(("fwd_run", fwd, layer, n), t.programs.run(fwd, layer, n),
                        (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, timed)
         start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
+        if self.deferred is not None:  # (its accumulating scan, `DeferredUpdate.run`: a rebuilt run's only)
+            acc = stack(self.owned[i])
+            b = self._read(("bwd_run", "reverse_run_acc", layer, n), self.deferred.run(layer, n),
+                           (stack(self.owned[i]), acc, states, start, self.inputs[i + 1], self.ctx, np.int32(i)),
+                           0, n, timed)
+            return f, b
         b = self._read(("bwd_run", bwd, layer, n), t.programs.run(bwd, layer, n),
                        (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n, timed)
         return f, b
@@ -317,6 +341,12 @@ class StepCosts:
                 params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
                 start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
                 f = t.programs.run(fwd, layer, count).eval_shape(params, states, self.inputs[i], self.skey, np.int32(i))
+                if self.deferred is not None:  # (the buffer stack is donated and written in place)
+                    acc = stack(self.owned[i])
+                    b = self.deferred.run(layer, count).eval_shape(acc, acc, states, start, self.inputs[i + 1],
+                                                                   self.ctx, np.int32(i))
+                    results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes(acc)))
+                    continue
                 b = t.programs.run(bwd, layer, count).eval_shape(params, opt, states, start, self.inputs[i + 1],
                                                                 self.skey, np.int32(i))
                 results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes((params, opt))))
@@ -341,6 +371,14 @@ class StepCosts:
             t, layer = self.trainer, self.trainer.model.layers[i]
             a = self.abstract
             start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
+            if self.deferred is not None:  # (its accumulating program: the run's)
+                acc_kind = {"reverse": "reverse_acc", "recompute": "recompute_acc"}[kind]
+                args = (self.owned[i], self.owned[i], a.layer_state[i], start, self.inputs[i + 1], self.ctx,
+                        np.int32(i))
+                self.blocks[("bwd", i, kind)] = self._read(("bwd", acc_kind, layer),
+                                                           self.deferred.per_layer(acc_kind, layer), args,
+                                                           self._acc_moved(i))
+                return self.blocks[("bwd", i, kind)]
             args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
             self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t.programs.per_layer(kind, layer), args,
                                                        self.moved[i])
@@ -351,6 +389,8 @@ class StepCosts:
         of `walk.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
         t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
         n = len(layers) - 1
+        if self.deferred is not None:
+            return self._acc_head(k, h, top)
         if k + h == 0:
             args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
             return self._read(("head", 0, layers[n]), t.programs.per_layer("head", layers[n]), args, self.moved[n])
@@ -369,6 +409,28 @@ class StepCosts:
         key = ("head", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
         return self._read(key, program, args,
                           sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
+
+    def _acc_head(self, k: int, h: int, top) -> Cost:
+        """`head` with the deferred update: its accumulating head program (`DeferredUpdate.per_layer`
+        ``"head_acc"``, the tied leaves borrowed from their owners and their other use's buffer beside), or with
+        blocks inside it `DeferredUpdate.top_head` (one block a group: the deferred update scans no
+        checkpoint run)."""
+        t, layers, a, acc = self.trainer, self.trainer.model.layers, self.abstract, self.deferred
+        n, w = len(layers) - 1, self.owned
+        if k + h == 0:
+            owners = {tie.owner: w[tie.owner] for tie in t.model.ties}
+            tied = t.model.tied_leaves(n, owners)
+            args = (w[n], w[n], a.layer_state[n], self.inputs[n], self.batch, self.ctx, np.int32(n), tied, tied)
+            return self._read(("head_acc", 0, layers[n]), acc.per_layer("head_acc", layers[n]), args,
+                              self._acc_moved(n) + 2 * tree_nbytes(tied))
+        inside = range(n - k - h, n)
+        modes = tuple(CHECKPOINT if i < n - k else top for i in inside)
+        args = (tuple(w[i] for i in inside), tuple(w[i] for i in inside), tuple(a.layer_state[i] for i in inside),
+                w[n], w[n], a.layer_state[n], self.inputs[n - k - h], self.batch, self.ctx,
+                tuple(np.int32(i) for i in inside), np.int32(n))
+        program = acc.top_head(tuple(layers[i] for i in inside), layers[n], modes)
+        key = ("head_acc", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
+        return self._read(key, program, args, sum(self._acc_moved(i) for i in range(n - k - h, n + 1)))
 
 
 
