@@ -96,7 +96,9 @@ class BudgetPlan:
       modes: one `modes.BackwardMode` per layer but the head.
       budget: the budget, bytes.
       peak: the expected peak device bytes of a step (the meter's estimate rule).
-      least: the least peak of any plan (bytes): the smallest budget that trains.
+      least: the least peak of any plan (bytes): the smallest budget that trains. Compiled as it runs where a
+        budget is refused or no other plan fits; else the table's estimate, at most ``peak``
+        (``least_measured``).
       most: the peak of the fastest plan (every block it can backprop'd): compiled, or its estimate where the
         search did not compile it (``most_measured``).
       flops: expected FLOPs of a step; ``rebuild_flops``: of the plan rebuilding every block.
@@ -116,6 +118,7 @@ class BudgetPlan:
     seconds: float = 0.0  # ``objective='time'``: the step's expected seconds (its programs measured)
     rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
     most_measured: bool = True  # whether ``most`` is the fastest plan's compiled peak (else its estimate)
+    least_measured: bool = True  # whether ``least`` is the least plan's compiled peak (else its estimate)
 
     def counts(self) -> dict:
         """Reversible blocks per mode's plan name (`modes.BUDGET_MODES`, in that order): ``{"backprop": k,
@@ -142,7 +145,8 @@ class BudgetPlan:
                     f"every block; {self.flops:.3g} FLOPs")
         blocks = ", ".join(f"{count} {name}" for name, count in c.items())  # (the rebuild last: its flavour next)
         return (f"memory budget {gib(self.budget)}: blocks {blocks} ({self.rebuild}); expected peak "
-                f"{gib(self.peak)} (least {gib(self.least)}, fastest plan {gib(self.most)}"
+                f"{gib(self.peak)} (least {gib(self.least)}{'' if self.least_measured else ' estimated'}, "
+                f"fastest plan {gib(self.most)}"
                 f"{'' if self.most_measured else ' estimated'}); {cost}")
 
     def record(self) -> dict:
@@ -416,41 +420,60 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
     """
     timed = objective == "time"
-    c = candidates(trainer, batch_spec, budget)  # (timed once the budget is known to fit)
-    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
-    # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
-    sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
-    with c.an.reading_bytes(c.refuses(budget)):  # (refused whatever the least: no program of it will run)
-        while True:
-            lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
-            if not c.measure(lowest):
-                break
-    least = c.table[lowest][0]
-    if budget >= least and timed:
-        c.time()
+    c = candidates(trainer, batch_spec, budget)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
-    if budget < least:
-        k, h, r = lowest
-        how = ("every block rebuilt" if k == h == r == 0 else
-               f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
-        raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
-                           f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
-                           f"{least:,} bytes or shrink the batch")
-    # The fastest plan that fits, its estimate checked against its compiled programs (each compiled plan
-    # replaces its estimate in ``c.table``, for the next budget too, and may refine the others').
-    for _ in range(MEASURED_CHOICES):
-        plan = min((p for p, v in c.table.items() if v[0] <= budget), key=lambda p: cost(c.table[p]))
-        if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
-            break
-    else:  # (estimates that kept missing: the fastest of the plans compiled, the least among them, that fits)
-        plan = min((p for p in c.measured if c.table[p][0] <= budget), key=lambda p: cost(c.table[p]))
+    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
+    # together. A budget is refused only against the least compiled as it runs (`Candidates.measure`), a bound;
+    # a budget that a compiled plan fits never needs it (its figure then stays the table's estimate).
+    sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
+    lowest = lambda: min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])  # noqa: E731
+    refused = c.refuses(budget)  # (below every plan's base: refused whatever the least, no program of it runs)
+    plan = None
+    if not refused and budget >= c.table[lowest()][0]:
+        if timed:
+            c.time()
+        plan = _search(c, budget, cost, timed)
+    if plan is None:
+        with c.an.reading_bytes(refused):
+            while c.measure(lowest()):
+                pass
+        least = c.table[lowest()][0]
+        if budget < least:
+            k, h, r = lowest()
+            how = ("every block rebuilt" if k == h == r == 0 else
+                   f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
+            raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
+                               f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
+                               f"{least:,} bytes or shrink the batch")
+        if timed:
+            c.time()
+        plan = _search(c, budget, cost, timed) or lowest()  # (the least fits: the search finds a plan)
     table = c.table
     # The fastest plan's peak from the table as the search left it (each plan compiled since replaced its
     # estimate); an estimate still where that plan was not compiled (`BudgetPlan.most_measured`).
     fastest = min(table, key=lambda p: cost(table[p]))
     most = table[fastest][0]
     peak, flops, seconds = table[plan]
+    # (an estimated least is at most the chosen plan's compiled peak: that plan trains within it)
+    least, least_measured = min(table[lowest()][0], peak), lowest() in c.measured
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
                       trainer.rebuild, [layer.reversible for layer in layers[:-1]], objective, seconds,
-                      table[none][2], fastest in c.measured)
+                      table[none][2], fastest in c.measured, least_measured)
+
+
+def _search(c: Candidates, budget: int, cost, timed: bool):
+    """The fastest plan within ``budget`` (by ``cost`` of its table entry), its estimate checked against its
+    compiled programs (each compiled plan replaces its estimate in ``c.table``, for the next budget too, and
+    may refine the others'): at most `MEASURED_CHOICES` plans compiled, then the fastest of those compiled
+    that fits; with ``timed`` the first compiled plan within `TIME_TOLERANCE` of every plan's seconds. None
+    when no compiled plan fits (no plan's estimate within ``budget``, or every one compiled over it)."""
+    for _ in range(MEASURED_CHOICES):
+        fits = [p for p, v in c.table.items() if v[0] <= budget]
+        if not fits:
+            return None
+        plan = min(fits, key=lambda p: cost(c.table[p]))
+        if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
+            return plan  # (compiled before and within the budget, or compiled now within noise of the fastest)
+    done = [p for p in c.measured if c.table[p][0] <= budget]
+    return min(done, key=lambda p: cost(c.table[p])) if done else None
