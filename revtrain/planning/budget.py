@@ -257,7 +257,7 @@ def _simulate(c: "Candidates", modes: list, head: Cost, exact: bool = False) -> 
                 fr, br = an.run_costs(i, bk, count)
                 fe, be = fr.extra, br.extra
             else:
-                fr, br = an.run_costs(i, bk, an.RUN_LENGTH)
+                fr, br = an.run_costs(i, bk, an.table_length(i, bk))
                 fe, be = an.run_extra(i, bk, count)
             f = Cost(fe if i == start else 0, fr.flops, fr.seconds)  # (FLOPs: a scan's body is counted once)
             b = Cost(be if i == start + count - 1 else 0, br.flops, br.seconds)
@@ -307,12 +307,23 @@ class Candidates:
             self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
         # (block, per-layer backward kind) where a run of blocks in that kind's mode scans (every reversible
         # block in it): estimating, such a block alone is costed from its mode's scans.
+        # The table compiles and times such a run's scans at the length the run has in the plans most often
+        # compiled as they run (`StepCosts.table_length`): a rebuilt run with the top block in the head's program
+        # (the least plan, a checkpoint block on top, or one backprop'd), a rematerialised run whole (every block
+        # remat): those plans then compile no scan of their own, and other lengths are estimated from these.
         self.scanned: set = set()
         if trainer.scan_layers:  # (the deferred update scans rebuilt runs only: `layout` says so)
             for mode in (trainer.rebuild_mode, REMAT):
                 modes = [mode if i in self.reversible else m for i, m in enumerate(self.modes(0, 0, 0))]
-                self.scanned.update((j, mode.program_kinds[1]) for start, count in trainer.layout(modes) if count > 1
-                                    for j in range(start, start + count))
+                kind = mode.program_kinds[1]
+                for start, count in trainer.layout(modes):
+                    if count < 2:
+                        continue
+                    top = mode is not REMAT and self.max_top >= 1 and start + count == n  # (its top under the head)
+                    length = max(StepCosts.RUN_LENGTH, count - 1 if top else count)
+                    for j in range(start, start + count):
+                        self.scanned.add((j, kind))
+                        self.an.lengths[(j, kind)] = length
         self.heads = {}
         # What each checkpoint block past the measured adds to the head's program where they are one stacked
         # run (`_head_cost`): its input. None: each is a group of its own (growing as measured).

@@ -177,6 +177,7 @@ class StepCosts:
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
         self.cache: dict = {}
         self.growth: dict = {}  # (backward kind, layer) -> a run's bytes per block more (`run_growth`)
+        self.lengths: dict = {}  # (block, backward kind) -> the table's length of its run's scans (`table_length`)
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
         self._asked = None  # while `prepare` collects: the programs asked for, lowered
@@ -291,7 +292,13 @@ class StepCosts:
                 del self._ready[key]
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
-    RUN_LENGTH = 2  # a run's scans are compiled and timed at this length for the table of plans (`run_extra`)
+    RUN_LENGTH = 2  # the least length a run's scans are compiled and timed at for the table (`table_length`)
+
+    def table_length(self, i: int, backward_kind: str) -> int:
+        """The length the table of plans compiles and times the scans of block ``i``'s run in the mode whose
+        per-layer backward is ``backward_kind`` at (`lengths`, set by the budget planner: the run's length in
+        the plans most often compiled as they run; `RUN_LENGTH` where none is set)."""
+        return self.lengths.get((i, backward_kind), self.RUN_LENGTH)
 
     def run_costs(self, i: int, backward_kind: str, n: int, timed: bool = True) -> tuple:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
@@ -316,11 +323,12 @@ class StepCosts:
 
     def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
         """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
-        its scans compiled at `RUN_LENGTH` blocks, grown by `run_growth` per block more (or less: ``count``
+        its scans compiled at `table_length` blocks, grown by `run_growth` per block more (or less: ``count``
         1 stands for a block alone)."""
-        f, b = self.run_costs(i, backward_kind, self.RUN_LENGTH)
+        length = self.table_length(i, backward_kind)
+        f, b = self.run_costs(i, backward_kind, length)
         fg, bg = self.run_growth(i, backward_kind)
-        more = count - self.RUN_LENGTH
+        more = count - length
         return max(0, f.extra + more * fg), max(0, b.extra + more * bg)
 
     def run_growth(self, i: int, backward_kind: str) -> tuple:
