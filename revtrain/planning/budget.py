@@ -392,6 +392,19 @@ class Candidates:
             self.table = {p: self.table[p] if p in self.measured else self.evaluate(*p) for p in self.table}
         return True
 
+    def ready(self, plan: tuple) -> bool:
+        """Whether ``plan``'s own programs are compiled already (`measure` would compile nothing): its head's
+        program (a measured point, `heads`), each of its scanned runs' scans at the run's length and each other
+        block's own programs."""
+        k, h, r = plan
+        if (k, h) not in self.heads:
+            return False
+        modes, n = self.modes(k, h, r), self.n
+        below = n - count_in_head(modes)
+        return all(self.an.has_run(start, modes[start].program_kinds[1], count) if count > 1 else
+                   self.an.has_block(start, *modes[start].program_kinds[:2])
+                   for start, count in self.trainer.layout(modes) if start < below)
+
     def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
         """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: every program of the plan
         compiled as it runs (the head's with those blocks, each scanned run at its length), none extrapolated."""
@@ -477,13 +490,18 @@ def _search(c: Candidates, budget: int, cost, timed: bool):
     """The fastest plan within ``budget`` (by ``cost`` of its table entry), its estimate checked against its
     compiled programs (each compiled plan replaces its estimate in ``c.table``, for the next budget too, and
     may refine the others'): at most `MEASURED_CHOICES` plans compiled, then the fastest of those compiled
-    that fits; with ``timed`` the first compiled plan within `TIME_TOLERANCE` of every plan's seconds. None
+    that fits; with ``timed`` the first compiled plan within `TIME_TOLERANCE` of every plan's seconds, trying
+    first among the plans within it of the fastest the one whose programs are compiled already (`Candidates.ready`),
+    then the one with the fewest blocks in the head's program (whose compile grows with them). None
     when no compiled plan fits (no plan's estimate within ``budget``, or every one compiled over it)."""
     for _ in range(MEASURED_CHOICES):
         fits = [p for p, v in c.table.items() if v[0] <= budget]
         if not fits:
             return None
         plan = min(fits, key=lambda p: cost(c.table[p]))
+        if timed:  # (plans within the clock's noise of the fastest are a tie: the one cheapest to compile)
+            ties = [p for p in fits if c.table[p][2] <= (1 + TIME_TOLERANCE) * c.table[plan][2]]
+            plan = min(ties, key=lambda p: (not c.ready(p), p[0] + p[1], cost(c.table[p])))
         if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
             return plan  # (compiled before and within the budget, or compiled now within noise of the fastest)
     done = [p for p in c.measured if c.table[p][0] <= budget]

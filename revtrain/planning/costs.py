@@ -181,7 +181,9 @@ class StepCosts:
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
         self._asked = None  # while `prepare` collects: the programs asked for, lowered
-        self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
+        # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`; ("run", block index, ...) -> a run's
+        # pair (`run_costs`); ("growth", block index, kind) -> `run_growth`'s
+        self.blocks: dict = {}
         self.keeps_on_host = t.residency.keeps_on_host  # kept inputs wait in host memory (the host tier)
         self.own_store = t.residency.state_memory is None  # the state in the tier's own store (its files)
         self.streamed = t.residency.streamed
@@ -304,6 +306,12 @@ class StepCosts:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
         the mode whose per-layer backward is ``backward_kind`` (seconds per block); ``timed=False``: read for
         their bytes only (not timed by this read)."""
+        fast = ("run", i, backward_kind, n, timed)  # (per block index, as `forward`: no hash of the layer's graph)
+        if fast not in self.blocks:
+            self.blocks[fast] = self._run_costs(i, backward_kind, n, timed)
+        return self.blocks[fast]
+
+    def _run_costs(self, i: int, backward_kind: str, n: int, timed: bool) -> tuple:
         t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
         stack = lambda tree: stacked(tree, n)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
@@ -320,6 +328,20 @@ class StepCosts:
         b = self._read(("bwd_run", bwd, layer, n), t.programs.run(bwd, layer, n),
                        (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n, timed)
         return f, b
+
+    def has_block(self, i: int, forward_kind: str, backward_kind: str) -> bool:
+        """Whether block ``i``'s own forward and backward programs (`forward`, `backward`) were read already."""
+        layer = self.trainer.model.layers[i]
+        if self.deferred is not None:
+            backward_kind = {"reverse": "reverse_acc", "recompute": "recompute_acc"}[backward_kind]
+        return ("fwd", forward_kind, layer) in self.cache and ("bwd", backward_kind, layer) in self.cache
+
+    def has_run(self, i: int, backward_kind: str, n: int) -> bool:
+        """Whether the scans of a run of ``n`` blocks like ``i`` (`run_costs`) were read already (compiled)."""
+        layer = self.trainer.model.layers[i]
+        fwd, bwd = self.RUN_KINDS[backward_kind]
+        bwd = "reverse_run_acc" if self.deferred is not None else bwd
+        return ("fwd_run", fwd, layer, n) in self.cache and ("bwd_run", bwd, layer, n) in self.cache
 
     def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
         """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
@@ -338,6 +360,9 @@ class StepCosts:
         state are its donated stacks' (XLA writes them in place), so they are not counted. Its temporaries do
         not grow (one block's body at a time: compiled at 2 and 3 blocks, the default model's scans' temporaries
         were equal)."""
+        fast = ("growth", i, backward_kind)  # (per block index: no hash of the layer's graph)
+        if fast in self.blocks:
+            return self.blocks[fast]
         layer = self.trainer.model.layers[i]
         key = (backward_kind, layer)
         if key not in self.growth:
@@ -360,6 +385,7 @@ class StepCosts:
                 results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes((params, opt))))
             (f2, b2), (f3, b3) = results
             self.growth[key] = (max(0, f3 - f2), max(0, b3 - b2))
+        self.blocks[fast] = self.growth[key]
         return self.growth[key]
 
     def forward(self, i: int, kind: str) -> Cost:
