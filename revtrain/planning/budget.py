@@ -13,21 +13,22 @@ within the budget with the fastest step (``budget_objective``: measured seconds,
 Every mode gives the same gradients (the depth-12 bitwise test against `StandardTrainer` mixes all three),
 so the budget trades only speed against memory.
 
-**Costs.** The trainer's own programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a
-call adds to what is live (temporaries, results not aliased to donated arguments, and with offload the weights
-and optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for its
-FLOPs. The table of every plan compiles few programs (`head_points`; issue 59, "planning in seconds"): the head's
-program alone, with one backprop block and with one checkpoint block; each distinct block's per-layer forward
-and backward of each mode, or, with the scanned executor, each scanning mode's scans at two blocks (a block
-alone is estimated from them too). k backprop and h checkpoint blocks are extrapolated linearly (the residuals
-of k identical blocks; a stacked run of checkpoint blocks adds its input per block; both together
-optimistically, see `_head_cost`); a scan's bytes grow with its length by what its results grow (traced,
-`StepCosts.run_growth`). A plan that may be chosen, or be the least, is then compiled as it runs
-(`Candidates.measure`: the run's own programs), and its head becomes one more point the others are estimated
-from. With ``objective='time'`` each program read is also run on zeros and timed (`time_call`; scans' seconds
-per block stand for a run of any length), after the least is known: FLOPs rank the modes wrongly where a
-program's speed is not its FLOPs' (a block inside the head's program, or one per-layer call, runs slower per
-FLOP than a scan's body on XLA:CPU; see docs/budget.md).
+**Costs.** The trainer's own programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call
+adds to what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
+optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for its FLOPs.
+The table of every plan compiles few programs (`head_points`; issue 59, "planning in seconds"): the head's
+program alone, with one backprop block and with one checkpoint block; each distinct block's per-layer forward and
+backward of each mode, or, with the scanned executor, each scanning mode's scans at the length its run has in the
+plans most often compiled (`StepCosts.table_length`: a rebuilt run under one block in the head's program, a remat
+run whole; a block alone and a run of another length are estimated from them). k backprop and h checkpoint blocks
+are extrapolated linearly (the residuals of k identical blocks; a stacked run of checkpoint blocks adds its input
+per block; both together optimistically, see `_head_cost`); a scan's bytes grow with its length by what its
+results grow (traced, `StepCosts.run_growth`). A plan that may be chosen, or be the least, is then compiled as it
+runs (`Candidates.measure`: the run's own programs), and its head becomes one more point the others are estimated
+from. With ``objective='time'`` each program read is also run on zeros and timed (`time_call`; scans' seconds per
+block stand for a run of any length), once the budget is above the table's least: FLOPs rank the modes wrongly
+where a program's speed is not its FLOPs' (a block inside the head's program, or one per-layer call, runs slower
+per FLOP than a scan's body on XLA:CPU; see docs/budget.md).
 
 **The plan.** Blocks in the head's program must be the ones directly under the head, so a plan is
 ``(k, h, r)``: the top k reversible blocks backprop'd, the h under them checkpointed, the lowest r of the
@@ -38,26 +39,29 @@ the head runs, where the step peaks). The peak of each ``(k, h, r)`` is simulate
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks, their extra bytes grown to the
-run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen and the least
-plan are then compiled as they run (`Candidates.measure`: the head's program with its blocks, each run at its
-own length), so the peak a budget is checked against is never an estimate; the search for the fastest
-compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled; with ``'time'`` it
-stops at a compiled plan within `TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base
-(`Candidates.refuses`) is refused from programs compiled for their bytes alone (`StepCosts.reading_bytes`).
+A scanned run's peak is its scans' (compiled at `StepCosts.table_length` blocks, their extra bytes grown to the
+run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen is then compiled as
+it runs (`Candidates.measure`: the head's program with its blocks, each run at its own length), and so is the
+least plan where a budget is refused or no compiled plan fits it, so the peak a budget is checked against, and
+the least a refusal names, are never estimates (a budget that a compiled plan fits leaves the least the table's
+estimate, at most the chosen plan's peak); the search for the fastest compiles at most `MEASURED_CHOICES` plans,
+then takes the fastest of those compiled; with ``'time'`` it stops at a compiled plan within `TIME_TOLERANCE` of
+every plan's seconds, trying first among the plans within it of the fastest one whose programs are compiled
+already (`Candidates.ready`). A budget below every plan's base (`Candidates.refuses`) is refused from programs
+compiled for their bytes alone (`StepCosts.reading_bytes`).
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,
 one being written and one read ahead; a tied parameter's user (the head) with its tied leaves in its tree.
 
-Limits: measured seconds vary from start to start by a few percent, so two plans that
-close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is
-planned from its own accumulating programs (`revtrain.trainers.deferred.DeferredUpdate`: the run's backward and
-head, a rebuilt run's scan) plus its gradient buffers and a margin of its largest layer's weights for its update
-passes, which are not compiled here (planned from the fused update's programs instead, the tied default model at
-depth 2 stepped 15,943 bytes over the least its refusal named: the accumulating scan holds more); tied parameters keep backprop off (the tie's owner would need the
-head's program); a stack of different blocks is planned with the same (k, h, r) rule, k + h limited to the
-blocks under the head that equal the top one.
+Limits: measured seconds vary from start to start by a few percent, so two plans that close may swap (their
+gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is planned from its own
+accumulating programs (`revtrain.trainers.deferred.DeferredUpdate`: the run's backward and head, a rebuilt run's
+scan) plus its gradient buffers and a margin of its largest layer's weights for its update passes, which are not
+compiled here (planned from the fused update's programs instead, the tied default model at depth 2 stepped 15,943
+bytes over the least its refusal named: the accumulating scan holds more); tied parameters keep backprop off (the
+tie's owner would need the head's program); a stack of different blocks is planned with the same (k, h, r) rule,
+k + h limited to the blocks under the head that equal the top one.
 
 Lineage: checkpointing planners choose what to save under a budget (Chen et al. 2016, "Training Deep Nets
 with Sublinear Memory Cost"; Jain et al. 2020, "Checkmate"); MaxText's per-tensor remat policies; here the
@@ -233,7 +237,7 @@ def _simulate(c: "Candidates", modes: list, head: Cost, exact: bool = False) -> 
     the run's scans (its seconds per block, its bytes at the run's call), and so, estimating, is a block alone
     that a run of its mode would scan (`Candidates.scanned`); other blocks from their own programs.
     ``exact``: a run's bytes and seconds from its scans compiled at its own length, a block alone from its own
-    programs (else from the scans at `StepCosts.RUN_LENGTH` blocks: seconds per block, bytes grown to the run's
+    programs (else from the scans at `StepCosts.table_length` blocks: seconds per block, bytes grown to the run's
     length, `StepCosts.run_extra`)."""
     an = c.an
     n = len(modes)
@@ -438,7 +442,7 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     like ``batch_spec`` (the global batch, ``{key: ShapeDtypeStruct}``). See the module note.
     ``objective``: ``'flops'`` minimises the compiled programs' FLOPs (the same plan on every machine),
     ``'time'`` their seconds measured here (each distinct program run on zeros; a scanned run timed at
-    `StepCosts.RUN_LENGTH` blocks).
+    `StepCosts.table_length` blocks).
 
     Raises:
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
