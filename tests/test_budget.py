@@ -81,7 +81,8 @@ def test_the_time_objective_chooses_the_fewest_measured_seconds(text_batches, ca
 @pytest.mark.slow  # make test-all (about 45 s on 2 cores; the per-layer sibling above in make test)
 def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys):
     """``budget_objective='time'`` (the default), scanned executor, depth 4, a budget every plan fits: the plan
-    is the one of the fewest measured seconds; a scanned plan's seconds come from its runs' scans (timed at 2 blocks), not
+    is the one of the fewest measured seconds; a scanned plan's seconds come from its runs' scans (timed at the
+    table's lengths: a remat run whole, 4 blocks, a rebuilt run under a block in the head's program, 3), not
     from the per-layer programs; the plan's line gives the expected seconds."""
     spec = _spec(text_batches(BATCH, 1)[0])
     model = ReversibleTransformerLM(SEQ, num_layers=4, d_model=32, num_heads=4, dropout_rate=0.0)
@@ -94,8 +95,9 @@ def test_the_time_objective_times_the_programs_a_plan_runs(text_batches, capsys)
         v[2] for p, v in table.items() if p[:2] in c.heads)
     assert all(v[2] > 0 for v in table.values())
     an = c.an
-    assert an.cache[("bwd_run", "remat_backward_run", model.layers[1], 2)].seconds > 0  # the remat scan was timed
-    assert an.cache[("bwd_run", "reverse_run", model.layers[1], 2)].seconds > 0
+    assert (an.table_length(1, "recompute"), an.table_length(1, "reverse")) == (4, 3)
+    assert an.cache[("bwd_run", "remat_backward_run", model.layers[1], 4)].seconds > 0  # the remat scan was timed
+    assert an.cache[("bwd_run", "reverse_run", model.layers[1], 3)].seconds > 0
     # (a run's bytes at another length grow from its scans at 2 by what their results grow, traced: a remat
     # run keeps each block's input, both residual streams)
     assert an.run_growth(1, "recompute")[0] == BATCH * SEQ * 32 * 4 * 2 and an.run_growth(1, "reverse")[0] == 0

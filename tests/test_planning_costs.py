@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+import pytest
 
 from revtrain.models.transformer_lm import ReversibleTransformerLM
 from revtrain.placement import global_batch, make_mesh
@@ -30,9 +31,9 @@ class _Lowerings:
         return self.count - before
 
 
-def _trainer():
+def _trainer(tx=None):
     model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=2, dropout_rate=0.0)
-    return ReversibleTrainer(model, optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0)
+    return ReversibleTrainer(model, tx or optax.adam(1e-3), make_mesh(jax.devices()[:1]), seed=0)
 
 
 def _spec():
@@ -45,20 +46,27 @@ def _first_step(trainer):
     jax.block_until_ready(trainer.train_step(trainer.init(), batch)[1])
 
 
-def test_a_plan_compiles_the_programs_the_step_runs_and_the_step_compiles_them_no_more():
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_plan_compiles_the_programs_the_step_runs_and_the_step_compiles_them_no_more(deferred):
     """`step_temporaries` of the scanned layout (embedding alone, the two blocks one run, the head) compiles
     five programs (each group's forward and backward, the head's): a trainer planned that way lowers exactly
-    five programs fewer in its first step than an unplanned one (their executables are found compiled)."""
+    five programs fewer in its first step than an unplanned one (their executables are found compiled). With
+    the deferred update (a global-norm clip) the backward and head programs are its accumulating ones, the
+    run's own (the update passes are not planned from programs)."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)) if deferred else None
     lowered = _Lowerings()
-    _first_step(_trainer())  # (the small programs every step shares, compiled once)
-    unplanned = lowered.during(lambda: _first_step(_trainer()))
-    trainer = _trainer()
+    _first_step(_trainer(tx))  # (the small programs every step shares, compiled once)
+    unplanned = lowered.during(lambda: _first_step(_trainer(tx)))
+    trainer = _trainer(tx)
+    assert trainer.deferred == deferred
     assert trainer.groups == ((0, 1), (1, 2), (3, 1))
     temps = []
     planned = lowered.during(lambda: temps.extend(costs.step_temporaries(trainer, _spec())))
     assert planned == 5 and len(temps) == 5 and sum(t > 0 for t in temps) >= 4, temps  # (an embedding's forward
     # can need none)
     assert lowered.during(lambda: _first_step(trainer)) == unplanned - 5
+    if deferred:
+        assert any(k[:2] == ("bwd_run", "reverse_run_acc") for k in costs.step_costs(trainer, _spec()).cache)
     assert lowered.during(lambda: costs.step_temporaries(trainer, _spec())) == 0  # (kept with the programs)
     assert trainer.programs.readings and "_budget_candidates" not in vars(trainer)
 

@@ -13,21 +13,22 @@ within the budget with the fastest step (``budget_objective``: measured seconds,
 Every mode gives the same gradients (the depth-12 bitwise test against `StandardTrainer` mixes all three),
 so the budget trades only speed against memory.
 
-**Costs.** The trainer's own programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a
-call adds to what is live (temporaries, results not aliased to donated arguments, and with offload the weights
-and optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for its
-FLOPs. The table of every plan compiles few programs (`head_points`; issue 59, "planning in seconds"): the head's
-program alone, with one backprop block and with one checkpoint block; each distinct block's per-layer forward
-and backward of each mode, or, with the scanned executor, each scanning mode's scans at two blocks (a block
-alone is estimated from them too). k backprop and h checkpoint blocks are extrapolated linearly (the residuals
-of k identical blocks; a stacked run of checkpoint blocks adds its input per block; both together
-optimistically, see `_head_cost`); a scan's bytes grow with its length by what its results grow (traced,
-`StepCosts.run_growth`). A plan that may be chosen, or be the least, is then compiled as it runs
-(`Candidates.measure`: the run's own programs), and its head becomes one more point the others are estimated
-from. With ``objective='time'`` each program read is also run on zeros and timed (`time_call`; scans' seconds
-per block stand for a run of any length), after the least is known: FLOPs rank the modes wrongly where a
-program's speed is not its FLOPs' (a block inside the head's program, or one per-layer call, runs slower per
-FLOP than a scan's body on XLA:CPU; see docs/budget.md).
+**Costs.** The trainer's own programs are compiled on shapes and read: ``memory_analysis()`` for the bytes a call
+adds to what is live (temporaries, results not aliased to donated arguments, and with offload the weights and
+optimizer state it moves in, as `revtrain.memory.MemoryMeter` counts them) and ``cost_analysis()`` for its FLOPs.
+The table of every plan compiles few programs (`head_points`; issue 59, "planning in seconds"): the head's
+program alone, with one backprop block and with one checkpoint block; each distinct block's per-layer forward and
+backward of each mode, or, with the scanned executor, each scanning mode's scans at the length its run has in the
+plans most often compiled (`StepCosts.table_length`: a rebuilt run under one block in the head's program, a remat
+run whole; a block alone and a run of another length are estimated from them). k backprop and h checkpoint blocks
+are extrapolated linearly (the residuals of k identical blocks; a stacked run of checkpoint blocks adds its input
+per block; both together optimistically, see `_head_cost`); a scan's bytes grow with its length by what its
+results grow (traced, `StepCosts.run_growth`). A plan that may be chosen, or be the least, is then compiled as it
+runs (`Candidates.measure`: the run's own programs), and its head becomes one more point the others are estimated
+from. With ``objective='time'`` each program read is also run on zeros and timed (`time_call`; scans' seconds per
+block stand for a run of any length), once the budget is above the table's least: FLOPs rank the modes wrongly
+where a program's speed is not its FLOPs' (a block inside the head's program, or one per-layer call, runs slower
+per FLOP than a scan's body on XLA:CPU; see docs/budget.md).
 
 **The plan.** Blocks in the head's program must be the ones directly under the head, so a plan is
 ``(k, h, r)``: the top k reversible blocks backprop'd, the h under them checkpointed, the lowest r of the
@@ -38,25 +39,29 @@ the head runs, where the step peaks). The peak of each ``(k, h, r)`` is simulate
 the fewest seconds (or FLOPs) whose peak is within the budget (ties: the lower peak). Below the least peak of any plan
 the trainer refuses, naming that least budget (exit 2 from the CLI).
 
-A scanned run's peak is its scans' (compiled at `StepCosts.RUN_LENGTH` blocks, their extra bytes grown to the
-run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen and the least
-plan are then compiled as they run (`Candidates.measure`: the head's program with its blocks, each run at its
-own length), so the peak a budget is checked against is never an estimate; the search for the fastest
-compiles at most `MEASURED_CHOICES` plans, then takes the fastest of those compiled; with ``'time'`` it
-stops at a compiled plan within `TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base
-(`Candidates.refuses`) is refused from programs compiled for their bytes alone (`StepCosts.reading_bytes`).
+A scanned run's peak is its scans' (compiled at `StepCosts.table_length` blocks, their extra bytes grown to the
+run's length: a scan's buffers grow with it), counted where each scan starts. The plan chosen is then compiled as
+it runs (`Candidates.measure`: the head's program with its blocks, each run at its own length), and so is the
+least plan where a budget is refused or no compiled plan fits it, so the peak a budget is checked against, and
+the least a refusal names, are never estimates (a budget that a compiled plan fits leaves the least the table's
+estimate, at most the chosen plan's peak); the search for the fastest compiles at most `MEASURED_CHOICES` plans,
+then takes the fastest of those compiled; with ``'time'`` it stops at a compiled plan within `TIME_TOLERANCE` of
+every plan's seconds, trying first among the plans within it of the fastest one whose programs are compiled
+already (`Candidates.ready`). A budget below every plan's base (`Candidates.refuses`) is refused from programs
+compiled for their bytes alone (`StepCosts.reading_bytes`).
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,
 one being written and one read ahead; a tied parameter's user (the head) with its tied leaves in its tree.
 
-Limits: measured seconds vary from start to start by a few percent, so two plans that
-close may swap (their gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is
-estimated from the fused update's programs plus its gradient buffer and a measured margin of its largest layer's
-weights (its update passes are not compiled here: the tied default model at depth 2 stepped 3,871 bytes over
-its least budget without it); tied parameters keep backprop off (the tie's owner would need the
-head's program); a stack of different blocks is planned with the same (k, h, r) rule, k + h limited to the
-blocks under the head that equal the top one.
+Limits: measured seconds vary from start to start by a few percent, so two plans that close may swap (their
+gradients are the same); a deferred update (microbatches, coupled optimizers, ties) is planned from its own
+accumulating programs (`revtrain.trainers.deferred.DeferredUpdate`: the run's backward and head, a rebuilt run's
+scan) plus its gradient buffers and a margin of its largest layer's weights for its update passes, which are not
+compiled here (planned from the fused update's programs instead, the tied default model at depth 2 stepped 15,943
+bytes over the least its refusal named: the accumulating scan holds more); tied parameters keep backprop off (the
+tie's owner would need the head's program); a stack of different blocks is planned with the same (k, h, r) rule,
+k + h limited to the blocks under the head that equal the top one.
 
 Lineage: checkpointing planners choose what to save under a budget (Chen et al. 2016, "Training Deep Nets
 with Sublinear Memory Cost"; Jain et al. 2020, "Checkmate"); MaxText's per-tensor remat policies; here the
@@ -95,8 +100,11 @@ class BudgetPlan:
       modes: one `modes.BackwardMode` per layer but the head.
       budget: the budget, bytes.
       peak: the expected peak device bytes of a step (the meter's estimate rule).
-      least: the least peak of any plan (bytes): the smallest budget that trains.
-      most: the peak of the fastest plan (every block it can backprop'd).
+      least: the least peak of any plan (bytes): the smallest budget that trains. Compiled as it runs where a
+        budget is refused or no other plan fits; else the table's estimate, at most ``peak``
+        (``least_measured``).
+      most: the peak of the fastest plan (every block it can backprop'd): compiled, or its estimate where the
+        search did not compile it (``most_measured``).
       flops: expected FLOPs of a step; ``rebuild_flops``: of the plan rebuilding every block.
       rebuild: the trainer's rebuild flavour (``"exact"``, ...).
     """
@@ -113,6 +121,8 @@ class BudgetPlan:
     objective: str = "flops"  # what the plan minimised (`OBJECTIVES`)
     seconds: float = 0.0  # ``objective='time'``: the step's expected seconds (its programs measured)
     rebuild_seconds: float = 0.0  # ... of the plan rebuilding every block
+    most_measured: bool = True  # whether ``most`` is the fastest plan's compiled peak (else its estimate)
+    least_measured: bool = True  # whether ``least`` is the least plan's compiled peak (else its estimate)
 
     def counts(self) -> dict:
         """Reversible blocks per mode's plan name (`modes.BUDGET_MODES`, in that order): ``{"backprop": k,
@@ -139,7 +149,9 @@ class BudgetPlan:
                     f"every block; {self.flops:.3g} FLOPs")
         blocks = ", ".join(f"{count} {name}" for name, count in c.items())  # (the rebuild last: its flavour next)
         return (f"memory budget {gib(self.budget)}: blocks {blocks} ({self.rebuild}); expected peak "
-                f"{gib(self.peak)} (least {gib(self.least)}, fastest plan {gib(self.most)}); {cost}")
+                f"{gib(self.peak)} (least {gib(self.least)}{'' if self.least_measured else ' estimated'}, "
+                f"fastest plan {gib(self.most)}"
+                f"{'' if self.most_measured else ' estimated'}); {cost}")
 
     def record(self) -> dict:
         """A flat dict for a run's records: ``budget_bytes``, ``budget_peak_bytes``, counts."""
@@ -225,7 +237,7 @@ def _simulate(c: "Candidates", modes: list, head: Cost, exact: bool = False) -> 
     the run's scans (its seconds per block, its bytes at the run's call), and so, estimating, is a block alone
     that a run of its mode would scan (`Candidates.scanned`); other blocks from their own programs.
     ``exact``: a run's bytes and seconds from its scans compiled at its own length, a block alone from its own
-    programs (else from the scans at `StepCosts.RUN_LENGTH` blocks: seconds per block, bytes grown to the run's
+    programs (else from the scans at `StepCosts.table_length` blocks: seconds per block, bytes grown to the run's
     length, `StepCosts.run_extra`)."""
     an = c.an
     n = len(modes)
@@ -249,7 +261,7 @@ def _simulate(c: "Candidates", modes: list, head: Cost, exact: bool = False) -> 
                 fr, br = an.run_costs(i, bk, count)
                 fe, be = fr.extra, br.extra
             else:
-                fr, br = an.run_costs(i, bk, an.RUN_LENGTH)
+                fr, br = an.run_costs(i, bk, an.table_length(i, bk))
                 fe, be = an.run_extra(i, bk, count)
             f = Cost(fe if i == start else 0, fr.flops, fr.seconds)  # (FLOPs: a scan's body is counted once)
             b = Cost(be if i == start + count - 1 else 0, br.flops, br.seconds)
@@ -295,16 +307,27 @@ class Candidates:
             self.base += device_bytes(held.params)  # the gradient buffers, beside the weights
         for user in {tie.user for tie in trainer.model.ties}:  # a tied leaf's other use's gradient (`deferred`)
             self.base += tree_nbytes(trainer.model.tied_leaves(user, self.an.abstract.params))
-        if trainer.deferred:  # a measured margin: the update passes' programs are not compiled here (see there)
+        if trainer.deferred:  # a margin for the update passes, whose programs are not compiled here (see there)
             self.base += max(tree_nbytes(p) for p in self.an.abstract.params)
         # (block, per-layer backward kind) where a run of blocks in that kind's mode scans (every reversible
         # block in it): estimating, such a block alone is costed from its mode's scans.
+        # The table compiles and times such a run's scans at the length the run has in the plans most often
+        # compiled as they run (`StepCosts.table_length`): a rebuilt run with the top block in the head's program
+        # (the least plan, a checkpoint block on top, or one backprop'd), a rematerialised run whole (every block
+        # remat): those plans then compile no scan of their own, and other lengths are estimated from these.
         self.scanned: set = set()
-        if trainer.scan_layers and not trainer.deferred:
+        if trainer.scan_layers:  # (the deferred update scans rebuilt runs only: `layout` says so)
             for mode in (trainer.rebuild_mode, REMAT):
                 modes = [mode if i in self.reversible else m for i, m in enumerate(self.modes(0, 0, 0))]
-                self.scanned.update((j, mode.program_kinds[1]) for start, count in trainer.layout(modes) if count > 1
-                                    for j in range(start, start + count))
+                kind = mode.program_kinds[1]
+                for start, count in trainer.layout(modes):
+                    if count < 2:
+                        continue
+                    top = mode is not REMAT and self.max_top >= 1 and start + count == n  # (its top under the head)
+                    length = max(StepCosts.RUN_LENGTH, count - 1 if top else count)
+                    for j in range(start, start + count):
+                        self.scanned.add((j, kind))
+                        self.an.lengths[(j, kind)] = length
         self.heads = {}
         # What each checkpoint block past the measured adds to the head's program where they are one stacked
         # run (`_head_cost`): its input. None: each is a group of its own (growing as measured).
@@ -373,6 +396,19 @@ class Candidates:
             self.table = {p: self.table[p] if p in self.measured else self.evaluate(*p) for p in self.table}
         return True
 
+    def ready(self, plan: tuple) -> bool:
+        """Whether ``plan``'s own programs are compiled already (`measure` would compile nothing): its head's
+        program (a measured point, `heads`), each of its scanned runs' scans at the run's length and each other
+        block's own programs."""
+        k, h, r = plan
+        if (k, h) not in self.heads:
+            return False
+        modes, n = self.modes(k, h, r), self.n
+        below = n - count_in_head(modes)
+        return all(self.an.has_run(start, modes[start].program_kinds[1], count) if count > 1 else
+                   self.an.has_block(start, *modes[start].program_kinds[:2])
+                   for start, count in self.trainer.layout(modes) if start < below)
+
     def evaluate(self, k: int, h: int, r: int, measured: bool = False) -> tuple:
         """(expected peak, FLOPs, seconds) of plan ``(k, h, r)``; ``measured``: every program of the plan
         compiled as it runs (the head's with those blocks, each scanned run at its length), none extrapolated."""
@@ -406,44 +442,71 @@ def choose(trainer, batch_spec: dict, budget: int, objective: str = "flops") -> 
     like ``batch_spec`` (the global batch, ``{key: ShapeDtypeStruct}``). See the module note.
     ``objective``: ``'flops'`` minimises the compiled programs' FLOPs (the same plan on every machine),
     ``'time'`` their seconds measured here (each distinct program run on zeros; a scanned run timed at
-    `StepCosts.RUN_LENGTH` blocks).
+    `StepCosts.table_length` blocks).
 
     Raises:
       TrainerError: ``budget`` is below the least peak of any plan (the message names it).
     """
     timed = objective == "time"
-    c = candidates(trainer, batch_spec, budget)  # (timed once the budget is known to fit)
-    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
-    # together, and the least of them compiled as it runs (`Candidates.measure`), so that it is a bound too.
-    sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
-    with c.an.reading_bytes(c.refuses(budget)):  # (refused whatever the least: no program of it will run)
-        while True:
-            lowest = min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])
-            if not c.measure(lowest):
-                break
-    least = c.table[lowest][0]
-    if budget >= least and timed:
-        c.time()
+    c = candidates(trainer, batch_spec, budget)
     cost = (lambda v: (v[2], v[0])) if timed else (lambda v: (v[1], v[0]))  # noqa: E731  (ties: the lower peak)
-    most = min(c.table.values(), key=cost)[0]
-    if budget < least:
-        k, h, r = lowest
-        how = ("every block rebuilt" if k == h == r == 0 else
-               f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
-        raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
-                           f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
-                           f"{least:,} bytes or shrink the batch")
-    # The fastest plan that fits, its estimate checked against its compiled programs (each compiled plan
-    # replaces its estimate in ``c.table``, for the next budget too, and may refine the others').
-    for _ in range(MEASURED_CHOICES):
-        plan = min((p for p, v in c.table.items() if v[0] <= budget), key=lambda p: cost(c.table[p]))
-        if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
-            break
-    else:  # (estimates that kept missing: the fastest of the plans compiled, the least among them, that fits)
-        plan = min((p for p in c.measured if c.table[p][0] <= budget), key=lambda p: cost(c.table[p]))
+    # The least: over plans whose peak is not the optimistic estimate of backprop and checkpoint blocks
+    # together. A budget is refused only against the least compiled as it runs (`Candidates.measure`), a bound;
+    # a budget that a compiled plan fits never needs it (its figure then stays the table's estimate).
+    sure = lambda plan: plan[0] == 0 or plan[1] == 0 or plan[:2] in c.heads  # noqa: E731
+    lowest = lambda: min((p for p in c.table if sure(p)), key=lambda p: c.table[p][0])  # noqa: E731
+    refused = c.refuses(budget)  # (below every plan's base: refused whatever the least, no program of it runs)
+    plan = None
+    if not refused and budget >= c.table[lowest()][0]:
+        if timed:
+            c.time()
+        plan = _search(c, budget, cost, timed)
+    if plan is None:
+        with c.an.reading_bytes(refused):
+            while c.measure(lowest()):
+                pass
+        least = c.table[lowest()][0]
+        if budget < least:
+            k, h, r = lowest()
+            how = ("every block rebuilt" if k == h == r == 0 else
+                   f"{k} blocks backprop, {h} checkpoint, {r} remat, the rest rebuilt")
+            raise TrainerError(f"ReversibleTrainer.memory_budget {gib(budget)} is below the least this step needs: "
+                               f"{gib(least)} ({budget:,} < {least:,} bytes, {how}); raise it to at least "
+                               f"{least:,} bytes or shrink the batch")
+        if timed:
+            c.time()
+        plan = _search(c, budget, cost, timed) or lowest()  # (the least fits: the search finds a plan)
     table = c.table
+    # The fastest plan's peak from the table as the search left it (each plan compiled since replaced its
+    # estimate); an estimate still where that plan was not compiled (`BudgetPlan.most_measured`).
+    fastest = min(table, key=lambda p: cost(table[p]))
+    most = table[fastest][0]
     peak, flops, seconds = table[plan]
+    # (an estimated least is at most the chosen plan's compiled peak: that plan trains within it)
+    least, least_measured = min(table[lowest()][0], peak), lowest() in c.measured
     layers, none = trainer.model.layers, (0, 0, 0)
     return BudgetPlan(c.modes(*plan), budget, int(peak), int(least), int(most), flops, table[none][1],
                       trainer.rebuild, [layer.reversible for layer in layers[:-1]], objective, seconds,
-                      table[none][2])
+                      table[none][2], fastest in c.measured, least_measured)
+
+
+def _search(c: Candidates, budget: int, cost, timed: bool):
+    """The fastest plan within ``budget`` (by ``cost`` of its table entry), its estimate checked against its
+    compiled programs (each compiled plan replaces its estimate in ``c.table``, for the next budget too, and
+    may refine the others'): at most `MEASURED_CHOICES` plans compiled, then the fastest of those compiled
+    that fits; with ``timed`` the first compiled plan within `TIME_TOLERANCE` of every plan's seconds, trying
+    first among the plans within it of the fastest the one whose programs are compiled already (`Candidates.ready`),
+    then the one with the fewest blocks in the head's program (whose compile grows with them). None
+    when no compiled plan fits (no plan's estimate within ``budget``, or every one compiled over it)."""
+    for _ in range(MEASURED_CHOICES):
+        fits = [p for p, v in c.table.items() if v[0] <= budget]
+        if not fits:
+            return None
+        plan = min(fits, key=lambda p: cost(c.table[p]))
+        if timed:  # (plans within the clock's noise of the fastest are a tie: the one cheapest to compile)
+            ties = [p for p in fits if c.table[p][2] <= (1 + TIME_TOLERANCE) * c.table[plan][2]]
+            plan = min(ties, key=lambda p: (not c.ready(p), p[0] + p[1], cost(c.table[p])))
+        if not c.measure(plan) or (timed and _within_noise(c, plan, budget)):
+            return plan  # (compiled before and within the budget, or compiled now within noise of the fastest)
+    done = [p for p in c.measured if c.table[p][0] <= budget]
+    return min(done, key=lambda p: cost(c.table[p])) if done else None

@@ -177,10 +177,13 @@ class StepCosts:
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
         self.cache: dict = {}
         self.growth: dict = {}  # (backward kind, layer) -> a run's bytes per block more (`run_growth`)
+        self.lengths: dict = {}  # (block, backward kind) -> the table's length of its run's scans (`table_length`)
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
         self._asked = None  # while `prepare` collects: the programs asked for, lowered
-        self.blocks: dict = {}  # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`
+        # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`; ("run", block index, ...) -> a run's
+        # pair (`run_costs`); ("growth", block index, kind) -> `run_growth`'s
+        self.blocks: dict = {}
         self.keeps_on_host = t.residency.keeps_on_host  # kept inputs wait in host memory (the host tier)
         self.own_store = t.residency.state_memory is None  # the state in the tier's own store (its files)
         self.streamed = t.residency.streamed
@@ -199,6 +202,24 @@ class StepCosts:
                 self.abstract.params[i], self.abstract.layer_state[i], x, self.skey, np.int32(i))[0]
             x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=data), out)
         self.inputs.append(x)
+        # The deferred update (`revtrain.trainers.deferred.DeferredUpdate`): the run's backward and head are its
+        # accumulating programs, each adding a layer's gradient to its buffer (shaped and placed like the
+        # weights, donated and returned), their key a microbatch's context with microbatches. Read here in
+        # place of the fused update's (the run compiles these; its update passes are not compiled here).
+        self.deferred = t.deferred_update
+        if self.deferred is not None:
+            shapes, users = t.model.param_shapes(), {tie.user for tie in t.model.ties}
+            place = lambda tree, like: jax.tree.map(  # noqa: E731
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=like), tree)
+            # (a tied user's weights as held, without its tied leaves: the head's program borrows them)
+            self.owned = [place(shapes[i], jax.tree.leaves(p)[0].sharding) if i in users else p
+                          for i, p in enumerate(self.abstract.params)]
+            where = jax.ShapeDtypeStruct((2,), jnp.int32)  # (`common.microbatch_where`)
+            self.ctx = self.skey if t.microbatches == 1 else (self.skey, where)
+
+    def _acc_moved(self, i: int) -> int:
+        """Bytes a streamed tier brings in for layer ``i``'s accumulating program: its weights and buffer."""
+        return 2 * tree_nbytes(self.owned[i])
 
     def _read(self, key, program, args, moved: int, blocks: int = 1, timeable: bool = True) -> Cost:
         """The cost of one call of ``program`` on ``args`` (abstract); ``blocks``: the blocks one call runs
@@ -273,12 +294,24 @@ class StepCosts:
                 del self._ready[key]
 
     RUN_KINDS = {"reverse": ("forward_run", "reverse_run"), "recompute": ("remat_forward_run", "remat_backward_run")}
-    RUN_LENGTH = 2  # a run's scans are compiled and timed at this length for the table of plans (`run_extra`)
+    RUN_LENGTH = 2  # the least length a run's scans are compiled and timed at for the table (`table_length`)
+
+    def table_length(self, i: int, backward_kind: str) -> int:
+        """The length the table of plans compiles and times the scans of block ``i``'s run in the mode whose
+        per-layer backward is ``backward_kind`` at (`lengths`, set by the budget planner: the run's length in
+        the plans most often compiled as they run; `RUN_LENGTH` where none is set)."""
+        return self.lengths.get((i, backward_kind), self.RUN_LENGTH)
 
     def run_costs(self, i: int, backward_kind: str, n: int, timed: bool = True) -> tuple:
         """The costs ``(forward, backward)`` of one call of the scans of a run of ``n`` blocks like ``i`` in
         the mode whose per-layer backward is ``backward_kind`` (seconds per block); ``timed=False``: read for
         their bytes only (not timed by this read)."""
+        fast = ("run", i, backward_kind, n, timed)  # (per block index, as `forward`: no hash of the layer's graph)
+        if fast not in self.blocks:
+            self.blocks[fast] = self._run_costs(i, backward_kind, n, timed)
+        return self.blocks[fast]
+
+    def _run_costs(self, i: int, backward_kind: str, n: int, timed: bool) -> tuple:
         t, layer, a = self.trainer, self.trainer.model.layers[i], self.abstract
         stack = lambda tree: stacked(tree, n)  # noqa: E731
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
@@ -286,17 +319,38 @@ class StepCosts:
         f = self._read(("fwd_run", fwd, layer, n), t.programs.run(fwd, layer, n),
                        (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, timed)
         start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
+        if self.deferred is not None:  # (its accumulating scan, `DeferredUpdate.run`: a rebuilt run's only)
+            acc = stack(self.owned[i])
+            b = self._read(("bwd_run", "reverse_run_acc", layer, n), self.deferred.run(layer, n),
+                           (stack(self.owned[i]), acc, states, start, self.inputs[i + 1], self.ctx, np.int32(i)),
+                           0, n, timed)
+            return f, b
         b = self._read(("bwd_run", bwd, layer, n), t.programs.run(bwd, layer, n),
                        (params, opt, states, start, self.inputs[i + 1], self.skey, np.int32(i)), 0, n, timed)
         return f, b
 
+    def has_block(self, i: int, forward_kind: str, backward_kind: str) -> bool:
+        """Whether block ``i``'s own forward and backward programs (`forward`, `backward`) were read already."""
+        layer = self.trainer.model.layers[i]
+        if self.deferred is not None:
+            backward_kind = {"reverse": "reverse_acc", "recompute": "recompute_acc"}[backward_kind]
+        return ("fwd", forward_kind, layer) in self.cache and ("bwd", backward_kind, layer) in self.cache
+
+    def has_run(self, i: int, backward_kind: str, n: int) -> bool:
+        """Whether the scans of a run of ``n`` blocks like ``i`` (`run_costs`) were read already (compiled)."""
+        layer = self.trainer.model.layers[i]
+        fwd, bwd = self.RUN_KINDS[backward_kind]
+        bwd = "reverse_run_acc" if self.deferred is not None else bwd
+        return ("fwd_run", fwd, layer, n) in self.cache and ("bwd_run", bwd, layer, n) in self.cache
+
     def run_extra(self, i: int, backward_kind: str, count: int) -> tuple:
         """``(forward, backward)`` bytes one call of a run of ``count`` blocks like ``i`` adds (`Cost.extra`):
-        its scans compiled at `RUN_LENGTH` blocks, grown by `run_growth` per block more (or less: ``count``
+        its scans compiled at `table_length` blocks, grown by `run_growth` per block more (or less: ``count``
         1 stands for a block alone)."""
-        f, b = self.run_costs(i, backward_kind, self.RUN_LENGTH)
+        length = self.table_length(i, backward_kind)
+        f, b = self.run_costs(i, backward_kind, length)
         fg, bg = self.run_growth(i, backward_kind)
-        more = count - self.RUN_LENGTH
+        more = count - length
         return max(0, f.extra + more * fg), max(0, b.extra + more * bg)
 
     def run_growth(self, i: int, backward_kind: str) -> tuple:
@@ -306,6 +360,9 @@ class StepCosts:
         state are its donated stacks' (XLA writes them in place), so they are not counted. Its temporaries do
         not grow (one block's body at a time: compiled at 2 and 3 blocks, the default model's scans' temporaries
         were equal)."""
+        fast = ("growth", i, backward_kind)  # (per block index: no hash of the layer's graph)
+        if fast in self.blocks:
+            return self.blocks[fast]
         layer = self.trainer.model.layers[i]
         key = (backward_kind, layer)
         if key not in self.growth:
@@ -317,11 +374,18 @@ class StepCosts:
                 params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
                 start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
                 f = t.programs.run(fwd, layer, count).eval_shape(params, states, self.inputs[i], self.skey, np.int32(i))
+                if self.deferred is not None:  # (the buffer stack is donated and written in place)
+                    acc = stack(self.owned[i])
+                    b = self.deferred.run(layer, count).eval_shape(acc, acc, states, start, self.inputs[i + 1],
+                                                                   self.ctx, np.int32(i))
+                    results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes(acc)))
+                    continue
                 b = t.programs.run(bwd, layer, count).eval_shape(params, opt, states, start, self.inputs[i + 1],
                                                                 self.skey, np.int32(i))
                 results.append((tree_nbytes(f), tree_nbytes(b) - tree_nbytes((params, opt))))
             (f2, b2), (f3, b3) = results
             self.growth[key] = (max(0, f3 - f2), max(0, b3 - b2))
+        self.blocks[fast] = self.growth[key]
         return self.growth[key]
 
     def forward(self, i: int, kind: str) -> Cost:
@@ -341,6 +405,14 @@ class StepCosts:
             t, layer = self.trainer, self.trainer.model.layers[i]
             a = self.abstract
             start = self.inputs[i + 1] if kind == "reverse" else self.inputs[i]
+            if self.deferred is not None:  # (its accumulating program: the run's)
+                acc_kind = {"reverse": "reverse_acc", "recompute": "recompute_acc"}[kind]
+                args = (self.owned[i], self.owned[i], a.layer_state[i], start, self.inputs[i + 1], self.ctx,
+                        np.int32(i))
+                self.blocks[("bwd", i, kind)] = self._read(("bwd", acc_kind, layer),
+                                                           self.deferred.per_layer(acc_kind, layer), args,
+                                                           self._acc_moved(i))
+                return self.blocks[("bwd", i, kind)]
             args = (a.params[i], a.opt_state[i], a.layer_state[i], start, self.inputs[i + 1], self.skey, np.int32(i))
             self.blocks[("bwd", i, kind)] = self._read(("bwd", kind, layer), t.programs.per_layer(kind, layer), args,
                                                        self.moved[i])
@@ -351,6 +423,8 @@ class StepCosts:
         of `walk.StepKind.TOP`) and the ``h`` under those (checkpoint)."""
         t, layers, a = self.trainer, self.trainer.model.layers, self.abstract
         n = len(layers) - 1
+        if self.deferred is not None:
+            return self._acc_head(k, h, top)
         if k + h == 0:
             args = (a.params[n], a.opt_state[n], a.layer_state[n], self.inputs[n], self.batch, self.skey, np.int32(n))
             return self._read(("head", 0, layers[n]), t.programs.per_layer("head", layers[n]), args, self.moved[n])
@@ -369,6 +443,28 @@ class StepCosts:
         key = ("head", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
         return self._read(key, program, args,
                           sum(self.moved[i] for i in range(n - k - h, n)) + self.moved[n])
+
+    def _acc_head(self, k: int, h: int, top) -> Cost:
+        """`head` with the deferred update: its accumulating head program (`DeferredUpdate.per_layer`
+        ``"head_acc"``, the tied leaves borrowed from their owners and their other use's buffer beside), or with
+        blocks inside it `DeferredUpdate.top_head` (one block a group: the deferred update scans no
+        checkpoint run)."""
+        t, layers, a, acc = self.trainer, self.trainer.model.layers, self.abstract, self.deferred
+        n, w = len(layers) - 1, self.owned
+        if k + h == 0:
+            owners = {tie.owner: w[tie.owner] for tie in t.model.ties}
+            tied = t.model.tied_leaves(n, owners)
+            args = (w[n], w[n], a.layer_state[n], self.inputs[n], self.batch, self.ctx, np.int32(n), tied, tied)
+            return self._read(("head_acc", 0, layers[n]), acc.per_layer("head_acc", layers[n]), args,
+                              self._acc_moved(n) + 2 * tree_nbytes(tied))
+        inside = range(n - k - h, n)
+        modes = tuple(CHECKPOINT if i < n - k else top for i in inside)
+        args = (tuple(w[i] for i in inside), tuple(w[i] for i in inside), tuple(a.layer_state[i] for i in inside),
+                w[n], w[n], a.layer_state[n], self.inputs[n - k - h], self.batch, self.ctx,
+                tuple(np.int32(i) for i in inside), np.int32(n))
+        program = acc.top_head(tuple(layers[i] for i in inside), layers[n], modes)
+        key = ("head_acc", k, h, layers[n], layers[n - 1]) + (() if top is BACKPROP else (top.name,))
+        return self._read(key, program, args, sum(self._acc_moved(i) for i in range(n - k - h, n + 1)))
 
 
 
