@@ -33,11 +33,11 @@ def leaf_count_sgd(learning_rate: float = 0.1) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def _compare(tx):
+def _compare(tx, steps: int = 2):
     model = ReversibleTransformerLM(128, num_layers=2, d_model=16, num_heads=2)
     trainer = ReversibleTrainer(model, tx, make_mesh(jax.devices()[:1]))
     params = [jax.tree.map(np.asarray, model.init_layer(i)[0]) for i in range(len(model.layers))]
-    return check_optimizer.compare(trainer, model, params, steps=2)
+    return check_optimizer.compare(trainer, model, params, steps=steps)
 
 
 def test_adamw_per_layer_equals_the_whole_model_bit_for_bit():
@@ -67,6 +67,16 @@ def test_a_flattened_elementwise_optimizer_is_each_layers_own_and_matches_its_se
     parameters and moments equal the whole model's (its segment of each moment vector) bit for bit."""
     result = _compare(optax.flatten(optax.adamw(1e-3)))
     assert result.ok and result.form == "the fused update", result.line()
+
+
+@pytest.mark.slow  # (about 35 CPU s; make test: test_layerwise's lbfgs case)
+def test_the_lbfgs_recursion_runs_a_global_round_per_iteration_and_matches():
+    """``optax.scale_by_lbfgs`` (memory 2): its two-loop recursion unrolled, one global round per iteration (four);
+    over three steps (the history holds one difference at step 2, two at step 3) every layer's new parameters and
+    state (its differences, the step count, the weights) equal the whole model's bit for bit."""
+    result = _compare(optax.chain(optax.scale_by_lbfgs(memory_size=2), optax.scale(-1e-3)), steps=3)
+    assert result.ok and result.form == "the deferred update, 4 global round(s)", result.line()
+    assert result.line().startswith("PASS: optimizer step, 3 steps")
 
 
 def test_an_optimizer_whose_layer_step_differs_is_named_by_step_layer_and_leaf():

@@ -315,6 +315,49 @@ def test_a_global_predicate_over_per_layer_arithmetic_is_a_global_round(name):
         assert [int(o[1].total_notfinite) for o in o_layers] == [1, 1] and int(o_whole[1].total_notfinite) == 1
 
 
+def test_the_lbfgs_recursion_is_unrolled_into_global_rounds():
+    """``optax.scale_by_lbfgs``' two-loop recursion (two ``scan``s whose carry is the whole update tree, an inner
+    product of the whole tree per iteration) is unrolled: one global round per iteration (2 x memory size), no
+    ``scan`` left, and the per-layer programs of the deferred update give StandardTrainer's whole-model update
+    (`guarded_update`) bit for bit over four steps (memory 2: the history is full from step 3 on), the parameters
+    and every optimizer state leaf; the unrolled update is optax's own up to rounding."""
+    from revtrain.trainers.layerwise import guarded_update
+    memory = 2
+    tx, rng = optax.chain(optax.scale_by_lbfgs(memory_size=memory), optax.scale(-1e-2)), np.random.default_rng(0)
+    params = [{"w": rng.normal(size=(96, 64)).astype(np.float32), "b": rng.normal(size=64).astype(np.float32)},
+              {"w": rng.normal(size=(64, 96)).astype(np.float32)}]  # (leaves larger than an export may be)
+    assert "scan" in [e.primitive.name for e in jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr.eqns]
+    lw = LayerwiseUpdate(tx, params)
+    assert lw.rounds == 2 * memory and not lw.separable
+    assert "scan" not in [e.primitive.name for e in lw._jaxpr.eqns]
+    whole = jax.jit(lambda g, o, p: guarded_update(tx, g, o, p)[:2])
+    step = _passes(tx, lw)
+    p_whole, o_whole, p_layers, o_layers = params, tx.init(params), list(params), [tx.init(p) for p in params]
+    p_optax, o_optax = params, tx.init(params)
+    for k in range(4):
+        grads = [jax.tree.map(lambda x: (x * 0.5 + rng.normal(size=x.shape) * 0.1).astype(np.float32), p)
+                 for p in p_whole]  # (a quadratic's gradient and noise: positive curvature, the history is used)
+        p_whole, o_whole = whole(grads, o_whole, p_whole)
+        p_layers, o_layers = step(grads, o_layers, p_layers)
+        updates, o_optax = jax.jit(tx.update)(grads, o_optax, p_optax)
+        p_optax = optax.apply_updates(p_optax, updates)
+        for i in range(2):
+            for (path, a), b in zip(tree_flatten_with_path((p_whole[i], _layer_state(o_whole, i)))[0],
+                                    jax.tree.leaves((p_layers[i], o_layers[i]))):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), f"step {k}, layer {i}{keystr(path)}"
+        for a, b in zip(jax.tree.leaves(p_whole), jax.tree.leaves(p_optax)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    assert int(o_layers[0][0].count) == 4 and float(np.abs(np.asarray(o_layers[1][0].weights_memory)).min()) > 0
+
+
+def _layer_state(whole_state, i: int):
+    """Layer ``i``'s part of ``chain(scale_by_lbfgs, scale)``'s whole state (its trees indexed by layer; the step
+    count and the weights every layer's state has), shaped as the layer's own state."""
+    lb = whole_state[0]
+    return (lb._replace(params=lb.params[i], updates=lb.updates[i], diff_params_memory=lb.diff_params_memory[i],
+                        diff_updates_memory=lb.diff_updates_memory[i]), whole_state[1])
+
+
 @pytest.fixture(scope="module")
 def predicated_runs(text_batches, tmp_path_factory):
     """5 steps of each `_PREDICATED` optimizer for StandardTrainer and ReversibleTrainer on every tier (each

@@ -48,9 +48,6 @@ REFUSED: dict = {
     "optax.contrib.scale_by_muon": ("optax's own update fails on a list of layers with its default "
                                     "weight_dimension_numbers (None): a pytree structure error in both trainers, "
                                     "refused in one line (optax.contrib.muon, which brings its own, trains)"),
-    "optax.scale_by_lbfgs": ("ReversibleTrainer: its two-loop recursion is a scan over the history of whole-tree "
-                             "differences, an inner product of the whole tree per iteration: whole tensors of "
-                             "several layers in one scan"),
 }
 
 # Cases known not to train bit for bit, name -> what happens, each xfail(strict=True) (a fixed one fails as XPASS,

@@ -47,10 +47,17 @@ share no operand other than a scalar in any branch), one ``cond`` per part on th
 ``MultiSteps``). A ``cond`` whose leaves meet only through reductions inside a branch (a clip by the
 global norm inside ``MultiSteps``) cannot be split so: it is evaluated as a selection (`_select_cond`:
 both branches' equations, then one ``select_n`` per output on the index), and its reductions become
-global rounds like those outside a branch. A ``while`` or
-``scan`` is labelled as one equation by all of its operands: one layer's (muon's Newton-Schulz iterations
-of one leaf) is that layer's; one that reads small values of several layers is global; one that carries
-large tensors of several layers is refused. The flattened program runs exactly the equations the original
+global rounds like those outside a branch. A ``scan`` of at most `MAX_UNROLL` iterations whose body
+reduces to scalars (``optax.scale_by_lbfgs``' two-loop recursion: an inner product of the whole update tree
+per iteration) is unrolled (`_unroll_scan`): each iteration's per-leaf inner products are layer exports and
+its step of the carry is each layer's element-wise work, one global round per iteration; in each unrolled
+iteration the reductions, the products of scalars and the equations that compute the carry are *boxed*
+(`_boxed`: a conditional of two identical branches, a program of its own), so XLA computes them on operands
+held in memory in the whole model's program and in a layer's alike (unboxed, what it fused into a reduction
+or into a multiply-add depended on the program, an ulp apart). Any other ``while`` or ``scan`` is labelled
+as one equation by all of its operands: one layer's (muon's Newton-Schulz iterations of one leaf) is that
+layer's; one that reads small values of several layers is global; one that carries large tensors of several
+layers is refused. The flattened program runs exactly the equations the original
 ran, on the same values: XLA inlines nested calls anyway, and a part of a ``cond`` computes its outputs as
 the whole ``cond`` did. Every program that applies an update evaluates it through the same flattening
 (`evaluate`, `_bind`), the whole-model update of StandardTrainer too, so the per-layer updates still equal
@@ -161,19 +168,155 @@ def _inlined(eqn):
     return jaxpr, consts
 
 
+# A ``scan`` of at most this many iterations is unrolled (`_unroll_scan`); a longer one stays one equation.
+MAX_UNROLL = 64
+
+
+def _unrollable(eqn):
+    """The body of a ``scan`` that `_unroll_scan` unrolls, flattened (`flatten`: its nested calls inlined), or
+    None: a ``scan`` of at most `MAX_UNROLL` iterations (at least one) whose body has no effects and reduces
+    something to scalars (`_scalar_reduction`: an inner product, a sum; each may be a global round). Any other
+    ``scan`` (muon's Newton-Schulz iterations of one matrix) stays one equation, as before."""
+    if eqn.primitive.name != "scan":
+        return None
+    subs = _sub_jaxprs(eqn.params)
+    length = eqn.params.get("length")
+    if len(subs) != 1 or isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_UNROLL:
+        return None
+    jaxpr, consts = subs[0]
+    if jaxpr.effects or len(jaxpr.constvars) != len(consts) or not _reduces(jaxpr):
+        return None
+    return flatten(jcore.ClosedJaxpr(jaxpr, consts))
+
+
+def _reduces(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or a program nested in it) has a `_scalar_reduction`."""
+    return any(_scalar_reduction(e) or any(_reduces(j) for j, _ in _sub_jaxprs(e.params)) for e in jaxpr.eqns)
+
+
+# issue 60: ``optax.scale_by_lbfgs``' two-loop recursion is a ``scan`` whose carry is the whole update tree and
+# whose every iteration takes an inner product of the whole tree. As one equation it holds every layer's tensors
+# (refused); unrolled, each iteration's inner product is a sum of per-leaf ``dot_general``s (each leaf's, a layer
+# export) and each iteration's ``vec - alpha * du`` is element-wise work of each layer: the labelling sees one
+# global round per iteration, as it sees a global-norm clip.
+def _unroll_scan(eqn, body, invals, scalars: list | None) -> list:
+    """``eqn`` (a ``scan`` of ``length`` iterations, `_unrollable`) evaluated as its iterations, one after
+    another: iteration ``t`` (from the last when ``reverse``) runs the body's equations (`_iteration`) on the
+    consts, the carry and element ``t`` of each scanned operand (``lax.index_in_dim``); each per-iteration
+    output is stacked on a new leading axis in iteration-index order (``jnp.stack``). Every value is the one
+    the ``scan`` computes, by the same equations on the same operands: only the loop is gone.
+
+    Returns the ``scan``'s results: the final carry, then the stacked outputs."""
+    jaxpr, consts_ = body.jaxpr, body.consts
+    p = eqn.params
+    n, nc, ncar = p["length"], p["num_consts"], p["num_carry"]
+    consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
+    ys: list = [None] * n
+    with eqn.ctx.manager:
+        for t in (range(n - 1, -1, -1) if p.get("reverse") else range(n)):
+            out = _iteration(jaxpr, consts_, consts + carry + [lax.index_in_dim(x, t, 0, keepdims=False) for x in xs],
+                             ncar, scalars)
+            carry, ys[t] = out[:ncar], out[ncar:]
+        stacked = [jnp.stack([jnp.asarray(y[j], o.aval.dtype) for y in ys])
+                   for j, o in enumerate(eqn.outvars[ncar:])]
+    return carry + stacked
+
+
+def _iteration(jaxpr, consts, args, num_carry: int, scalars: list | None) -> list:
+    """One iteration of an unrolled ``scan`` (`_unroll_scan`): the body's equations on ``args``, as `evaluate`
+    runs them (`_bind`, fenced with ``scalars``), except that those `_boxable` with the carry's arrays (the
+    first ``num_carry`` results that are arrays: the next iteration's ``vec``) are `_boxed`."""
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    carried = {v for v in jaxpr.outvars[:num_carry] if isinstance(v, jcore.Var) and _size(v) > 1}
+
+    def read(v):
+        return env[v] if isinstance(v, jcore.Var) else v.val
+
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        if _boxable(eqn, carried):
+            out = _boxed(eqn, vals)
+        else:
+            out = _bind(eqn, vals, scalars)
+        env.update(zip(eqn.outvars, out))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _boxable(eqn, carried: set) -> bool:
+    """Whether an equation of an unrolled iteration is `_boxed`: a reduction to scalars (`_scalar_reduction`: an
+    inner product, a sum), a floating product or quotient of scalars (``rho * dot``, whose sum ``alpha - beta`` XLA
+    may contract into a fused multiply-add in one program and not in another), or an equation that computes an
+    array of the carry (in ``carried``: the next iteration's ``vec``). Never a call or control flow."""
+    if eqn.primitive.name in _CALLS or _sub_jaxprs(eqn.params) or eqn.effects:
+        return False
+    if carried.intersection(eqn.outvars) or _scalar_reduction(eqn):
+        return True
+    return eqn.primitive.name in ("mul", "div") and all(_is_scalar(o) for o in eqn.outvars) and any(
+        isinstance(x, jcore.Var) for x in eqn.invars)
+
+
+def _scalar_reduction(eqn) -> bool:
+    """``eqn`` reduces an array to scalars: every result a scalar, some operand larger (``dot_general`` of two
+    vectors, ``reduce_sum``, ``reduce_max``, ...); not a call or control flow (those are evaluated inside)."""
+    if eqn.primitive.name in _CALLS or _sub_jaxprs(eqn.params):
+        return False
+    sizes = [_size(v) for v in eqn.invars]
+    return bool(sizes) and all(getattr(o.aval, "shape", None) == () for o in eqn.outvars) and max(sizes) > 1
+
+
+# issue 60: an unrolled iteration's equations, boxed. Unrolled, ``scale_by_lbfgs``' iteration k takes
+# ``dot(dw_k, vec_k)`` with ``vec_k = vec_{k-1} - alpha * du`` computed in the same program. How XLA:CPU evaluates
+# that reduction depends on what it fuses into it: in the whole model's update ``vec_k`` has another user (the next
+# iteration's step) and is held in memory, in a layer's statistics pass (round k) the inner product is its only
+# user and XLA fused ``vec_{k-1} - alpha * du`` into the reduction (a YNNPACK fusion): the product then came out
+# one ulp apart (``optax.scale_by_lbfgs``, memory 3, step 4, a 128x32 kernel; ``lax.optimization_barrier`` does not
+# stop that fusion: XLA:CPU removes the barrier first). Likewise the left loop's ``alpha - rho * dot`` (contracted
+# into a fused multiply-add or not, by the program it was fused into) and the carry's ``vec + c * dw``. A
+# conditional's branches are programs of their own, whose operands XLA holds in memory: boxed, each such equation
+# reads the same buffers in every program (the whole model's, a layer's statistics and update passes, a global one).
+def _boxed(eqn, vals: list) -> list:
+    """``eqn`` (`_boxable`) evaluated inside a ``lax.switch`` of two identical branches, on an index
+    read from its first non-empty operand (``x != x`` of its first element: 0, or 1 for a NaN; either branch
+    computes the same), so that XLA computes it on its operands as they are in memory, in a program of its own,
+    whatever the program around it fuses (see above). Literal operands stay constants of the branches."""
+    pos = [k for k, v in enumerate(eqn.invars) if isinstance(v, jcore.Var)]
+    probe = next((vals[k] for k in pos if _size(eqn.invars[k]) > 0
+                  and not jax.dtypes.issubdtype(eqn.invars[k].aval.dtype, jax.dtypes.extended)), None)
+    if probe is None:
+        return _bind(eqn, vals)
+    first = jnp.ravel(probe)[0]
+    index = (first != first).astype(jnp.int32)
+
+    def branch(*ops):
+        full = list(vals)
+        for k, x in zip(pos, ops):
+            full[k] = x
+        out = eqn.primitive.bind(*full, **eqn.primitive.get_bind_params(eqn.params))
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    with eqn.ctx.manager:
+        return lax.switch(index, [branch, branch], *(vals[k] for k in pos))
+
+
 def _bind(eqn, invals, scalars: list | None = None):
     """One equation, as ``jax.core.eval_jaxpr`` runs it, except that a call-like equation (a nested
     ``jit``, a closed call, a custom derivative's primal, a remat: `_CALLS`) is evaluated equation by
-    equation, as XLA inlines it anyway, and that a ``cond`` whose branches compute independent parts is
+    equation, as XLA inlines it anyway, that a ``scan`` that reduces to scalars is unrolled (`_unroll_scan`),
+    and that a ``cond`` whose branches compute independent parts is
     split into one ``cond`` per part (`_split_cond`), or, when its parts meet only through reductions,
     evaluated as a selection between its branches' equations (`_select_cond`).
 
     With ``scalars`` (a list), the equation is also *fenced* (see `fence`): the floating scalars it
     broadcasts over a larger result are appended to the list and each branch of a ``cond`` fences its own
-    scalars; the scalars inside other nested programs (a ``scan``, a ``while``) are not reached."""
+    scalars; the scalars inside other nested programs (a ``scan`` that is not unrolled, a ``while``) are not
+    reached."""
     call = _inlined(eqn)
     if call is not None:
         return evaluate(call[0], call[1], invals, scalars)
+    body = _unrollable(eqn)
+    if body is not None:
+        return _unroll_scan(eqn, body, invals, scalars)
     params = eqn.params
     if eqn.primitive.name == "cond":
         parts = _cond_parts(eqn)
