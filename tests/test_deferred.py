@@ -7,6 +7,10 @@ Float32 with ``jax_default_matmul_precision="highest"``, real text, dropout on (
 The 10-step and 4-device comparisons are in tests/test_exactness.py and tests/test_recipe.py.
 """
 
+import json
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +23,7 @@ from revtrain.placement import DATA_AXIS, global_batch, make_mesh
 from revtrain.trainers import NonFiniteError, ReversibleTrainer, StandardTrainer
 from revtrain.trainers.specs import split_leaf_squares
 
-from helpers import numpy_params, tiny_model, train_model, train_steps, worst_leaf
+from helpers import REPO, numpy_params, run_worker, tiny_model, train_model, train_steps, worst_leaf
 
 SEQ, BATCH, STEPS = 128, 4, 3
 CLIP = 0.3  # below the gradient norm of these steps (asserted): the clip scales every step
@@ -125,3 +129,79 @@ def test_split_leaf_squares_sums_a_split_leafs_pieces_over_the_devices():
     got = np.asarray(jax.jit(fn)(grads))
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, np.array([55.0, 1.0], np.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# The memory plan of a sharded deferred trainer (2 devices: a worker, ``python tests/test_deferred.py OUT``).
+# ------------------------------------------------------------------------------------------------
+def test_a_sharded_deferred_trainers_plan_compiles_the_programs_its_step_runs(tmp_path):
+    """``shard_state`` on 2 devices, the tied modern model (2 blocks, d_model 32), clip + AdamW, 2 microbatches
+    (the deferred update for three reasons): `step_temporaries` compiles the five programs of its layout (the
+    embedding's forward and accumulating backward, the blocks' scans, the head's accumulating program), and
+    the first step lowers exactly those five fewer than an unplanned trainer's (each found compiled: the
+    forwards given the microbatch's key context and the head its tied leaves whole, as the step passes them),
+    and trains. (The plan once compiled the fused update's programs in their place, which do not lower under
+    ``shard_state``: ``revtrain train`` crashed in its memory plan with this optimizer or a tied head.)"""
+    out = run_worker(__file__, 2, tmp_path / "plan.json")
+    assert out["devices"] == 2 and out["groups"] == [[0, 1], [1, 2], [3, 1]], out
+    assert out["planned"] == 5 and len(out["temps"]) == 5 and sum(t > 0 for t in out["temps"]) >= 4, out
+    assert out["planned_step"] == out["unplanned_step"] - 5, out
+    assert out["losses"][0] == out["losses"][1] and np.isfinite(out["losses"][0]), out  # (the same step twice)
+
+
+def _plan_worker(out_path: str) -> None:
+    """Writes to ``out_path`` (JSON) the programs lowered by an unplanned trainer's first step, by
+    `step_temporaries` and by a planned trainer's first step (after one warm-up step), the layout, the
+    temporaries and the two first steps' losses (on a batch of zeros)."""
+    import gin
+
+    import revtrain.registry  # noqa: F401  (the modern parts' gin names)
+    from revtrain.models.compose import ComposedModel
+    from revtrain.planning import costs
+    from revtrain.placement import global_batch
+
+    lowered = [0]
+
+    def seen(event, seconds, **kwargs):  # (JAX's event: one program lowered, as tests/test_planning_costs.py counts)
+        lowered[0] += event == "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+    jax.monitoring.register_event_duration_secs_listener(seen)
+
+    def during(fn) -> int:
+        before = lowered[0]
+        fn()
+        return lowered[0] - before
+
+    gin.add_config_file_search_path(str(REPO / "configs"))
+    gin.parse_config_files_and_bindings([str(REPO / "configs" / "enwik_modern.gin")],
+                                        ["RMSNormLanguageModelHead.tie_embedding = True", "NUM_LAYERS = 2",
+                                         "D_MODEL = 32"])
+    mesh, seq = make_mesh(jax.devices()[:2]), 16
+    spec = {k: jax.ShapeDtypeStruct((4, seq), np.int32) for k in ("inputs", "targets")}
+    batch = global_batch({k: np.zeros(v.shape, v.dtype) for k, v in spec.items()}, mesh)
+
+    def trainer():
+        model = ComposedModel(seed=0, d_model=32, input_key="inputs", sequence_length=seq)
+        t = ReversibleTrainer(model, _clip_adamw(), mesh, seed=0, microbatches=2, shard_state=True)
+        assert t.deferred and t.model.ties
+        return t
+
+    losses = []
+
+    def first_step(t):
+        losses.append(float(t.train_step(t.init(), batch)[1]["loss"]))
+
+    first_step(trainer())  # (the small programs every step shares, compiled once)
+    out = {"devices": len(jax.devices()), "unplanned_step": during(lambda: first_step(trainer()))}
+    planned, temps = trainer(), []
+    out["groups"] = [list(g) for g in planned.groups]
+    micro = {k: jax.ShapeDtypeStruct((2, seq), v.dtype) for k, v in spec.items()}  # (the global microbatch's)
+    out["planned"] = during(lambda: temps.extend(costs.step_temporaries(planned, micro)))
+    out["temps"] = [int(t) for t in temps]
+    out["planned_step"] = during(lambda: first_step(planned))
+    out["losses"] = losses[1:]
+    pathlib.Path(out_path).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _plan_worker(sys.argv[1])

@@ -175,6 +175,7 @@ class StepCosts:
         self.abstract = program_state(t, self.state)  # ... as the programs take it
         # The step's key as the step passes it: an uncommitted array (`common.step_key`), no sharding of its own.
         self.skey = jax.ShapeDtypeStruct((2,), jnp.uint32)
+        self.ctx = self.skey  # the key context the step passes its programs (the deferred update's: below)
         self.cache: dict = {}
         self.growth: dict = {}  # (backward kind, layer) -> a run's bytes per block more (`run_growth`)
         self.lengths: dict = {}  # (block, backward kind) -> the table's length of its run's scans (`table_length`)
@@ -214,7 +215,9 @@ class StepCosts:
             # (a tied user's weights as held, without its tied leaves: the head's program borrows them)
             self.owned = [place(shapes[i], jax.tree.leaves(p)[0].sharding) if i in users else p
                           for i, p in enumerate(self.abstract.params)]
-            where = jax.ShapeDtypeStruct((2,), jnp.int32)  # (`common.microbatch_where`)
+            # (`common.microbatch_where`, replicated as `DeferredUpdate._where` places it; every program of the
+            # step takes this context, its forwards too)
+            where = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=NamedSharding(self.mesh, P()))
             self.ctx = self.skey if t.microbatches == 1 else (self.skey, where)
 
     def _acc_moved(self, i: int) -> int:
@@ -317,7 +320,7 @@ class StepCosts:
         params, opt, states = stack(a.params[i]), stack(a.opt_state[i]), stack(a.layer_state[i])
         fwd, bwd = self.RUN_KINDS[backward_kind]
         f = self._read(("fwd_run", fwd, layer, n), t.programs.run(fwd, layer, n),
-                       (params, states, self.inputs[i], self.skey, np.int32(i)), 0, n, timed)
+                       (params, states, self.inputs[i], self.ctx, np.int32(i)), 0, n, timed)
         start = stack(self.inputs[i]) if bwd == "remat_backward_run" else self.inputs[i + 1]
         if self.deferred is not None:  # (its accumulating scan, `DeferredUpdate.run`: a rebuilt run's only)
             acc = stack(self.owned[i])
@@ -393,7 +396,7 @@ class StepCosts:
         if ("fwd", i, kind) not in self.blocks:  # (per block index: a plan's walk looks each up without hashing
             t, layer = self.trainer, self.trainer.model.layers[i]  # the layer's module graph)
             a = self.abstract
-            args = (a.params[i], a.layer_state[i], self.inputs[i], self.skey, np.int32(i))
+            args = (a.params[i], a.layer_state[i], self.inputs[i], self.ctx, np.int32(i))
             self.blocks[("fwd", i, kind)] = self._read(("fwd", kind, layer), t.programs.per_layer(kind, layer), args,
                                                        self.moved[i])
         return self.blocks[("fwd", i, kind)]
@@ -453,7 +456,10 @@ class StepCosts:
         n, w = len(layers) - 1, self.owned
         if k + h == 0:
             owners = {tie.owner: w[tie.owner] for tie in t.model.ties}
-            tied = t.model.tied_leaves(n, owners)
+            # (whole on every device, as the step borrows them: an owner's split leaf replicated, `_borrowed`)
+            tied = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, P()))
+                         if any(d is not None for d in getattr(x.sharding, "spec", ())) else x
+                         for x in t.model.tied_leaves(n, owners))
             args = (w[n], w[n], a.layer_state[n], self.inputs[n], self.batch, self.ctx, np.int32(n), tied, tied)
             return self._read(("head_acc", 0, layers[n]), acc.per_layer("head_acc", layers[n]), args,
                               self._acc_moved(n) + 2 * tree_nbytes(tied))
