@@ -246,8 +246,9 @@ def test_the_schedule_puts_each_layer_ahead_and_waits_only_on_programs(tmp_path,
 def test_fetches_overlap_compute(monkeypatch):
     """A link made slow on purpose (a delay per byte fetched, `streaming.FETCH_HOOK`) so that a step's
     transfers take about as long as its compute: the step takes at most 1.25x the larger of the two and at
-    least 1.5x less than their sum (steps with and without the delay interleaved, medians of 4; the transfers
-    are the link's busy time, the delay on the reader thread standing in for a copy engine, and issuing the puts)."""
+    least 1.5x less than their sum (steps with and without the delay interleaved, medians of 4, up to three such
+    rounds on a loaded machine; the transfers are the link's busy time, the delay on the reader thread standing
+    in for a copy engine, and issuing the puts)."""
     seq = 128
     mesh = make_mesh(jax.devices()[:1])
     trainer = ReversibleTrainer(_model(6, d_model=256, seq=seq), optax.adam(1e-3), mesh, seed=0, offload=True,
@@ -275,20 +276,27 @@ def test_fetches_overlap_compute(monkeypatch):
         step(0.0)
     fetched = trainer.store_stats["host_read_bytes"]
     compute = statistics.median(step(0.0) for _ in range(3))
-    per_byte[0] = compute / fetched  # the transfers' total: one step's compute
-    plain, slowed, busy = [], [], []
-    for _ in range(4):
-        plain.append(step(0.0))
-        slowed.append(step(compute / fetched))
-        busy.append(trainer.store_stats["host_read_seconds"])
-        assert busy[-1] >= compute  # the delay really was paid, on the link (the reader thread)
-    # The transfers: the link's busy time (the delay and issuing the puts), against the compute of
-    # the steps without the delay.
-    compute, slow_step, transfers = statistics.median(plain), statistics.median(slowed), statistics.median(busy)
-    print(f"overlap: step {slow_step:.3f} s, compute {compute:.3f} s, transfers {transfers:.3f} s: "
-          f"{slow_step / max(compute, transfers):.2f}x the larger, {slow_step / (compute + transfers):.2f}x the sum")
-    assert slow_step <= 1.25 * max(compute, transfers), (slow_step, compute, transfers)
-    assert slow_step * 1.5 <= compute + transfers, (slow_step, compute, transfers)
+    per_byte_delay = compute / fetched  # the transfers' total: one step's compute
+    # A measurement round can meet a burst of other work on a shared machine (make test's other worker): up to
+    # three rounds, the first within both bounds passes. Without overlap every round is near the sum (2x the
+    # larger), far outside them.
+    rounds = []
+    for _ in range(3):
+        plain, slowed, busy = [], [], []
+        for _ in range(4):
+            plain.append(step(0.0))
+            slowed.append(step(per_byte_delay))
+            busy.append(trainer.store_stats["host_read_seconds"])
+            assert busy[-1] >= per_byte_delay * fetched  # the delay really was paid, on the link (the reader thread)
+        # The transfers: the link's busy time (the delay and issuing the puts), against the compute of
+        # the steps without the delay.
+        compute, slow_step, transfers = statistics.median(plain), statistics.median(slowed), statistics.median(busy)
+        print(f"overlap: step {slow_step:.3f} s, compute {compute:.3f} s, transfers {transfers:.3f} s: "
+              f"{slow_step / max(compute, transfers):.2f}x the larger, {slow_step / (compute + transfers):.2f}x the sum")
+        rounds.append((slow_step, compute, transfers))
+        if slow_step <= 1.25 * max(compute, transfers) and slow_step * 1.5 <= compute + transfers:
+            return
+    raise AssertionError(f"no round overlapped (step, compute, transfers): {rounds}")
 
 
 def _worker(out_path: str, directory: str) -> None:
