@@ -183,10 +183,27 @@ def _unrollable(eqn):
     length = eqn.params.get("length")
     if len(subs) != 1 or isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_UNROLL:
         return None
+    if _scan_counts(eqn) is None:
+        return None
     jaxpr, consts = subs[0]
     if jaxpr.effects or len(jaxpr.constvars) != len(consts) or not _reduces(jaxpr):
         return None
     return flatten(jcore.ClosedJaxpr(jaxpr, consts))
+
+
+def _scan_counts(eqn) -> tuple | None:
+    """``(consts, carry)``: how many of a ``scan`` equation's operands are its constants and its carry (the rest
+    are scanned), or None where this JAX's ``scan`` does not say. JAX 0.10 and 0.11 give ``num_consts`` and
+    ``num_carry``; JAX 0.12 gives ``ft_in``, the three groups' flat trees (constants, carry, scanned operands)."""
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return p["num_consts"], p["num_carry"]
+    groups = getattr(p.get("ft_in"), "elts", None)
+    try:
+        consts, carry, xs = (len(g) for g in groups)
+    except (TypeError, ValueError):
+        return None
+    return (consts, carry) if consts + carry + xs == len(eqn.invars) else None
 
 
 def _reduces(jaxpr) -> bool:
@@ -209,7 +226,7 @@ def _unroll_scan(eqn, body, invals, scalars: list | None) -> list:
     Returns the ``scan``'s results: the final carry, then the stacked outputs."""
     jaxpr, consts_ = body.jaxpr, body.consts
     p = eqn.params
-    n, nc, ncar = p["length"], p["num_consts"], p["num_carry"]
+    n, (nc, ncar) = p["length"], _scan_counts(eqn)
     consts, carry, xs = list(invals[:nc]), list(invals[nc:nc + ncar]), list(invals[nc + ncar:])
     ys: list = [None] * n
     with eqn.ctx.manager:
