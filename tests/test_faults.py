@@ -339,7 +339,9 @@ def _check_deep_passes(result, depth: int) -> None:
     for row in rows:  # layer-at-a-time backprop: the reversible trainer equals it bit for bit, both dtypes
         # and (the last two columns) the other rebuild mode
         assert [v for v in row[2:] if v != "-"] == ["0.0e+00"] * (6 if row[1] == "reversible" else 3), row
-    assert out[-1].startswith("PASS: compute dtype float32") and "every layer bit-identical" in out[-1]
+    # (the gradients' verdict, then the optimizer step's: revtrain/check_optimizer.py)
+    assert out[-2].startswith("PASS: compute dtype float32") and "every layer bit-identical" in out[-2], out[-2:]
+    assert out[-1].startswith("PASS: optimizer step") and "bit for bit" in out[-1], out[-1]
     for dtype in ("float32", "bfloat16"):  # progress on stderr, every few layers of each pass
         for what in ("forward", "reversible backward (exact rebuild)", "backprop"):
             seen = [l for l in err if l.startswith(f"check {dtype} {what}: ")]

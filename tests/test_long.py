@@ -20,6 +20,7 @@ from revtrain.layers.attention import blockwise_causal_attention
 from revtrain.models import ReversibleTransformerLM
 from revtrain.placement import DATA_AXIS, make_mesh
 from revtrain.trainers import ReversibleTrainer, StandardTrainer
+from revtrain.trainers.programs import LayerPrograms
 
 from helpers import rel_error, tiny_model, train_steps
 
@@ -104,7 +105,7 @@ def _reverse_temp_bytes(seq: int, **kw) -> int:
     layer = model.layers[1]
     mesh = make_mesh(jax.devices()[:1])
     d = P(DATA_AXIS)
-    fn = jax.jit(jax.shard_map(lambda p, s, y, dy, k: ReversibleTrainer.reverse_grads(layer, p, s, y, dy, k),
+    fn = jax.jit(jax.shard_map(lambda p, s, y, dy, k: LayerPrograms.reverse_grads(layer, p, s, y, dy, k),
                                mesh=mesh, in_specs=(P(), P(), d, d, d), out_specs=(d, d, P())))
     y = (jax.ShapeDtypeStruct((1, seq, 32), jnp.float32),) * 2
     keys = jax.ShapeDtypeStruct((1, 2), jnp.uint32)
