@@ -50,3 +50,48 @@ def test_a_plans_modes_put_backprop_on_top_checkpoint_under_it_and_remat_lowest(
         model=types.SimpleNamespace(layers=layers), rebuild_mode=REBUILDS["fused"]))
     modes = budget.Candidates.modes(fake, 1, 1, 1)
     assert modes == [REMAT, REMAT, REBUILDS["fused"], CHECKPOINT, BACKPROP]
+
+
+class _Table:
+    """A stand-in for `budget.Candidates` in `budget._search`: a table of (peak, FLOPs, seconds), the plans
+    compiled already (``ready``), and each `measure` replacing an estimate by its "compiled" entry."""
+
+    def __init__(self, table, ready, compiled):
+        self.table, self._ready, self.compiled, self.measured = dict(table), set(ready), compiled, set(ready)
+
+    def ready(self, plan):
+        return plan in self._ready
+
+    def measure(self, plan):
+        if plan in self.measured:
+            return False
+        self.measured.add(plan)
+        self.table[plan] = self.compiled[plan]
+        return True
+
+
+def _time_cost(v):
+    return (v[2], v[0])
+
+
+def test_time_takes_a_compiled_plan_within_the_ready_tolerance_and_compiles_nothing():
+    """'time': a head-heavy plan estimated 7% faster than the plan whose programs the table compiled (within
+    `READY_TOLERANCE`, above `TIME_TOLERANCE`) is not compiled; one estimated 20% faster is, and is taken when
+    its compiled seconds hold."""
+    remat, heavy = (0, 0, 6), (5, 0, 1)
+    assert budget.TIME_TOLERANCE < 0.07 < budget.READY_TOLERANCE < 0.2
+    c = _Table({remat: (150, 1.0, 0.90), heavy: (420, 1.0, 0.90 / 1.07)}, ready=[remat],
+               compiled={heavy: (420, 1.0, 0.95)})
+    assert budget._search(c, 1 << 30, _time_cost, timed=True) == remat and c.measured == {remat}
+    c = _Table({remat: (150, 1.0, 0.90), heavy: (420, 1.0, 0.90 / 1.2)}, ready=[remat],
+               compiled={heavy: (420, 1.0, 0.76)})
+    assert budget._search(c, 1 << 30, _time_cost, timed=True) == heavy and c.measured == {remat, heavy}
+
+
+def test_time_measures_a_faster_estimate_and_keeps_looking_when_it_is_slower_compiled():
+    """A plan estimated 20% faster but measured slower once compiled: the search goes on to the plan whose
+    programs are compiled, which is then the fastest that fits."""
+    remat, heavy = (0, 0, 6), (5, 0, 1)
+    c = _Table({remat: (150, 1.0, 0.90), heavy: (420, 1.0, 0.72)}, ready=[remat], compiled={heavy: (420, 1.0, 1.1)})
+    assert budget._search(c, 1 << 30, _time_cost, timed=True) == remat
+    assert budget._search(c, 300, _time_cost, timed=True) == remat  # (a budget the heavy plan does not fit)

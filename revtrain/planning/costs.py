@@ -139,15 +139,36 @@ def lower_program(program, args):
         return program.lower(*args)
 
 
-def compile_all(lowered: list, options: dict | None = None) -> list:
-    """Each of ``lowered`` (lowered programs) compiled, all at once on every core (XLA compiles without holding
-    the interpreter); the compiled programs in that order. ``options``: as `compile_program`'s."""
-    if len(lowered) < 2:
-        return [_compiled_quietly(x, options) for x in lowered]
-    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
-            min(len(lowered), os.cpu_count() or 1), thread_name_prefix="revtrain-plan-compile") as pool:
-        warnings.simplefilter("ignore")  # (process-wide: the filters are not per thread)
-        return list(pool.map(lambda x: x.compile(compiler_options=options) if options else x.compile(), lowered))
+class Compiles:
+    """Lowered programs compiled on every core as they are handed in (`submit`), while the caller traces and
+    lowers the next: XLA compiles without holding the interpreter, so tracing overlaps the compiles of the
+    programs before (the budget planner's table: about 2.6 s of tracing and lowering beside 9 s of compiles
+    on 2 cores, docs/budget.md). Used as a context: leaving it waits for every compile; each future's result is
+    the compiled program. Python's warnings are off while it is open (process-wide: filters are not per thread;
+    a donation XLA cannot use on these shapes is said once, at run time). ``options``: as `compile_program`'s."""
+
+    def __init__(self, options: dict | None = None):
+        self.options = options
+        self._pool = None
+        self._warnings = warnings.catch_warnings()
+
+    def __enter__(self) -> "Compiles":
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._pool = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1,
+                                                           thread_name_prefix="revtrain-plan-compile")
+        return self
+
+    def submit(self, lowered) -> concurrent.futures.Future:
+        """Starts compiling ``lowered`` (a lowered program); its future's result is the compiled program."""
+        options = self.options
+        return self._pool.submit(lambda: lowered.compile(compiler_options=options) if options else lowered.compile())
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._pool.shutdown(wait=True)
+        finally:
+            self._warnings.__exit__(*exc)
 
 
 def _compiled_quietly(lowered, options: dict | None = None):
@@ -181,7 +202,8 @@ class StepCosts:
         self.lengths: dict = {}  # (block, backward kind) -> the table's length of its run's scans (`table_length`)
         self.compiled: dict = {}  # programs compiled untimed, kept to be timed without a second compile
         self._ready: dict = {}  # programs compiled ahead (`prepare`), not read yet
-        self._asked = None  # while `prepare` collects: the programs asked for, lowered
+        self._asked = None  # while `prepare` collects: the programs asked for, compiling (futures)
+        self._compiles = None  # ... and the `Compiles` compiling them
         # ("fwd" | "bwd", block index, program kind) -> the cached `Cost`; ("run", block index, ...) -> a run's
         # pair (`run_costs`); ("growth", block index, kind) -> `run_growth`'s
         self.blocks: dict = {}
@@ -231,7 +253,7 @@ class StepCosts:
         timed = self.timed and timeable
         if self._asked is not None:  # (`prepare` collects: nothing is read yet)
             if key not in self.cache and key not in self._ready and key not in self._asked:
-                self._asked[key] = lower_program(program, args)
+                self._asked[key] = self._compiles.submit(lower_program(program, args))
             return Cost(0, 0.0)
         if key in self.cache:
             if timed and not self.cache[key].seconds:  # compiled untimed (the refusal's check), timed when asked
@@ -262,21 +284,21 @@ class StepCosts:
 
     def prepare(self, *calls) -> None:
         """Compiles every program the ``calls`` (functions of no argument that read costs here: `forward`,
-        `head`, a plan's walk) will read, all at once on every core (XLA compiles without holding the
-        interpreter), so that the calls themselves then only read compiled programs. The calls run twice: once
-        to collect their programs (each lowered, nothing read, the costs they see are zeros), and once more by
-        the caller. Results are those of reading one program at a time."""
+        `head`, a plan's walk) will read, all at once on every core, each as soon as it is lowered (`Compiles`:
+        the next is traced meanwhile), so that the calls themselves then only read compiled programs. The
+        calls run twice: once to collect their programs (nothing read, the costs they see are zeros), and once
+        more by the caller. Results are those of reading one program at a time."""
         blocks = set(self.blocks)
         self._asked = {}
         try:
-            for call in calls:
-                call()
+            with Compiles(BYTES_ONLY_OPTIONS if self.bytes_only else None) as self._compiles:
+                for call in calls:
+                    call()
         finally:
-            asked, self._asked = self._asked, None
+            asked, self._asked, self._compiles = self._asked, None, None
             for key in set(self.blocks) - blocks:  # (the zeros seen while collecting)
                 del self.blocks[key]
-        options = BYTES_ONLY_OPTIONS if self.bytes_only else None
-        self._ready.update(zip(asked, compile_all(list(asked.values()), options)))
+        self._ready.update((key, future.result()) for key, future in asked.items())
 
     @contextlib.contextmanager
     def reading_bytes(self, on: bool = True):
@@ -534,19 +556,20 @@ def eval_temporaries(trainer, eval_spec: dict) -> list:
     a = program_state(trainer, trainer.abstract_state())
     groups = tuple(trainer.groups)
     fns, head = trainer.eval_programs(groups)
-    x, lowered, acts = batch[trainer.model.input_key], [], []
-    for (start, count), fn in zip(groups[:-1], fns):
-        stack = (lambda tree: tree) if count == 1 else (lambda tree: stacked(tree, count))  # noqa: E731
-        args = (stack(a.params[start]), stack(a.layer_state[start]), x)
-        lowered.append(lower_program(fn, args))
-        y = place(fn.eval_shape(*args))
-        acts.append(tree_nbytes(x) + tree_nbytes(y))
-        x = y
+    x, compiling, acts = batch[trainer.model.input_key], [], []
     n = len(trainer.model.layers) - 1
-    lowered.append(lower_program(head, (a.params[n], a.layer_state[n], x, batch)))
+    with Compiles() as compiles:  # (each compiled while the next is traced)
+        for (start, count), fn in zip(groups[:-1], fns):
+            stack = (lambda tree: tree) if count == 1 else (lambda tree: stacked(tree, count))  # noqa: E731
+            args = (stack(a.params[start]), stack(a.layer_state[start]), x)
+            compiling.append(compiles.submit(lower_program(fn, args)))
+            y = place(fn.eval_shape(*args))
+            acts.append(tree_nbytes(x) + tree_nbytes(y))
+            x = y
+        compiling.append(compiles.submit(lower_program(head, (a.params[n], a.layer_state[n], x, batch))))
     acts.append(tree_nbytes(x))
     temps = []
-    for compiled in compile_all(lowered):
+    for compiled in [future.result() for future in compiling]:
         try:
             temps.append(int(compiled.memory_analysis().temp_size_in_bytes))
         except Exception:  # noqa: BLE001 (a backend without memory analysis: no temporaries known)
