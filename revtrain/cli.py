@@ -588,6 +588,10 @@ _COMMANDS = {"train": _train_command, "eval": _eval_command, "sample": _sample_c
              "configs": _configs_command}
 
 
+# The commands that compile programs, with JAX's persistent compilation cache on (`revtrain.compile_cache`).
+_COMPILING = ("train", "eval", "sample", "check", "plan", "export")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``revtrain`` console script. Returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
@@ -597,6 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         _quiet_libraries(verbose)
+        if args.command in _COMPILING:
+            from revtrain.compile_cache import enable
+            enable()  # (compiled programs kept on disk between commands, before the first compile)
         _init_distributed(args)
         return _run(args)
     except KeyboardInterrupt:  # Ctrl-C outside `train`'s own handling (see revtrain.lifecycle.interrupts)

@@ -4,6 +4,7 @@ refusal, and the memory plan's share of a ``train`` start.
   python scripts/bench_planning.py budget  [--config configs/enwik_modern.gin] [--budget 1GiB] [--gin ...]
   python scripts/bench_planning.py refusal [--config ...] [--budget 64KiB]
   python scripts/bench_planning.py start   [--config ...] [--plan | --no-plan] [--repeat 3]
+  (each: [--compile-cache DIR], the compiled programs kept in DIR as the CLI keeps them, `revtrain.compile_cache`)
 
 ``budget``: seconds of ``ReversibleTrainer.memory_budget = BUDGET`` planned with ``budget_objective = 'time'``
 as ``train`` plans it before placing the state (the trainer's own planner on the run's batch shapes).
@@ -130,13 +131,19 @@ def main() -> None:
     p.add_argument("--budget", default=None)
     p.add_argument("--plan", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--compile-cache", default=None,
+                   help="keep compiled programs in this directory as the CLI does (revtrain.compile_cache); "
+                        "default: none (every program compiled)")
     args = p.parse_args()
+    if args.compile_cache:
+        from revtrain import compile_cache
+        compile_cache.enable({"REVTRAIN_COMPILE_CACHE": args.compile_cache})
     if args.what == "start":
         record = _start(args)
     else:
         args.budget = args.budget or ("1GiB" if args.what == "budget" else "64KiB")
         record = _budget(args)
-    record.update(what=args.what, config=args.config, gin=args.gin, plan=args.plan,
+    record.update(what=args.what, config=args.config, gin=args.gin, plan=args.plan, compile_cache=args.compile_cache,
                   load_average=[round(v, 2) for v in os.getloadavg()], jax=jax.__version__)
     print(json.dumps(record))
 

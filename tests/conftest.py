@@ -18,8 +18,12 @@ def pytest_configure(config):
     cache in a fresh directory for the session makes each compile once. The controller makes the directory;
     its workers and every subprocess inherit it through the environment (set before anything imports JAX).
     A cache hit runs the same executable, so no result changes; tests that need a cold compile (a signal
-    during the first compile) set their own directory. ``REVTRAIN_TEST_COMPILE_CACHE=0`` turns it off."""
-    if os.environ.get("REVTRAIN_TEST_COMPILE_CACHE", "1") == "0" or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    during the first compile) set their own directory. The CLI's own cache (`revtrain.compile_cache`) yields to
+    this one. ``REVTRAIN_TEST_COMPILE_CACHE=0`` turns both off."""
+    if os.environ.get("REVTRAIN_TEST_COMPILE_CACHE", "1") == "0":
+        os.environ["REVTRAIN_COMPILE_CACHE"] = "off"  # (nor the CLI's own, `revtrain.compile_cache`)
+        return
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
         return
     directory = tempfile.mkdtemp(prefix="revtrain-test-xla-cache-")
     os.environ.update(JAX_COMPILATION_CACHE_DIR=directory, **_CACHE_SETTINGS)
