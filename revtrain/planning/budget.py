@@ -47,8 +47,8 @@ the least a refusal names, are never estimates (a budget that a compiled plan fi
 estimate, at most the chosen plan's peak); the search for the fastest compiles at most `MEASURED_CHOICES` plans,
 then takes the fastest of those compiled; with ``'time'`` it takes a plan whose programs are compiled already
 (`Candidates.ready`) within `READY_TOLERANCE` of the fastest estimate, else stops at a compiled plan within
-`TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base (`Candidates.refuses`) is refused from programs
-compiled for their bytes alone (`StepCosts.reading_bytes`).
+`TIME_TOLERANCE` of every plan's seconds. A budget below every plan's base (`Candidates.refuses`) is refused from
+programs compiled for their bytes alone (`StepCosts.reading_bytes`).
 
 Tiers and ties (`_program_state`): the host tier's stacks are planned in host memory; the disk tier's layers
 as the device arrays its programs compute on, its state out of the base and each call adding its layers,
@@ -500,10 +500,10 @@ def _search(c: Candidates, budget: int, cost, timed: bool):
     compiled programs (each compiled plan replaces its estimate in ``c.table``, for the next budget too, and
     may refine the others'): at most `MEASURED_CHOICES` plans compiled, then the fastest of those compiled
     that fits; with ``timed`` a plan whose programs are compiled already (`Candidates.ready`) within
-    `READY_TOLERANCE` of the fastest estimate (the fastest of those), else the first compiled plan within `TIME_TOLERANCE` of every plan's seconds, trying first among
-    the plans within it of the fastest the one with the fewest blocks in the head's program (whose compile
-    grows with them). None
-    when no compiled plan fits (no plan's estimate within ``budget``, or every one compiled over it)."""
+    `READY_TOLERANCE` of the fastest estimate (the fastest of those), else the first compiled plan within
+    `TIME_TOLERANCE` of every plan's seconds, trying first among the plans within it of the fastest the one with
+    the fewest blocks in the head's program (whose compile grows with them). None when no compiled plan fits (no
+    plan's estimate within ``budget``, or every one compiled over it)."""
     for _ in range(MEASURED_CHOICES):
         fits = [p for p, v in c.table.items() if v[0] <= budget]
         if not fits:
