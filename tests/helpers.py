@@ -68,10 +68,18 @@ def revtrain(*args, cwd=None, timeout: float = 300, devices: int | None = None, 
 def revtrain_here(capture, *args) -> subprocess.CompletedProcess:
     """``revtrain ARGS`` in this process (`revtrain.cli.main`, which runs one command after another), with
     `revtrain`'s result: its output is what ``capture`` (pytest's ``capsys`` or ``capfd``) read meanwhile.
-    No interpreter to start and no JAX to import: what a command compiles stays compiled for the next."""
+    No interpreter to start and no JAX to import: what a command compiles stays compiled for the next. The
+    environment is restored after it: a command sets variables for its own process (``train`` sizes XLA's
+    pinned pool, `revtrain.pinned.train_environment`, when it runs before the backend starts), which would
+    otherwise reach the later tests of this process."""
     from revtrain import cli
     capture.readouterr()
-    code = cli.main([str(a) for a in args])
+    environ = dict(os.environ)
+    try:
+        code = cli.main([str(a) for a in args])
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     out, err = capture.readouterr()
     return subprocess.CompletedProcess(["revtrain", *map(str, args)], code, out, err)
 

@@ -134,7 +134,7 @@ def test_standard_and_deferred_parts(model, shared):
     assert weights <= sharded["weights"] == expected < two["weights"]
 
 
-def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
+def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared, monkeypatch):
     """The host tier (``offload``) on an accelerator that has pageable host memory (``"tpu"`` stands for one
     here): three tiers. The state is pageable and XLA's pinned pool holds only the transfers in flight (a layer
     fetched, a layer written back), checked against the pool's size (64 GiB by default); four layers on the
@@ -144,6 +144,8 @@ def test_the_host_tier_on_an_accelerator_with_pageable_memory(model, shared):
     tx, programs = shared  # (one compile cache for the module's plans)
     setup = planning.Setup("reversible", tx, B, tier=_host(), label="s")  # (its state pageable)
     limits = {"host": (2**50, "t"), "device": (2**40, "t")}
+    monkeypatch.delenv(pinned.PREALLOCATE_ENV, raising=False)  # (the pool's defaults, whatever this process holds)
+    monkeypatch.delenv(pinned.LIMIT_ENV, raising=False)
     tpu = planning.plan(model, setup, _spec(B), 1, limits=limits, platform="tpu", programs=programs)
     assert set(tpu.tiers) == {"device", "host", "pinned"} and tpu.limits["pinned"] == 64 * 2**30
     assert tpu.tiers["pinned"]["weights"] == 2 * largest and tpu.tiers["device"]["weights"] == 4 * largest
