@@ -57,6 +57,14 @@ def test_a_second_process_fetches_the_program_the_first_compiled(tmp_path):
     assert _probe(REVTRAIN_COMPILE_CACHE="off") == {"directory": None, "value": 7.0, "hits": 0}
 
 
+def test_a_directory_that_cannot_be_made_leaves_the_command_uncached(tmp_path):
+    """``REVTRAIN_COMPILE_CACHE`` naming a path under a file (no directory can be made there): no cache, and the
+    program still compiles and runs."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    assert _probe(REVTRAIN_COMPILE_CACHE=str(blocker / "xla")) == {"directory": None, "value": 7.0, "hits": 0}
+
+
 @pytest.mark.slow  # make test-all: two tiny training processes (about 30 s)
 def test_a_second_train_compiles_nothing_and_trains_the_same(tmp_path, byte_lm_data_dir):
     """``revtrain train`` twice on the same config, each in a fresh workdir, with the cache in a fresh directory:
