@@ -62,6 +62,35 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+# JAX's own monitoring events (`jax.monitoring`) this process's compiles report: seconds of tracing, of lowering
+# to XLA's module and of XLA's compile (or of fetching it from the persistent cache), and the persistent cache's
+# hits and misses. Summed per test into the ``REVTRAIN_TEST_CPU`` record.
+_JAX_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/backend_compile_duration": "compile_s"}
+_JAX_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
+_compiling = dict.fromkeys([*_JAX_DURATIONS.values(), *_JAX_EVENTS.values()], 0.0)
+
+
+def _listen_to_compiles() -> None:
+    """Registers (once per process) the listeners that add JAX's compile events up in `_compiling`."""
+    if getattr(_listen_to_compiles, "done", False):
+        return
+    import jax.monitoring
+
+    def duration(event, seconds, **_):
+        if event in _JAX_DURATIONS:
+            _compiling[_JAX_DURATIONS[event]] += seconds
+
+    def count(event, **_):
+        if event in _JAX_EVENTS:
+            _compiling[_JAX_EVENTS[event]] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(duration)
+    jax.monitoring.register_event_listener(count)
+    _listen_to_compiles.done = True
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``REVTRAIN_TEST_CPU=FILE``: each test's CPU seconds (setup, call and teardown; this process and the
@@ -70,15 +99,21 @@ def pytest_runtest_protocol(item, nextitem):
     worker that ran it (``gw0``, ``gw1``; ``main`` without xdist), from which a run's schedule is read back
     (`scripts/replay_test_schedule.py`). On a machine shared with other work a test's wall time says little (the
     `--durations` of one run swing by 2x or more); its CPU seconds are what it costs a test process, and about
-    its wall time on an idle core."""
+    its wall time on an idle core. Each record also holds what this test process spent compiling (`_JAX_DURATIONS`:
+    ``trace_s``, ``lower_s``, ``compile_s``, seconds, a cache hit's fetch counted as its compile) and the
+    persistent cache's ``cache_hits`` and ``cache_misses`` (subprocesses not counted)."""
     path = os.environ.get("REVTRAIN_TEST_CPU")
-    start, wall = (_cpu_seconds(), time.time()) if path else (0.0, 0.0)
+    if path:
+        _listen_to_compiles()
+    start, wall, before = (_cpu_seconds(), time.time(), dict(_compiling)) if path else (0.0, 0.0, {})
     yield
     if path:
         import json
         record = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 2),
                   "wall_s": round(time.time() - wall, 2), "start": round(wall, 2),
-                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}
+                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                  **{k: int(v - before[k]) if k in _JAX_EVENTS.values() else round(v - before[k], 3)
+                     for k, v in _compiling.items()}}
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
