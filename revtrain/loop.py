@@ -217,6 +217,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
         kept; a failed periodic evaluation or sample saves its step first).
     """
     workdir = os.path.abspath(workdir)
+    began = time.time()  # (the final line gives the steps' seconds and the whole command's since here)
     with interrupts.Interrupts(log=metrics_lib.log) as guard:
         run = build(cfg, workdir, say_data=False)  # first: a configuration error leaves no trace (not even a workdir)
         if run.cfg.sample_every:
@@ -240,7 +241,7 @@ def train(workdir: str, cfg: TrainConfig | None = None) -> dict:
             planning.plan_budget(run, quiet=False)  # each block's mode (a memory budget's), before trainer.init
             if run.cfg.memory_plan:  # before the first large allocation (trainer.init): refuse what cannot fit
                 run.plan = planning.check_everywhere(run)  # (its line follows the run's first line)
-            return _train(run, workdir, guard)
+            return _train(run, workdir, guard, began)
         except BaseException:
             if created and primary and (lock is None or lock.held):
                 workdir_lib.remove_if_unsaved(workdir)
@@ -267,7 +268,7 @@ def _lock_offload_dir(run: Run):
                                instead="set another ReversibleTrainer.offload_dir")
 
 
-def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
+def _train(run: Run, workdir: str, guard: interrupts.Interrupts, began: float | None = None) -> dict:
     """`train` once the workdir is held and the run planned: the run's steps, as a list of named steps (each
     one a method of `_Training`). Returns the last logged metrics ({} when there was nothing to do; the
     final evaluation's when only it was missing).
@@ -276,6 +277,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts) -> dict:
       TrainingStopped, WriteFailed, StepFailed, oom.OutOfMemory: as `train` says.
     """
     t = _Training(run, workdir, guard)
+    t.began = began or t.began  # (``began``: when `train` started building the run)
     try:
         ts, resumed = t.restore_or_init()
         if resumed is not None and ts.step >= run.cfg.steps:
@@ -334,6 +336,7 @@ class _Training:
         self.saved_on: dict = {}  # the devices and processes the resumed checkpoint was written on
         self.meter: MemoryMeter | None = None
         self.t_start = self.t_last = 0.0  # when the steps started; when the last rate was logged
+        self.began = time.time()  # when the command started building the run (`train` sets it)
         self.step_last = self.resumed_or_zero = self.saved = 0  # the step of the last rate, the first, the saved
         self.skipped = 0  # non-finite steps skipped
         self.stopping = False
@@ -510,7 +513,9 @@ class _Training:
                 _eval_and_write(self.run, ts, self.writer)
                 start = self.resumed_or_zero
                 what = f"{cfg.steps - start} steps" + (f" ({start} -> {cfg.steps})" if start else "")
-                metrics_lib.log(f"done: {what} in {time.time() - self.t_start:.0f} s; workdir {self.workdir}")
+                now = time.time()
+                metrics_lib.log(f"done: {what} in {now - self.t_start:.0f} s ({now - self.began:.0f} s in all, with "
+                                f"building the run, its plan and the final evaluation); workdir {self.workdir}")
 
     def close(self) -> None:
         """Waits for saves in flight (an exit never leaves a half-written checkpoint) and flushes the events of
@@ -771,7 +776,7 @@ def _eval_checkpoints(workdir: str, step: int | None, all_steps: bool, kind: str
             label = run.ecfg.split  # and the file when `eval --name` chose one
             if kind not in ("eval", f"eval_{run.ecfg.split}"):
                 label += f", metrics/{kind}.jsonl"
-            metrics_lib.log(f"eval at step {s} ({label}): " + metrics_lib.eval_text(result))
+            metrics_lib.log(f"eval at step {s} ({label}): " + metrics_lib.eval_text(result), result=True)
             records.append({"step": s, **result})
             if _agree_to_stop(guard.signal is not None, pc) and left:
                 who = signal_lib.Signals(guard.signal).name if guard.signal else "a signal on another process"

@@ -266,7 +266,9 @@ def silenced():
             lg.setLevel(level)
 
 
-def log(line: str, enabled: bool = True) -> None:
-    """Prints one line to stderr (process 0 only; nothing inside `silenced`)."""
+def log(line: str, enabled: bool = True, result: bool = False) -> None:
+    """Prints one line to stderr (process 0 only; nothing inside `silenced`); ``result``: to stdout instead, a
+    line that is the command's own result (`revtrain eval`'s scores), which a pipe or a redirect keeps apart
+    from the progress and notes on stderr."""
     if enabled and not _SILENT[0] and jax.process_index() == 0:
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=sys.stdout if result else sys.stderr, flush=True)

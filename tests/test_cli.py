@@ -73,7 +73,7 @@ def test_eval_name_keeps_the_runs_own_records(trained, capfd):
     assert (workdir / "metrics" / "eval.jsonl").read_text() == before
     record = json.loads((workdir / "metrics" / "eval_other.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 40 and 0 < record["bits_per_byte"] < 8.0
-    assert "(validation, metrics/eval_other.jsonl)" in result.stderr
+    assert "(validation, metrics/eval_other.jsonl)" in result.stdout  # (the scores: the command's result)
     result = revtrain_here(capfd, "eval", "--workdir", str(workdir), "--name", "other", "--split", "test",
                            "--gin", "evaluate.max_batches = 1")
     assert result.returncode == 0, result.stderr

@@ -274,8 +274,8 @@ def test_a_signal_during_eval_all_finishes_the_step_being_scored_and_says_what_i
     assert code == 0, err
     assert err[0] == "received SIGTERM: finishing the scoring of step 1, then stopping; send it again to stop at " \
         "once", err
-    assert err[1].startswith("eval at step 1 (validation): loss "), err
-    assert err[2:] == ["received SIGTERM: stopped after scoring step 1; scored: 1 (in metrics/eval.jsonl); not "
+    assert out.startswith("eval at step 1 (validation): loss ") and len(out.splitlines()) == 1, out  # (stdout)
+    assert err[1:] == ["received SIGTERM: stopped after scoring step 1; scored: 1 (in metrics/eval.jsonl); not "
                        f"scored: {_steps(2, last)} (the same command scores them)"], err
     assert _eval_steps(workdir) == [1]
 

@@ -94,8 +94,8 @@ def test_a_fine_tuned_workdir_works_after_its_checkpoint_is_gone(capsys, tmp_pat
     capsys.readouterr()
 
     assert cli.main(["eval", "--workdir", str(workdir), "--split", "test"]) == 0
-    err = capsys.readouterr().err
-    assert "eval at step 2 (test)" in err and "bits_per_byte" in err, err
+    out = capsys.readouterr().out
+    assert "eval at step 2 (test)" in out and "bits_per_byte" in out, out
     record = json.loads((workdir / "metrics" / "eval_test.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 2 and 1.0 < record["bytes_per_token"] < 5.0  # the kept BPE's ids, not bytes
 
