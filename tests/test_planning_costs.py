@@ -46,7 +46,9 @@ def _first_step(trainer):
     jax.block_until_ready(trainer.train_step(trainer.init(), batch)[1])
 
 
-@pytest.mark.parametrize("deferred", [False, True])
+# (deferred: make test-all; make test has the deferred update's case with more reasons for it, sharded, in
+# tests/test_deferred.py::test_a_sharded_deferred_trainers_plan_compiles_the_programs_its_step_runs)
+@pytest.mark.parametrize("deferred", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_plan_compiles_the_programs_the_step_runs_and_the_step_compiles_them_no_more(deferred):
     """`step_temporaries` of the scanned layout (embedding alone, the two blocks one run, the head) compiles
     five programs (each group's forward and backward, the head's): a trainer planned that way lowers exactly
