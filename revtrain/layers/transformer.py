@@ -200,7 +200,13 @@ class LanguageModelHead(PositionWise, nnx.Module):
 
     def __init__(self, d_model: int, vocab_size: int = 256, *, rngs: nnx.Rngs, chunk: int | None = None):
         check_chunk("LanguageModelHead.chunk", chunk)
-        self.norm = nnx.LayerNorm(2 * d_model, rngs=rngs)
+        # Two-pass variance (mean of squared deviations): with the one-pass E[x^2] - E[x]^2 a whole-model
+        # jvp(grad) (Sophia's H z) recomputes this norm's input-cotangent tangent inside the top block's
+        # transposing copy, rounded otherwise (fused multiply-adds) than the head's own program, so the
+        # layer-by-layer H z of the top block's G.down kernel missed it by an ulp (issue 60,
+        # scripts/probe_hvp_exactness.py). Same function; the normalised values move by ulps (measured: 26% of
+        # them, at most 7e-7 absolute, slightly nearer the float64 result).
+        self.norm = nnx.LayerNorm(2 * d_model, use_fast_variance=False, rngs=rngs)
         self.logits = nnx.Linear(2 * d_model, vocab_size, rngs=rngs)
         self.chunk = chunk
 
