@@ -276,8 +276,7 @@ def _train(run: Run, workdir: str, guard: interrupts.Interrupts, began: float | 
     Raises:
       TrainingStopped, WriteFailed, StepFailed, oom.OutOfMemory: as `train` says.
     """
-    t = _Training(run, workdir, guard)
-    t.began = began or t.began  # (``began``: when `train` started building the run)
+    t = _Training(run, workdir, guard, began)
     try:
         ts, resumed = t.restore_or_init()
         if resumed is not None and ts.step >= run.cfg.steps:
@@ -316,7 +315,7 @@ class _Training:
     current `TrainState` (``ts``), the last logged metrics (``last``), the step saved last (``saved``) and the
     clocks of the logged rates. Each method is one step of `_train`."""
 
-    def __init__(self, run: Run, workdir: str, guard: interrupts.Interrupts):
+    def __init__(self, run: Run, workdir: str, guard: interrupts.Interrupts, began: float | None = None):
         cfg = run.cfg
         self.run, self.workdir, self.guard = run, workdir, guard
         if cfg.sample_every:
@@ -336,7 +335,7 @@ class _Training:
         self.saved_on: dict = {}  # the devices and processes the resumed checkpoint was written on
         self.meter: MemoryMeter | None = None
         self.t_start = self.t_last = 0.0  # when the steps started; when the last rate was logged
-        self.began = time.time()  # when the command started building the run (`train` sets it)
+        self.began = time.time() if began is None else began  # when `train` started building the run
         self.step_last = self.resumed_or_zero = self.saved = 0  # the step of the last rate, the first, the saved
         self.skipped = 0  # non-finite steps skipped
         self.stopping = False

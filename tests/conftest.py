@@ -69,7 +69,7 @@ _JAX_DURATIONS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
                   "/jax/core/compile/backend_compile_duration": "compile_s"}
 _JAX_EVENTS = {"/jax/compilation_cache/cache_hits": "cache_hits", "/jax/compilation_cache/cache_misses": "cache_misses"}
-_compiling = dict.fromkeys([*_JAX_DURATIONS.values(), *_JAX_EVENTS.values()], 0.0)
+_compiling = {**dict.fromkeys(_JAX_DURATIONS.values(), 0.0), **dict.fromkeys(_JAX_EVENTS.values(), 0)}
 
 
 def _listen_to_compiles() -> None:
@@ -112,8 +112,7 @@ def pytest_runtest_protocol(item, nextitem):
         record = {"test": item.nodeid, "cpu_s": round(_cpu_seconds() - start, 2),
                   "wall_s": round(time.time() - wall, 2), "start": round(wall, 2),
                   "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
-                  **{k: int(v - before[k]) if k in _JAX_EVENTS.values() else round(v - before[k], 3)
-                     for k, v in _compiling.items()}}
+                  **{k: round(v - before[k], 3) for k, v in _compiling.items()}}
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
