@@ -1,7 +1,7 @@
 # revtrain: one-command set-up, training, tests and benchmarks.
 #   make train [CONFIG=configs/enwik_modern.gin] [WORKDIR=runs/<the config's name>]
 #   make data [CONFIG=...]   (the data of CONFIG only)
-#   make smoke  (first: both trainers bit for bit, then train, eval and sample; 25-35 s once the data is prepared)
+#   make smoke  (first: both trainers bit for bit, then train, eval and sample; 25-40 s once the data is prepared)
 #   make test   (make test-all: with the slow scenario tests)
 #   make bench   make bench-gpu
 #   make bench-depth
