@@ -153,13 +153,62 @@ _EXTRA_ARGUMENTS = {"value": "the loss at the current parameters", "grad": "its 
 VALUE_SHAPE = jax.ShapeDtypeStruct((), jnp.float32)
 
 
-def _traced_update_error(tx: optax.GradientTransformation, shapes, value: bool) -> Exception | None:
+def given_products(hvp):
+    """A stand-in for an update's ``obj_fn`` (the loss as a function of the parameters) whose forward-over-reverse
+    product is ``hvp``: ``jax.jvp(jax.grad(obj_fn), (params,), (z,))[1]`` is ``hvp`` exactly, whatever ``params``
+    and ``z`` (a tree like ``params``, its leaves' dtypes). Its value and gradient are zeros (optax's Hutchinson
+    estimator reads neither).
+
+    The trainers compute the Hessian-vector product themselves, on the tangent the estimator draws
+    (`revtrain.trainers.hessian`), and hand the update this objective: optax's own equations then run on the
+    product (``H z * z``, Sophia's moment and its ``cond`` on the interval), and a per-layer split of the update
+    sees ``hvp`` as one more per-layer input, like the gradient (`revtrain.trainers.layerwise`). Built from two
+    ``jax.custom_jvp`` functions: the objective's derivative is ``sum(gradient(p) * t)`` and the stand-in
+    gradient's derivative returns ``hvp`` itself (it is never transposed, so need not be linear)."""
+
+    @jax.custom_jvp
+    def gradient(p, h):
+        return jax.tree.map(jnp.zeros_like, p)
+
+    @gradient.defjvp
+    def _gradient_jvp(primals, tangents):
+        p, h = primals
+        return gradient(p, h), h
+
+    @jax.custom_jvp
+    def objective(p):
+        return jnp.zeros((), jnp.float32)
+
+    @objective.defjvp
+    def _objective_jvp(primals, tangents):
+        (p,), (t,) = primals, tangents
+        g = gradient(p, hvp)
+        dots = [jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(t))]
+        return objective(p), sum(dots, jnp.zeros((), jnp.float32))
+
+    return objective
+
+
+def update_keywords(value=None, hvp=None) -> dict:
+    """The keyword arguments a trainer gives ``tx.update`` beyond the gradients, state and parameters: the
+    step's loss as ``value`` (`takes_value`) and the stand-in ``obj_fn`` of the Hessian-vector product ``hvp``
+    (`takes_hvp`, `given_products`); none for an optimizer that reads neither."""
+    out = {}
+    if value is not None:
+        out["value"] = value
+    if hvp is not None:
+        out["obj_fn"] = given_products(hvp)
+    return out
+
+
+def _traced_update_error(tx: optax.GradientTransformation, shapes, value: bool, hvp: bool = False) -> Exception | None:
     """The exception ``tx.update`` raises when traced on ``shapes`` (``jax.eval_shape``: nothing computed),
-    given the keyword argument ``value`` (a float32 scalar) or not; None when it traces."""
-    def run(p, *v):
-        return tx.update(p, tx.init(p), p, **({"value": v[0]} if v else {}))
+    given the keyword argument ``value`` (a float32 scalar) or not, and ``obj_fn`` (`given_products`) or not;
+    None when it traces."""
+    def run(p, v, h):
+        return tx.update(p, tx.init(p), p, **update_keywords(v, h))
     try:
-        jax.eval_shape(run, shapes, *((VALUE_SHAPE,) if value else ()))
+        jax.eval_shape(run, shapes, VALUE_SHAPE if value else None, shapes if hvp else None)
     except Exception as e:  # noqa: BLE001  (any failure of the traced update: the caller reads it)
         return e
     return None
@@ -182,24 +231,40 @@ def _shapes(params):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
-def _analysed(tx: optax.GradientTransformation, params) -> tuple[str | None, bool]:
-    """``(update_refusal, takes_value)`` of ``tx`` on the shapes of ``params`` (see both), from at most two
-    traces of ``tx.update``; kept on an optimizer made by `keep_states` (each trainer and its per-layer split
-    ask for the same shapes: traced once)."""
+# The keyword arguments the trainers can give an update (`update_keywords`); any other one is refused.
+_GIVEN = ("value", "obj_fn")
+
+
+def hutchinson_states(state) -> list:
+    """The ``optax.contrib.HutchinsonState`` nodes of an optimizer state (or its ``jax.eval_shape``), in leaf
+    order: where optax's Hutchinson estimator keeps the key it draws its Rademacher tangents from."""
+    kind = optax.contrib.HutchinsonState
+    return [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)) if isinstance(x, kind)]
+
+
+def _analysed(tx: optax.GradientTransformation, params) -> tuple[str | None, bool, bool]:
+    """``(update_refusal, takes_value, takes_hvp)`` of ``tx`` on the shapes of ``params`` (see each), from at most
+    three traces of ``tx.update``; kept on an optimizer made by `keep_states` (each trainer and its per-layer
+    split ask for the same shapes: traced once)."""
     shapes = _shapes(params)
     key = (jax.tree.structure(shapes), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(shapes)))
     cache = getattr(tx, "_revtrain_needs", None)
     if cache is not None and key in cache:
         return cache[key]
-    e = _traced_update_error(tx, shapes, value=False)
-    takes = False
-    missing = _missing_keywords(e) if e is not None else None
-    if missing is not None and missing[1] == ["value"]:
-        e = _traced_update_error(tx, shapes, value=True)  # (the loss is given: does it run with it?)
-        takes = e is None
+    given: set = set()
+    while True:  # (each keyword the update lacks and a trainer can give, given: does it run then?)
+        e = _traced_update_error(tx, shapes, "value" in given, "obj_fn" in given)
         missing = _missing_keywords(e) if e is not None else None
+        if missing is None or not set(missing[1]) <= set(_GIVEN) or set(missing[1]) & given:
+            break
+        given |= set(missing[1])
     if e is None:
         why = None
+        if "obj_fn" in given and len(hutchinson_states(jax.eval_shape(tx.init, shapes))) != 1:
+            why = ("the optimizer cannot train in revtrain: its update calls obj_fn (the loss as a function of the "
+                   "parameters) from a transformation other than one optax.contrib.hutchinson_estimator_diag_hessian, "
+                   "whose Hessian-vector products the trainers compute on the tangents it draws (docs/recipe.md, "
+                   "\"Refused\")")
     elif missing is None:
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
@@ -209,11 +274,22 @@ def _analysed(tx: optax.GradientTransformation, params) -> tuple[str | None, boo
         what = ", ".join(f"{n} ({_EXTRA_ARGUMENTS[n]})" if n in _EXTRA_ARGUMENTS else n for n in names)
         why = (f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
                f"argument{'s' if len(names) > 1 else ''} {what}, and revtrain's trainers give an update the "
-               "gradients and the step's loss (value) only; choose an optimizer that needs no more "
-               "(docs/recipe.md, \"Refused\")")
+               "gradients, the step's loss (value) and the Hessian-vector products of optax's Hutchinson "
+               "estimator (obj_fn) only; choose an optimizer that needs no more (docs/recipe.md, \"Refused\")")
+    out = (why, why is None and "value" in given, why is None and "obj_fn" in given)
     if cache is not None:
-        cache[key] = (why, takes)
-    return why, takes
+        cache[key] = out
+    return out
+
+
+def takes_hvp(tx: optax.GradientTransformation, params) -> bool:
+    """Whether ``tx.update`` needs the keyword argument ``obj_fn`` for optax's Hutchinson estimator
+    (``optax.contrib.hutchinson_estimator_diag_hessian``, ``optax.contrib.sophia``, or a chain or wrapper holding
+    one): traced on the shapes of ``params`` it fails for the missing ``obj_fn`` (optax's ``ValueError``
+    "obj_fn must be provided") and traces with a stand-in (`given_products`), and its state holds one
+    ``HutchinsonState``. Both trainers then compute the Hessian-vector product on the tangent the estimator
+    draws (`revtrain.trainers.hessian`) and pass it as ``obj_fn``; no other optimizer gets one."""
+    return _analysed(tx, params)[2]
 
 
 def takes_value(tx: optax.GradientTransformation, params) -> bool:
@@ -230,16 +306,17 @@ def update_refusal(tx: optax.GradientTransformation, params) -> str | None:
     """Why ``tx`` cannot train in revtrain, in one line, or None.
 
     Both trainers give an update the gradients, the state, the parameters and, to an optimizer that needs
-    it (`takes_value`), the step's loss as the keyword argument ``value`` (``optax.contrib.momo``,
-    ``momo_adam``, ``optax.polyak_sgd``, ``scale_by_polyak``, ``optax.contrib.reduce_on_plateau``). An
-    update that requires any other keyword argument cannot run: ``optax.lbfgs``' zoom line search (``value``,
-    ``grad`` and ``value_fn``) and ``optax.contrib.sophia``'s Hutchinson estimator (``obj_fn``) evaluate the
-    whole model's loss again, at other parameters, within the step, which a layer-by-layer update cannot do.
-    Found by tracing ``tx.update`` on the shapes of ``params`` (``jax.eval_shape``: nothing is computed),
-    with ``value`` when it lacks only that, and reading the ``TypeError`` Python raises for a missing
-    keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided"). Any other error of the
-    traced update is refused with optax's own first line (an update that cannot run on this model's
-    parameters at all).
+    them, the step's loss as the keyword argument ``value`` (`takes_value`: ``optax.contrib.momo``,
+    ``momo_adam``, ``optax.polyak_sgd``, ``scale_by_polyak``, ``optax.contrib.reduce_on_plateau``) and the
+    Hessian-vector product of optax's Hutchinson estimator as ``obj_fn`` (`takes_hvp`: ``optax.contrib.sophia``).
+    An update that requires any other keyword argument cannot run: ``optax.lbfgs``' zoom line search (``value``,
+    ``grad`` and ``value_fn``) evaluates the whole model's loss again, at other parameters, several times
+    within the step, which a layer-by-layer update cannot do; so is an ``obj_fn`` read by anything but one
+    Hutchinson estimator. Found by tracing ``tx.update`` on the shapes of ``params`` (``jax.eval_shape``:
+    nothing is computed), with each keyword a trainer can give that it lacks, and reading the ``TypeError``
+    Python raises for a missing keyword-only argument (or optax's ``ValueError`` "obj_fn must be provided").
+    Any other error of the traced update is refused with optax's own first line (an update that cannot run on
+    this model's parameters at all).
     """
     return _analysed(tx, params)[0]
 

@@ -422,6 +422,9 @@ class TrainerBase:
         # The update reads the step's loss (keyword argument ``value``: polyak_sgd, momo, reduce_on_plateau):
         # each trainer passes it the loss as it logs it (every other optimizer's programs are unchanged).
         self.takes_value = optstate.takes_value(self.tx, model.param_shapes())
+        # The update reads ``obj_fn`` for optax's Hutchinson estimator (sophia): each trainer computes the
+        # Hessian-vector product on the estimator's tangent and passes it (`revtrain.trainers.hessian`).
+        self.takes_hvp = optstate.takes_hvp(self.tx, model.param_shapes())
         self.mesh = mesh
         self.seed = seed
         self.microbatches = microbatches

@@ -284,7 +284,7 @@ class DeferredUpdate:
         # ``g / norm``) into ``acc * (1 / (scale * norm))``, a few ulps away.
         return fence([scale], jax.tree.map(lambda v: v / scale, g))
 
-    def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_, value):
+    def _layer_stats(self, k, index, params, opt, acc, tie_in, scale, globals_, value, hvp=None):
         scalars: list = []
         g = self._grads_of(index, acc, tie_in, scale, scalars)
         if self.shard_state:
@@ -294,15 +294,15 @@ class DeferredUpdate:
             # One layer's gradient is whole on each device for this program, as its weights are in the
             # forward.
             g = jax.lax.with_sharding_constraint(g, NamedSharding(self.mesh, _R))
-        exports = (self.layerwise.exports(k, index, g, opt, params, globals_, scalars, value=value)
+        exports = (self.layerwise.exports(k, index, g, opt, params, globals_, scalars, value=value, hvp=hvp)
                    if k < self.layerwise.rounds else ())
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
-    def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok, value):
+    def _layer_update(self, index, params, opt, acc, tie_in, scale, globals_, ok, value, hvp=None):
         g = self._grads_of(index, acc, tie_in, scale, [])  # (the quotient is fenced there)
 
         new_params, new_opt = deferred_layer_update(self.tx, self.layerwise, index, g, opt, params, globals_, ok,
-                                                    value)
+                                                    value, hvp)
         zeros = jax.tree.map(jnp.zeros_like, acc)
         return new_params, new_opt, zeros, jax.tree.map(jnp.zeros_like, tie_in)
 
@@ -324,31 +324,33 @@ class DeferredUpdate:
         if key in self._cache:
             return self._cache[key]
         if what == "stats":
-            def one(params, opt, acc, tie_in, scale, globals_, value):
-                return self._layer_stats(k, start, params, opt, acc, tie_in, scale, globals_, value)
+            def one(params, opt, acc, tie_in, scale, globals_, value, hvp):
+                return self._layer_stats(k, start, params, opt, acc, tie_in, scale, globals_, value, hvp)
 
             if count == 1:
                 fn = one
             else:
-                def fn(params, opt, acc, tie_in, scale, globals_, value):
+                def fn(params, opt, acc, tie_in, scale, globals_, value, hvp):
                     def body(_, j):
                         slices = _slice((params, opt, acc), j)
-                        return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_, value)
+                        h = _slice(hvp, j) if hvp is not None else None
+                        return None, self._layer_stats(k, start, *slices, tie_in, scale, globals_, value, h)
                     return lax.scan(body, None, jnp.arange(count, dtype=jnp.int32))[1]
             jitted = jax.jit(fn)
         else:
-            def one(params, opt, acc, tie_in, scale, globals_, ok, value):
-                return self._layer_update(start, params, opt, acc, tie_in, scale, globals_, ok, value)
+            def one(params, opt, acc, tie_in, scale, globals_, ok, value, hvp):
+                return self._layer_update(start, params, opt, acc, tie_in, scale, globals_, ok, value, hvp)
 
             if count == 1:
                 fn = one
             else:
-                def fn(params, opt, acc, tie_in, scale, globals_, ok, value):
+                def fn(params, opt, acc, tie_in, scale, globals_, ok, value, hvp):
                     # Each slice is read (and carried) after the previous slice's write: one copy of the stacks.
                     def body(carry, j):
                         stacks, (p, o, a) = carry
                         j = kept_loop_index(j)  # run fusion by fusion, as the whole-model program (`kept_loop_index`)
-                        new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok, value)[:3]
+                        h = _slice(hvp, j) if hvp is not None else None
+                        new = self._layer_update(start, p, o, a, tie_in, scale, globals_, ok, value, h)[:3]
                         stacks = jax.tree.map(lambda st, v: lax.dynamic_update_index_in_dim(st, v, j, 0), stacks, new)
                         return (stacks, _slice(stacks, jnp.minimum(j + 1, count - 1))), None
                     stacks = (params, opt, acc)
@@ -379,7 +381,7 @@ class DeferredUpdate:
         return self._cache[key]
 
     # -- one step ------------------------------------------------------------------------------------
-    def step(self, plan, groups, params: list, opt_state: list, states: list, acc, batch: dict, skey):
+    def step(self, plan, groups, params: list, opt_state: list, states: list, acc, batch: dict, skey, hvp=None):
         """One step with the deferred update (see the module note): every microbatch's forward and
         accumulating backward, then the statistics and update passes. The gradient buffers live where the
         weights do: on the device (made once and zeroed by each update pass, `_buffers`), or with a streamed
@@ -396,6 +398,9 @@ class DeferredUpdate:
           acc: a streamed tier's gradient buffer views (one per group), or None: the device buffers.
           batch: the global batch (``{input key, targets[, weights]}``, split over ``"data"``).
           skey: the step's key (uint32 ``[2]``, `common.step_key`).
+          hvp: one Hessian-vector product per group (a stacked run's stacked) where the tier keeps activations,
+            for an update that reads one (`layerwise.LayerwiseUpdate.takes_hvp`: optax's Hutchinson estimator;
+            `revtrain.trainers.hessian`); None for every other optimizer.
 
         Returns:
           ``(params, opt_state, new states, metrics, finite)``: the lists updated in place (no layer updated
@@ -430,13 +435,16 @@ class DeferredUpdate:
         # The step's loss, as logged, for an optimizer whose update reads it (``value``: polyak_sgd, momo,
         # reduce_on_plateau); None (no input at all) for every other optimizer, whose programs are unchanged.
         value = loss if self.layerwise.takes_value else None
-        globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale, value)
+        hvp_of = (lambda g: self.tier.bring(hvp[g])) if hvp is not None else (lambda g: None)  # noqa: E731
+        globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale, value, hvp_of)
         ok = _all_ok(finite, loss)
         for g in range(len(groups)):
             new_params, new_opt, zeroed, zeroed_tie = self._pass_fn("update", g, groups)(
-                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok, value)
+                params[g], opt_state[g], acc[g], tie_in(g), scale, globals_, ok, value, hvp_of(g))
             params[g], opt_state[g] = new_params, new_opt  # (a streamed layer written back; its buffer dropped)
             del new_params, new_opt
+            if hvp is not None:  # (its last use)
+                hvp[g] = None
             if not streamed:  # the zeroed buffer is the next step's
                 acc[g] = zeroed
             if tie_in(g):
@@ -481,10 +489,11 @@ class DeferredUpdate:
             current = new_states
         return current, sums
 
-    def _statistics(self, groups, params, opt_state, acc, tie_in, scale, value=None):
+    def _statistics(self, groups, params, opt_state, acc, tie_in, scale, value=None, hvp_of=lambda g: None):
         """The statistics passes (`layerwise.LayerwiseUpdate.rounds`, at least one): each layer's exports for
         the optimizer's global reductions, combined into the globals; the first pass also gives each layer's
-        squares and finite flag. ``value``: the step's loss for an optimizer that reads it, else None.
+        squares and finite flag. ``value``: the step's loss for an optimizer that reads it, else None;
+        ``hvp_of(g)``: group ``g``'s Hessian-vector product on the device for one that reads it, else None.
         Returns ``(globals, squares, finite)``."""
         rounds = self.layerwise.rounds
         exports, globals_, sq, finite = [], (), [None] * len(groups), [None] * len(groups)
@@ -495,7 +504,8 @@ class DeferredUpdate:
                 p, opt = params[g], opt_state[g]  # (read in a streamed schedule's order: weights, state, buffer)
                 if shared is None:
                     shared = self.layerwise.global_leaves(0, opt)
-                out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_, value)
+                out = self._pass_fn("stats", g, groups, k)(p, opt, acc[g], tie_in(g), scale, globals_, value,
+                                                            hvp_of(g))
                 del p, opt
                 if k == 0:
                     out, sq[g], finite[g] = out

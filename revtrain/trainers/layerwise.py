@@ -631,13 +631,14 @@ def fence(scalars: list, value):
 
 
 def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, opt_state, params, globals_, ok,
-                          value=None):
+                          value=None, hvp=None):
     """One layer's update of the deferred update's last pass: ``(new params, new optimizer state)``, the old ones
     where ``ok`` (a bool scalar: every gradient and the loss finite) is False. Under a `lax.cond` on ``ok``, the
     form of `guarded_update` (the whole-model update's: the same fusions, so the same rounding), the update
     evaluated equation by equation (`fenced_update` for a separable optimizer, else ``layerwise.update`` of
     layer ``index`` with the rounds' ``globals_``) and its scalars fenced. ``value``: the step's loss (a float32
-    scalar), given to an optimizer that reads it (`LayerwiseUpdate.takes_value`), else None.
+    scalar), given to an optimizer that reads it (`LayerwiseUpdate.takes_value`), else None; ``hvp``: the layer's
+    Hessian-vector product for one that reads it (`LayerwiseUpdate.takes_hvp`), else None.
 
     Used by the reversible trainer's deferred update (`revtrain.trainers.deferred`) and by ``revtrain check``'s
     per-layer optimizer step (`revtrain.check_optimizer`)."""
@@ -647,25 +648,28 @@ def deferred_layer_update(tx, layerwise: "LayerwiseUpdate", index: int, grads, o
             updates, new_opt, more = fenced_update(tx, grads, opt_state, params)
             scalars.extend(more)
         else:
-            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars, value=value)
+            updates, new_opt = layerwise.update(index, grads, opt_state, params, globals_, scalars, value=value,
+                                                hvp=hvp)
         new_params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)  # optax.apply_updates
         return fence(scalars, (new_params, new_opt))
 
     return lax.cond(ok, update, lambda: (params, opt_state))
 
 
-def fenced_update(tx, grads, opt_state, params, value=None):
+def fenced_update(tx, grads, opt_state, params, value=None, hvp=None):
     """``tx.update(grads, opt_state, params)`` evaluated equation by equation: ``(updates, new state,
     scalars)``, the scalars to `fence` (what the update broadcasts over its leaves). ``value`` (not None: a
     float32 scalar, the step's loss): passed as ``tx.update``'s keyword argument ``value``
-    (`revtrain.optstate.takes_value`); None traces the update as before, without it."""
-    if value is None:
+    (`revtrain.optstate.takes_value`); ``hvp`` (not None: a tree like ``params``, the Hessian-vector product
+    of optax's Hutchinson estimator): passed as its ``obj_fn`` (`revtrain.optstate.given_products`); None
+    traces the update as before, without them."""
+    if value is None and hvp is None:
         closed, shapes = jax.make_jaxpr(tx.update, return_shape=True)(grads, opt_state, params)
         args = jax.tree.leaves((grads, opt_state, params))
     else:
-        closed, shapes = jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v), return_shape=True)(
-            grads, opt_state, params, value)
-        args = jax.tree.leaves((grads, opt_state, params, value))
+        closed, shapes = jax.make_jaxpr(lambda g, s, p, v, h: tx.update(g, s, p, **optstate.update_keywords(v, h)),
+                                        return_shape=True)(grads, opt_state, params, value, hvp)
+        args = jax.tree.leaves((grads, opt_state, params, value, hvp))
     scalars: list = []
     out = evaluate(closed.jaxpr, closed.consts, args, scalars)
     updates, new_state = jax.tree.unflatten(jax.tree.structure(shapes), out)
@@ -700,6 +704,11 @@ class LayerwiseUpdate:
         leaf every layer's state has (the step count), every layer program and every global program reads
         it (`exports`, `combine` and `update` take it as ``value``). Such an update is never `separable`: it
         runs as the deferred update, whose passes come after the step's loss is known.
+      takes_hvp: the update reads ``obj_fn`` for optax's Hutchinson estimator (`revtrain.optstate.takes_hvp`:
+        ``optax.contrib.sophia``). It is traced with the stand-in objective of a given Hessian-vector product
+        (`revtrain.optstate.given_products`), one more input per leaf, labelled by its layer as a gradient
+        is (`exports` and `update` take layer i's as ``hvp``); never `separable` (the deferred update's passes
+        run after the trainer's pass that computes the products, `revtrain.trainers.hessian`).
 
     Raises:
       CoupledUpdateError: the update combines large values of several layers, or the whole optimizer
@@ -716,11 +725,11 @@ class LayerwiseUpdate:
         self._state_def = [jax.tree.structure(s) for s in self._layer_state]
         self._update_def = [jax.tree.structure(p) for p in shapes]
         self.takes_value = optstate.takes_value(tx, shapes)
-        if self.takes_value:  # (the loss: one more input, last)
-            closed = flatten(jax.make_jaxpr(lambda g, s, p, v: tx.update(g, s, p, value=v))(
-                shapes, whole_state, shapes, optstate.VALUE_SHAPE))
-        else:
-            closed = flatten(jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(shapes, whole_state, shapes))
+        self.takes_hvp = optstate.takes_hvp(tx, shapes)
+        # (the loss, then the Hessian-vector products: more inputs, after the parameters)
+        closed = flatten(jax.make_jaxpr(lambda g, s, p, v, h: tx.update(g, s, p, **optstate.update_keywords(v, h)))(
+            shapes, whole_state, shapes, optstate.VALUE_SHAPE if self.takes_value else None,
+            shapes if self.takes_hvp else None))
         self._jaxpr, self._consts = closed.jaxpr, closed.consts
 
         # Inputs: (grads, whole state, params), flattened. Map each to a layer leaf (kind, layer, index).
@@ -730,17 +739,21 @@ class LayerwiseUpdate:
         state_map = self._match_state(whole_paths)
         invars = self._jaxpr.invars
         ng, ns = len(grad_leaves), len(whole_paths)
-        if len(invars) != 2 * ng + ns + self.takes_value:
+        if len(invars) != 2 * ng + ns + self.takes_value + ng * self.takes_hvp:
             raise CoupledUpdateError("the optimizer's update does not take one value per leaf")
-        self._inputs = {}  # var -> ("g" | "p" | "s", layer, leaf index), ("s", None, path) or ("v", None, None)
+        # var -> ("g" | "p" | "s" | "h", layer, leaf index), ("s", None, path) or ("v", None, None)
+        self._inputs = {}
         tags: dict = {}
         if self.takes_value:  # the step's loss: a global input that depends on no layer, read anywhere
-            self._inputs[invars[-1]] = ("v", None, None)
-            tags[invars[-1]] = _Tag(None, _PRE)
+            self._inputs[invars[2 * ng + ns]] = ("v", None, None)
+            tags[invars[2 * ng + ns]] = _Tag(None, _PRE)
         for k, (i, q) in enumerate(grad_leaves):
             self._inputs[invars[k]] = ("g", i, q)
             self._inputs[invars[ng + ns + k]] = ("p", i, q)
             tags[invars[k]] = tags[invars[ng + ns + k]] = _Tag(i, 0)
+            if self.takes_hvp:  # layer i's Hessian-vector product, an input of its own like its gradient
+                h = invars[2 * ng + ns + self.takes_value + k]
+                self._inputs[h], tags[h] = ("h", i, q), _Tag(i, 0)
         self._global_paths = [q for layer, q in state_map if layer is None]
         # Segments: a vector of every layer's elements, segment i layer i's (its sizes in ``self._segments``).
         sizes = tuple(sum(_size_of(x) for x in jax.tree.leaves(p)) for p in shapes)
@@ -853,7 +866,7 @@ class LayerwiseUpdate:
         reads the step's loss (`takes_value`): the fused per-layer update, inside each layer's backward
         program, is not given the loss; the deferred update's passes run after it is known."""
         if self._separable is None:
-            self._separable = (self.rounds == 0 and not self.takes_value
+            self._separable = (self.rounds == 0 and not self.takes_value and not self.takes_hvp
                                and all(self._own_alike(i) for i in range(self.num_layers)))
         return self._separable
 
@@ -997,8 +1010,11 @@ class LayerwiseUpdate:
             raise ValueError("this optimizer's update reads the step's loss: pass it as value")
         return jnp.asarray(value, jnp.float32)
 
-    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple, value=None) -> dict:
+    def _layer_env(self, i: int, grads, opt_state, params, globals_: tuple, value=None, hvp=None) -> dict:
         g, s, p = jax.tree.leaves(grads), jax.tree.leaves(opt_state), jax.tree.leaves(params)
+        if self.takes_hvp and hvp is None:
+            raise ValueError("this optimizer's update reads the Hessian-vector product: pass it as hvp")
+        h = jax.tree.leaves(hvp) if hvp is not None else ()
         env = dict(zip(self._jaxpr.constvars, self._consts))
         for v, (kind, layer, q) in self._inputs.items():
             if kind == "v":
@@ -1006,7 +1022,7 @@ class LayerwiseUpdate:
             elif kind == "s" and layer is None:
                 env[v] = s[self._index[i][q]]  # this layer's own copy of a global leaf
             elif layer == i:
-                env[v] = {"g": g, "p": p, "s": s}[kind][q]
+                env[v] = {"g": g, "p": p, "s": s, "h": h}[kind][q]
         env.update(zip(self._globals[:len(globals_)], globals_))
         return env
 
@@ -1031,7 +1047,7 @@ class LayerwiseUpdate:
             env.update(zip(e.outvars, vals))
 
     def exports(self, k: int, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None,
-                value=None) -> tuple:
+                value=None, hvp=None) -> tuple:
         """Pass ``k`` (``k < rounds``) of layer ``i``: the layer's values the ``k``-th global program reads.
 
         Args:
@@ -1039,11 +1055,13 @@ class LayerwiseUpdate:
           globals_: the outputs of the global programs of rounds ``< k`` (``()`` for ``k == 0``).
           scalars: a list: the scalars to `fence` are appended to it.
           value: the step's loss (a float32 scalar) when the update reads it (`takes_value`), else None.
+          hvp: layer ``i``'s Hessian-vector product (a tree like its params) when the update reads one
+            (`takes_hvp`), else None.
 
         Returns:
           a tuple of small arrays (shapes fixed per layer).
         """
-        env = self._layer_env(i, grads, opt_state, params, globals_, value)
+        env = self._layer_env(i, grads, opt_state, params, globals_, value, hvp)
         wanted = self._exports[k][i]
         self._run(env, wanted, i, k, scalars)
         return tuple(env[v] for v in wanted)
@@ -1073,12 +1091,14 @@ class LayerwiseUpdate:
         self._run(env, wanted, None, k)
         return tuple(env[v] for v in wanted)
 
-    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None, value=None):
+    def update(self, i: int, grads, opt_state, params, globals_: tuple, scalars: list | None = None, value=None,
+               hvp=None):
         """The final pass of layer ``i``: ``(updates, new optimizer state)``, what ``tx.update`` on the
         whole model gives for this layer (``optax.apply_updates`` adds the updates to the params). With
         ``scalars`` (a list), the scalars to `fence` are appended to it; ``value``: the step's loss when the
-        update reads it (`takes_value`), else None."""
-        env = self._layer_env(i, grads, opt_state, params, globals_, value)
+        update reads it (`takes_value`), else None; ``hvp``: the layer's Hessian-vector product when it reads
+        one (`takes_hvp`), else None."""
+        env = self._layer_env(i, grads, opt_state, params, globals_, value, hvp)
         wanted = self._out_updates[i] + self._out_state[i]
         self._run(env, wanted, i, self.rounds, scalars)
 
@@ -1123,16 +1143,16 @@ class LayerwiseUpdate:
         return tuple(sig), outs, ex
 
 
-def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params, value=None):
+def apply_updates(tx: optax.GradientTransformation, grads, opt_state, params, value=None, hvp=None):
     """One optax update: returns ``(new_params, new_opt_state, scalars)``, ``tx.update`` evaluated by
     `fenced_update` (``scalars``: what to `fence`; ``value``: the step's loss for an optimizer that reads it,
-    else None)."""
-    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params, value)
+    else None; ``hvp``: the Hessian-vector product for one that reads it, else None)."""
+    updates, new_opt_state, scalars = fenced_update(tx, grads, opt_state, params, value, hvp)
     return optax.apply_updates(params, updates), new_opt_state, scalars
 
 
 def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, ok=None, across: str | None = None,
-                   value=None):
+                   value=None, hvp=None):
     """An optax update that is skipped (params and optimizer state unchanged) unless every gradient is
     finite (and ``ok``). Returns ``(new_params, new_opt_state, finite)``, ``finite`` a bool scalar.
 
@@ -1157,7 +1177,9 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
 
     ``value``: the step's loss (a float32 scalar, as the trainer logs it) for an optimizer whose update reads
     it (`revtrain.optstate.takes_value`: ``optax.polyak_sgd``, ``optax.contrib.momo``, ``reduce_on_plateau``);
-    None for every other optimizer, whose program is then the one it always was.
+    None for every other optimizer, whose program is then the one it always was. ``hvp``: likewise the
+    Hessian-vector product (a tree like ``params``) for optax's Hutchinson estimator
+    (`revtrain.optstate.takes_hvp`), else None.
     """
     finite = all_finite(grads)
     if ok is not None:
@@ -1166,7 +1188,7 @@ def guarded_update(tx: optax.GradientTransformation, grads, opt_state, params, o
         finite = lax.pmin(finite.astype(jnp.int32), across).astype(bool)
 
     def update():
-        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params, value)
+        new_params, new_opt, scalars = apply_updates(tx, grads, opt_state, params, value, hvp)
         return fence(scalars, (new_params, new_opt))
 
     new_params, new_opt = lax.cond(finite, update, lambda: (params, opt_state))

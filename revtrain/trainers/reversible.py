@@ -47,15 +47,16 @@ from revtrain import metrics as metrics_lib
 from revtrain import optstate
 from revtrain.placement import placer, replicated
 from revtrain.tiers import HostStack, from_gin
-from revtrain.streaming import train_programs
+from revtrain.streaming import StepStream, train_programs
 from revtrain.trainers.common import (TrainerBase, TrainerError, TrainState, _Dispatch, check_batch, check_finite,
                                       check_flags, grad_norm, is_elementwise, step_key)
 from revtrain.trainers.deferred import DeferredUpdate
+from revtrain.trainers.hessian import LayerProducts, Tangents
 from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
 from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head, default_modes
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.specs import StateSpecs
-from revtrain.trainers.stacking import Stacked, find_runs, groups_of
+from revtrain.trainers.stacking import Stacked, find_runs, groups_of, stack
 from revtrain.trainers.walk import Block, Plan, StepKind, walk
 
 
@@ -190,6 +191,11 @@ class ReversibleTrainer(TrainerBase):
             raise TrainerError(str(e)) from None
         self.shard_state = shard_state
         self._check_ties(model, shard_state, fuse_top)
+        if self.takes_hvp and (microbatches > 1 or model.ties):
+            raise TrainerError("optax's Hutchinson estimator (sophia) cannot train with ReversibleTrainer and "
+                               f"{'microbatches > 1' if microbatches > 1 else 'tied parameters'} yet: its "
+                               "layer-by-layer Hessian-vector products are built for one pass over untied layers; "
+                               "use train.microbatches = 1 and untied layers, or StandardTrainer")
         # The fused per-layer update when it is exact; else the deferred one (`revtrain.trainers.deferred`).
         self.deferred = (not self.layerwise.separable or microbatches > 1 or bool(model.ties)
                          or (shard_state and not is_elementwise(optimizer)))
@@ -254,6 +260,10 @@ class ReversibleTrainer(TrainerBase):
                                                self.mesh, self.microbatches, self.shard_state,
                                                functools.partial(_Dispatch, trainer=self))
                                 if self.deferred else None)
+        # The pass of Hessian-vector products for optax's Hutchinson estimator (`revtrain.trainers.hessian`),
+        # None for any other optimizer.
+        self.products = (LayerProducts(self.model, self.specs, self._compiled, Tangents(self.model.param_shapes()))
+                         if self.takes_hvp else None)
         if hasattr(self, "block_modes"):  # (a later choice: the layout follows the tier)
             self._plans = {}
             self.groups = self._layout()
@@ -548,20 +558,58 @@ class ReversibleTrainer(TrainerBase):
         groups = grouped.groups
         update = self.deferred_update
         acc = None
+        params, opt_state = list(grouped.params), list(grouped.opt_state)
+        states = grouped.layer_state
+        skey = step_key(self.seed, ts.step)
+        hvp = self._products(grouped, batch, skey) if self.products is not None else None
         if self.residency.streamed:
             params, opt_state, acc = self._streamed(grouped, plan, ts,
                                                     deferred=(update.passes, sorted(update.owners(groups))))
-        else:
-            params, opt_state = list(grouped.params), list(grouped.opt_state)
-        states = grouped.layer_state
         params, opt_state, current, metrics, finite = update.step(plan, groups, params, opt_state, states, acc, batch,
-                                                                  step_key(self.seed, ts.step))
+                                                                  skey, hvp)
         del acc
         params, opt_state = self._stored(params, opt_state)
         new_ts = self._state(ts.step + 1, Stacked(groups, params, opt_state, current))
         check_finite(self._state(ts.step + 1, Stacked(groups, params, opt_state, list(states))), metrics, finite,
                      self.model.layers)
         return new_ts, metrics
+
+    def _products(self, grouped: Stacked, batch: dict, skey) -> list:
+        """optax's Hutchinson estimator's Hessian-vector products for the step (`hessian.LayerProducts`), one tree
+        per group (a stacked run's stacked), where the tier keeps activations (`Tier.keep`: host memory on the
+        host and disk tiers) until the update pass. A streamed tier's weights come through a read-only stream
+        (every group up, then every group down), the estimator's key from the first group's optimizer state."""
+        groups, tier = grouped.groups, self.residency
+        where = [(g, j) for g, (_, count) in enumerate(groups) for j in range(count)]
+        if tier.streamed:
+            store, n = tier.store, len(groups)
+            programs = ([[(0, "params"), (0, "opt")]] + [[(g, "params")] for g in range(1, n)]
+                        + [[(g, "params")] for g in range(n - 2, -1, -1)])
+            stream = store.listen(StepStream(store, store.refs(grouped.params, grouped.opt_state), None, programs,
+                                             placer(self.mesh, self.shard_state)))
+            weights, opt0 = stream.params, None
+        else:
+            weights, opt0 = grouped.params, grouped.opt_state[0]
+        held: dict = {}
+
+        def params_of(i, when):
+            g, j = where[i]
+            if (g, when) not in held:
+                held.clear()
+                held[(g, when)] = weights[g]
+            p = held[(g, when)]
+            return p if groups[g][1] == 1 else _take(p, np.int32(j))
+
+        first = params_of(0, "forward")
+        key = Tangents.key(opt0 if opt0 is not None else stream.opt_state[0])
+        key = key[0] if key.ndim > 1 else key  # (a stacked first group's copies)
+        states = [grouped.layer_state[g] if groups[g][1] == 1 else _take(grouped.layer_state[g], np.int32(j))
+                  for g, j in where]
+        del first
+        out = self.products.products(params_of, states, batch, skey, key, keep=tier.keep, bring=tier.bring)
+        held.clear()
+        return [tier.keep(out[start] if count == 1 else stack(out[start:start + count], consume=True))
+                for start, count in groups]
 
     # -- the memory budget (`revtrain.planning.budget`) ---------------------------------------------
     def plan_budget(self, batch_spec: dict):
@@ -601,3 +649,9 @@ class ReversibleTrainer(TrainerBase):
 
     def memory_knobs(self, evaluation: bool = False) -> list[str]:
         return [] if evaluation or self.residency.offloaded else ["ReversibleTrainer.offload = True"]
+
+
+@jax.jit
+def _take(tree, j):
+    """Slice ``j`` of a stacked tree (a leading layer axis)."""
+    return jax.tree.map(lambda a: a[j], tree)

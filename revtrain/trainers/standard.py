@@ -14,6 +14,7 @@ from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memor
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, batch_size_of,
                                       check_batch, check_finite, check_flags, example_keys, per_device, step_key,
                                       take_microbatch)
+from revtrain.trainers.hessian import Tangents, whole_products
 from revtrain.trainers.layerwise import all_finite, guarded_update
 from revtrain.tiers.device import DeviceTier
 from revtrain.trainers.specs import StateSpecs
@@ -114,6 +115,14 @@ class StandardTrainer(TrainerBase):
         """Whole-model backprop inside ``shard_map``: ``(mean loss, grads summed over devices, stats,
         new layer states, total weight)``. Shared with `revtrain check`. ``normalize=False``: the loss and
         gradient of the summed loss (not divided by the total weight; a microbatch's part)."""
+        objective = self.objective(states, batch, skey, normalize)
+        (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(per_device(params))
+        return obj, lax.psum(grads, DATA_AXIS), stats, new_states, total
+
+    def objective(self, states, batch, skey, normalize: bool = True):
+        """Inside ``shard_map``: the loss of this device's examples as a function of every layer's params,
+        ``params -> (loss, (stats, new layer states, total weight))``, the loss normalised by the global batch's
+        weight (``normalize=False``: the summed loss)."""
         layers, model = self.model.layers, self.model
         b = batch_size_of(batch)
 
@@ -154,8 +163,7 @@ class StandardTrainer(TrainerBase):
             total = lax.psum(lax.stop_gradient(stats["weight"]), DATA_AXIS)
             return (loss_sum / total if normalize else loss_sum), (stats, new_states, total)
 
-        (obj, (stats, new_states, total)), grads = jax.value_and_grad(objective, has_aux=True)(per_device(params))
-        return obj, lax.psum(grads, DATA_AXIS), stats, new_states, total
+        return objective
 
     def _accumulated(self, params, states, batch, skey):
         """``grads`` of M microbatches (`take_microbatch`), one ``lax.scan``: the summed loss's gradient and
@@ -179,7 +187,12 @@ class StandardTrainer(TrainerBase):
         grads = jax.tree.map(lambda g: g / total, grads)
         return loss_sum / total, grads, {"correct": correct}, states, total
 
-    def _step(self, params, opt_state, states, batch, skey):
+    def _products(self, params, states, batch, skey, z):
+        """The whole model's Hessian-vector product ``H z`` for optax's Hutchinson estimator (`hessian`)."""
+        objective = self.objective(states, batch, skey)
+        return whole_products(lambda p: objective(p)[0], params, z)
+
+    def _step(self, params, opt_state, states, batch, skey, hvp=None):
         if self.microbatches == 1:
             obj, grads, stats, new_states, total = self.grads(params, states, batch, skey)
             loss = lax.psum(obj, DATA_AXIS)  # the global mean (identical on every device)
@@ -192,7 +205,8 @@ class StandardTrainer(TrainerBase):
         # microbatches and devices.
         new_params, new_opt, _ = guarded_update(self.tx, grads, opt_state, params,
                                                 ok=jnp.logical_and(jnp.isfinite(loss), jnp.all(finite)),
-                                                value=loss.astype(jnp.float32) if self.takes_value else None)
+                                                value=loss.astype(jnp.float32) if self.takes_value else None,
+                                                hvp=hvp)
         metrics = {"loss": loss, "accuracy": correct / total, "grad_norm": optax.global_norm(grads)}
         return new_params, new_opt, new_states, metrics, finite
 
@@ -202,12 +216,25 @@ class StandardTrainer(TrainerBase):
         weights and optimizer state donated; `train_step` calls it, the memory plan compiles it for its
         temporaries (`revtrain.planning.costs`)."""
         if "step" not in self._cache:
+            # (an optimizer with optax's Hutchinson estimator takes the step's Hessian-vector product too)
             mapped = jax.shard_map(self._step, mesh=self.mesh,
-                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()),
+                                   in_specs=(P(), P(), P(), P(DATA_AXIS), P()) + ((P(),) if self.takes_hvp else ()),
                                    out_specs=(P(), P(), P(), P(), P()))
             self._cache["step"] = _Dispatch(jax.jit(mapped, donate_argnums=(0, 1), compiler_options=XLA_OPTIONS),
                                             self)
         return self._cache["step"]
+
+    def _hessian(self, ts: TrainState, batch: dict, skey):
+        """``H z`` of the whole model for the step (`hessian.whole_products`), on the tangent optax's Hutchinson
+        estimator draws from the state's key (`hessian.Tangents`)."""
+        if "products" not in self._cache:
+            mapped = jax.shard_map(self._products, mesh=self.mesh, in_specs=(P(), P(), P(DATA_AXIS), P(), P()),
+                                   out_specs=P())
+            self._cache["products"] = (Tangents(self.model.param_shapes()),
+                                       jax.jit(mapped, compiler_options=XLA_OPTIONS))
+        tangents, program = self._cache["products"]
+        z = tangents.whole(Tangents.key(ts.opt_state[0]))
+        return program(ts.params, ts.layer_state, batch, skey, z)
 
     def train_step(self, ts: TrainState, batch: dict):
         """One step of ordinary backprop. Returns ``(new_state, metrics)`` (``loss``, ``accuracy``).
@@ -216,8 +243,11 @@ class StandardTrainer(TrainerBase):
           TrainerError: the batch size is not divisible by the number of devices.
         """
         check_batch(batch, self.num_devices, self.microbatches)
+        skey = step_key(self.seed, ts.step)
+        # optax's Hutchinson estimator: H z on the tangent it draws, its own program (`hessian`), before the step
+        more = (self._hessian(ts, batch, skey),) if self.takes_hvp else ()
         params, opt, states, metrics, finite = self.step_program()(ts.params, ts.opt_state[0], ts.layer_state,
-                                                                   batch, step_key(self.seed, ts.step))
+                                                                   batch, skey, *more)
         new_ts = TrainState(ts.step + 1, params, [opt], states)
         check_finite(TrainState(ts.step + 1, params, [opt], ts.layer_state), metrics, [finite], self.model.layers)
         return new_ts, metrics
