@@ -173,9 +173,10 @@ class _PerLayer:
             self._programs[key] = jax.jit(fn)
         return self._programs[key]
 
-    def step(self, grads: list, states: list, params: list, value=None) -> tuple[list, list]:
+    def step(self, grads: list, states: list, params: list, value=None, hvp=None) -> tuple[list, list]:
         """``(new params, new states)``, one per layer (``value``: the step's loss for an optimizer that reads
-        it, else None)."""
+        it, else None; ``hvp``: one Hessian-vector product per layer for one that reads them, else None)."""
+        hvp = hvp if hvp is not None else [None] * len(params)
         ok = jnp.asarray(True)
         n = len(params)
         if not self.deferred:
@@ -185,23 +186,23 @@ class _PerLayer:
         lw, globals_, history = self.layerwise, (), []
         for k in range(lw.rounds):
             stats = [self._jit(("stats", k, lw.signature(i)),
-                               lambda g, s, p, gl, v, k=k, i=i: self._stats(k, i, g, s, p, gl, v))(
-                grads[i], states[i], params[i], globals_, value) for i in range(n)]
+                               lambda g, s, p, gl, v, h, k=k, i=i: self._stats(k, i, g, s, p, gl, v, h))(
+                grads[i], states[i], params[i], globals_, value, hvp[i]) for i in range(n)]
             history.append([s[0] if k == 0 else s for s in stats])  # (round 0's also hold squares and flags)
             combine = self._jit(("combine", k), lambda ex, leaves, gl, v, k=k: lw.combine(k, ex, leaves, gl, v))
             globals_ = combine(history, lw.global_leaves(0, states[0]), globals_, value)
         out = [self._jit(("update", lw.signature(i)),
-                         lambda g, s, p, gl, ok, v, i=i: self._update(i, g, s, p, gl, ok, v))(
-            grads[i], states[i], params[i], globals_, ok, value) for i in range(n)]
+                         lambda g, s, p, gl, ok, v, h, i=i: self._update(i, g, s, p, gl, ok, v, h))(
+            grads[i], states[i], params[i], globals_, ok, value, hvp[i]) for i in range(n)]
         return [p for p, _ in out], [s for _, s in out]
 
-    def _stats(self, k, i, g, s, p, globals_, value):
+    def _stats(self, k, i, g, s, p, globals_, value, hvp=None):
         scalars: list = []
-        exports = self.layerwise.exports(k, i, g, s, p, globals_, scalars, value=value)
+        exports = self.layerwise.exports(k, i, g, s, p, globals_, scalars, value=value, hvp=hvp)
         return fence(scalars, exports if k else (exports, leaf_squares(g), all_finite(g)))
 
-    def _update(self, i, g, s, p, globals_, ok, value):
-        return deferred_layer_update(self.tx, self.layerwise, i, g, s, p, globals_, ok, value)
+    def _update(self, i, g, s, p, globals_, ok, value, hvp=None):
+        return deferred_layer_update(self.tx, self.layerwise, i, g, s, p, globals_, ok, value, hvp)
 
 
 def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> Result:
@@ -229,7 +230,7 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     if deferred is None:
         deferred = not layerwise.separable or bool(model.ties)
     per_layer = _PerLayer(tx, layerwise, deferred)
-    whole = jax.jit(lambda g, s, p, ok, v: guarded_update(tx, g, s, p, ok=ok, value=v)[:2])
+    whole = jax.jit(lambda g, s, p, ok, v, h: guarded_update(tx, g, s, p, ok=ok, value=v, hvp=h)[:2])
     whole_params, layer_params = list(params), list(params)
     init = jax.jit(tx.init)  # (one program per distinct tree, not one per leaf's zeros)
     whole_state = init(whole_params)
@@ -238,8 +239,10 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
     for step in range(1, steps + 1):
         grads = seeded_grads(layer_params, seed, step)
         value = seeded_value(seed, step) if layerwise.takes_value else None  # (the step's loss, for one that reads it)
-        whole_params, whole_state = whole(grads, whole_state, whole_params, jnp.asarray(True), value)
-        layer_params, layer_states = per_layer.step(grads, layer_states, layer_params, value)
+        # (Hessian-vector products for optax's Hutchinson estimator: seeded as gradients are, another stream)
+        hvp = seeded_grads(layer_params, seed + 1, step) if layerwise.takes_hvp else None
+        whole_params, whole_state = whole(grads, whole_state, whole_params, jnp.asarray(True), value, hvp)
+        layer_params, layer_states = per_layer.step(grads, layer_states, layer_params, value, hvp)
         for i in range(len(layer_params)):
             for what, mine, theirs, tree in (
                     ("params", jax.tree.leaves(layer_params[i]), jax.tree.leaves(whole_params[i]), layer_params[i]),

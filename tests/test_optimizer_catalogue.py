@@ -38,13 +38,9 @@ REPRESENTATIVE = ("optax.polyak_sgd",)
 
 # The documented refusals (docs/recipe.md, "Refused"): name -> reason. A refusal of any other
 # name fails its case.
-_OBJ = ("its update needs the keyword argument obj_fn, the loss as a function of the parameters (a Hessian-vector "
-        "product of the whole model's loss within the step; both trainers refuse it)")
 REFUSED: dict = {
     "optax.lbfgs": ("its zoom line search needs the keyword arguments value, grad and value_fn: the whole model's "
                     "loss evaluated at other parameters, several times a step (both trainers refuse it)"),
-    "optax.contrib.sophia": _OBJ,
-    "optax.contrib.hutchinson_estimator_diag_hessian": _OBJ,
     "optax.contrib.scale_by_muon": ("optax's own update fails on a list of layers with its default "
                                     "weight_dimension_numbers (None): a pytree structure error in both trainers, "
                                     "refused in one line (optax.contrib.muon, which brings its own, trains)"),
@@ -117,10 +113,10 @@ def _bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-def _run(qualified, batches, trainer_cls, **kwargs):
-    """A step of ``trainer_cls`` with the optimizer ``qualified`` names per batch (the tiny model of
+def _run(qualified, batches, trainer_cls, tx=None, **kwargs):
+    """A step of ``trainer_cls`` with the optimizer ``qualified`` names (or ``tx``) per batch (the tiny model of
     tests/test_optim.py): ``(each loss's bytes, each layer's parameter bytes)``."""
-    tx, _ = build(qualified)
+    tx = tx if tx is not None else build(qualified)[0]
     mesh = make_mesh(jax.devices()[:1])
     model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
     with jax.default_matmul_precision("highest"), warnings.catch_warnings():
@@ -228,6 +224,18 @@ def test_representative_optimizers(qualified, text_batches, tmp_path):
     check(qualified, text_batches(8, STEPS), tmp_path)
 
 
+def test_sophia_layer_by_layer_is_the_whole_models(text_batches):
+    """``optax.contrib.sophia`` reading its Hessian-vector product every step (``update_interval=1``): the
+    products ReversibleTrainer computes layer by layer (revtrain/trainers/hessian.py: the jvp of each layer's vjp)
+    give StandardTrainer's losses and parameters (the whole model's ``jvp(grad)``) bit for bit. The device tier
+    here; the whole catalogue runs ``sophia`` and the bare estimator on every tier."""
+    batches = text_batches(8, 2)
+    tx = optax.contrib.sophia(LR, update_interval=1)
+    want = _run(None, batches, StandardTrainer, tx=tx)
+    assert _run(None, batches, ReversibleTrainer, tx=tx) == want
+    assert len(set(want[0])) == 2  # (the loss moved)
+
+
 def _whole():
     try:
         return [q for q in catalogue() if q not in REPRESENTATIVE]
@@ -303,31 +311,39 @@ def test_values_of_the_whole_tree_are_the_whole_models(text_batches):
 
 
 def test_an_update_that_needs_more_than_the_loss_is_refused_in_one_line(tmp_path, capsys):
-    """An optimizer whose update needs more than the gradients and the step's loss (``optax.lbfgs``' line search:
-    ``value``, ``grad``, ``value_fn``; ``optax.contrib.sophia``'s Hessian-vector products: ``obj_fn``) is refused
-    when a trainer is made, by both trainers alike, in one line naming what it needs (the Python API: a
-    `TrainerError`, an `InputError`); the CLI prints that line and exits 2 before anything is trained. One that
-    needs only the loss (``value``: ``optax.contrib.momo``) is not refused."""
+    """An optimizer whose update needs more than the gradients, the step's loss and the Hessian-vector products of
+    one Hutchinson estimator (``optax.lbfgs``' line search: ``value``, ``grad``, ``value_fn``; ``obj_fn`` read by
+    two estimators) is refused when a trainer is made, by both trainers alike, in one line naming what it needs
+    (the Python API: a `TrainerError`, an `InputError`); the CLI prints that line and exits 2 before anything is
+    trained. One that needs only the loss (``value``: ``optax.contrib.momo``) or one estimator's products
+    (``obj_fn``: ``optax.contrib.sophia``) is not refused."""
     from helpers import revtrain_here
     from test_optim import TINY
     from revtrain.trainers.common import TrainerError
     mesh = make_mesh(jax.devices()[:1])
     model = ReversibleTransformerLM(T, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.0)
-    for tx, owner, needs in [(optax.contrib.sophia(1e-3), "hutchinson", "argument obj_fn (the loss as a function of "
-                              "the parameters, for a Hessian-vector product)"),
-                             (optax.lbfgs(), "scale_by_zoom_linesearch", "arguments value (the loss at the current "
-                              "parameters), grad (its gradient), value_fn (a function that evaluates the loss at "
-                              "other parameters)")]:
+    given = ("and revtrain's trainers give an update the gradients, the step's loss (value) and the Hessian-vector "
+             "products of optax's Hutchinson estimator (obj_fn) only; choose an optimizer that needs no more "
+             "(docs/recipe.md, \"Refused\")")
+    two = optax.chain(optax.contrib.hutchinson_estimator_diag_hessian(),
+                      optax.contrib.hutchinson_estimator_diag_hessian())
+    for tx, line in [(optax.lbfgs(), "the optimizer cannot train in revtrain: its update (optax's "
+                      "scale_by_zoom_linesearch) needs the keyword arguments value (the loss at the current "
+                      "parameters), grad (its gradient), value_fn (a function that evaluates the loss at other "
+                      f"parameters), {given}"),
+                     (two, "the optimizer cannot train in revtrain: its update calls obj_fn (the loss as a function "
+                      "of the parameters) from a transformation other than one "
+                      "optax.contrib.hutchinson_estimator_diag_hessian, whose Hessian-vector products the trainers "
+                      "compute on the tangents it draws (docs/recipe.md, \"Refused\")")]:
         lines = set()
         for cls in (StandardTrainer, ReversibleTrainer):
             with pytest.raises(TrainerError) as e:
                 cls(model, tx, mesh, seed=0)
             lines.add(_line(e.value))
-        assert lines == {f"the optimizer cannot train in revtrain: its update (optax's {owner}) needs the keyword "
-                         f"{needs}, and revtrain's trainers give an update the gradients and the step's loss (value) "
-                         "only; choose an optimizer that needs no more (docs/recipe.md, \"Refused\")"}, lines
+        assert lines == {line}, lines
     for cls in (StandardTrainer, ReversibleTrainer):
         assert cls(model, optax.contrib.momo(), mesh, seed=0).takes_value
+        assert cls(model, optax.contrib.sophia(1e-3), mesh, seed=0).takes_hvp
     for trainer in ("StandardTrainer", "ReversibleTrainer"):
         got = revtrain_here(capsys, "train", *TINY, "--workdir", tmp_path / trainer, "--gin",
                             "train.optimizer = @optax.lbfgs", "--gin", f"train.trainer = @{trainer}")
@@ -335,9 +351,7 @@ def test_an_update_that_needs_more_than_the_loss_is_refused_in_one_line(tmp_path
         last = got.stderr.strip().splitlines()[-1]
         assert last.endswith("its update (optax's scale_by_zoom_linesearch) needs the keyword arguments value (the "
                              "loss at the current parameters), grad (its gradient), value_fn (a function that "
-                             "evaluates the loss at other parameters), and revtrain's trainers give an update the "
-                             "gradients and the step's loss (value) only; choose an optimizer that needs no more "
-                             "(docs/recipe.md, \"Refused\")"), got.stderr
+                             f"evaluates the loss at other parameters), {given}"), got.stderr
         assert "Traceback" not in got.stderr and not (tmp_path / trainer / "checkpoints").exists()
 
 
