@@ -10,11 +10,15 @@ from shapes alone, after the model is built and before the trainer places its st
 * **gradients**: the whole tree for ``StandardTrainer`` (twice with microbatches: the sum and the current
   microbatch's); one layer's for the reversible trainer's fused per-layer update; a whole-model buffer
   beside one layer's when the update is deferred (clipping chains, microbatches, ties, a whole-leaf update
-  under ``shard_state``: ``trainer.deferred``), held where the state lives;
+  under ``shard_state``: ``trainer.deferred``), held where the state lives; with optax's Hutchinson estimator
+  (``sophia``: `revtrain.trainers.hessian`) the step's Hessian-vector products too, a model's size beside them
+  (the reversible trainer's where its tier keeps activations);
 * **activations**: ``StandardTrainer`` keeps every layer's vjp residuals until the backward (counted by
   tracing ``jax.vjp`` of each distinct layer on shapes: its residual leaves that are not inputs), or only
   each layer's input under ``scan_layers`` + ``remat_layers``; the reversible trainer keeps the saved inputs
-  of its standard layers plus the current activation and its cotangent (the batch too, for both);
+  of its standard layers plus the current activation and its cotangent (the batch too, for both); with the
+  Hutchinson estimator the reversible trainer's pass of products keeps every layer's input and its tangent
+  (the more of that and the step's own), ``StandardTrainer``'s ``jvp(grad)`` program the residuals twice;
 * **temporaries**: the largest ``temp_size_in_bytes`` of ``jit(...).lower(shapes).compile()
   .memory_analysis()`` over the programs of a step, compiled through the trainer's program interface
   (`revtrain.trainers.programs.LayerPrograms`, `revtrain.planning.costs`): for the run's own trainer the
@@ -86,7 +90,7 @@ from revtrain import limits
 from revtrain.errors import ConfigError
 from revtrain.limits import device_limit, gib, host_limit, pinned_limit
 from revtrain.optstate import tree_nbytes
-from revtrain.planning.setups import Setup, rounds, tier_of
+from revtrain.planning.setups import Setup, rounds, takes_hvp, tier_of
 from revtrain.planning.costs import PlanPrograms
 from revtrain.planning.shapes import Shapes, local_batch, shapes_of, state_bytes, tied_bytes
 from revtrain.trainers.modes import REBUILDS, default_mode
@@ -376,6 +380,7 @@ class _Step:
     temp: int
     method: str
     saved_std: int = 0
+    products: int = 0  # optax's Hutchinson estimator's Hessian-vector products among ``grads`` (reversible)
 
 
 def _standard_step(model, setup: Setup, shapes: Shapes, walk: _Walk, state: tuple, programs: PlanPrograms,
@@ -399,6 +404,10 @@ def _standard_step(model, setup: Setup, shapes: Shapes, walk: _Walk, state: tupl
         temp = max(walk.temps) + int(STANDARD_EXTRA_FRACTION * weights)
         method = ("analytic bound for StandardTrainer's whole step: residuals + gradients + the largest "
                   "one-layer backward program's temporaries (compiled)")
+    if takes_hvp(setup.optimizer, pshapes):  # the products (a model's size) and the jvp(grad) program's tangent residuals
+        grads += tree_nbytes(pshapes)
+        acts += walk.residuals
+        method += "; optax's Hutchinson estimator: its products and the jvp(grad) program's residuals twice"
     return _Step(grads, acts, temp, method)
 
 
@@ -416,7 +425,16 @@ def _reversible_step(setup: Setup, walk: _Walk, state: tuple, shapes: Shapes) ->
         on_device = ((0 if on_host else weights + opt + grads) + acts - (walk.saved_std if on_host else 0))
         temp = max(temp, setup.budget_peak - on_device)
         method += "; the memory budget's plan of the step (revtrain.planning.budget) as a floor"
-    return _Step(grads, acts, temp, method, walk.saved_std)
+    saved, products = walk.saved_std, 0
+    if takes_hvp(setup.optimizer, shapes.pshapes):
+        # optax's Hutchinson estimator (`revtrain.trainers.hessian`): the products, a buffer of the (local)
+        # weights' size held to the update pass, and the products' pass keeping every layer's input and its
+        # tangent where the tier keeps activations (the more of that and the step's own kept inputs)
+        grads, products = grads + weights, weights
+        kept = 2 * sum(tree_nbytes(a) for a in walk.inputs)
+        acts, saved = acts - saved + max(saved, kept), max(saved, kept)
+        method += "; optax's Hutchinson estimator: its products and their pass's kept inputs and tangents"
+    return _Step(grads, acts, temp, method, saved, products)
 
 
 def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: bool) -> dict:
@@ -443,6 +461,7 @@ def _place(model, setup: Setup, step: _Step, state: tuple, n: int, one_tier: boo
         if setup.deferred:  # the deferred update's buffers: in files, in flight beside their layers' weights
             device["gradients"] = 2 * lw + tied_bytes(model)  # (and the tied leaves' other use, held all step)
             host["gradients"] = lw  # (being written)
+        device["gradients"] += step.products  # (the Hutchinson estimator's, kept where activations are: here)
         device["activations"] = acts
         temp = max(0, temp - max(layer_state))
     elif where == "host":

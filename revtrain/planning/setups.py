@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from revtrain import optstate
 from revtrain.planning.shapes import layer_param_shapes
 
 # -- the trainer choices -------------------------------------------------------------------------------------
@@ -127,6 +128,19 @@ def rounds(tx, model) -> int:
         return 1
 
 
+_HVP: dict = {}  # `takes_hvp`'s answers, by optimizer and parameter shapes
+
+
+def takes_hvp(optimizer, pshapes) -> bool:
+    """Whether ``optimizer`` reads Hessian-vector products (optax's Hutchinson estimator: sophia;
+    `revtrain.optstate.takes_hvp`) on parameters shaped ``pshapes`` (one tree per layer), traced once per
+    optimizer and shapes."""
+    key = (id(optimizer), jax.tree.structure(pshapes), tuple(x.shape for x in jax.tree.leaves(pshapes)))
+    if key not in _HVP:
+        _HVP[key] = optstate.takes_hvp(optstate.keep_states(optimizer), pshapes)
+    return _HVP[key]
+
+
 def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> list[Setup]:
     """The trainer choices a table compares with ``setup`` and a refusal may name: the reversible trainer,
     with offload (``host_offload``: the backend has host memory), Adafactor, microbatches, ``shard_state``
@@ -157,7 +171,8 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
                                        deferred=head.deferred or head.shard_state,
                                        settings=head.settings + ("train.optimizer = @optax.adafactor",)))
     local = setup.batch_size // max(num_devices, 1)
-    if local % (2 * setup.microbatches) == 0:
+    # (no microbatches with the Hutchinson estimator's products: the reversible trainer refuses them)
+    if local % (2 * setup.microbatches) == 0 and not takes_hvp(setup.optimizer, layer_param_shapes(model)):
         m = 2 * setup.microbatches
         out.append(dataclasses.replace(head, microbatches=m, deferred=True, label=head.label + f" + {m} microbatches",
                                        settings=head.settings + (f"train.microbatches = {m}",)))
