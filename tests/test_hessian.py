@@ -52,3 +52,20 @@ def test_the_stand_in_objective_gives_its_product():
     assert optstate.takes_hvp(sophia, PARAMS) and not optstate.takes_value(sophia, PARAMS)
     assert optstate.update_refusal(sophia, PARAMS) is None
     assert not optstate.takes_hvp(optstate.keep_states(optax.adamw(1e-3)), PARAMS)
+
+
+def test_the_products_are_needed_on_the_steps_that_read_them():
+    """`LayerwiseUpdate.products_needed`: Sophia reads its products where its step count is a multiple of
+    ``update_interval`` (a ``cond`` on a value of no layer), the bare estimator on every step (None: always)."""
+    from revtrain.trainers.layerwise import LayerwiseUpdate
+    sophia = optstate.keep_states(optax.contrib.sophia(1e-3, update_interval=3))
+    split = LayerwiseUpdate(sophia, PARAMS)
+    needed = jax.jit(lambda s: split.products_needed(split.global_leaves(0, s)))
+    state = sophia.init(PARAMS[0])
+    flags = []
+    for count in range(5):
+        state = jax.tree.map(lambda x: np.int32(count) if np.ndim(x) == 0 and x.dtype == np.int32 else x, state)
+        flags.append(bool(needed(state)))
+    assert flags == [True, False, False, True, False]
+    bare = optstate.keep_states(optax.contrib.hutchinson_estimator_diag_hessian())
+    assert LayerwiseUpdate(bare, PARAMS).products_needed(()) is None

@@ -363,6 +363,18 @@ class DeferredUpdate:
         self._cache[key] = self.dispatch(jitted)
         return self._cache[key]
 
+    def _zeros(self, groups, g: int):
+        """Zeros shaped and placed like group ``g``'s weights on the device (one program per group)."""
+        key = ("zeros", g, groups)
+        if key not in self._cache:
+            start, count = groups[g]
+            shapes = self.model.param_shapes()[start]
+            if count > 1:
+                shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((count,) + x.shape, x.dtype), shapes)
+            self._cache[key] = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+                                       out_shardings=self._shardings(self.model.layers[start], count)[0])
+        return self._cache[key]()
+
     def _combine_fn(self, k: int, groups):
         key = ("combine", k, groups)
         if key not in self._cache:
@@ -400,7 +412,8 @@ class DeferredUpdate:
           skey: the step's key (uint32 ``[2]``, `common.step_key`).
           hvp: one Hessian-vector product per group (a stacked run's stacked) where the tier keeps activations,
             for an update that reads one (`layerwise.LayerwiseUpdate.takes_hvp`: optax's Hutchinson estimator;
-            `revtrain.trainers.hessian`); None for every other optimizer.
+            `revtrain.trainers.hessian`; each None on a step whose update does not read them: zeros are given);
+            None for every other optimizer.
 
         Returns:
           ``(params, opt_state, new states, metrics, finite)``: the lists updated in place (no layer updated
@@ -435,7 +448,11 @@ class DeferredUpdate:
         # The step's loss, as logged, for an optimizer whose update reads it (``value``: polyak_sgd, momo,
         # reduce_on_plateau); None (no input at all) for every other optimizer, whose programs are unchanged.
         value = loss if self.layerwise.takes_value else None
-        hvp_of = (lambda g: self.tier.bring(hvp[g])) if hvp is not None else (lambda g: None)  # noqa: E731
+        def hvp_of(g):  # (None: no products this step; zeros, which the update's untaken branch never reads)
+            if hvp is None:
+                return None
+            return self.tier.bring(hvp[g]) if hvp[g] is not None else self._zeros(groups, g)
+
         globals_, sq, finite = self._statistics(groups, params, opt_state, acc, tie_in, scale, value, hvp_of)
         ok = _all_ok(finite, loss)
         for g in range(len(groups)):

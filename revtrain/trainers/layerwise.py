@@ -847,6 +847,7 @@ class LayerwiseUpdate:
         self._producer = {o: e for e in self._jaxpr.eqns for o in e.outvars}
         self._signatures: dict = {}
         self._layer_shapes, self._separable = shapes, None  # (`separable` is computed on first use)
+        self._hvp_conds = self._products_read_under() if self.takes_hvp else None
         if segmented and not _own and not self.separable:
             # A segmented vector is evaluated only as each layer's own update (the separable form): a layer's
             # slice of the whole program would need each equation re-shaped to its segment.
@@ -895,6 +896,61 @@ class LayerwiseUpdate:
             except CoupledUpdateError:
                 self._signatures[key] = None
         return self._signatures[key] == self._needed_pre(i)
+
+    def _products_read_under(self) -> list | None:
+        """Under which predicates the update reads its Hessian-vector products (`takes_hvp`): ``[(predicate var,
+        number of cases, the cases that read them), ...]`` when every value computed from them reaches the
+        update's results only through a ``cond`` (its branches) or a ``select_n`` (its cases: a ``cond``
+        evaluated as a selection, `_select_cond`) on a value that depends on no layer (round -1: Sophia's
+        ``count % update_interval == 0``); None when one reaches a result unconditionally (the bare estimator)."""
+        derived = {v for v, (kind, _, _) in self._inputs.items() if kind == "h"}
+        out = []
+        for e in self._jaxpr.eqns:
+            reads = [k for k, x in enumerate(e.invars) if isinstance(x, jcore.Var) and x in derived]
+            if not reads:
+                continue
+            index = e.invars[0]
+            on_global = (isinstance(index, jcore.Var) and index not in derived and self._tags[index].layer is None
+                         and self._tags[index].round == _PRE)
+            if on_global and e.primitive.name == "select_n":
+                out.append((index, len(e.invars) - 1, tuple(k - 1 for k in reads)))
+                continue
+            if on_global and e.primitive.name == "cond":
+                used = []
+                for b, branch in enumerate(e.params["branches"]):
+                    jaxpr = branch.jaxpr
+                    read = {x for q in jaxpr.eqns for x in q.invars if isinstance(x, jcore.Var)}
+                    read.update(x for x in jaxpr.outvars if isinstance(x, jcore.Var))
+                    if any(jaxpr.invars[k - 1] in read for k in reads):
+                        used.append(b)
+                out.append((index, len(e.params["branches"]), tuple(used)))
+                continue
+            derived.update(e.outvars)
+        if any(v in derived for vs in self._out_updates + self._out_state for v in vs):
+            return None
+        return out
+
+    def products_needed(self, global_leaves: tuple):
+        """Whether this step's update reads its Hessian-vector products (`takes_hvp`), from the leaves every
+        layer's state has (`global_leaves`, as the step starts): a bool scalar, or None when it always does.
+        Sophia reads them every ``update_interval`` steps (a ``cond`` on its step count); on the other steps a
+        trainer skips computing them and gives zeros, which the update never reads (the untaken branch)."""
+        if self._hvp_conds is None:
+            return None
+        env = dict(zip(self._jaxpr.constvars, self._consts))
+        for v, (kind, layer, q) in self._inputs.items():
+            if kind == "s" and layer is None:
+                env[v] = global_leaves[self._global_paths.index(q)]
+        self._run(env, [index for index, _, _ in self._hvp_conds], None, _PRE)
+        flags = [jnp.any(jnp.isin(jnp.clip(jnp.asarray(env[index]).astype(jnp.int32), 0, count - 1),
+                                  jnp.asarray(used, jnp.int32)))
+                 for index, count, used in self._hvp_conds]
+        return jnp.any(jnp.stack(flags)) if flags else jnp.asarray(False)
+
+    def whole_global_leaves(self, whole_state) -> tuple:
+        """`global_leaves` of the whole model's optimizer state (StandardTrainer's)."""
+        found = {tuple(p): x for p, x in jax.tree_util.tree_flatten_with_path(whole_state)[0]}
+        return tuple(found[tuple(path)] for path in self._global_paths)
 
     # -- the whole optimizer state, matched to the layers' states ----------------------------------
     def _match_state(self, whole_paths) -> list:

@@ -577,19 +577,36 @@ class ReversibleTrainer(TrainerBase):
     def _products(self, grouped: Stacked, batch: dict, skey) -> list:
         """optax's Hutchinson estimator's Hessian-vector products for the step (`hessian.LayerProducts`), one tree
         per group (a stacked run's stacked), where the tier keeps activations (`Tier.keep`: host memory on the
-        host and disk tiers) until the update pass. A streamed tier's weights come through a read-only stream
-        (every group up, then every group down), the estimator's key from the first group's optimizer state."""
+        host tier) until the update pass; None per group on a step whose update does not read them (Sophia
+        between its ``update_interval`` steps: `layerwise.LayerwiseUpdate.products_needed`), which the update
+        pass gives zeros. A streamed tier's weights come through a read-only stream (every group up, then every
+        group down); the estimator's key and step count from the first group's optimizer state."""
         groups, tier = grouped.groups, self.residency
         where = [(g, j) for g, (_, count) in enumerate(groups) for j in range(count)]
+        place = placer(self.mesh, self.shard_state)
         if tier.streamed:
-            store, n = tier.store, len(groups)
-            programs = ([[(0, "params"), (0, "opt")]] + [[(g, "params")] for g in range(1, n)]
-                        + [[(g, "params")] for g in range(n - 2, -1, -1)])
-            stream = store.listen(StepStream(store, store.refs(grouped.params, grouped.opt_state), None, programs,
-                                             placer(self.mesh, self.shard_state)))
-            weights, opt0 = stream.params, None
+            store = tier.store
+            refs = store.refs(grouped.params, grouped.opt_state)
+            opt0 = store.listen(StepStream(store, refs, None, [[(0, "opt")]], place)).opt_state[0]
         else:
-            weights, opt0 = grouped.params, grouped.opt_state[0]
+            opt0 = grouped.opt_state[0]
+        if groups[0][1] > 1:  # (a stacked first group: its first layer's state)
+            opt0 = _take(opt0, np.int32(0))
+        needed = self._cache.get("products_needed")
+        if needed is None:
+            needed = self._cache["products_needed"] = jax.jit(
+                lambda opt: self.layerwise.products_needed(self.layerwise.global_leaves(0, opt)))
+        flag = needed(opt0)
+        key = Tangents.key(opt0)
+        del opt0
+        if flag is not None and not bool(flag):
+            return [None] * len(groups)
+        if tier.streamed:
+            n = len(groups)
+            programs = [[(g, "params")] for g in range(n)] + [[(g, "params")] for g in range(n - 2, -1, -1)]
+            weights = store.listen(StepStream(store, refs, None, programs, place)).params
+        else:
+            weights = grouped.params
         held: dict = {}
 
         def params_of(i, when):
@@ -600,12 +617,8 @@ class ReversibleTrainer(TrainerBase):
             p = held[(g, when)]
             return p if groups[g][1] == 1 else _take(p, np.int32(j))
 
-        first = params_of(0, "forward")
-        key = Tangents.key(opt0 if opt0 is not None else stream.opt_state[0])
-        key = key[0] if key.ndim > 1 else key  # (a stacked first group's copies)
         states = [grouped.layer_state[g] if groups[g][1] == 1 else _take(grouped.layer_state[g], np.int32(j))
                   for g, j in where]
-        del first
         out = self.products.products(params_of, states, batch, skey, key, keep=tier.keep, bring=tier.bring)
         held.clear()
         return [tier.keep(out[start] if count == 1 else stack(out[start:start + count], consume=True))

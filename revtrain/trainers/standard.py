@@ -15,7 +15,7 @@ from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, Tr
                                       check_batch, check_finite, check_flags, example_keys, per_device, step_key,
                                       take_microbatch)
 from revtrain.trainers.hessian import Tangents, whole_products
-from revtrain.trainers.layerwise import all_finite, guarded_update
+from revtrain.trainers.layerwise import LayerwiseUpdate, all_finite, guarded_update
 from revtrain.tiers.device import DeviceTier
 from revtrain.trainers.specs import StateSpecs
 from revtrain.trainers.stacking import find_runs, groups_of
@@ -226,13 +226,20 @@ class StandardTrainer(TrainerBase):
 
     def _hessian(self, ts: TrainState, batch: dict, skey):
         """``H z`` of the whole model for the step (`hessian.whole_products`), on the tangent optax's Hutchinson
-        estimator draws from the state's key (`hessian.Tangents`)."""
+        estimator draws from the state's key (`hessian.Tangents`); zeros on a step whose update does not read it
+        (Sophia between its ``update_interval`` steps: `layerwise.LayerwiseUpdate.products_needed`)."""
         if "products" not in self._cache:
             mapped = jax.shard_map(self._products, mesh=self.mesh, in_specs=(P(), P(), P(DATA_AXIS), P(), P()),
                                    out_specs=P())
+            split = LayerwiseUpdate(self.tx, self.model.param_shapes())
+            needed = jax.jit(lambda opt: split.products_needed(split.whole_global_leaves(opt)))
+            zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p))
             self._cache["products"] = (Tangents(self.model.param_shapes()),
-                                       jax.jit(mapped, compiler_options=XLA_OPTIONS))
-        tangents, program = self._cache["products"]
+                                       jax.jit(mapped, compiler_options=XLA_OPTIONS), needed, zeros)
+        tangents, program, needed, zeros = self._cache["products"]
+        flag = needed(ts.opt_state[0])
+        if flag is not None and not bool(flag):
+            return zeros(ts.params)
         z = tangents.whole(Tangents.key(ts.opt_state[0]))
         return program(ts.params, ts.layer_state, batch, skey, z)
 
