@@ -525,3 +525,49 @@ def test_the_step_loss_is_the_value_the_optimizer_reads():
     r = subprocess.run([sys.executable, "-c", _VALUE_RUN.format(tests=tests, T=T)], capture_output=True, text=True,
                        env=env(devices=2), timeout=600)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+_SOPHIA_RUN = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import jax, numpy as np, optax
+from revtrain.models.transformer_lm import ReversibleTransformerLM
+from revtrain.placement import global_batch, make_mesh
+from revtrain.trainers.reversible import ReversibleTrainer
+from revtrain.trainers.standard import StandardTrainer
+assert len(jax.devices()) == 2
+mesh = make_mesh(jax.devices())
+rng = np.random.RandomState(0)
+batches = [{{k: rng.randint(0, 256, (8, {T})).astype(np.int32) for k in ("inputs", "targets")}} for _ in range(3)]
+runs = {{}}
+for name, cls, kwargs in [("standard", StandardTrainer, {{}}), ("device", ReversibleTrainer, {{}}),
+                          ("sharded", ReversibleTrainer, {{"shard_state": True}}),
+                          ("host sharded", ReversibleTrainer, {{"offload": True, "shard_state": True}})]:
+    model = ReversibleTransformerLM({T}, num_layers=2, d_model=32, num_heads=4, dropout_rate=0.1)
+    with jax.default_matmul_precision("highest"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(model, optax.contrib.sophia(1e-3, update_interval=2), mesh, seed=0, **kwargs)
+        ts, losses = trainer.init(), []
+        for batch in batches:
+            ts, m = trainer.train_step(ts, global_batch(batch, mesh))
+            losses.append(np.asarray(m["loss"]).tobytes())
+        params = [[np.asarray(x).tobytes() for x in jax.tree.leaves(trainer.layer_params(ts, i))] for i in range(4)]
+    runs[name] = (losses, params)
+assert all(run == runs["standard"] for run in runs.values()), [n for n, r in runs.items() if r != runs["standard"]]
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_sophia_on_two_devices():
+    """Sophia's Hessian-vector products on 2 devices with dropout (the masks of the step's own pass): each device's
+    product summed as its gradient is, or reduce-scattered to its piece with ``shard_state`` (also in host
+    memory); StandardTrainer's and ReversibleTrainer's losses and parameters bit for bit."""
+    import pathlib
+    import subprocess
+    import sys
+    from helpers import env
+    tests = str(pathlib.Path(__file__).resolve().parent)
+    r = subprocess.run([sys.executable, "-c", _SOPHIA_RUN.format(tests=tests, T=T)], capture_output=True, text=True,
+                       env=env(devices=2), timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
