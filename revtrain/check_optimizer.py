@@ -17,7 +17,9 @@ runs the optimizer itself, both ways, from the same parameters and the same grad
 Each of `STEPS` steps feeds both the same seeded gradients (normal, 1e-2 times the magnitude of the
 parameter leaf, so every leaf moves; an optimizer's exactness does not depend on where its gradients come
 from) and, to an optimizer whose update reads the step's loss (``value``: ``optax.polyak_sgd``,
-``optax.contrib.momo``, ``reduce_on_plateau``), the same seeded loss (`seeded_value`), and compares, for every layer, the new parameters (the applied update) and every leaf of the new
+``optax.contrib.momo``, ``reduce_on_plateau``), the same seeded loss (`seeded_value`), to one that reads
+Hessian-vector products (``optax.contrib.sophia``) the same seeded products (`seeded_grads` of another stream),
+and compares, for every layer, the new parameters (the applied update) and every leaf of the new
 optimizer state bit for bit. The first step, layer and leaf that differ are reported with their largest
 difference; the check then fails (exit 1). Where the update cannot run one layer at a time at all
 (`layerwise.CoupledUpdateError`: the reversible trainer refuses it), nothing is compared and the line says so.
@@ -71,12 +73,14 @@ class Difference:
 @dataclasses.dataclass
 class Result:
     """What `compare` found: ``difference`` (None: every layer bit for bit), ``steps``, ``form`` (how the
-    per-layer step was run) and ``refused`` (the reason no comparison was possible, else None)."""
+    per-layer step was run), ``refused`` (the reason no comparison was possible, else None) and ``seeded`` (what
+    else both forms were given, as the verdict line says it: the step's loss, Hessian-vector products)."""
 
     steps: int
     form: str
     difference: Difference | None = None
     refused: str | None = None
+    seeded: str = ""
 
     @property
     def ok(self) -> bool:
@@ -86,8 +90,8 @@ class Result:
         """The verdict line ``revtrain check`` prints (``PASS: optimizer step ...`` or ``FAIL: ...``)."""
         if self.refused:
             return f"optimizer step: not compared ({self.refused})"
-        what = (f"optimizer step, {self.steps} steps of seeded gradients, per layer ({self.form}) against the "
-                "whole model")
+        what = (f"optimizer step, {self.steps} steps of seeded gradients{self.seeded}, per layer ({self.form}) "
+                "against the whole model")
         d = self.difference
         if d is None:
             return f"PASS: {what}: every layer's new parameters and optimizer state bit for bit"
@@ -231,6 +235,8 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
         deferred = not layerwise.separable or bool(model.ties)
     per_layer = _PerLayer(tx, layerwise, deferred)
     whole = jax.jit(lambda g, s, p, ok, v, h: guarded_update(tx, g, s, p, ok=ok, value=v, hvp=h)[:2])
+    seeded = "".join([", losses" if layerwise.takes_value else "",
+                      ", Hessian-vector products (optax's Hutchinson estimator)" if layerwise.takes_hvp else ""])
     whole_params, layer_params = list(params), list(params)
     init = jax.jit(tx.init)  # (one program per distinct tree, not one per leaf's zeros)
     whole_state = init(whole_params)
@@ -252,8 +258,8 @@ def compare(trainer, model, params: list, steps: int = STEPS, seed: int = 0) -> 
                 paths = [p for p, _ in tree_flatten_with_path(tree)[0]]
                 found = _first_difference(mine, theirs, paths)
                 if found:
-                    return Result(steps, per_layer.form, Difference(step, i, names[i], what, *found))
-    return Result(steps, per_layer.form)
+                    return Result(steps, per_layer.form, Difference(step, i, names[i], what, *found), seeded=seeded)
+    return Result(steps, per_layer.form, seeded=seeded)
 
 
 @gin.configurable("check_optimizer")

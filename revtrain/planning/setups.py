@@ -146,10 +146,21 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
     with offload (``host_offload``: the backend has host memory), Adafactor, microbatches, ``shard_state``
     (several devices), half the batch. Each carries the gin bindings that select it (``settings``)."""
     out, rev = [], setup.trainer == "reversible"
+    hvp = takes_hvp(setup.optimizer, layer_param_shapes(model))
+    if hvp and not rev and model.ties:
+        # (Sophia's products: the reversible trainer refuses tied layers, so no choice of it is offered)
+        half = setup.batch_size // 2
+        fits = _halves(setup, num_devices) and (half // num_devices) % setup.microbatches == 0
+        return _unique([dataclasses.replace(setup, batch_size=half, label=setup.label + f", batch {half}",
+                                            settings=setup.settings + (f"train.batch_size = {half}",))]
+                       if fits else [], setup)
     base_rev = setup if rev else dataclasses.replace(
         setup, trainer="reversible", remat=False, label="ReversibleTrainer",
         settings=("train.trainer = @ReversibleTrainer",),
         deferred=setup.microbatches > 1 or bool(model.ties) or not _separable(setup.optimizer, model))
+    if hvp and base_rev.microbatches > 1:  # (Sophia's products: the reversible trainer takes one batch a step)
+        base_rev = dataclasses.replace(base_rev, microbatches=1, label=base_rev.label + " (1 microbatch)",
+                                       settings=base_rev.settings + ("train.microbatches = 1",))
     out.append(base_rev)
     tier = tier_of(base_rev)
     # The other tiers (`Tier.peer`): the host's where the backend has host memory, then the first registered one
@@ -172,19 +183,29 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
                                        settings=head.settings + ("train.optimizer = @optax.adafactor",)))
     local = setup.batch_size // max(num_devices, 1)
     # (no microbatches with the Hutchinson estimator's products: the reversible trainer refuses them)
-    if local % (2 * setup.microbatches) == 0 and not takes_hvp(setup.optimizer, layer_param_shapes(model)):
+    if local % (2 * setup.microbatches) == 0 and not hvp:
         m = 2 * setup.microbatches
         out.append(dataclasses.replace(head, microbatches=m, deferred=True, label=head.label + f" + {m} microbatches",
                                        settings=head.settings + (f"train.microbatches = {m}",)))
     if num_devices > 1 and not head.shard_state:
         out.append(dataclasses.replace(head, shard_state=True, label=head.label + " + shard_state",
                                        settings=head.settings + ("ReversibleTrainer.shard_state = True",)))
-    if setup.batch_size // 2 >= num_devices and (setup.batch_size // 2) % num_devices == 0:
+    if _halves(setup, num_devices):
         half = setup.batch_size // 2
         for s in (setup, head):
             if (half // num_devices) % s.microbatches == 0:
                 out.append(dataclasses.replace(s, batch_size=half, label=s.label + f", batch {half}",
                                                settings=s.settings + (f"train.batch_size = {half}",)))
+    return _unique(out, setup)
+
+
+def _halves(setup: Setup, num_devices: int) -> bool:
+    """Whether half of ``setup``'s batch still splits over the devices."""
+    return setup.batch_size // 2 >= num_devices and (setup.batch_size // 2) % num_devices == 0
+
+
+def _unique(out: list, setup: Setup) -> list:
+    """``out`` without repeats and without ``setup`` itself, each without the run's own budget plan."""
     seen, unique = set(), []
     for s in out:
         key = (s.label, s.settings)

@@ -192,10 +192,11 @@ class ReversibleTrainer(TrainerBase):
         self.shard_state = shard_state
         self._check_ties(model, shard_state, fuse_top)
         if self.takes_hvp and (microbatches > 1 or model.ties):
-            raise TrainerError("optax's Hutchinson estimator (sophia) cannot train with ReversibleTrainer and "
-                               f"{'microbatches > 1' if microbatches > 1 else 'tied parameters'} yet: its "
-                               "layer-by-layer Hessian-vector products are built for one pass over untied layers; "
-                               "use train.microbatches = 1 and untied layers, or StandardTrainer")
+            what, fix = (("microbatches > 1", "use train.microbatches = 1") if microbatches > 1 else
+                         ("tied parameters", "untie them (for example tie_embedding = False)"))
+            raise TrainerError(f"optax's Hutchinson estimator (sophia) cannot train with ReversibleTrainer and {what} "
+                               "yet: its layer-by-layer Hessian-vector products are one pass over the whole batch "
+                               f"and untied layers; {fix}, or train.trainer = @StandardTrainer")
         # The fused per-layer update when it is exact; else the deferred one (`revtrain.trainers.deferred`).
         self.deferred = (not self.layerwise.separable or microbatches > 1 or bool(model.ties)
                          or (shard_state and not is_elementwise(optimizer)))
