@@ -23,10 +23,11 @@ run on it (``H z * z``, Sophia's moment, its ``cond`` on the interval), split ov
   is reduced over the devices as its gradient is (`placement.reduce_grads`).
 
 Both are bit for bit the same products (the probe, and tests/test_optimizer_catalogue.py through both trainers
-on every tier; docs/recipe.md). The cost, every step (the estimator's ``cond`` decides whether the update reads
-it; the trainers do not read the predicate): about a backward's work more per layer in the forward and two
-backwards' in the backward, every layer's input and its tangent kept for the backward (two activations per
-layer, on the device), and the products themselves, a model's size, held until the update pass.
+on every tier; docs/recipe.md). They are computed only on the steps whose update reads them (Sophia's ``cond`` on
+``count % update_interval``, found in the update's program: `revtrain.trainers.layerwise.LayerwiseUpdate.
+products_needed`). Such a step costs about a backward's work more per layer in the forward and two backwards' in
+the backward, keeps every layer's input and its tangent for the backward (two activations per layer, where the
+tier keeps activations), and holds the products themselves, a model's size, until the update pass.
 """
 
 from __future__ import annotations
