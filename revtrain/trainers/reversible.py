@@ -56,7 +56,7 @@ from revtrain.trainers.layerwise import CoupledUpdateError, LayerwiseUpdate
 from revtrain.trainers.modes import BACKPROP, CHECKPOINT, REBUILDS, REMAT, count_in_head, default_modes
 from revtrain.trainers.programs import LayerPrograms
 from revtrain.trainers.specs import StateSpecs
-from revtrain.trainers.stacking import Stacked, find_runs, groups_of, stack
+from revtrain.trainers.stacking import Stacked, find_runs, groups_of, slice_of, stack
 from revtrain.trainers.walk import Block, Plan, StepKind, walk
 
 
@@ -665,7 +665,4 @@ class ReversibleTrainer(TrainerBase):
         return [] if evaluation or self.residency.offloaded else ["ReversibleTrainer.offload = True"]
 
 
-@jax.jit
-def _take(tree, j):
-    """Slice ``j`` of a stacked tree (a leading layer axis)."""
-    return jax.tree.map(lambda a: a[j], tree)
+_take = jax.jit(slice_of)  # slice j of a stacked tree (a leading layer axis), as its own small program
