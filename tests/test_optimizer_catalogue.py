@@ -237,13 +237,21 @@ def test_sophia_layer_by_layer_is_the_whole_models(text_batches):
     tx = optax.contrib.sophia(LR, update_interval=2)
     passes = []
 
+    placed = []
+
     def count(trainer):
         products = trainer.products.products
         trainer.products.products = lambda *a, **k: (passes.append(1), products(*a, **k))[1]
 
-    want = _run(None, batches, StandardTrainer, tx=tx)
+    def placement(trainer):
+        hessian = trainer._hessian
+        trainer._hessian = lambda *a: (placed.append(jax.tree.map(lambda x: x.sharding, h := hessian(*a))), h)[1]
+
+    want = _run(None, batches, StandardTrainer, tx=tx, hook=placement)
     assert _run(None, batches, ReversibleTrainer, tx=tx, hook=count) == want
     assert len(passes) == 2
+    # StandardTrainer's step reads the products and the zeros between them placed alike: one program, not two
+    assert len(placed) == 3 and placed[1] == placed[0] == placed[2]
     assert len(set(want[0])) == 3  # (the loss moved)
 
 
