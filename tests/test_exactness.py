@@ -155,7 +155,7 @@ def test_scan_and_per_layer_executors_are_bitwise_identical(depth12):
         assert np.array_equal(x, y), keystr(path)
 
 
-@pytest.mark.slow  # make test: the exact rebuild's input bit for bit in tests/test_programs.py, and every bit-for-bit test
+@pytest.mark.slow  # make test: the exact rebuild's input in tests/test_programs.py, and every bit-for-bit test
 def test_trainer_rebuilds_every_block_input_exactly(depth12):
     """Inside the reversible trainer, the rebuilt inputs of every block equal the forward's inputs."""
     rebuilds = depth12["per_layer"]["rebuilds"]

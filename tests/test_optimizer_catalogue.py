@@ -231,13 +231,12 @@ def test_sophia_layer_by_layer_is_the_whole_models(text_batches):
     """``optax.contrib.sophia`` reading its Hessian-vector product every second step (``update_interval=2``): the
     products ReversibleTrainer computes layer by layer (revtrain/trainers/hessian.py: the jvp of each layer's vjp)
     give StandardTrainer's losses and parameters (the whole model's ``jvp(grad)``) bit for bit, and are computed
-    on the steps that read them only (2 of 3). The device tier here; the whole catalogue runs ``sophia`` and the
+    on the steps that read them only (2 of 3); StandardTrainer's zeros between them are placed as its products
+    (one step program, not two). The device tier here; the whole catalogue runs ``sophia`` and the
     bare estimator on every tier."""
     batches = text_batches(8, 3)
     tx = optax.contrib.sophia(LR, update_interval=2)
-    passes = []
-
-    placed = []
+    passes, placed = [], []
 
     def count(trainer):
         products = trainer.products.products
