@@ -206,10 +206,11 @@ def _duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit: str = "tok") -> str:
+def progress_line(step: int, total: int, values: dict, eta_seconds: float | None, unit: str = "tok") -> str:
     """One human-readable progress line (step/total, loss, bits per byte, lr, rates, ETA).
 
-    ``unit`` names what ``tokens_per_sec`` counts ("tok" for language models, "ex" for examples)."""
+    ``unit`` names what ``tokens_per_sec`` counts ("tok" for language models, "ex" for examples); no ETA where
+    ``eta_seconds`` is None (a process's first line, whose interval holds the compile)."""
     tokens = "bytes_per_token" in values  # a subword run: the loss is per token, bpb at the mean bytes/token
     parts = [f"step {step}/{total}", f"loss {values['loss']:.4f}" + (" nats/token" if tokens else "")]
     if "bits_per_byte" in values:
@@ -229,7 +230,8 @@ def progress_line(step: int, total: int, values: dict, eta_seconds: float, unit:
     if values.get("host_resident_bytes"):
         parts.append(f"host RSS {values['host_resident_bytes'] / 2**20:,.0f} MiB (peak "
                      f"{values.get('host_peak_bytes', 0) / 2**20:,.0f})")
-    parts.append(f"ETA {_duration(eta_seconds)}")
+    if eta_seconds is not None:
+        parts.append(f"ETA {_duration(eta_seconds)}")
     return " | ".join(parts)
 
 
