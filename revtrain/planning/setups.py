@@ -149,11 +149,7 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
     hvp = takes_hvp(setup.optimizer, layer_param_shapes(model))
     if hvp and not rev and model.ties:
         # (Sophia's products: the reversible trainer refuses tied layers, so no choice of it is offered)
-        half = setup.batch_size // 2
-        fits = _halves(setup, num_devices) and (half // num_devices) % setup.microbatches == 0
-        return _unique([dataclasses.replace(setup, batch_size=half, label=setup.label + f", batch {half}",
-                                            settings=setup.settings + (f"train.batch_size = {half}",))]
-                       if fits else [], setup)
+        return _unique([h for h in [_halved(setup, num_devices)] if h is not None], setup)
     base_rev = setup if rev else dataclasses.replace(
         setup, trainer="reversible", remat=False, label="ReversibleTrainer",
         settings=("train.trainer = @ReversibleTrainer",),
@@ -190,18 +186,17 @@ def alternatives(setup: Setup, model, num_devices: int, host_offload: bool) -> l
     if num_devices > 1 and not head.shard_state:
         out.append(dataclasses.replace(head, shard_state=True, label=head.label + " + shard_state",
                                        settings=head.settings + ("ReversibleTrainer.shard_state = True",)))
-    if _halves(setup, num_devices):
-        half = setup.batch_size // 2
-        for s in (setup, head):
-            if (half // num_devices) % s.microbatches == 0:
-                out.append(dataclasses.replace(s, batch_size=half, label=s.label + f", batch {half}",
-                                               settings=s.settings + (f"train.batch_size = {half}",)))
+    out += [h for h in (_halved(setup, num_devices), _halved(head, num_devices)) if h is not None]
     return _unique(out, setup)
 
 
-def _halves(setup: Setup, num_devices: int) -> bool:
-    """Whether half of ``setup``'s batch still splits over the devices."""
-    return setup.batch_size // 2 >= num_devices and (setup.batch_size // 2) % num_devices == 0
+def _halved(setup: Setup, num_devices: int) -> Setup | None:
+    """``setup`` with half its batch, or None where half no longer splits over the devices and microbatches."""
+    half = setup.batch_size // 2
+    if half < num_devices or half % num_devices or (half // num_devices) % setup.microbatches:
+        return None
+    return dataclasses.replace(setup, batch_size=half, label=setup.label + f", batch {half}",
+                               settings=setup.settings + (f"train.batch_size = {half}",))
 
 
 def _unique(out: list, setup: Setup) -> list:
