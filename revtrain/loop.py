@@ -466,8 +466,9 @@ class _Training:
         if run.plan is not None and not self.last:  # the first record of this process's run
             values.update(run.plan.record())
         self.writer.write("train", step, values)
-        # (no ETA from this process's first interval: its seconds are mostly compiling the step's programs)
-        eta = None if not self.last else (cfg.steps - step) / sps if sps > 0 else float("inf")
+        eta = None  # (none from this process's first interval: its seconds are mostly compiling the programs)
+        if self.last:
+            eta = (cfg.steps - step) / sps if sps > 0 else float("inf")
         metrics_lib.log(metrics_lib.progress_line(
             step, cfg.steps, values, eta, "tok" if run.model.tokens_per_example > 1 else "ex"))
         self.last = values
