@@ -134,6 +134,24 @@ def _bound(name: str) -> bool:
     return True
 
 
+def unused_schedules() -> list[str]:
+    """The learning-rate schedules bound in the parsed gin config that no call used, each as ``'NAME
+    (parameter = value, ...)'`` (macros resolved), sorted by name: what a config such as
+    configs/enwik_small.gin binds for ``train.learning_rate`` (``optax.warmup_cosine_decay_schedule``, its
+    ``WARMUP``) and a ready optimizer with ``train.learning_rate = None`` leaves unused. A schedule is a
+    configurable whose name ends in ``schedule`` (optax's ``*_schedule`` functions, named as gin names them);
+    one a ready optimizer calls (``optax.inject_hyperparams`` with ``@optax.linear_schedule()``) is used and not listed."""
+    def schedules(text: str) -> dict:
+        found: dict = {}
+        for selector, value in ginconfig.operative_values(text).items():
+            name, _, parameter = selector.rpartition(".")
+            if name.endswith("schedule"):
+                found.setdefault(name, []).append(f"{parameter} = {value}")
+        return found
+    bound, used = schedules(gin.config_str()), schedules(gin.operative_config_str())
+    return [f"{name} ({', '.join(values)})" for name, values in sorted(bound.items()) if name not in used]
+
+
 def build_optimizer(cfg: TrainConfig):
     """Returns ``(tx, schedule)``: the optax transformation (behind global-norm clipping with
     ``clip_global_norm``) and a step -> learning-rate function (or None for a ready optimizer).
@@ -154,6 +172,10 @@ def build_optimizer(cfg: TrainConfig):
                 "(train.optimizer = @optax.adamw, no parentheses) to use train.learning_rate, or set "
                 "train.learning_rate = None")
         tx, schedule = cfg.optimizer, None
+        unused = unused_schedules()
+        if unused:
+            metrics_lib.log(f"note: train.learning_rate = None and train.optimizer brings its own learning rate, so "
+                            f"the schedule bound in the config is unused: {'; '.join(unused)}")
     elif callable(cfg.optimizer):
         lr = cfg.learning_rate
         if lr is None:

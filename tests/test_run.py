@@ -57,3 +57,27 @@ def test_sizes_are_checked(kwargs, message):
 def test_the_task_must_be_a_task_class():
     with pytest.raises(ConfigError, match="train.task must be a task class"):
         run_lib.build_task(TrainConfig(task=dict))
+
+
+
+def test_a_ready_optimizer_names_the_schedule_it_leaves_unused(capfd):
+    """configs/enwik_small.gin binds its warmup schedule for ``train.learning_rate``; with a ready optimizer
+    and ``train.learning_rate = None`` the optimizer is built without it, and one line names the schedule and
+    its values (``WARMUP`` resolved); once a call uses the schedule (as ``optax.inject_hyperparams`` with
+    ``@optax.warmup_cosine_decay_schedule()`` would), it is not named."""
+    import gin
+
+    from revtrain import registry
+    registry.parse_gin(["configs/enwik_small.gin"], ["train.learning_rate = None", "WARMUP = 7"])
+    try:
+        tx, schedule = run_lib.build_optimizer(TrainConfig(optimizer=optax.sgd(0.1), learning_rate=None))
+        assert schedule is None
+        err = capfd.readouterr().err
+        assert err.count("so the schedule bound in the config is unused: warmup_cosine_decay_schedule (decay_steps "
+                         "= 700, end_value = 0.0001, init_value = 0.0, peak_value = 0.003, warmup_steps = 7)") == 1, err
+        warmup = gin.get_configurable("optax.warmup_cosine_decay_schedule")()
+        assert warmup(7) == pytest.approx(0.003) and run_lib.unused_schedules() == []
+        run_lib.build_optimizer(TrainConfig(optimizer=optax.sgd(0.1), learning_rate=None))
+        assert "unused" not in capfd.readouterr().err
+    finally:
+        gin.clear_config()
