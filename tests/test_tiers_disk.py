@@ -37,9 +37,11 @@ def test_a_layer_is_one_file_fetched_and_sampled_from_it(tier):
     try:
         assert np.array_equal(np.asarray(reader.get(0)["w"]), params["w"])
         assert np.array_equal(np.asarray(reader.get(1)["w"]), params["w"])
-        assert reader.read_bytes == 2 * 24  # (the weights only, each layer once; the reader reads ahead)
     finally:
         reader.close()
+    # The weights only, each layer read once; after layer 1 the reader has started reading layer 0 ahead (the
+    # cycle's next), which `close` lets finish or cancels: 2 or 3 reads (4 had layer 1 not come from the read ahead).
+    assert reader.read_bytes in (2 * 24, 3 * 24), reader.read_bytes
     state = types.SimpleNamespace(held=lambda: ([p], [o]))
     assert DiskTier.holds_state(state) and tier.checkpoint_form == "links"
     assert not DiskTier.holds_state(types.SimpleNamespace(held=lambda: ([params], [None])))
