@@ -140,7 +140,8 @@ def unused_schedules() -> list[str]:
     configs/enwik_small.gin binds for ``train.learning_rate`` (``optax.warmup_cosine_decay_schedule``, its
     ``WARMUP``) and a ready optimizer with ``train.learning_rate = None`` leaves unused. A schedule is a
     configurable whose name ends in ``schedule`` (optax's ``*_schedule`` functions, named as gin names them);
-    one a ready optimizer calls (``optax.inject_hyperparams`` with ``@optax.linear_schedule()``) is used and not listed."""
+    one a ready optimizer calls (``optax.inject_hyperparams`` with ``@optax.linear_schedule()``) is used and
+    not listed."""
     def schedules(text: str) -> dict:
         found: dict = {}
         for selector, value in ginconfig.operative_values(text).items():
