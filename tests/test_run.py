@@ -59,7 +59,6 @@ def test_the_task_must_be_a_task_class():
         run_lib.build_task(TrainConfig(task=dict))
 
 
-
 def test_a_ready_optimizer_names_the_schedule_it_leaves_unused(capfd):
     """configs/enwik_small.gin binds its warmup schedule for ``train.learning_rate``; with a ready optimizer
     and ``train.learning_rate = None`` the optimizer is built without it, and one line names the schedule and
