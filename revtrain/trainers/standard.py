@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from revtrain.placement import DATA_AXIS, DEVICE_MEMORY, HOST_MEMORY, host_memory_supported, replicated
 from revtrain.trainers.common import (XLA_OPTIONS, TrainerBase, TrainerError, TrainState, _Dispatch, batch_size_of,
@@ -235,7 +235,7 @@ class StandardTrainer(TrainerBase):
             needed = jax.jit(lambda opt: split.products_needed(split.whole_global_leaves(opt)))
             # (placed as the products program places its result: the step's arguments keep one sharding, so
             # the step compiles once for both kinds of step)
-            zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=NamedSharding(self.mesh, P()))
+            zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=replicated(self.mesh))
             self._cache["products"] = (Tangents(self.model.param_shapes()),
                                        jax.jit(mapped, compiler_options=XLA_OPTIONS), needed, zeros)
         tangents, program, needed, zeros = self._cache["products"]
