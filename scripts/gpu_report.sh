@@ -48,8 +48,8 @@
 # Environment: PYTHON (default .venv/bin/python, else python3).
 #
 # On a GPU image without network (docs/gpu.md): when the Python packages revtrain imports are missing, they are
-# installed from the wheels in REVTRAIN_WHEELS (default .whl; scripts/gpu_wheels.sh makes them) into a folder
-# of this run, put first on PYTHONPATH; the prepared data is read from REVTRAIN_DATA_DIR (default .gpu_data when
+# installed from the wheels in REVTRAIN_WHEELS (default .whl; scripts/gpu_wheels.sh makes them), those whose
+# distribution the image lacks, into a folder of this run, put first on PYTHONPATH; the prepared data is read from REVTRAIN_DATA_DIR (default .gpu_data when
 # that folder exists, with the byte_lm/ folders of the sequence lengths used), so nothing is downloaded.
 set -u
 cd "$(dirname "$0")/.."
@@ -64,10 +64,15 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 START=$(date +%s)
 
-# The import names of what the image lacks (docs/gpu.md), then revtrain's own imports.
+# The import names of what the image lacks (docs/gpu.md), then every module of revtrain (a module's imports are
+# at its top, so a requirement missing there fails here, not in a point).
 IMPORTS="import gin, grain, tensorflow_datasets, tensorboardX, portpicker, array_record, tree, immutabledict, promise, \
-simple_parsing, docstring_parser, tensorflow_metadata, google.api, termcolor, toml, importlib_resources, \
-revtrain.cli, revtrain.data.byte_lm"
+simple_parsing, docstring_parser, tensorflow_metadata, google.api, termcolor, toml, importlib_resources, xxhash, \
+filelock, cloudpickle
+import importlib, pkgutil, revtrain
+for module in pkgutil.walk_packages(revtrain.__path__, 'revtrain.'):
+    if not module.name.endswith('__main__'):
+        importlib.import_module(module.name)"
 if ! PYTHONPATH="$PWD:${PYTHONPATH:-}" "$PY" -c "$IMPORTS" 2> "$TMP/import_err"; then
   WHEELS=${REVTRAIN_WHEELS:-.whl}
   if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
@@ -76,18 +81,28 @@ if ! PYTHONPATH="$PWD:${PYTHONPATH:-}" "$PY" -c "$IMPORTS" 2> "$TMP/import_err";
     exit 2
   fi
   SITE="$TMP/site"
-  if "$PY" -m pip --version > /dev/null 2>&1; then
+  # only the wheels whose distribution the image lacks: its own packages were installed together, and a
+  # carried copy first on PYTHONPATH would shadow them
+  "$PY" -c 'import importlib.metadata as md, os, sys
+for wheel in sys.argv[1:]:
+    try:
+        md.distribution(os.path.basename(wheel).split("-")[0])
+    except md.PackageNotFoundError:
+        print(wheel)' "$WHEELS"/*.whl > "$TMP/wanted" || exit 2
+  mapfile -t WANTED < "$TMP/wanted"
+  if [ "${#WANTED[@]}" -gt 0 ] && "$PY" -m pip --version > /dev/null 2>&1; then
     PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps \
-      --target "$SITE" "$WHEELS"/*.whl || exit 2
+      --target "$SITE" "${WANTED[@]}" || exit 2
   else  # no pip on the image: a wheel is a zip of what pip would copy into the target
-    for w in "$WHEELS"/*.whl; do "$PY" -m zipfile -e "$w" "$SITE" || exit 2; done
+    for w in "${WANTED[@]}"; do "$PY" -m zipfile -e "$w" "$SITE" || exit 2; done
   fi
   export PYTHONPATH="$SITE:$PWD:${PYTHONPATH:-}"
   if ! "$PY" -c "$IMPORTS" 2> "$TMP/import_err"; then
     echo "gpu_report: still cannot import after installing $WHEELS: $(tail -1 "$TMP/import_err")" >&2
     exit 2
   fi
-  echo "gpu_report: installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS" >&2
+  echo "gpu_report: installed ${#WANTED[@]} of $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS (the image has" \
+    "the others' distributions)" >&2
 fi
 if [ -z "${REVTRAIN_DATA_DIR:-}" ] && [ -d .gpu_data ]; then
   export REVTRAIN_DATA_DIR="$PWD/.gpu_data"
