@@ -18,7 +18,7 @@ DIR=${1:-.whl}
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 VERSION=${GPU_PYTHON_VERSION:-3.12}
-# What the image has (DESIGN.md 13: its Python 3.12 as found there), with whatever these require.
+# What the image has (its Python 3.12 as the first GPU trial found it), with whatever these require.
 IMAGE_HAS="jax jaxlib flax optax orbax-checkpoint absl-py etils tensorstore numpy safetensors tokenizers sentencepiece
 pyarrow matplotlib pytest"
 # pip names, as constraints.txt spells them: revtrain's requirements the image lacks (xxhash: the disk tier's
