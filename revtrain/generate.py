@@ -490,6 +490,15 @@ def show(data: bytes) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def printable(text: str) -> str:
+    """``text`` safe to write to a terminal: every control character but newline and tab (C0, DEL, C1) as a
+    ``\\xNN`` escape, so a sample's bytes cannot move the cursor, clear the screen or reset the terminal (an
+    untrained model emits ESC as readily as a letter). The exact text stays in ``samples.jsonl`` and
+    ``--output`` files."""
+    return "".join(c if c in "\n\t" or not (ord(c) < 0x20 or 0x7f <= ord(c) < 0xa0) else f"\\x{ord(c):02x}"
+                   for c in text)
+
+
 
 # -- samples during training -----------------------------------------------------------------------
 def check_training_sample(run) -> None:
@@ -523,5 +532,5 @@ def training_sample(run, ts, writer: metrics_lib.MetricWriter) -> dict:
                     ts.step)
     metrics_lib.log(f"sample at step {ts.step} (greedy, {result.bytes_per_second:,.0f} "
                     f"{'tokens' if tokenized else 'bytes'}/s):\n"
-                    f"{run.cfg.sample_prompt}{text}")
+                    f"{printable(run.cfg.sample_prompt + text)}")
     return {"step": ts.step, **record}

@@ -280,6 +280,20 @@ def test_sample_command_writes_and_prints_reproducible_samples(trained, tmp_path
     assert capsys.readouterr().out == shown
 
 
+def test_on_a_terminal_control_characters_are_shown_escaped(trained, capsys, monkeypatch):
+    from revtrain import cli
+    from revtrain.generate import printable
+    assert printable("a\x1b[2Jb\r\n\tc\x07\x7f\x9b\u00e9\ufffd") == "a\\x1b[2Jb\\x0d\n\tc\\x07\\x7f\\x9b\u00e9\ufffd"
+    args = ["sample", "--workdir", str(trained), "--prompt", "\x1b[2J[[Category:", "--length", "16"]
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("\\x1b[2J[[Category:") and all(c == "\n" or ord(c) >= 0x20 for c in out), out
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)  # a pipe gets the text as generated
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out.startswith("\x1b[2J[[Category:")
+
+
 def test_eval_split_test(trained):
     from revtrain import cli
     assert cli.main(["eval", "--workdir", str(trained), "--split", "test"]) == 0
