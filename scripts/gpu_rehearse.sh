@@ -2,8 +2,10 @@
 # The device call rehearsed on this machine: scripts/gpu_report.sh run as the GPU image would run it, on a
 # Python 3.12 that has only the image's packages (IMAGE_HAS of scripts/gpu_wheels.sh, at the image's versions:
 # JAX 0.11.2, Flax 0.12.10, optax 0.2.8, Orbax 0.12.4; the CPU jaxlib), with no network (`unshare -n`: needs
-# root), an empty HOME (no data or compile cache), the carried .whl and .gpu_data only, and DRY_RUN=1. An import
-# the image lacks, a download, a missing data folder fails here as it would there (docs/gpu.md).
+# root), an empty HOME (no data or compile cache), the carried .whl and .gpu_data only, DRY_RUN=1, and the
+# pageable host kind switched off (REVTRAIN_NO_PAGEABLE_HOST=1, unless set: the host tier takes the pinned path
+# a GPU has). An import the image lacks, a download, a missing data folder fails here as it would there
+# (docs/gpu.md).
 #
 #   POINTS=first_contact scripts/gpu_rehearse.sh [OUT]     (POINTS as gpu_report.sh's; default first_contact)
 #
@@ -44,5 +46,6 @@ if ! unshare -n true 2>/dev/null; then
 fi
 home=$(mktemp -d)
 trap 'rm -rf "$home"' EXIT
-HOME=$home DRY_RUN=1 POINTS=${POINTS:-first_contact} PYTHON="$VENV/bin/python" "${NET[@]}" \
+HOME=$home DRY_RUN=1 POINTS=${POINTS:-first_contact} PYTHON="$VENV/bin/python" \
+  REVTRAIN_NO_PAGEABLE_HOST=${REVTRAIN_NO_PAGEABLE_HOST:-1} "${NET[@]}" \
   scripts/gpu_report.sh "$OUT"
