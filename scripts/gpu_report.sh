@@ -60,6 +60,18 @@ POINT_LIMIT_S=${POINT_LIMIT_S:-100}
 ALL_GROUPS="first_contact speed speed_more budget large scale disk memory"
 POINTS=$(printf '%s' "${POINTS:-$ALL_GROUPS}" | tr ',' ' ')
 [ "$POINTS" = all ] && POINTS=$ALL_GROUPS
+declare -A GROUP_IDS=(
+  [first_contact]="fc_memories fc_bandwidth fc_overlap fc_pool_grown fc_pool_prealloc fc_pair_memory fc_pair_offload"
+  [speed]="sp_bandwidth sp_standard_b8 sp_exact_b8 sp_exact_offload_b8 sp_fused_b8 sp_fused_offload_b8 sp_exact_b32 sp_exact_offload_b32"
+  [speed_more]="sm_standard sm_remat sm_remat_offload sm_fused sm_fused_layer sm_fused_offload"
+  [budget]="bg_budgets"
+  [large]="lg_7b" [scale]="sc_1.44b" [disk]="dk_1.44b" [memory]="mm_3x_standard mm_3x_offload mm_long_t")
+for w in $POINTS; do  # a name that is neither a group nor a point would select nothing: refused before anything runs
+  case " $ALL_GROUPS ${GROUP_IDS[*]} " in
+    *" $w "*) ;;
+    *) echo "gpu_report: POINTS names '$w', which is neither a group ($ALL_GROUPS) nor a point of one" >&2; exit 2 ;;
+  esac
+done
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 START=$(date +%s)
@@ -142,12 +154,6 @@ selected_group() {  # the current group is named in POINTS, or one of its points
   done
   return 1
 }
-declare -A GROUP_IDS=(
-  [first_contact]="fc_memories fc_bandwidth fc_overlap fc_pool_grown fc_pool_prealloc fc_pair_memory fc_pair_offload"
-  [speed]="sp_bandwidth sp_standard_b8 sp_exact_b8 sp_exact_offload_b8 sp_fused_b8 sp_fused_offload_b8 sp_exact_b32 sp_exact_offload_b32"
-  [speed_more]="sm_standard sm_remat sm_remat_offload sm_fused sm_fused_layer sm_fused_offload"
-  [budget]="bg_budgets"
-  [large]="lg_7b" [scale]="sc_1.44b" [disk]="dk_1.44b" [memory]="mm_3x_standard mm_3x_offload mm_long_t")
 selected() {  # selected ID: POINTS names ID or its group
   local w
   for w in $POINTS; do
@@ -384,6 +390,11 @@ for r in records:
     if "state_bytes" in r and "device_bytes_limit" in r and r["name"].startswith("state"):
         print(f"{pad}weights + Adam {r['state_bytes'] / G:.1f} GiB = "
               f"{r['state_bytes'] / r['device_bytes_limit']:.1f}x the device limit")
+counts = {}
+for r in records:  # a status's first word: ok, error, skipped, killed, ...
+    word = str(r.get("status", "?")).split(" ")[0] or "?"
+    counts[word] = counts.get(word, 0) + 1
+print("points by status: " + ", ".join(f"{n} {word}" for word, n in counts.items()) + f" (of {len(records)})")
 print("seconds by group (its points' processes): " + ", ".join(f"{g} {s}" for g, s in report["group_seconds"].items()))
 print("CPU seconds by group (user + system of its points' processes): "
       + ", ".join(f"{g} {s}" for g, s in report["group_cpu_seconds"].items()))
