@@ -21,10 +21,12 @@ GIN ?=
 
 .PHONY: venv data train eval smoke test test-all bench bench-gpu bench-depth bench-budget bench-long bench-recipe bench-scale clean sample bench-sample check-sample
 
+# (setuptools warns on every editable install of a flat layout that a folder named like the package could
+# shadow it; this checkout's revtrain/ is the package itself, so that notice is filtered out)
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
 venv: $(VENV)/.installed
