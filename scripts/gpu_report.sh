@@ -49,8 +49,9 @@
 #
 # On a GPU image without network (docs/gpu.md): when the Python packages revtrain imports are missing, they are
 # installed from the wheels in REVTRAIN_WHEELS (default .whl; scripts/gpu_wheels.sh makes them), those whose
-# distribution the image lacks, into a folder of this run, put first on PYTHONPATH; the prepared data is read from REVTRAIN_DATA_DIR (default .gpu_data when
-# that folder exists, with the byte_lm/ folders of the sequence lengths used), so nothing is downloaded.
+# distribution the image lacks, into a folder of this run, put first on PYTHONPATH; the prepared data is read
+# from REVTRAIN_DATA_DIR (default .gpu_data when that folder exists, with the byte_lm/ folders of the sequence
+# lengths used), so nothing is downloaded.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_report.json}
